@@ -1,0 +1,28 @@
+//! lockstep-data: datasets and the deterministic, world-size-independent sampler.
+//!
+//! - [`dataset`]: the in-memory [`Dataset`] and the seeded train/test split.
+//! - [`digits`] (committed, embedded) and [`idx`] / [`fashion`] (MNIST-style files): loaders.
+//! - [`sampler`]: the global batch of each step, from `(seed, step)` alone.
+//! - [`partition`]: fixed micro-batches and which rank computes which.
+//! - [`rng`]: the project's own PRNG, so no dependency upgrade can change a sequence.
+//!
+//! Invariant: nothing here depends on the world size or rank except [`partition::assign`].
+
+pub mod dataset;
+pub mod digits;
+pub mod error;
+pub mod fashion;
+pub mod idx;
+pub mod partition;
+mod read;
+pub mod rng;
+pub mod sampler;
+
+pub use dataset::{split_train_test, Dataset};
+pub use digits::{load_digits, load_digits_embedded, parse_digits, DIGITS_PATH, DIGITS_SHA256};
+pub use error::DataError;
+pub use fashion::{load_fashion_mnist, FASHION_MNIST_DIR};
+pub use idx::{load_idx, load_idx_with_classes, read_idx, IdxArray, IDX_IMAGES_U8, IDX_LABELS_U8};
+pub use partition::{assign, microbatches};
+pub use rng::Rng;
+pub use sampler::Sampler;
