@@ -1,0 +1,226 @@
+//! The local launcher: start N workers of this job on this host, stream their output with rank
+//! prefixes, watch them, and fail loudly (naming the rank and the reason) when any of them fails.
+//!
+//! Workers are this same executable started as `lockstep worker …`; they learn their place from
+//! `LOCKSTEP_*` variables (see `cluster_env`). The launcher of node 0 serves the rendezvous store.
+//! Lines a worker prints as `@@progress {json}` / `@@result {json}` are protocol, not log: progress is
+//! drawn as one status line, results are handed back to the caller.
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use lockstep_comm::JobSecret;
+
+pub const PROGRESS_PREFIX: &str = "@@progress ";
+pub const RESULT_PREFIX: &str = "@@result ";
+
+/// What to start.
+pub struct LaunchSpec {
+    /// Arguments after `lockstep worker`.
+    pub worker_args: Vec<String>,
+    pub nproc: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    /// host:port of the store (served here when node_rank == 0).
+    pub store: String,
+    pub secret: JobSecret,
+    pub job_id: String,
+    /// Extra environment for the workers (e.g. test-only options).
+    pub extra_env: Vec<(String, String)>,
+}
+
+enum Event {
+    Line { rank: usize, stderr: bool, line: String },
+    Exited { rank: usize, status: ExitStatus },
+}
+
+/// Run the workers to completion. Returns the `@@result` payloads (in arrival order).
+pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
+    let exe = std::env::current_exe().context("locating the lockstep executable")?;
+    let world = spec.nproc * spec.nnodes;
+    let (tx, rx) = mpsc::channel::<Event>();
+    let mut children: Vec<Running> = Vec::new();
+    for local in 0..spec.nproc {
+        let rank = spec.node_rank * spec.nproc + local;
+        let mut cmd = Command::new(&exe);
+        cmd.arg("worker")
+            .args(&spec.worker_args)
+            .env("LOCKSTEP_RANK", rank.to_string())
+            .env("LOCKSTEP_WORLD_SIZE", world.to_string())
+            .env("LOCKSTEP_LOCAL_RANK", local.to_string())
+            .env("LOCKSTEP_STORE", &spec.store)
+            .env("LOCKSTEP_SECRET", spec.secret.to_hex())
+            .env("LOCKSTEP_JOB_ID", &spec.job_id)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in &spec.extra_env {
+            cmd.env(k, v);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                stop_all(&mut children);
+                return Err(e).with_context(|| format!("starting worker rank {rank} ({})", exe.display()));
+            }
+        };
+        pump(rank, false, child.stdout.take().expect("piped"), tx.clone());
+        pump(rank, true, child.stderr.take().expect("piped"), tx.clone());
+        children.push(Running { rank, child, exited: false });
+    }
+
+    let fancy = std::io::stderr().is_terminal();
+    let mut progress_shown = false;
+    let mut results = Vec::new();
+    let mut running = children.len();
+    let mut failure: Option<String> = None;
+    let mut last_lines: Vec<Vec<String>> = vec![Vec::new(); world];
+
+    while running > 0 {
+        for w in children.iter_mut().filter(|w| !w.exited) {
+            if let Ok(Some(status)) = w.child.try_wait() {
+                w.exited = true;
+                let _ = tx.send(Event::Exited { rank: w.rank, status });
+            }
+        }
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(Event::Line { rank, stderr, line }) => {
+                if let Some(p) = line.strip_prefix(PROGRESS_PREFIX) {
+                    draw_progress(p, fancy);
+                    progress_shown = fancy;
+                } else if let Some(r) = line.strip_prefix(RESULT_PREFIX) {
+                    results.push(r.to_string());
+                } else {
+                    if progress_shown {
+                        eprint!("\r\x1b[2K");
+                    }
+                    let keep = &mut last_lines[rank % world];
+                    keep.push(line.clone());
+                    if keep.len() > 5 {
+                        keep.remove(0);
+                    }
+                    if stderr {
+                        eprintln!("[rank {rank}] {line}");
+                    } else {
+                        println!("[rank {rank}] {line}");
+                    }
+                }
+            }
+            Ok(Event::Exited { rank, status }) => {
+                running -= 1;
+                if !status.success() && failure.is_none() {
+                    let why = describe(status);
+                    let tail = last_lines[rank % world].join("\n    ");
+                    failure = Some(format!(
+                        "worker rank {rank} failed: {why}{}",
+                        if tail.is_empty() { String::new() } else { format!("; its last output:\n    {tail}") }
+                    ));
+                    stop_all(&mut children);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    // Drain remaining output lines.
+    while let Ok(ev) = rx.recv_timeout(Duration::from_millis(100)) {
+        if let Event::Line { rank, line, .. } = ev {
+            if let Some(r) = line.strip_prefix(RESULT_PREFIX) {
+                results.push(r.to_string());
+            } else if !line.starts_with(PROGRESS_PREFIX) {
+                eprintln!("[rank {rank}] {line}");
+            }
+        }
+    }
+    if progress_shown {
+        eprintln!();
+    }
+    if let Some(f) = failure {
+        bail!(f);
+    }
+    Ok(results)
+}
+
+struct Running {
+    rank: usize,
+    child: Child,
+    /// Its exit has been turned into an `Event::Exited`.
+    exited: bool,
+}
+
+fn pump(rank: usize, stderr: bool, stream: impl std::io::Read + Send + 'static, tx: mpsc::Sender<Event>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(Event::Line { rank, stderr, line }).is_err() {
+                break;
+            }
+        }
+    });
+}
+
+/// SIGTERM every live worker, give them a moment, then SIGKILL.
+fn stop_all(children: &mut [Running]) {
+    for w in children.iter().filter(|w| !w.exited) {
+        if let Ok(pid) = i32::try_from(w.child.id()) {
+            // SAFETY: plain syscall on a pid we spawned and have not reaped.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    for w in children.iter_mut().filter(|w| !w.exited) {
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = w.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = w.child.kill();
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with status {c}"),
+        (None, Some(s)) => format!("killed by signal {s}{}", if s == 9 { " (SIGKILL)" } else if s == 15 { " (SIGTERM)" } else { "" }),
+        _ => "ended abnormally".into(),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct ProgressLine {
+    step: u64,
+    total_steps: u64,
+    loss: f64,
+    samples_per_sec: f64,
+    eta_seconds: f64,
+}
+
+fn draw_progress(json: &str, fancy: bool) {
+    let Ok(p) = serde_json::from_str::<ProgressLine>(json) else { return };
+    let width = 30usize;
+    let filled = if p.total_steps == 0 { width } else { (p.step as usize * width) / p.total_steps as usize };
+    let bar: String = "#".repeat(filled) + &"-".repeat(width - filled.min(width));
+    let text = format!(
+        "[{bar}] step {}/{}  loss {:.4}  {:.0} samples/s  ETA {:.0}s",
+        p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds
+    );
+    let mut err = std::io::stderr().lock();
+    if fancy {
+        let _ = write!(err, "\r\x1b[2K{text}");
+    } else {
+        let _ = writeln!(err, "{text}");
+    }
+    let _ = err.flush();
+}
+
+/// Default run directory: `runs/<unix seconds>`.
+pub fn default_out_dir() -> PathBuf {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    PathBuf::from("runs").join(format!("run-{secs}"))
+}

@@ -1,0 +1,96 @@
+//! Worker bootstrap: from a [`WorkerEnv`] to a ready [`Communicator`].
+//!
+//! 1. connect to the rendezvous store (rank 0 serves it under external engines);
+//! 2. publish this process's host identity and pick the transport: shared memory when every rank is
+//!    on this host (and `transport` allows it), TCP otherwise;
+//! 3. establish the transport mesh and wrap it in a communicator with the job's timeout.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use lockstep_comm::shm::{ShmOptions, ShmTransport};
+use lockstep_comm::store::{StoreClient, StoreServer};
+use lockstep_comm::tcp::{TcpOptions, TcpTransport};
+use lockstep_comm::{Communicator, Transport};
+
+use crate::cluster_env::WorkerEnv;
+
+/// A connected worker. Keeps the store (and, on rank 0 under an engine, its server) alive.
+pub struct Worker {
+    pub env: WorkerEnv,
+    pub comm: Communicator,
+    pub host: String,
+    pub store: StoreClient,
+    _server: Option<StoreServer>,
+}
+
+/// Identity of "the same machine": hostname, boot id and network namespace. Ranks in different
+/// network namespaces (our simulated hosts) must not be taken for neighbours even though they share
+/// a kernel and /dev/shm.
+pub fn host_identity() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
+    format!("{}|{}|{}", hostname(), read("/proc/sys/kernel/random/boot_id"), netns)
+}
+
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into())
+}
+
+fn resolve(store: &str) -> Result<SocketAddr> {
+    store
+        .to_socket_addrs()
+        .with_context(|| format!("resolving rendezvous address {store}"))?
+        .next()
+        .with_context(|| format!("rendezvous address {store} resolves to nothing"))
+}
+
+/// `transport`: "auto", "shm" or "tcp". `timeout`: for setup and for every collective.
+pub fn connect(env: WorkerEnv, transport: &str, timeout: Duration, tcp: &TcpOptions) -> Result<Worker> {
+    let addr = resolve(&env.store)?;
+    let server = if env.serve_store {
+        let bind: SocketAddr = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), addr.port());
+        Some(
+            StoreServer::bind(bind, &env.secret, &env.job_id)
+                .with_context(|| format!("rank 0 serving the rendezvous store on port {}", addr.port()))?,
+        )
+    } else {
+        None
+    };
+    let mut store = StoreClient::connect(addr, &env.secret, &env.job_id, timeout)
+        .with_context(|| format!("rank {} joining rendezvous at {}", env.rank, env.store))?;
+
+    let me = host_identity();
+    store.set(&format!("host/{}", env.rank), me.as_bytes())?;
+    let mut same_host = true;
+    for r in 0..env.world_size {
+        let other = store.get(&format!("host/{r}"), timeout).with_context(|| format!("waiting for rank {r} to join"))?;
+        same_host &= other == me.as_bytes();
+    }
+    let use_shm = match transport {
+        "shm" if !same_host => bail!("dist.transport = \"shm\" but the ranks are on different hosts; use \"tcp\" or \"auto\""),
+        "shm" => true,
+        "tcp" => false,
+        _ => same_host,
+    };
+    let t: Arc<dyn Transport> = if use_shm {
+        Arc::new(
+            ShmTransport::establish(env.rank, env.world_size, &env.job_id, timeout, &ShmOptions::default())
+                .context("setting up shared-memory transport")?,
+        )
+    } else {
+        let mut opts = tcp.clone();
+        opts.connect_timeout = timeout;
+        if opts.advertise_ip.is_none() {
+            opts.advertise_ip = Some(store.local_ip()?);
+        }
+        Arc::new(
+            TcpTransport::establish(&mut store, env.rank, env.world_size, &env.secret, &env.job_id, &opts)
+                .context("setting up TCP transport")?,
+        )
+    };
+    let comm = Communicator::new(t, timeout);
+    Ok(Worker { env, comm, host: hostname(), store, _server: server })
+}

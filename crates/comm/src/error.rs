@@ -1,0 +1,78 @@
+//! Errors of the communication layer.
+//!
+//! A transport reports *what went wrong with which peer* ([`TransportError`]); a collective wraps it
+//! with the operation's name ([`CommError::Op`]) so that the message a user reads names the operation,
+//! the peer rank, its address and how long we waited, e.g.
+//! `all_reduce: timed out after 5.00s waiting for rank 2 (127.0.0.1:40312)`.
+
+use std::time::Duration;
+
+/// What happened on the link to one peer.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LinkFailure {
+    #[error("timed out after {:.2}s", .0.as_secs_f64())]
+    Timeout(Duration),
+    #[error("connection closed by peer (process gone?)")]
+    Closed,
+    #[error("I/O error: {0}")]
+    Io(String),
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+}
+
+/// A failure on the link to `peer` (a global rank).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{failure} {verb} rank {peer} ({addr})")]
+pub struct TransportError {
+    pub peer: usize,
+    pub addr: String,
+    /// "waiting for" / "sending to"; chosen by the transport.
+    pub verb: &'static str,
+    pub failure: LinkFailure,
+}
+
+impl TransportError {
+    pub fn recv(peer: usize, addr: impl Into<String>, failure: LinkFailure) -> Self {
+        Self { peer, addr: addr.into(), verb: "waiting for", failure }
+    }
+    pub fn send(peer: usize, addr: impl Into<String>, failure: LinkFailure) -> Self {
+        Self { peer, addr: addr.into(), verb: "sending to", failure }
+    }
+    pub fn is_timeout(&self) -> bool {
+        matches!(self.failure, LinkFailure::Timeout(_))
+    }
+}
+
+/// Errors surfaced to users of a [`crate::Communicator`] and of the rendezvous store.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommError {
+    /// A collective or point-to-point operation failed on one link.
+    #[error("{op}: {source}")]
+    Op { op: &'static str, #[source] source: TransportError },
+    /// An earlier failure broke this communicator; it must be rebuilt.
+    #[error("communicator is broken (earlier failure: {0}); rebuild it before further use")]
+    Broken(String),
+    /// The caller passed arguments that cannot work (mismatched lengths, bad root, …).
+    #[error("{op}: invalid argument: {detail}")]
+    InvalidArgument { op: &'static str, detail: String },
+    /// Rendezvous / connection setup failed.
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+    /// Authentication of a peer or of the store failed.
+    #[error("authentication failed: {0}")]
+    Auth(String),
+    /// Other I/O during setup (binding, mapping shared memory, …).
+    #[error("{context}: {detail}")]
+    Setup { context: String, detail: String },
+}
+
+impl CommError {
+    pub fn setup(context: impl Into<String>, detail: impl std::fmt::Display) -> Self {
+        CommError::Setup { context: context.into(), detail: detail.to_string() }
+    }
+    pub fn invalid(op: &'static str, detail: impl Into<String>) -> Self {
+        CommError::InvalidArgument { op, detail: detail.into() }
+    }
+}
+
+pub type Result<T, E = CommError> = std::result::Result<T, E>;

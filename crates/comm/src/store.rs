@@ -1,0 +1,672 @@
+//! The authenticated rendezvous store: a small key-value service through which ranks publish
+//! their addresses and agree on a job. Served by the launcher, or by rank 0 when an external
+//! launcher (Slurm, mpirun, torchrun) started the workers.
+//!
+//! Security model: every connection must pass the mutual HMAC handshake of `wire` with
+//! context `"store|" ‖ job_id`, so only processes holding this job's secret can read or write, and
+//! clients know they talk to their own job's store. Anything else (a stranger, garbage, a wrong
+//! secret or job id, another protocol version) is refused: the connection is closed, counted in
+//! [`StoreServer::refused_connections`] and logged as one line naming the remote address and the
+//! reason (never the secret or a MAC). Each connection has its own thread and the handshake has a
+//! read timeout, so a silent stranger cannot stall anyone else.
+//!
+//! Requests after the handshake (integers little-endian):
+//! `MAGIC` · version u16 · op u8 · key_len u32 · value_len u32 · key · value
+//! answered by `MAGIC` · version u16 · status u8 · len u32 · payload.
+//! Keys are at most [`MAX_KEY_BYTES`] and values at most [`MAX_VALUE_BYTES`], checked before
+//! allocating, so garbage lengths cannot make the server allocate gigabytes.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::auth::JobSecret;
+use crate::error::{CommError, Result};
+use crate::wire::{self, Service, PREFIX_LEN};
+
+/// Longest key the store accepts.
+pub const MAX_KEY_BYTES: usize = 4 << 10;
+/// Largest value the store accepts.
+pub const MAX_VALUE_BYTES: usize = 16 << 20;
+
+/// How long a new connection may take to authenticate.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections beyond this are refused, so a flood cannot exhaust threads.
+const MAX_CONNECTIONS: usize = 1024;
+/// How long a client waits for an answer beyond the time the request itself may take.
+const ANSWER_GRACE: Duration = Duration::from_secs(30);
+/// Longest wait a `get` may ask the server for (keeps `Instant` arithmetic finite).
+const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+const OP_SET: u8 = 1;
+const OP_GET: u8 = 2;
+const OP_TRY_GET: u8 = 3;
+const OP_ADD: u8 = 4;
+
+const ST_OK: u8 = 0;
+const ST_VALUE: u8 = 1;
+const ST_MISSING: u8 = 2;
+const ST_ERROR: u8 = 3;
+
+const REQUEST_HEADER_LEN: usize = PREFIX_LEN + 1 + 4 + 4;
+const ANSWER_HEADER_LEN: usize = PREFIX_LEN + 1 + 4;
+
+fn store_context(job_id: &str) -> Vec<u8> {
+    [b"store|".as_slice(), job_id.as_bytes()].concat()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server
+// ---------------------------------------------------------------------------------------------
+
+struct Shared {
+    local: SocketAddr,
+    secret: JobSecret,
+    context: Vec<u8>,
+    data: Mutex<HashMap<String, Vec<u8>>>,
+    /// Signalled on every write and on shutdown; `get` waits on it.
+    changed: Condvar,
+    stop: AtomicBool,
+    refused: AtomicU64,
+    /// Clones of live connections, so shutdown can close them and wake their threads.
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    next_conn: AtomicU64,
+    /// Connection threads alive, authenticated or still in their handshake.
+    active: AtomicUsize,
+}
+
+/// Decrements `Shared::active` when a connection thread ends, however it ends.
+struct ActiveGuard(Arc<Shared>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Shared {
+    fn refuse(&self, peer: SocketAddr, reason: &str) {
+        self.refused.fetch_add(1, Ordering::SeqCst);
+        eprintln!(
+            "lockstep store {}: refused connection from {peer}: {reason}",
+            self.local
+        );
+    }
+}
+
+/// The store's server; serves on background threads until dropped or [`StoreServer::shutdown`].
+pub struct StoreServer {
+    shared: Arc<Shared>,
+    accept_thread: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Bind `addr` (port 0 picks an ephemeral port) and start serving.
+    pub fn bind(addr: SocketAddr, secret: &JobSecret, job_id: &str) -> Result<StoreServer> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| CommError::setup(format!("binding rendezvous store on {addr}"), e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| CommError::setup("reading the store's bound address", e))?;
+        // Nonblocking + poll, so the accept loop notices shutdown without a wake-up connection.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CommError::setup("configuring the store's listener", e))?;
+        let shared = Arc::new(Shared {
+            local,
+            secret: secret.clone(),
+            context: store_context(job_id),
+            data: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            refused: AtomicU64::new(0),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(0),
+            active: AtomicUsize::new(0),
+        });
+        let s = shared.clone();
+        let accept_thread = std::thread::Builder::new()
+            .name("lockstep-store-accept".into())
+            .spawn(move || accept_loop(listener, s))
+            .map_err(|e| CommError::setup("starting the store's accept thread", e))?;
+        Ok(StoreServer {
+            shared,
+            accept_thread: Some(accept_thread),
+        })
+    }
+
+    /// The bound address (with the real port when bound to port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared.local
+    }
+
+    /// How many connections were refused (failed handshake, malformed request, overload).
+    pub fn refused_connections(&self) -> u64 {
+        self.shared.refused.load(Ordering::SeqCst)
+    }
+
+    /// Stop accepting, close every connection and wake waiting requests. Idempotent.
+    pub fn shutdown(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        {
+            let _guard = lock(&self.shared.data);
+            self.shared.changed.notify_all();
+        }
+        for conn in lock(&self.shared.conns).values() {
+            let _ = conn.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(t) = self.accept_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut pfd = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    while !shared.stop.load(Ordering::SeqCst) {
+        // SAFETY: one valid pollfd that outlives the call.
+        unsafe { libc::poll(&mut pfd, 1, 100) };
+        loop {
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    if shared.active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+                        shared.refuse(peer, "too many open connections");
+                        continue;
+                    }
+                    shared.active.fetch_add(1, Ordering::SeqCst);
+                    let guard = ActiveGuard(shared.clone());
+                    let spawned = std::thread::Builder::new()
+                        .name("lockstep-store-conn".into())
+                        .spawn(move || serve_connection(stream, peer, guard));
+                    if spawned.is_err() {
+                        // The closure (and with it the guard) was dropped, undoing the count.
+                        shared.refuse(peer, "could not start a thread for it");
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Transient (EMFILE, ECONNABORTED, …): report, back off, keep serving.
+                    eprintln!("lockstep store {}: accept failed: {e}", shared.local);
+                    std::thread::sleep(Duration::from_millis(50));
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Why a connection ends.
+enum End {
+    /// The client hung up between requests.
+    Normal,
+    /// The client broke the protocol; refuse (count and log).
+    Refuse(String),
+}
+
+fn serve_connection(mut stream: TcpStream, peer: SocketAddr, guard: ActiveGuard) {
+    let shared = &guard.0;
+    let setup = stream
+        .set_nonblocking(false)
+        .and_then(|_| stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)))
+        .and_then(|_| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
+        .and_then(|_| stream.set_nodelay(true));
+    if let Err(e) = setup {
+        shared.refuse(peer, &format!("could not configure socket: {e}"));
+        return;
+    }
+    if let Err(reason) =
+        wire::accept_handshake(&mut stream, &shared.secret, &shared.context, Service::Store)
+    {
+        shared.refuse(peer, &reason);
+        return;
+    }
+    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    match stream.try_clone() {
+        Ok(clone) => {
+            lock(&shared.conns).insert(id, clone);
+        }
+        Err(e) => {
+            shared.refuse(peer, &format!("could not register connection: {e}"));
+            return;
+        }
+    }
+    // Registered before this check, so a concurrent shutdown either sees us or we see it.
+    if !shared.stop.load(Ordering::SeqCst) {
+        // Authenticated clients may stay idle between requests for as long as they like.
+        let _ = stream.set_read_timeout(None);
+        if let End::Refuse(reason) = serve_requests(&mut stream, shared) {
+            if !shared.stop.load(Ordering::SeqCst) {
+                shared.refuse(peer, &reason);
+            }
+        }
+    }
+    lock(&shared.conns).remove(&id);
+}
+
+fn serve_requests(stream: &mut TcpStream, shared: &Shared) -> End {
+    loop {
+        let mut h = [0u8; REQUEST_HEADER_LEN];
+        match read_exact_or_eof(stream, &mut h) {
+            Ok(true) => {}
+            Ok(false) => return End::Normal,
+            Err(e) => return End::Refuse(format!("I/O error reading request: {e}")),
+        }
+        let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
+        if let Err(reason) = wire::check_prefix(&pre) {
+            return End::Refuse(format!("malformed request: {reason}"));
+        }
+        let op = h[PREFIX_LEN];
+        let key_len =
+            u32::from_le_bytes(h[PREFIX_LEN + 1..PREFIX_LEN + 5].try_into().unwrap()) as usize;
+        let val_len = u32::from_le_bytes(h[PREFIX_LEN + 5..].try_into().unwrap()) as usize;
+        if key_len > MAX_KEY_BYTES || val_len > MAX_VALUE_BYTES {
+            let msg = format!(
+                "request with {key_len}-byte key and {val_len}-byte value exceeds the limits \
+                 ({MAX_KEY_BYTES} / {MAX_VALUE_BYTES} bytes)"
+            );
+            let _ = answer(stream, ST_ERROR, msg.as_bytes());
+            return End::Refuse(msg);
+        }
+        let mut key = vec![0u8; key_len];
+        let mut value = vec![0u8; val_len];
+        if let Err(e) = stream
+            .read_exact(&mut key)
+            .and_then(|_| stream.read_exact(&mut value))
+        {
+            return End::Refuse(format!("I/O error reading request body: {e}"));
+        }
+        let Ok(key) = String::from_utf8(key) else {
+            let _ = answer(stream, ST_ERROR, b"key is not UTF-8");
+            return End::Refuse("key is not UTF-8".into());
+        };
+        let (status, payload) = match op {
+            OP_SET => {
+                lock(&shared.data).insert(key, value);
+                shared.changed.notify_all();
+                (ST_OK, Vec::new())
+            }
+            OP_TRY_GET => match lock(&shared.data).get(&key) {
+                Some(v) => (ST_VALUE, v.clone()),
+                None => (ST_MISSING, Vec::new()),
+            },
+            OP_GET => {
+                let Ok(ms) = <[u8; 8]>::try_from(value.as_slice()) else {
+                    return End::Refuse("get request without an 8-byte timeout".into());
+                };
+                let wait = Duration::from_millis(u64::from_le_bytes(ms)).min(MAX_WAIT);
+                wait_for_key(shared, &key, wait)
+            }
+            OP_ADD => {
+                let Ok(d) = <[u8; 8]>::try_from(value.as_slice()) else {
+                    return End::Refuse("add request without an 8-byte delta".into());
+                };
+                add_counter(shared, key, i64::from_le_bytes(d))
+            }
+            other => return End::Refuse(format!("unknown request op {other}")),
+        };
+        if shared.stop.load(Ordering::SeqCst) {
+            return End::Normal;
+        }
+        if let Err(e) = answer(stream, status, &payload) {
+            return End::Refuse(format!("I/O error sending answer: {e}"));
+        }
+    }
+}
+
+/// `Ok(false)` on a clean EOF before the first byte.
+fn read_exact_or_eof(stream: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match stream.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+fn wait_for_key(shared: &Shared, key: &str, wait: Duration) -> (u8, Vec<u8>) {
+    let deadline = Instant::now() + wait;
+    let mut data = lock(&shared.data);
+    loop {
+        if let Some(v) = data.get(key) {
+            return (ST_VALUE, v.clone());
+        }
+        let now = Instant::now();
+        if now >= deadline || shared.stop.load(Ordering::SeqCst) {
+            return (ST_MISSING, Vec::new());
+        }
+        data = shared
+            .changed
+            .wait_timeout(data, deadline - now)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
+/// Counters are stored as decimal text (readable with `get`, like torch's store).
+fn add_counter(shared: &Shared, key: String, delta: i64) -> (u8, Vec<u8>) {
+    let mut data = lock(&shared.data);
+    let current = match data.get(&key) {
+        None => 0,
+        Some(v) => match std::str::from_utf8(v)
+            .ok()
+            .and_then(|s| s.parse::<i64>().ok())
+        {
+            Some(n) => n,
+            None => {
+                return (
+                    ST_ERROR,
+                    format!("value of '{key}' is not an integer counter").into_bytes(),
+                )
+            }
+        },
+    };
+    let Some(new) = current.checked_add(delta) else {
+        return (
+            ST_ERROR,
+            format!("counter '{key}' would overflow ({current} + {delta})").into_bytes(),
+        );
+    };
+    data.insert(key, new.to_string().into_bytes());
+    shared.changed.notify_all();
+    (ST_VALUE, new.to_le_bytes().to_vec())
+}
+
+fn answer(stream: &mut TcpStream, status: u8, payload: &[u8]) -> std::io::Result<()> {
+    let mut msg = Vec::with_capacity(ANSWER_HEADER_LEN + payload.len());
+    msg.extend_from_slice(&wire::prefix());
+    msg.push(status);
+    msg.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    msg.extend_from_slice(payload);
+    stream.write_all(&msg)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client
+// ---------------------------------------------------------------------------------------------
+
+/// One authenticated connection to a [`StoreServer`]. Calls block for at most their timeout (plus
+/// a grace period for the answer to arrive); an I/O failure leaves the client unusable (the
+/// request stream may be out of step), so later calls fail with the original reason.
+pub struct StoreClient {
+    stream: TcpStream,
+    addr: SocketAddr,
+    broken: Option<String>,
+}
+
+impl StoreClient {
+    /// Connect and authenticate. Connection refusals are retried until `timeout` (the server may
+    /// start after its clients); a failed authentication is final.
+    pub fn connect(
+        addr: SocketAddr,
+        secret: &JobSecret,
+        job_id: &str,
+        timeout: Duration,
+    ) -> Result<StoreClient> {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let mut stream = loop {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            match TcpStream::connect_timeout(&addr, left) {
+                Ok(s) => break s,
+                Err(e)
+                    if retryable(&e) && Instant::now() + Duration::from_millis(50) < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    return Err(CommError::Rendezvous(format!(
+                        "could not reach store at {addr} within {:.1}s: {e}",
+                        started.elapsed().as_secs_f64()
+                    )))
+                }
+            }
+        };
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
+        stream
+            .set_nodelay(true)
+            .and_then(|_| stream.set_read_timeout(Some(left)))
+            .and_then(|_| stream.set_write_timeout(Some(left)))
+            .map_err(|e| {
+                CommError::setup(format!("configuring connection to store at {addr}"), e)
+            })?;
+        wire::connect_handshake(
+            &mut stream,
+            secret,
+            &store_context(job_id),
+            Service::Store,
+            &format!("store at {addr}"),
+        )?;
+        Ok(StoreClient {
+            stream,
+            addr,
+            broken: None,
+        })
+    }
+
+    /// The store's address.
+    pub fn server_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// This host's IP on the route to the store: a good address to advertise to other ranks,
+    /// since they reach the store the same way.
+    pub fn local_ip(&self) -> Result<IpAddr> {
+        self.stream
+            .local_addr()
+            .map(|a| a.ip())
+            .map_err(|e| CommError::setup("reading the local address of the store connection", e))
+    }
+
+    /// Set `key` to `value` (overwriting), waking everyone waiting for it.
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        check_value("store set", value)?;
+        self.request(OP_SET, key, value, Duration::ZERO)?;
+        Ok(())
+    }
+
+    /// The value of `key`, waiting up to `timeout` for some rank to set it.
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let ms = timeout.min(MAX_WAIT).as_millis() as u64;
+        match self.request(OP_GET, key, &ms.to_le_bytes(), timeout.min(MAX_WAIT))? {
+            Some(v) => Ok(v),
+            None => Err(CommError::Rendezvous(format!(
+                "timed out after {:.2}s waiting for key '{key}' in store at {}",
+                timeout.as_secs_f64(),
+                self.addr
+            ))),
+        }
+    }
+
+    /// The value of `key` if it is set now.
+    pub fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>> {
+        self.request(OP_TRY_GET, key, &[], Duration::ZERO)
+    }
+
+    /// Atomically add `delta` to the integer counter `key` (absent = 0) and return the new value.
+    pub fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
+        let v = self
+            .request(OP_ADD, key, &delta.to_le_bytes(), Duration::ZERO)?
+            .ok_or_else(|| self.fail(format!("store answered add '{key}' without a value")))?;
+        let b: [u8; 8] = v
+            .as_slice()
+            .try_into()
+            .map_err(|_| self.fail(format!("store answered add '{key}' with {} bytes", v.len())))?;
+        Ok(i64::from_le_bytes(b))
+    }
+
+    /// Wait until every key in `keys` is set; the timeout error lists the keys still missing.
+    pub fn wait_all(&mut self, keys: &[String], timeout: Duration) -> Result<()> {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        for (i, key) in keys.iter().enumerate() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.get(key, left) {
+                Ok(_) => {}
+                Err(CommError::Rendezvous(_)) if self.broken.is_none() => {
+                    let mut missing = Vec::new();
+                    for k in &keys[i..] {
+                        if self.try_get(k)?.is_none() {
+                            missing.push(format!("'{k}'"));
+                        }
+                    }
+                    let more = missing.len().saturating_sub(10);
+                    missing.truncate(10);
+                    let tail = if more > 0 {
+                        format!(" and {more} more")
+                    } else {
+                        String::new()
+                    };
+                    return Err(CommError::Rendezvous(format!(
+                        "timed out after {:.2}s waiting for keys [{}]{tail} in store at {}",
+                        started.elapsed().as_secs_f64(),
+                        missing.join(", "),
+                        self.addr
+                    )));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, reason: String) -> CommError {
+        let msg = format!("store at {}: {reason}", self.addr);
+        self.broken = Some(msg.clone());
+        CommError::Rendezvous(msg)
+    }
+
+    /// Send one request, read its answer. `Ok(None)` = the key is missing.
+    fn request(
+        &mut self,
+        op: u8,
+        key: &str,
+        value: &[u8],
+        may_take: Duration,
+    ) -> Result<Option<Vec<u8>>> {
+        if let Some(b) = &self.broken {
+            return Err(CommError::Rendezvous(format!(
+                "client unusable after an earlier failure: {b}"
+            )));
+        }
+        if key.len() > MAX_KEY_BYTES {
+            return Err(CommError::invalid(
+                "store",
+                format!(
+                    "key of {} bytes exceeds the {MAX_KEY_BYTES}-byte limit",
+                    key.len()
+                ),
+            ));
+        }
+        let mut msg = Vec::with_capacity(REQUEST_HEADER_LEN + key.len() + value.len());
+        msg.extend_from_slice(&wire::prefix());
+        msg.push(op);
+        msg.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        msg.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        msg.extend_from_slice(key.as_bytes());
+        msg.extend_from_slice(value);
+        let wait = may_take + ANSWER_GRACE;
+        if let Err(e) = self
+            .stream
+            .set_read_timeout(Some(wait))
+            .and_then(|_| self.stream.set_write_timeout(Some(ANSWER_GRACE)))
+            .and_then(|_| self.stream.write_all(&msg))
+        {
+            return Err(self.fail(describe_io("sending request", &e)));
+        }
+        let mut h = [0u8; ANSWER_HEADER_LEN];
+        if let Err(e) = self.stream.read_exact(&mut h) {
+            return Err(self.fail(describe_io(
+                &format!("waiting {:.1}s for its answer", wait.as_secs_f64()),
+                &e,
+            )));
+        }
+        let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
+        if let Err(r) = wire::check_prefix(&pre) {
+            return Err(self.fail(format!("malformed answer: {r}")));
+        }
+        let len = u32::from_le_bytes(h[PREFIX_LEN + 1..].try_into().unwrap()) as usize;
+        if len > MAX_VALUE_BYTES {
+            return Err(self.fail(format!(
+                "answer of {len} bytes exceeds the {MAX_VALUE_BYTES}-byte limit"
+            )));
+        }
+        let mut payload = vec![0u8; len];
+        if let Err(e) = self.stream.read_exact(&mut payload) {
+            return Err(self.fail(describe_io("reading its answer", &e)));
+        }
+        match h[PREFIX_LEN] {
+            ST_OK => Ok(Some(Vec::new())),
+            ST_VALUE => Ok(Some(payload)),
+            ST_MISSING => Ok(None),
+            ST_ERROR => Err(CommError::Rendezvous(format!(
+                "store at {} rejected the request for '{key}': {}",
+                self.addr,
+                String::from_utf8_lossy(&payload)
+            ))),
+            other => Err(self.fail(format!("unknown answer status {other}"))),
+        }
+    }
+}
+
+fn check_value(op: &'static str, value: &[u8]) -> Result<()> {
+    if value.len() > MAX_VALUE_BYTES {
+        return Err(CommError::invalid(
+            op,
+            format!(
+                "value of {} bytes exceeds the {MAX_VALUE_BYTES}-byte limit",
+                value.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn retryable(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::TimedOut
+            | ErrorKind::Interrupted
+    )
+}
+
+fn describe_io(what: &str, e: &std::io::Error) -> String {
+    match e.kind() {
+        ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe => {
+            format!("connection closed while {what} (store stopped?)")
+        }
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => format!("no progress while {what}"),
+        _ => format!("I/O error while {what}: {e}"),
+    }
+}

@@ -1,0 +1,203 @@
+//! One data frame, sent or received incrementally on a nonblocking socket.
+//!
+//! Header (24 bytes, little-endian): `MAGIC` · version u16 · reserved u16 · tag u64 · len u64,
+//! then `len` payload bytes. Sending gathers header and payload into one `sendmsg`; receiving
+//! scatters them with `readv`, the payload straight into the caller's buffer.
+
+use std::io::ErrorKind;
+use std::os::fd::RawFd;
+use std::time::Instant;
+
+use crate::error::LinkFailure;
+use crate::wire::{self, PREFIX_LEN};
+use crate::transport::Tag;
+
+const HEADER_LEN: usize = PREFIX_LEN + 2 + 8 + 8;
+
+fn frame_header(tag: Tag, len: usize) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..PREFIX_LEN].copy_from_slice(&wire::prefix());
+    h[PREFIX_LEN + 2..PREFIX_LEN + 10].copy_from_slice(&tag.to_le_bytes());
+    h[PREFIX_LEN + 10..].copy_from_slice(&(len as u64).to_le_bytes());
+    h
+}
+
+fn io_failure(e: std::io::Error) -> LinkFailure {
+    match e.kind() {
+        ErrorKind::ConnectionReset
+        | ErrorKind::ConnectionAborted
+        | ErrorKind::BrokenPipe
+        | ErrorKind::NotConnected => LinkFailure::Closed,
+        _ => LinkFailure::Io(e.to_string()),
+    }
+}
+
+/// An outgoing frame, written incrementally.
+pub(super) struct SendOp<'a> {
+    header: [u8; HEADER_LEN],
+    payload: &'a [u8],
+    done: usize,
+}
+
+impl<'a> SendOp<'a> {
+    pub(super) fn new(tag: Tag, payload: &'a [u8]) -> Self {
+        Self {
+            header: frame_header(tag, payload.len()),
+            payload,
+            done: 0,
+        }
+    }
+
+    /// Part of the frame went out but not all: the stream is out of step if we stop now.
+    pub(super) fn cut_short(&self) -> bool {
+        self.done > 0 && !self.finished()
+    }
+
+    pub(super) fn finished(&self) -> bool {
+        self.done == HEADER_LEN + self.payload.len()
+    }
+
+    /// Write as much as the socket takes now. `Ok(true)` when the whole frame is out.
+    pub(super) fn step(&mut self, fd: RawFd) -> std::result::Result<bool, LinkFailure> {
+        while !self.finished() {
+            let mut iov = [libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; 2];
+            let n = if self.done < HEADER_LEN {
+                iov[0] = libc::iovec {
+                    iov_base: self.header[self.done..].as_ptr() as *mut libc::c_void,
+                    iov_len: HEADER_LEN - self.done,
+                };
+                iov[1] = libc::iovec {
+                    iov_base: self.payload.as_ptr() as *mut libc::c_void,
+                    iov_len: self.payload.len(),
+                };
+                2
+            } else {
+                let off = self.done - HEADER_LEN;
+                iov[0] = libc::iovec {
+                    iov_base: self.payload[off..].as_ptr() as *mut libc::c_void,
+                    iov_len: self.payload.len() - off,
+                };
+                1
+            };
+            // SAFETY: a zeroed msghdr is valid; iov points at `n` live iovecs over live buffers.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = n;
+            // MSG_NOSIGNAL: a vanished peer must be an error, not SIGPIPE killing the process.
+            let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                match e.kind() {
+                    ErrorKind::WouldBlock => return Ok(false),
+                    ErrorKind::Interrupted => continue,
+                    _ => return Err(io_failure(e)),
+                }
+            }
+            self.done += r as usize;
+        }
+        Ok(true)
+    }
+}
+
+/// An incoming frame, read incrementally: header into a stack buffer, payload straight into the
+/// caller's buffer.
+pub(super) struct RecvOp<'a> {
+    header: [u8; HEADER_LEN],
+    buf: &'a mut [u8],
+    tag: Tag,
+    done: usize,
+}
+
+impl<'a> RecvOp<'a> {
+    pub(super) fn new(tag: Tag, buf: &'a mut [u8]) -> Self {
+        Self {
+            header: [0; HEADER_LEN],
+            buf,
+            tag,
+            done: 0,
+        }
+    }
+
+    /// Part of the frame arrived but not all: the stream is out of step if we stop now.
+    pub(super) fn cut_short(&self) -> bool {
+        self.done > 0 && !self.finished()
+    }
+
+    pub(super) fn finished(&self) -> bool {
+        self.done == HEADER_LEN + self.buf.len()
+    }
+
+    pub(super) fn step(&mut self, fd: RawFd) -> std::result::Result<bool, LinkFailure> {
+        while !self.finished() {
+            let mut iov = [libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            }; 2];
+            let had_header = self.done >= HEADER_LEN;
+            // Reading header and payload together is safe: if the header turns out to announce
+            // a different length, the link is poisoned anyway.
+            let n = if !had_header {
+                iov[0] = libc::iovec {
+                    iov_base: self.header[self.done..].as_mut_ptr().cast(),
+                    iov_len: HEADER_LEN - self.done,
+                };
+                iov[1] = libc::iovec {
+                    iov_base: self.buf.as_mut_ptr().cast(),
+                    iov_len: self.buf.len(),
+                };
+                2
+            } else {
+                let off = self.done - HEADER_LEN;
+                iov[0] = libc::iovec {
+                    iov_base: self.buf[off..].as_mut_ptr().cast(),
+                    iov_len: self.buf.len() - off,
+                };
+                1
+            };
+            // SAFETY: iov points at `n` live iovecs over buffers we exclusively borrow.
+            let r = unsafe { libc::readv(fd, iov.as_ptr(), n) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                match e.kind() {
+                    ErrorKind::WouldBlock => return Ok(false),
+                    ErrorKind::Interrupted => continue,
+                    _ => return Err(io_failure(e)),
+                }
+            }
+            if r == 0 {
+                return Err(LinkFailure::Closed);
+            }
+            self.done += r as usize;
+            if !had_header && self.done >= HEADER_LEN {
+                self.check_header()?;
+            }
+        }
+        Ok(true)
+    }
+
+    fn check_header(&self) -> std::result::Result<(), LinkFailure> {
+        let h = &self.header;
+        let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
+        wire::check_prefix(&pre).map_err(LinkFailure::Protocol)?;
+        let tag = u64::from_le_bytes(h[PREFIX_LEN + 2..PREFIX_LEN + 10].try_into().unwrap());
+        let len = u64::from_le_bytes(h[PREFIX_LEN + 10..].try_into().unwrap());
+        if tag != self.tag || len != self.buf.len() as u64 {
+            return Err(LinkFailure::Protocol(format!(
+                "expected tag {:#x} with {} bytes, got tag {tag:#x} with {len} bytes",
+                self.tag,
+                self.buf.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Poll timeout for the time left until `deadline`, rounded up so we never spin just short of it.
+pub(super) fn poll_ms(deadline: Instant) -> libc::c_int {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let ms = left.as_micros().div_ceil(1000);
+    ms.min(i32::MAX as u128) as libc::c_int
+}

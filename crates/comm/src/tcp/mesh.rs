@@ -1,0 +1,391 @@
+//! Building the full mesh of authenticated connections (steps 1-3 of the [`super`] docs).
+//!
+//! Rank `r` dials ranks `0..r` on one thread while its caller's thread accepts ranks `r+1..n`;
+//! each accepted connection is authenticated on a thread of its own, so a silent stranger costs
+//! a thread until its handshake times out but never delays the real peers.
+//!
+//! After the handshake (integers little-endian): connector → acceptor
+//! `MAGIC` · version u16 · rank u32 · world u32; acceptor → connector the same with its own rank
+//! and world, plus a verdict byte (0 = admitted, 1 = rejected; the reason is logged there).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::auth::JobSecret;
+use crate::error::{CommError, Result};
+use crate::wire::{self, Service, PREFIX_LEN};
+use crate::store::StoreClient;
+
+/// Identity message: prefix · rank u32 · world u32; the acceptor's answer adds a verdict byte.
+const HELLO_LEN: usize = PREFIX_LEN + 8;
+/// Longest an accepted connection may take to authenticate.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub(super) fn data_context(job_id: &str) -> Vec<u8> {
+    [b"tcp|".as_slice(), job_id.as_bytes()].concat()
+}
+
+pub(super) struct Mesh<'a> {
+    pub(super) rank: usize,
+    pub(super) world: usize,
+    pub(super) secret: &'a JobSecret,
+    pub(super) context: Vec<u8>,
+    pub(super) deadline: Instant,
+    pub(super) started: Instant,
+}
+
+enum Event {
+    /// The dialer connected to a lower rank.
+    Dialed(usize, TcpStream, String),
+    DialFailed(CommError),
+    /// An authenticated connection claims to be `rank` of `world`.
+    Claim {
+        stream: TcpStream,
+        from: SocketAddr,
+        rank: u32,
+        world: u32,
+    },
+    Refused {
+        from: SocketAddr,
+        reason: String,
+    },
+}
+
+impl Mesh<'_> {
+    /// Returns `streams[peer] = (stream, peer address)` for every peer.
+    pub(super) fn build(
+        &self,
+        store: &mut StoreClient,
+        listener: TcpListener,
+        prefix: &str,
+    ) -> Result<Vec<Option<(TcpStream, String)>>> {
+        let mut streams: Vec<Option<(TcpStream, String)>> = (0..self.world).map(|_| None).collect();
+        let mut have = 0;
+        let mut dialed = 0;
+        let need = self.world - 1;
+        let mut last_refusal: Option<String> = None;
+        listener.set_nonblocking(true).map_err(|e| {
+            CommError::setup(format!("rank {}: configuring listener", self.rank), e)
+        })?;
+        let abort = AtomicBool::new(false);
+        let (tx, rx) = mpsc::channel::<Event>();
+        let this = self;
+        let result = std::thread::scope(|scope| {
+            let dial_tx = tx.clone();
+            let abort_ref = &abort;
+            scope.spawn(move || {
+                for peer in 0..this.rank {
+                    match this.dial(store, prefix, peer, abort_ref) {
+                        Ok((s, addr)) => {
+                            let _ = dial_tx.send(Event::Dialed(peer, s, addr));
+                        }
+                        Err(e) => {
+                            let _ = dial_tx.send(Event::DialFailed(e));
+                            return;
+                        }
+                    }
+                }
+            });
+            let outcome = (|| {
+                let mut pfd = libc::pollfd {
+                    fd: listener.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                while have < need {
+                    // Accept whatever is pending; each handshake runs on its own thread so a
+                    // silent stranger cannot hold up the real peers.
+                    if self.rank + 1 < self.world {
+                        loop {
+                            match listener.accept() {
+                                Ok((s, from)) => self.spawn_acceptor(s, from, tx.clone()),
+                                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                                Err(e) => {
+                                    eprintln!(
+                                        "lockstep tcp rank {}: accept failed: {e}",
+                                        self.rank
+                                    );
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    while let Ok(ev) = rx.try_recv() {
+                        match ev {
+                            Event::Dialed(peer, s, addr) => {
+                                streams[peer] = Some((s, addr));
+                                have += 1;
+                                dialed += 1;
+                            }
+                            Event::DialFailed(e) => return Err(e),
+                            Event::Refused { from, reason } => {
+                                eprintln!("lockstep tcp rank {}: refused connection from {from}: {reason}", self.rank);
+                                last_refusal = Some(format!("{from}: {reason}"));
+                            }
+                            Event::Claim {
+                                stream,
+                                from,
+                                rank,
+                                world,
+                            } => match self.admit(stream, from, rank, world, &streams) {
+                                Ok((peer, s)) => {
+                                    streams[peer] = Some((s, from.to_string()));
+                                    have += 1;
+                                }
+                                Err(reason) => {
+                                    eprintln!(
+                                            "lockstep tcp rank {}: refused connection from {from}: {reason}",
+                                            self.rank
+                                        );
+                                    last_refusal = Some(format!("{from}: {reason}"));
+                                }
+                            },
+                        }
+                    }
+                    if have == need {
+                        break;
+                    }
+                    let now = Instant::now();
+                    if now >= self.deadline {
+                        // The dialer shares our deadline and, if it is what failed, says more
+                        // precisely why (e.g. which address never got published): prefer that.
+                        let grace = now + Duration::from_secs(1);
+                        while dialed < self.rank {
+                            match rx.recv_timeout(grace.saturating_duration_since(Instant::now())) {
+                                Ok(Event::DialFailed(e)) => return Err(e),
+                                Ok(Event::Dialed(..)) => dialed += 1,
+                                Ok(_) => {}
+                                Err(_) => break,
+                            }
+                        }
+                        let missing: Vec<String> = (0..self.world)
+                            .filter(|&p| p != self.rank && streams[p].is_none())
+                            .map(|p| p.to_string())
+                            .collect();
+                        let refusal = last_refusal
+                            .as_ref()
+                            .map(|r| format!("; last refused connection: {r}"))
+                            .unwrap_or_default();
+                        return Err(CommError::Rendezvous(format!(
+                            "rank {}: timed out after {:.2}s building the TCP mesh of {} ranks; \
+                             no link yet to rank(s) [{}]{refusal}",
+                            self.rank,
+                            (now - self.started).as_secs_f64(),
+                            self.world,
+                            missing.join(", ")
+                        )));
+                    }
+                    let wait = (self.deadline - now).min(Duration::from_millis(10));
+                    // SAFETY: one valid pollfd that outlives the call.
+                    unsafe { libc::poll(&mut pfd, 1, wait.as_millis().max(1) as libc::c_int) };
+                }
+                Ok(())
+            })();
+            abort.store(true, Ordering::SeqCst);
+            outcome
+        });
+        result.map(|()| streams)
+    }
+
+    /// Connect to `peer` (a lower rank) and prove who we are.
+    fn dial(
+        &self,
+        store: &mut StoreClient,
+        prefix: &str,
+        peer: usize,
+        abort: &AtomicBool,
+    ) -> Result<(TcpStream, String)> {
+        let key = format!("{prefix}/{peer}");
+        // Wait in slices so an aborted establishment does not linger until the deadline.
+        let value = loop {
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if abort.load(Ordering::SeqCst) {
+                return Err(CommError::Rendezvous("aborted".into()));
+            }
+            match store.try_get(&key)? {
+                Some(v) => break v,
+                None if left.is_zero() => {
+                    return Err(CommError::Rendezvous(format!(
+                        "rank {}: timed out after {:.2}s waiting for rank {peer} to publish its address ('{key}' in store at {})",
+                        self.rank,
+                        self.started.elapsed().as_secs_f64(),
+                        store.server_addr()
+                    )))
+                }
+                None => {
+                    let _ = store.get(&key, left.min(Duration::from_millis(500)));
+                }
+            }
+        };
+        let text = String::from_utf8_lossy(&value).into_owned();
+        let addr: SocketAddr = text.parse().map_err(|_| {
+            CommError::Rendezvous(format!(
+                "rank {peer} published '{text}' under '{key}', which is not an ip:port"
+            ))
+        })?;
+        let remote = format!("rank {peer} ({addr})");
+        let mut stream = loop {
+            if abort.load(Ordering::SeqCst) {
+                return Err(CommError::Rendezvous("aborted".into()));
+            }
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
+                Ok(s) => break s,
+                // Refused: a stale address from an earlier job, or a listener not yet up.
+                Err(e)
+                    if e.kind() == ErrorKind::ConnectionRefused
+                        && left > Duration::from_millis(50) =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => {
+                    return Err(CommError::Rendezvous(format!(
+                        "rank {}: could not connect to {remote} within {:.2}s: {e}",
+                        self.rank,
+                        self.started.elapsed().as_secs_f64()
+                    )))
+                }
+            }
+        };
+        let left = self
+            .deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(100));
+        stream
+            .set_nodelay(true)
+            .and_then(|_| stream.set_read_timeout(Some(left)))
+            .and_then(|_| stream.set_write_timeout(Some(left)))
+            .map_err(|e| CommError::setup(format!("configuring connection to {remote}"), e))?;
+        wire::connect_handshake(
+            &mut stream,
+            self.secret,
+            &self.context,
+            Service::Data,
+            &remote,
+        )?;
+        let io = |e: std::io::Error| {
+            CommError::Rendezvous(format!("{remote}: I/O error exchanging ranks: {e}"))
+        };
+        stream
+            .write_all(&hello(self.rank as u32, self.world as u32))
+            .map_err(io)?;
+        let mut answer = [0u8; HELLO_LEN + 1];
+        stream.read_exact(&mut answer).map_err(io)?;
+        let (their_rank, their_world) = parse_hello(&answer[..HELLO_LEN])
+            .map_err(|r| CommError::Rendezvous(format!("{remote}: {r}")))?;
+        if their_rank as usize != peer || their_world as usize != self.world {
+            return Err(CommError::Rendezvous(format!(
+                "rank {}: dialed {remote} but it is rank {their_rank} of world {their_world} \
+                 (expected rank {peer} of world {}; stale address in the store, or mismatched launch?)",
+                self.rank, self.world
+            )));
+        }
+        if answer[HELLO_LEN] != 0 {
+            return Err(CommError::Rendezvous(format!(
+                "{remote} rejected this process as rank {} of world {} (see that rank's log)",
+                self.rank, self.world
+            )));
+        }
+        Ok((stream, addr.to_string()))
+    }
+
+    /// Authenticate an accepted connection and read its claimed identity, on a separate thread.
+    fn spawn_acceptor(&self, mut stream: TcpStream, from: SocketAddr, tx: mpsc::Sender<Event>) {
+        let secret = self.secret.clone();
+        let context = self.context.clone();
+        let timeout = self
+            .deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(100), HANDSHAKE_TIMEOUT);
+        let spawned = std::thread::Builder::new()
+            .name("lockstep-tcp-accept".into())
+            .spawn(move || {
+                let ev = (|| {
+                    stream
+                        .set_nonblocking(false)
+                        .and_then(|_| stream.set_read_timeout(Some(timeout)))
+                        .and_then(|_| stream.set_write_timeout(Some(timeout)))
+                        .and_then(|_| stream.set_nodelay(true))
+                        .map_err(|e| format!("could not configure socket: {e}"))?;
+                    wire::accept_handshake(&mut stream, &secret, &context, Service::Data)?;
+                    let mut h = [0u8; HELLO_LEN];
+                    stream
+                        .read_exact(&mut h)
+                        .map_err(|e| format!("no rank/world after the handshake: {e}"))?;
+                    let (rank, world) = parse_hello(&h)?;
+                    Ok(Event::Claim {
+                        stream,
+                        from,
+                        rank,
+                        world,
+                    })
+                })();
+                let _ = tx.send(ev.unwrap_or_else(|reason| Event::Refused { from, reason }));
+            });
+        if spawned.is_err() {
+            eprintln!(
+                "lockstep tcp rank {}: could not start a thread for connection from {from}",
+                self.rank
+            );
+        }
+    }
+
+    /// Check an authenticated peer's claimed identity and answer it.
+    fn admit(
+        &self,
+        mut stream: TcpStream,
+        from: SocketAddr,
+        rank: u32,
+        world: u32,
+        streams: &[Option<(TcpStream, String)>],
+    ) -> std::result::Result<(usize, TcpStream), String> {
+        let (r, w) = (rank as usize, world as usize);
+        let problem = if w != self.world {
+            Some(format!(
+                "peer says world size {w} but this rank has {}",
+                self.world
+            ))
+        } else if r <= self.rank || r >= self.world {
+            Some(format!(
+                "peer claims rank {r}, but rank {} accepts only ranks {}..{}",
+                self.rank,
+                self.rank + 1,
+                self.world
+            ))
+        } else if streams[r].is_some() {
+            Some(format!("rank {r} is already connected"))
+        } else {
+            None
+        };
+        let mut answer = [0u8; HELLO_LEN + 1];
+        answer[..HELLO_LEN].copy_from_slice(&hello(self.rank as u32, self.world as u32));
+        answer[HELLO_LEN] = problem.is_some() as u8;
+        let sent = stream.write_all(&answer);
+        if let Some(p) = problem {
+            return Err(p);
+        }
+        sent.map_err(|e| format!("I/O error answering rank {r} at {from}: {e}"))?;
+        Ok((r, stream))
+    }
+}
+
+fn hello(rank: u32, world: u32) -> [u8; HELLO_LEN] {
+    let mut h = [0u8; HELLO_LEN];
+    h[..PREFIX_LEN].copy_from_slice(&wire::prefix());
+    h[PREFIX_LEN..PREFIX_LEN + 4].copy_from_slice(&rank.to_le_bytes());
+    h[PREFIX_LEN + 4..].copy_from_slice(&world.to_le_bytes());
+    h
+}
+
+fn parse_hello(h: &[u8]) -> std::result::Result<(u32, u32), String> {
+    let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
+    wire::check_prefix(&pre)?;
+    let rank = u32::from_le_bytes(h[PREFIX_LEN..PREFIX_LEN + 4].try_into().unwrap());
+    let world = u32::from_le_bytes(h[PREFIX_LEN + 4..PREFIX_LEN + 8].try_into().unwrap());
+    Ok((rank, world))
+}

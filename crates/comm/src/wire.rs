@@ -1,0 +1,248 @@
+//! Bytes on the wire shared by the rendezvous store ([`crate::store`]) and the TCP transport
+//! ([`crate::tcp`]): the magic, the protocol version and the authenticated connection handshake.
+//!
+//! Every message of both protocols starts with `MAGIC` and `PROTOCOL_VERSION`, so a stranger (an
+//! HTTP probe, a port scanner, an older lockstep build) is recognised from its first six bytes and
+//! refused before anything is allocated on its behalf.
+//!
+//! Handshake (the HMAC challenge-response of [`crate::auth`], mutual):
+//!
+//! | dir | message  | bytes                                                             |
+//! |-----|----------|-------------------------------------------------------------------|
+//! | A→C | hello    | `MAGIC` · version u16 · service u8 · `nonce_a` (32)                |
+//! | C→A | proof    | `MAGIC` · version u16 · service u8 · `nonce_c` (32) · MAC (32)     |
+//! | A→C | verdict  | `MAGIC` · version u16 · status u8 · acceptor MAC (32, zero if refused) |
+//!
+//! (A = acceptor, C = connector; integers little-endian.) The `service` byte says which of the two
+//! protocols the port speaks, so pointing a store client at a data port gives a clear error rather
+//! than "wrong secret". MACs bind the job id and the service through `context`.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+
+use crate::auth::{acceptor_proof, connector_proof, random_nonce, JobSecret, MAC_LEN, NONCE_LEN};
+use crate::error::CommError;
+
+/// First bytes of every lockstep message ("LKST").
+pub const MAGIC: [u8; 4] = *b"LKST";
+/// Bumped whenever a message layout changes; peers must agree exactly.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// `MAGIC` + version.
+pub const PREFIX_LEN: usize = 6;
+const HELLO_LEN: usize = PREFIX_LEN + 1 + NONCE_LEN;
+const PROOF_LEN: usize = PREFIX_LEN + 1 + NONCE_LEN + MAC_LEN;
+const VERDICT_LEN: usize = PREFIX_LEN + 1 + MAC_LEN;
+
+const VERDICT_OK: u8 = 0;
+const VERDICT_BAD_AUTH: u8 = 1;
+const VERDICT_BAD_VERSION: u8 = 2;
+const VERDICT_WRONG_SERVICE: u8 = 3;
+
+/// Which protocol a port speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Service {
+    Store = 1,
+    Data = 2,
+}
+
+impl Service {
+    fn describe(code: u8) -> String {
+        match code {
+            1 => "a lockstep rendezvous store".into(),
+            2 => "a lockstep TCP data port".into(),
+            other => format!("an unknown lockstep service ({other})"),
+        }
+    }
+}
+
+/// `MAGIC` followed by the version, as every message begins.
+pub fn prefix() -> [u8; PREFIX_LEN] {
+    let mut p = [0u8; PREFIX_LEN];
+    p[..4].copy_from_slice(&MAGIC);
+    p[4..].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    p
+}
+
+/// Checks a received `MAGIC` + version prefix; the error says what was wrong in words a user can
+/// act on (and never echoes more than the four magic bytes).
+pub fn check_prefix(p: &[u8; PREFIX_LEN]) -> Result<(), String> {
+    if p[..4] != MAGIC {
+        return Err(format!(
+            "bad magic {:#010x} (not a lockstep peer?)",
+            u32::from_be_bytes([p[0], p[1], p[2], p[3]])
+        ));
+    }
+    let version = u16::from_le_bytes([p[4], p[5]]);
+    if version != PROTOCOL_VERSION {
+        return Err(format!(
+            "protocol version {version} but this build speaks {PROTOCOL_VERSION}"
+        ));
+    }
+    Ok(())
+}
+
+/// The acceptor's side. On `Err` the connection must be dropped; the reason names what the remote
+/// got wrong and contains no secret material.
+pub fn accept_handshake(
+    stream: &mut TcpStream,
+    secret: &JobSecret,
+    context: &[u8],
+    service: Service,
+) -> Result<(), String> {
+    let nonce_a = random_nonce();
+    let mut hello = [0u8; HELLO_LEN];
+    hello[..PREFIX_LEN].copy_from_slice(&prefix());
+    hello[PREFIX_LEN] = service as u8;
+    hello[PREFIX_LEN + 1..].copy_from_slice(&nonce_a);
+    stream
+        .write_all(&hello)
+        .map_err(|e| io_reason("sending hello", &e))?;
+
+    // Read the prefix on its own first, so garbage is refused after six bytes instead of
+    // waiting for a full proof that will never come.
+    let mut proof = [0u8; PROOF_LEN];
+    stream
+        .read_exact(&mut proof[..PREFIX_LEN])
+        .map_err(|e| io_reason("reading proof", &e))?;
+    let pre: [u8; PREFIX_LEN] = proof[..PREFIX_LEN].try_into().unwrap();
+    if let Err(reason) = check_prefix(&pre) {
+        if pre[..4] == MAGIC {
+            // A lockstep peer of another version: tell it why before hanging up.
+            let _ = send_verdict(stream, VERDICT_BAD_VERSION, &[0u8; MAC_LEN]);
+        }
+        return Err(reason);
+    }
+    stream
+        .read_exact(&mut proof[PREFIX_LEN..])
+        .map_err(|e| io_reason("reading proof", &e))?;
+    if proof[PREFIX_LEN] != service as u8 {
+        let _ = send_verdict(stream, VERDICT_WRONG_SERVICE, &[0u8; MAC_LEN]);
+        return Err(format!(
+            "peer expected {} but this is {}",
+            Service::describe(proof[PREFIX_LEN]),
+            Service::describe(service as u8)
+        ));
+    }
+    let nonce_c = &proof[PREFIX_LEN + 1..PREFIX_LEN + 1 + NONCE_LEN];
+    let mac = &proof[PREFIX_LEN + 1 + NONCE_LEN..];
+    if !secret.verify(&[b"lockstep-auth-v1|c|", context, &nonce_a, nonce_c], mac) {
+        let _ = send_verdict(stream, VERDICT_BAD_AUTH, &[0u8; MAC_LEN]);
+        return Err("authentication failed (wrong secret or job id)".into());
+    }
+    let answer = acceptor_proof(secret, context, &nonce_a, nonce_c);
+    send_verdict(stream, VERDICT_OK, &answer).map_err(|e| io_reason("sending verdict", &e))
+}
+
+fn send_verdict(stream: &mut TcpStream, status: u8, mac: &[u8; MAC_LEN]) -> std::io::Result<()> {
+    let mut v = [0u8; VERDICT_LEN];
+    v[..PREFIX_LEN].copy_from_slice(&prefix());
+    v[PREFIX_LEN] = status;
+    v[PREFIX_LEN + 1..].copy_from_slice(mac);
+    stream.write_all(&v)
+}
+
+fn io_reason(what: &str, e: &std::io::Error) -> String {
+    match e.kind() {
+        ErrorKind::UnexpectedEof => format!("connection closed while {what}"),
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => format!("timed out while {what}"),
+        _ => format!("I/O error while {what}: {e}"),
+    }
+}
+
+/// The connector's side. `remote` describes the other end for messages, e.g.
+/// "store at 127.0.0.1:29500" or "rank 2 (10.0.0.3:40312)".
+pub fn connect_handshake(
+    stream: &mut TcpStream,
+    secret: &JobSecret,
+    context: &[u8],
+    service: Service,
+    remote: &str,
+) -> Result<(), CommError> {
+    let io = |what: &str, e: std::io::Error| {
+        CommError::Rendezvous(format!("{remote}: {}", io_reason(what, &e)))
+    };
+    let mut hello = [0u8; HELLO_LEN];
+    stream
+        .read_exact(&mut hello)
+        .map_err(|e| io("reading hello", e))?;
+    let pre: [u8; PREFIX_LEN] = hello[..PREFIX_LEN].try_into().unwrap();
+    check_prefix(&pre).map_err(|r| CommError::Rendezvous(format!("{remote}: {r}")))?;
+    if hello[PREFIX_LEN] != service as u8 {
+        return Err(CommError::Rendezvous(format!(
+            "{remote} is {}, not {}",
+            Service::describe(hello[PREFIX_LEN]),
+            Service::describe(service as u8)
+        )));
+    }
+    let nonce_a = &hello[PREFIX_LEN + 1..];
+    let nonce_c = random_nonce();
+    let mut proof = [0u8; PROOF_LEN];
+    proof[..PREFIX_LEN].copy_from_slice(&prefix());
+    proof[PREFIX_LEN] = service as u8;
+    proof[PREFIX_LEN + 1..PREFIX_LEN + 1 + NONCE_LEN].copy_from_slice(&nonce_c);
+    proof[PREFIX_LEN + 1 + NONCE_LEN..]
+        .copy_from_slice(&connector_proof(secret, context, nonce_a, &nonce_c));
+    stream
+        .write_all(&proof)
+        .map_err(|e| io("sending proof", e))?;
+
+    let mut verdict = [0u8; VERDICT_LEN];
+    stream
+        .read_exact(&mut verdict)
+        .map_err(|e| io("reading verdict", e))?;
+    let pre: [u8; PREFIX_LEN] = verdict[..PREFIX_LEN].try_into().unwrap();
+    check_prefix(&pre).map_err(|r| CommError::Rendezvous(format!("{remote}: {r}")))?;
+    match verdict[PREFIX_LEN] {
+        VERDICT_OK => {}
+        VERDICT_BAD_AUTH => {
+            return Err(CommError::Auth(format!(
+                "{remote} refused authentication: wrong secret or job id"
+            )))
+        }
+        VERDICT_BAD_VERSION => {
+            return Err(CommError::Rendezvous(format!(
+                "{remote} refused this build's protocol version {PROTOCOL_VERSION}"
+            )))
+        }
+        VERDICT_WRONG_SERVICE => {
+            return Err(CommError::Rendezvous(format!(
+                "{remote} is not {}",
+                Service::describe(service as u8)
+            )))
+        }
+        other => {
+            return Err(CommError::Rendezvous(format!(
+                "{remote} answered the handshake with unknown status {other}"
+            )))
+        }
+    }
+    // Constant-time comparison; the same bytes as `acceptor_proof(secret, context, nonce_a, nonce_c)`.
+    if !secret.verify(
+        &[b"lockstep-auth-v1|a|", context, &nonce_c, nonce_a],
+        &verdict[PREFIX_LEN + 1..],
+    ) {
+        return Err(CommError::Auth(format!(
+            "{remote} failed to prove it knows the job secret (another job's service, or an impostor)"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_checks_name_the_problem() {
+        assert!(check_prefix(&prefix()).is_ok());
+        let e = check_prefix(b"GET / ").unwrap_err();
+        assert_eq!(e, "bad magic 0x47455420 (not a lockstep peer?)");
+        let mut old = prefix();
+        old[4..].copy_from_slice(&0u16.to_le_bytes());
+        assert_eq!(
+            check_prefix(&old).unwrap_err(),
+            "protocol version 0 but this build speaks 1"
+        );
+    }
+}

@@ -1,0 +1,44 @@
+//! lockstep-model: single-device burn models, optimizers and learning-rate schedules behind a
+//! flat-parameter interface.
+//!
+//! The distribution layer never touches burn: it moves `Vec<f32>` parameters and gradients in
+//! the canonical order of [`Model::layout`], steps an [`Optimizer`] whose state is flat vectors
+//! of the same length (so it does not depend on the world size and checkpoints trivially), and
+//! asks [`LrSchedule`] for the learning rate of each step.
+//!
+//! Determinism: initialisation uses our own seeded generator, the optimizers are plain
+//! elementwise f32 loops, and burn's flex backend is bitwise reproducible run to run for a fixed
+//! batch composition. Splitting a batch differently changes gradient bits in the last place
+//! (matmul reduction order), so callers keep micro-batches fixed. Across machines, flex's matmul
+//! (the `gemm` crate) picks its kernel by instruction set (FMA or not, AVX-512 with burn's
+//! `x86-v4` feature) and its K-blocking from the L1 cache geometry it reads from `/sys`, so
+//! bitwise agreement between different CPU models is not guaranteed by this crate.
+//!
+//! Overlap: [`Model::loss_and_grad_streaming`] hands out each parameter's gradient as soon as
+//! backward has produced it (output layer first), through an identity custom op on every
+//! parameter (burn's `extension` feature; see the `streaming` module for how it is scheduled).
+//!
+//! Speed: training binaries should call [`tune_allocator_for_training`] once at start-up (or
+//! install a global allocator such as mimalloc); glibc's default `mmap` threshold makes every
+//! step page-fault its buffers again.
+
+mod alloc;
+mod error;
+mod init;
+mod loss;
+mod model;
+mod net;
+mod optim;
+mod params;
+mod rng;
+mod schedule;
+mod spec;
+mod streaming;
+
+pub use alloc::tune_allocator_for_training;
+pub use error::ModelError;
+pub use model::{param_hash, Model, TimedLoss};
+pub use optim::{Optimizer, OptimizerSpec};
+pub use params::ParamInfo;
+pub use schedule::LrSchedule;
+pub use spec::ModelSpec;

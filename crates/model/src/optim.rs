@@ -1,0 +1,258 @@
+//! Optimizers on flat f32 slices.
+//!
+//! Why flat and here: the state is one vector per moment, the same length and order as the
+//! parameters, so it is independent of the world size, trivially checkpointed, and can be
+//! sharded by element range. Updates are plain elementwise loops in f32 with no fused
+//! multiply-add (Rust never contracts `a * b + c`), so every machine computes the same bits.
+
+use serde::{Deserialize, Serialize};
+
+/// Which optimizer, with its hyper-parameters (the learning rate comes from the schedule).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum OptimizerSpec {
+    /// SGD with PyTorch's semantics: `g = grad + wd * p`; `buf = momentum * buf + g`;
+    /// step along `g + momentum * buf` (Nesterov) or `buf`; no dampening. With
+    /// `momentum == 0` there is no state.
+    Sgd {
+        /// Momentum factor (0 disables momentum).
+        momentum: f32,
+        /// L2 penalty added to the gradient.
+        weight_decay: f32,
+        /// Use Nesterov momentum.
+        nesterov: bool,
+    },
+    /// AdamW (Loshchilov & Hutter): decoupled weight decay `p *= 1 - lr * wd`, then Adam with
+    /// bias-corrected moments: `p -= lr * m_hat / (sqrt(v_hat) + eps)`.
+    AdamW {
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Denominator stabiliser.
+        eps: f32,
+        /// Decoupled weight decay.
+        weight_decay: f32,
+    },
+}
+
+/// Optimizer state: moment vectors plus the number of steps taken.
+#[derive(Debug, Clone)]
+pub struct Optimizer {
+    spec: OptimizerSpec,
+    num_params: usize,
+    /// SGD with momentum: `[momentum]`; AdamW: `[exp_avg, exp_avg_sq]`; SGD without: `[]`.
+    state: Vec<Vec<f32>>,
+    steps: u64,
+}
+
+impl Optimizer {
+    /// Fresh optimizer (zero moments, zero steps) for `num_params` parameters.
+    pub fn new(spec: &OptimizerSpec, num_params: usize) -> Self {
+        let vectors = match spec {
+            OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => 0,
+            OptimizerSpec::Sgd { .. } => 1,
+            OptimizerSpec::AdamW { .. } => 2,
+        };
+        Optimizer {
+            spec: spec.clone(),
+            num_params,
+            state: vec![vec![0.0; num_params]; vectors],
+            steps: 0,
+        }
+    }
+
+    /// The optimizer's spec.
+    pub fn spec(&self) -> &OptimizerSpec {
+        &self.spec
+    }
+
+    /// Names of the state vectors, in the order of [`Optimizer::state`] (for checkpoints).
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self.state.len() {
+            0 => &[],
+            1 => &["momentum"],
+            _ => &["exp_avg", "exp_avg_sq"],
+        }
+    }
+
+    /// State vectors, each `num_params` long, in canonical parameter order.
+    pub fn state(&self) -> Vec<&[f32]> {
+        self.state.iter().map(|v| v.as_slice()).collect()
+    }
+
+    /// Mutable state vectors (to restore a checkpoint).
+    pub fn state_mut(&mut self) -> Vec<&mut [f32]> {
+        self.state.iter_mut().map(|v| v.as_mut_slice()).collect()
+    }
+
+    /// Completed steps (AdamW's bias correction uses it).
+    pub fn steps_taken(&self) -> u64 {
+        self.steps
+    }
+
+    /// Sets the step count (to restore a checkpoint).
+    pub fn set_steps_taken(&mut self, steps: u64) {
+        self.steps = steps;
+    }
+
+    /// One full update of all parameters. Panics if `params` or `grad` is not `num_params`
+    /// long: that is a wiring bug of the caller, not a data error.
+    pub fn step(&mut self, params: &mut [f32], grad: &[f32], lr: f32) {
+        assert_eq!(
+            params.len(),
+            self.num_params,
+            "Optimizer::step: params has {} values, optimizer was built for {}",
+            params.len(),
+            self.num_params
+        );
+        self.step_range(0, params, grad, lr);
+        self.finish_step();
+    }
+
+    /// Updates only elements `offset..offset + params.len()` (a shard owned by this rank) with
+    /// the current step count; call [`Optimizer::finish_step`] once after all ranges of a step.
+    /// The result is bitwise the same as a full [`Optimizer::step`] restricted to the range.
+    pub fn step_range(&mut self, offset: usize, params: &mut [f32], grad: &[f32], lr: f32) {
+        assert_eq!(
+            params.len(),
+            grad.len(),
+            "Optimizer::step_range: params has {} values but grad has {}",
+            params.len(),
+            grad.len()
+        );
+        let end = offset + params.len();
+        assert!(
+            end <= self.num_params,
+            "Optimizer::step_range: range {offset}..{end} exceeds the {} parameters",
+            self.num_params
+        );
+        match self.spec.clone() {
+            OptimizerSpec::Sgd {
+                momentum,
+                weight_decay,
+                nesterov,
+            } => {
+                let buf = self.state.first_mut().map(|b| &mut b[offset..end]);
+                sgd(params, grad, buf, lr, momentum, weight_decay, nesterov);
+            }
+            OptimizerSpec::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                let t = self.steps + 1;
+                let bc1 = (1.0 - powi_exact(beta1 as f64, t)) as f32;
+                let bc2 = (1.0 - powi_exact(beta2 as f64, t)) as f32;
+                let (m, v) = self.state.split_at_mut(1);
+                let hp = AdamParams {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    bc1,
+                    bc2,
+                };
+                adamw(
+                    params,
+                    grad,
+                    &mut m[0][offset..end],
+                    &mut v[0][offset..end],
+                    &hp,
+                );
+            }
+        }
+    }
+
+    /// Counts one completed step (after all [`Optimizer::step_range`] calls of that step).
+    pub fn finish_step(&mut self) {
+        self.steps += 1;
+    }
+}
+
+fn sgd(
+    params: &mut [f32],
+    grad: &[f32],
+    buf: Option<&mut [f32]>,
+    lr: f32,
+    momentum: f32,
+    weight_decay: f32,
+    nesterov: bool,
+) {
+    match buf {
+        None => {
+            for (p, &g) in params.iter_mut().zip(grad) {
+                let g = if weight_decay != 0.0 {
+                    g + weight_decay * *p
+                } else {
+                    g
+                };
+                *p -= lr * g;
+            }
+        }
+        Some(buf) => {
+            for ((p, &g), b) in params.iter_mut().zip(grad).zip(buf.iter_mut()) {
+                let g = if weight_decay != 0.0 {
+                    g + weight_decay * *p
+                } else {
+                    g
+                };
+                // A zero buffer makes the first step buf = g, as in PyTorch.
+                *b = momentum * *b + g;
+                let d = if nesterov { g + momentum * *b } else { *b };
+                *p -= lr * d;
+            }
+        }
+    }
+}
+
+struct AdamParams {
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    bc1: f32,
+    bc2: f32,
+}
+
+fn adamw(params: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], hp: &AdamParams) {
+    let decay = 1.0 - hp.lr * hp.weight_decay;
+    let (one_m_b1, one_m_b2) = (1.0 - hp.beta1, 1.0 - hp.beta2);
+    for (((p, &g), m), v) in params.iter_mut().zip(grad).zip(m).zip(v) {
+        *p *= decay;
+        *m = hp.beta1 * *m + one_m_b1 * g;
+        *v = hp.beta2 * *v + one_m_b2 * (g * g);
+        let m_hat = *m / hp.bc1;
+        let v_hat = *v / hp.bc2;
+        *p -= hp.lr * (m_hat / (v_hat.sqrt() + hp.eps));
+    }
+}
+
+/// `base^exp` by repeated squaring: only IEEE multiplications, so unlike `powf`/`powi` (libm
+/// or compiler-dependent) it gives the same bits everywhere.
+fn powi_exact(base: f64, mut exp: u64) -> f64 {
+    let (mut acc, mut b) = (1.0f64, base);
+    while exp > 0 {
+        if exp & 1 == 1 {
+            acc *= b;
+        }
+        b *= b;
+        exp >>= 1;
+    }
+    acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::powi_exact;
+
+    #[test]
+    fn powi_exact_matches_closed_form() {
+        assert_eq!(powi_exact(0.5, 10), 1.0 / 1024.0);
+        assert_eq!(powi_exact(3.0, 0), 1.0);
+        assert!((powi_exact(0.999, 1000) - 0.999f64.powf(1000.0)).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,158 @@
+//! Flat-parameter views of a [`Net`]: layout, read, write and gradient extraction.
+//!
+//! All four walk the module with burn's visitor/mapper, whose order is the `#[derive(Module)]`
+//! declaration order, so they agree by construction. Nothing here keys anything by `ParamId`:
+//! ids are random per process, while names and positions are the same on every rank.
+
+use crate::net::Net;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{Device, Gradients, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+/// Where one parameter tensor lives in the flat vector.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamInfo {
+    /// Dotted module path, e.g. `layers.0.weight` or `convs.1.bias`.
+    pub name: String,
+    /// Tensor shape (linear weights `[in, out]`, conv weights `[out, in, 3, 3]`).
+    pub shape: Vec<usize>,
+    /// First element in the flat vector.
+    pub offset: usize,
+    /// Number of elements (product of `shape`).
+    pub len: usize,
+}
+
+/// Collects names and shapes, tracking the module path entered so far.
+struct LayoutVisitor {
+    path: Vec<String>,
+    out: Vec<ParamInfo>,
+    offset: usize,
+}
+
+impl ModuleVisitor for LayoutVisitor {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let shape = param.val().dims().to_vec();
+        let len = shape.iter().product();
+        self.out.push(ParamInfo {
+            name: self.path.join("."),
+            shape,
+            offset: self.offset,
+            len,
+        });
+        self.offset += len;
+    }
+}
+
+pub(crate) fn layout(net: &Net) -> Vec<ParamInfo> {
+    let mut v = LayoutVisitor {
+        path: Vec::new(),
+        out: Vec::new(),
+        offset: 0,
+    };
+    net.visit(&mut v);
+    v.out
+}
+
+/// Appends every parameter's values in canonical order.
+struct ReadVisitor {
+    out: Vec<f32>,
+}
+
+impl ModuleVisitor for ReadVisitor {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let data = param.val().into_data();
+        self.out.extend_from_slice(f32_slice(&data));
+    }
+}
+
+pub(crate) fn read(net: &Net, num_params: usize) -> Vec<f32> {
+    let mut v = ReadVisitor {
+        out: Vec::with_capacity(num_params),
+    };
+    net.visit(&mut v);
+    v.out
+}
+
+/// Replaces every parameter with the next slice of a flat vector (length checked by the
+/// caller). The new tensors are fresh autodiff leaves that require gradients; parameter ids are
+/// kept so that the module stays the same module.
+struct WriteMapper<'a> {
+    src: &'a [f32],
+    offset: usize,
+    device: &'a Device,
+}
+
+impl ModuleMapper for WriteMapper<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let device = self.device;
+        let src = self.src;
+        let offset = &mut self.offset;
+        param.map(|old| {
+            let dims = old.dims();
+            let len: usize = dims.iter().product();
+            let values = src[*offset..*offset + len].to_vec();
+            *offset += len;
+            Tensor::from_data(TensorData::new(values, dims), device).require_grad()
+        })
+    }
+}
+
+pub(crate) fn write(net: Net, src: &[f32], device: &Device) -> Net {
+    let mut m = WriteMapper {
+        src,
+        offset: 0,
+        device,
+    };
+    let net = net.map(&mut m);
+    debug_assert_eq!(m.offset, src.len());
+    net
+}
+
+/// Copies each parameter's gradient into its slot of `out`.
+struct GradVisitor<'a> {
+    grads: &'a mut Gradients,
+    out: &'a mut [f32],
+    offset: usize,
+}
+
+impl ModuleVisitor for GradVisitor<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        let len: usize = value.dims().iter().product();
+        let slot = &mut self.out[self.offset..self.offset + len];
+        // Removing (not cloning) leaves the gradient buffer uniquely owned, so reading it out
+        // moves the buffer instead of copying it first.
+        match value.grad_remove(self.grads) {
+            Some(grad) => slot.copy_from_slice(f32_slice(&grad.into_data())),
+            // A parameter the loss does not depend on has a zero gradient; every parameter of
+            // our nets is used, so this arm only keeps the output well defined.
+            None => slot.fill(0.0),
+        }
+        self.offset += len;
+    }
+}
+
+pub(crate) fn read_grads(net: &Net, mut grads: Gradients, out: &mut [f32]) {
+    let mut v = GradVisitor {
+        grads: &mut grads,
+        out,
+        offset: 0,
+    };
+    net.visit(&mut v);
+    debug_assert_eq!(v.offset, v.out.len());
+}
+
+/// The f32 contents of tensor data. Every tensor of this crate is created as f32, so another
+/// dtype here is a programming error, not an input error.
+pub(crate) fn f32_slice(data: &TensorData) -> &[f32] {
+    data.as_slice::<f32>()
+        .expect("lockstep-model tensors are f32 by construction")
+}

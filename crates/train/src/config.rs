@@ -1,0 +1,383 @@
+//! The training configuration: TOML with a default for every field, `--set key=value` overrides,
+//! and validation up front with errors that name the field.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Errors in a configuration file or override; each names the field (or file) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{origin}: {message}")]
+    Parse { origin: String, message: String },
+    #[error("override `{0}` must look like key=value (e.g. train.steps=20)")]
+    BadOverride(String),
+    #[error("override `{key}`: `{part}` is not a table in the config")]
+    OverridePath { key: String, part: String },
+    #[error("invalid config: {field}: {message}")]
+    Invalid { field: &'static str, message: String },
+}
+
+fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field, message: message.into() }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainSection,
+    pub optimizer: OptimizerConfig,
+    pub dist: DistConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// "mlp" or "cnn".
+    pub kind: String,
+    /// Hidden layer widths of the MLP.
+    pub hidden: Vec<usize>,
+    /// Output channels of each 3×3 conv (+ReLU, +2×2 max-pool) of the CNN.
+    pub conv: Vec<usize>,
+    /// Width of the CNN's fully connected hidden layer.
+    pub cnn_hidden: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// "digits" (embedded), "fashion-mnist" or "mnist" (IDX files under `dir`).
+    pub dataset: String,
+    /// Where the files are; empty = the dataset's default location.
+    pub dir: String,
+    /// Held-out fraction for datasets without an official test split (digits).
+    pub test_fraction: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSection {
+    /// Optimizer steps; 0 = derive from `epochs`.
+    pub steps: u64,
+    /// Used when `steps` = 0.
+    pub epochs: u64,
+    /// Samples per optimizer step, over all workers together. Fixed whatever the world size.
+    pub global_batch: usize,
+    /// Samples per micro-batch: the unit of work whose composition never depends on the world size.
+    pub microbatch: usize,
+    pub lr: f32,
+    pub min_lr: f32,
+    pub warmup_steps: u64,
+    pub seed: u64,
+    /// Evaluate on the test set every this many steps (0 = only at the end).
+    pub eval_every: u64,
+    /// Progress line every this many steps.
+    pub log_every: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    /// "sgd" or "adamw".
+    pub kind: String,
+    pub momentum: f32,
+    pub nesterov: bool,
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// Exact, order-independent gradient sum: same bits for any world size. Off = plain f32 ring sum
+    /// (deterministic run to run at a fixed world size only).
+    pub reproducible: bool,
+    /// Gradient values per all-reduce bucket (and per shared exponent in reproducible mode).
+    pub bucket_elems: usize,
+    /// Seconds any collective may wait for a peer before failing with the peer's name.
+    pub timeout_secs: f64,
+    /// "auto" (shared memory when all ranks share a host, else TCP), "shm" or "tcp".
+    pub transport: String,
+    /// "auto", "ring" or "recursive-doubling".
+    pub algorithm: String,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            model: ModelConfig::default(),
+            data: DataConfig::default(),
+            train: TrainSection::default(),
+            optimizer: OptimizerConfig::default(),
+            dist: DistConfig::default(),
+        }
+    }
+}
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self { kind: "mlp".into(), hidden: vec![128, 64], conv: vec![16, 32], cnn_hidden: 64 }
+    }
+}
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self { dataset: "digits".into(), dir: String::new(), test_fraction: 0.2 }
+    }
+}
+impl Default for TrainSection {
+    fn default() -> Self {
+        Self {
+            steps: 300,
+            epochs: 0,
+            global_batch: 64,
+            microbatch: 16,
+            lr: 0.1,
+            min_lr: 0.001,
+            warmup_steps: 20,
+            seed: 42,
+            eval_every: 100,
+            log_every: 10,
+        }
+    }
+}
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            kind: "sgd".into(),
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+}
+impl Default for DistConfig {
+    fn default() -> Self {
+        Self {
+            reproducible: true,
+            bucket_elems: 1 << 16,
+            timeout_secs: 60.0,
+            transport: "auto".into(),
+            algorithm: "auto".into(),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Load `path` (or the built-in defaults when `None`), apply `key=value` overrides, validate.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
+        let (text, origin) = match path {
+            Some(p) => (
+                std::fs::read_to_string(p)
+                    .map_err(|source| ConfigError::Read { path: p.to_path_buf(), source })?,
+                p.display().to_string(),
+            ),
+            None => (String::new(), "built-in defaults".to_string()),
+        };
+        Self::from_toml_str(&text, &origin, overrides)
+    }
+
+    pub fn from_toml_str(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
+        let mut table: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| ConfigError::Parse { origin: origin.into(), message: e.to_string() })?;
+        for o in overrides {
+            apply_override(&mut table, o)?;
+        }
+        let cfg: TrainConfig = toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| {
+            let origin = if overrides.is_empty() { origin.to_string() } else { format!("{origin} with --set overrides") };
+            ConfigError::Parse { origin, message: e.to_string().trim().to_string() }
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The resolved configuration as TOML (written into the run directory).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("config serialises")
+    }
+
+    /// SHA-256 of the resolved config: identifies "the same run" (checkpoints, reports).
+    pub fn hash_hex(&self) -> String {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(self.to_toml().as_bytes()))
+    }
+
+    /// Number of micro-batches in each global batch.
+    pub fn microbatches_per_step(&self) -> usize {
+        self.train.global_batch / self.train.microbatch
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let t = &self.train;
+        match self.model.kind.as_str() {
+            "mlp" | "cnn" => {}
+            other => return Err(invalid("model.kind", format!("`{other}` is not one of \"mlp\", \"cnn\""))),
+        }
+        if self.model.kind == "cnn" && self.model.conv.is_empty() {
+            return Err(invalid("model.conv", "a CNN needs at least one conv layer"));
+        }
+        if self.model.hidden.iter().any(|&h| h == 0) {
+            return Err(invalid("model.hidden", "layer widths must be ≥ 1"));
+        }
+        match self.data.dataset.as_str() {
+            "digits" | "fashion-mnist" | "mnist" => {}
+            other => {
+                return Err(invalid(
+                    "data.dataset",
+                    format!("`{other}` is not one of \"digits\", \"fashion-mnist\", \"mnist\""),
+                ))
+            }
+        }
+        if self.data.dataset == "mnist" && self.data.dir.is_empty() {
+            return Err(invalid("data.dir", "dataset \"mnist\" needs data.dir: the folder holding its IDX files"));
+        }
+        if !(0.0 < self.data.test_fraction && self.data.test_fraction < 1.0) {
+            return Err(invalid("data.test_fraction", format!("{} is not in (0, 1)", self.data.test_fraction)));
+        }
+        if t.steps == 0 && t.epochs == 0 {
+            return Err(invalid("train.steps", "set train.steps or train.epochs to at least 1"));
+        }
+        if t.global_batch == 0 {
+            return Err(invalid("train.global_batch", "must be ≥ 1"));
+        }
+        if t.microbatch == 0 || t.microbatch > t.global_batch || t.global_batch % t.microbatch != 0 {
+            return Err(invalid(
+                "train.microbatch",
+                format!("{} must be ≥ 1 and divide train.global_batch = {}", t.microbatch, t.global_batch),
+            ));
+        }
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return Err(invalid("train.lr", format!("{} must be a positive number", t.lr)));
+        }
+        if !(t.min_lr.is_finite() && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
+            return Err(invalid("train.min_lr", format!("{} must be in [0, train.lr]", t.min_lr)));
+        }
+        if t.log_every == 0 {
+            return Err(invalid("train.log_every", "must be ≥ 1"));
+        }
+        let o = &self.optimizer;
+        match o.kind.as_str() {
+            "sgd" | "adamw" => {}
+            other => return Err(invalid("optimizer.kind", format!("`{other}` is not one of \"sgd\", \"adamw\""))),
+        }
+        if !(0.0..1.0).contains(&o.momentum) {
+            return Err(invalid("optimizer.momentum", format!("{} is not in [0, 1)", o.momentum)));
+        }
+        if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
+            return Err(invalid("optimizer.beta1", "beta1 and beta2 must be in [0, 1)"));
+        }
+        if !(o.eps > 0.0) {
+            return Err(invalid("optimizer.eps", "must be > 0"));
+        }
+        if !(o.weight_decay >= 0.0) {
+            return Err(invalid("optimizer.weight_decay", "must be ≥ 0"));
+        }
+        let d = &self.dist;
+        if d.bucket_elems == 0 {
+            return Err(invalid("dist.bucket_elems", "must be ≥ 1"));
+        }
+        if !(d.timeout_secs.is_finite() && d.timeout_secs > 0.0) {
+            return Err(invalid("dist.timeout_secs", format!("{} must be a positive number of seconds", d.timeout_secs)));
+        }
+        match d.transport.as_str() {
+            "auto" | "shm" | "tcp" => {}
+            other => return Err(invalid("dist.transport", format!("`{other}` is not one of \"auto\", \"shm\", \"tcp\""))),
+        }
+        match d.algorithm.as_str() {
+            "auto" | "ring" | "recursive-doubling" => {}
+            other => {
+                return Err(invalid(
+                    "dist.algorithm",
+                    format!("`{other}` is not one of \"auto\", \"ring\", \"recursive-doubling\""),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Apply `a.b.c=value` to a TOML table. The value is parsed as a TOML value when it is one
+/// (numbers, booleans, arrays, quoted strings) and taken as a bare string otherwise.
+fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError> {
+    let (key, raw) = spec.split_once('=').ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
+    let key = key.trim();
+    if key.is_empty() {
+        return Err(ConfigError::BadOverride(spec.to_string()));
+    }
+    let value = parse_value(raw.trim());
+    let parts: Vec<&str> = key.split('.').collect();
+    let mut cur = table;
+    for part in &parts[..parts.len() - 1] {
+        let entry = cur.entry(part.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = entry.as_table_mut().ok_or_else(|| ConfigError::OverridePath {
+            key: key.to_string(),
+            part: part.to_string(),
+        })?;
+    }
+    cur.insert(parts[parts.len() - 1].to_string(), value);
+    Ok(())
+}
+
+fn parse_value(raw: &str) -> toml::Value {
+    let doc = format!("v = {raw}");
+    match doc.parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").expect("parsed key"),
+        Err(_) => toml::Value::String(raw.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = TrainConfig::load(None, &[]).unwrap();
+        assert_eq!(c, TrainConfig::default());
+        let again = TrainConfig::from_toml_str(&c.to_toml(), "resolved", &[]).unwrap();
+        assert_eq!(again, c);
+        assert_eq!(c.hash_hex(), again.hash_hex());
+    }
+
+    #[test]
+    fn overrides_apply_with_types() {
+        let c = TrainConfig::from_toml_str(
+            "[train]\nsteps = 5\n",
+            "t.toml",
+            &["train.steps=20".into(), "train.lr=0.5".into(), "model.hidden=[32]".into(), "optimizer.kind=adamw".into()],
+        )
+        .unwrap();
+        assert_eq!(c.train.steps, 20);
+        assert_eq!(c.train.lr, 0.5);
+        assert_eq!(c.model.hidden, vec![32]);
+        assert_eq!(c.optimizer.kind, "adamw");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = TrainConfig::from_toml_str("", "x", &["train.microbatch=7".into()]).unwrap_err().to_string();
+        assert!(e.contains("train.microbatch"), "{e}");
+        let e = TrainConfig::from_toml_str("[train]\nstepz = 3\n", "bad.toml", &[]).unwrap_err().to_string();
+        assert!(e.contains("stepz") && e.contains("bad.toml"), "{e}");
+        let e = TrainConfig::from_toml_str("[train]\nsteps = \"many\"\n", "bad.toml", &[]).unwrap_err().to_string();
+        assert!(e.contains("steps"), "{e}");
+        let e = TrainConfig::from_toml_str("", "x", &["dist.transport=carrier-pigeon".into()]).unwrap_err().to_string();
+        assert!(e.contains("dist.transport") && e.contains("carrier-pigeon"), "{e}");
+        let e = TrainConfig::from_toml_str("", "x", &["train.lr=-1".into()]).unwrap_err().to_string();
+        assert!(e.contains("train.lr"), "{e}");
+        let e = TrainConfig::from_toml_str("", "x", &["nonsense".into()]).unwrap_err().to_string();
+        assert!(e.contains("key=value"), "{e}");
+        let e = TrainConfig::from_toml_str("", "x", &["train.steps.x=1".into()]).unwrap_err().to_string();
+        assert!(e.contains("train.steps"), "{e}");
+        let e = TrainConfig::from_toml_str("[train\n", "broken.toml", &[]).unwrap_err().to_string();
+        assert!(e.contains("broken.toml"), "{e}");
+    }
+}

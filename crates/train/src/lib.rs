@@ -1,0 +1,14 @@
+//! lockstep-train: data-parallel training applied from outside to single-device models.
+//!
+//! Invariant: nothing here reads argv or environment variables; the CLI resolves those and passes
+//! a [`TrainConfig`] and a ready [`lockstep_comm::Communicator`].
+
+pub mod config;
+pub mod datasets;
+pub mod grad_sync;
+pub mod metrics;
+pub mod trainer;
+
+pub use config::{ConfigError, TrainConfig};
+pub use metrics::{StepRecord, Summary};
+pub use trainer::{train, Progress, TrainError, WorkerContext};

@@ -1,0 +1,190 @@
+//! What a run records: one [`StepRecord`] per rank per step (→ `metrics.jsonl`) and the run's
+//! [`Summary`] (→ `summary.json`).
+
+use serde::{Deserialize, Serialize};
+
+/// Seconds one rank spent in each phase of one step.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct PhaseSeconds {
+    /// Gathering the micro-batches' samples.
+    pub data: f64,
+    pub forward: f64,
+    pub backward: f64,
+    /// Moving and reducing gradients, after the slowest rank arrived.
+    pub communication: f64,
+    /// Blocked in the first collective of the step, waiting for slower ranks (load imbalance).
+    pub waiting: f64,
+    pub optimizer: f64,
+    /// Communication hidden behind computation (0 unless gradients stream out during backward).
+    pub overlapped_communication: f64,
+}
+
+impl PhaseSeconds {
+    pub fn compute(&self) -> f64 {
+        self.forward + self.backward
+    }
+    pub fn add(&mut self, o: &PhaseSeconds) {
+        self.data += o.data;
+        self.forward += o.forward;
+        self.backward += o.backward;
+        self.communication += o.communication;
+        self.waiting += o.waiting;
+        self.optimizer += o.optimizer;
+        self.overlapped_communication += o.overlapped_communication;
+    }
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StepRecord {
+    pub rank: usize,
+    pub step: u64,
+    /// Mean training loss over the global batch (the same on every rank).
+    pub loss: f64,
+    pub lr: f32,
+    /// Samples this rank computed in this step.
+    pub samples: usize,
+    /// Global-batch samples per second of wall time for this step.
+    pub samples_per_sec: f64,
+    pub step_seconds: f64,
+    pub seconds: PhaseSeconds,
+    /// Payload bytes this rank sent in this step.
+    pub bytes_sent: u64,
+    /// Test-set evaluation, on the steps where one ran.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub eval: Option<Eval>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct Eval {
+    pub test_loss: f64,
+    pub test_accuracy: f64,
+}
+
+/// Per-rank totals in `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RankSummary {
+    pub rank: usize,
+    pub host: String,
+    pub samples: u64,
+    pub compute_seconds: f64,
+    pub communication_seconds: f64,
+    pub waiting_seconds: f64,
+    pub data_seconds: f64,
+    pub optimizer_seconds: f64,
+    pub overlapped_communication_seconds: f64,
+    pub bytes_sent: u64,
+    pub step_seconds_mean: f64,
+    pub step_seconds_max: f64,
+}
+
+/// `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Summary {
+    pub world_size: usize,
+    pub steps: u64,
+    pub global_batch: usize,
+    pub microbatch: usize,
+    pub reproducible: bool,
+    pub transport: String,
+    pub final_loss: f64,
+    pub test_loss: f64,
+    pub test_accuracy: f64,
+    /// SHA-256 (hex) of all parameters, little-endian f32, canonical order.
+    pub param_hash: String,
+    pub config_hash: String,
+    pub wall_seconds: f64,
+    pub samples_per_sec: f64,
+    /// max / mean of per-rank compute seconds (1.0 = perfectly balanced).
+    pub imbalance: f64,
+    /// Rank with the most compute time, when imbalance is notable (> 1.10).
+    pub straggler: Option<usize>,
+    pub bytes_sent_total: u64,
+    /// Fraction of the summed step time of all ranks spent communicating or waiting.
+    pub communication_fraction: f64,
+    pub evals: Vec<(u64, Eval)>,
+    pub ranks: Vec<RankSummary>,
+}
+
+/// Build the per-rank totals and the balance figures from every rank's records.
+pub fn rank_summaries(records: &[StepRecord], hosts: &[String]) -> Vec<RankSummary> {
+    let world = hosts.len();
+    (0..world)
+        .map(|r| {
+            let mine: Vec<&StepRecord> = records.iter().filter(|s| s.rank == r).collect();
+            let mut total = PhaseSeconds::default();
+            let mut step_max = 0f64;
+            let mut step_sum = 0f64;
+            for s in &mine {
+                total.add(&s.seconds);
+                step_max = step_max.max(s.step_seconds);
+                step_sum += s.step_seconds;
+            }
+            RankSummary {
+                rank: r,
+                host: hosts[r].clone(),
+                samples: mine.iter().map(|s| s.samples as u64).sum(),
+                compute_seconds: total.compute(),
+                communication_seconds: total.communication,
+                waiting_seconds: total.waiting,
+                data_seconds: total.data,
+                optimizer_seconds: total.optimizer,
+                overlapped_communication_seconds: total.overlapped_communication,
+                bytes_sent: mine.iter().map(|s| s.bytes_sent).sum(),
+                step_seconds_mean: if mine.is_empty() { 0.0 } else { step_sum / mine.len() as f64 },
+                step_seconds_max: step_max,
+            }
+        })
+        .collect()
+}
+
+/// `(imbalance, straggler)`: max/mean compute seconds, and the slowest rank if it is >10% above the mean.
+pub fn imbalance(ranks: &[RankSummary]) -> (f64, Option<usize>) {
+    if ranks.is_empty() {
+        return (1.0, None);
+    }
+    let mean = ranks.iter().map(|r| r.compute_seconds).sum::<f64>() / ranks.len() as f64;
+    let (slowest, max) = ranks
+        .iter()
+        .map(|r| (r.rank, r.compute_seconds))
+        .fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
+    if mean <= 0.0 {
+        return (1.0, None);
+    }
+    let ratio = max / mean;
+    (ratio, if ratio > 1.10 && ranks.len() > 1 { Some(slowest) } else { None })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(rank: usize, compute: f64) -> StepRecord {
+        StepRecord {
+            rank,
+            step: 0,
+            loss: 1.0,
+            lr: 0.1,
+            samples: 8,
+            samples_per_sec: 1.0,
+            step_seconds: compute + 0.5,
+            seconds: PhaseSeconds { forward: compute / 2.0, backward: compute / 2.0, communication: 0.5, ..Default::default() },
+            bytes_sent: 10,
+            eval: None,
+        }
+    }
+
+    #[test]
+    fn imbalance_names_the_straggler() {
+        let records = vec![rec(0, 1.0), rec(1, 1.0), rec(2, 2.0), rec(0, 1.0), rec(1, 1.0), rec(2, 2.0)];
+        let hosts = vec!["h".to_string(); 3];
+        let ranks = rank_summaries(&records, &hosts);
+        assert_eq!(ranks[2].compute_seconds, 4.0);
+        assert_eq!(ranks[0].bytes_sent, 20);
+        let (ratio, straggler) = imbalance(&ranks);
+        assert!((ratio - 1.5).abs() < 1e-12);
+        assert_eq!(straggler, Some(2));
+        let balanced = rank_summaries(&[rec(0, 1.0), rec(1, 1.02)], &hosts[..2]);
+        assert_eq!(imbalance(&balanced).1, None);
+    }
+}

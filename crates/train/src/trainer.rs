@@ -1,0 +1,324 @@
+//! The data-parallel training loop, run by every rank.
+//!
+//! Per step: the global batch (a function of seed and step only) is cut into fixed micro-batches;
+//! this rank computes the gradients of its contiguous share of them; [`GradSync`] combines all
+//! micro-batch gradients; every rank applies the same optimizer update to the same parameters, so
+//! replicas never drift (checked at the end by comparing parameter hashes across ranks).
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use lockstep_comm::exact::ExactError;
+use lockstep_comm::{CommError, Communicator, ReduceOp};
+use lockstep_data::{assign, microbatches, Dataset, Sampler};
+use lockstep_model::{param_hash, LrSchedule, Model, ModelSpec, Optimizer, OptimizerSpec};
+
+use crate::config::TrainConfig;
+use crate::grad_sync::GradSync;
+use crate::metrics::{imbalance, rank_summaries, Eval, PhaseSeconds, StepRecord, Summary};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error("gradient synchronisation at step {step}: {source}")]
+    Sync { step: u64, source: ExactError },
+    #[error("data: {0}")]
+    Data(#[from] lockstep_data::DataError),
+    #[error("model: {0}")]
+    Model(#[from] lockstep_model::ModelError),
+    #[error("model structure differs between ranks: rank {rank} has {theirs}, rank 0 has {ours} (same config and binary on every worker?)")]
+    ModelMismatch { rank: usize, theirs: String, ours: String },
+    #[error("replicas diverged: rank {rank} ended with parameter hash {theirs}, rank 0 with {ours}")]
+    Diverged { rank: usize, theirs: String, ours: String },
+    #[error("dataset `{dataset}` has {have} training samples, fewer than one global batch ({need})")]
+    TooSmall { dataset: String, have: usize, need: usize },
+    #[error("writing {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+}
+
+/// A progress report for the terminal (rank 0 only).
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    pub step: u64,
+    pub total_steps: u64,
+    pub loss: f64,
+    pub samples_per_sec: f64,
+    pub eta_seconds: f64,
+}
+
+/// Everything the loop needs that is not in the config.
+pub struct WorkerContext<'a> {
+    pub comm: &'a mut Communicator,
+    /// Host name of this rank (for the summary).
+    pub host: String,
+    /// Run directory; only rank 0 writes to it.
+    pub out_dir: &'a Path,
+    pub on_progress: &'a mut dyn FnMut(Progress),
+}
+
+pub fn model_spec(cfg: &TrainConfig, data: &Dataset) -> ModelSpec {
+    let [c, h, w] = data.shape;
+    match cfg.model.kind.as_str() {
+        "cnn" => ModelSpec::Cnn {
+            channels: c,
+            height: h,
+            width: w,
+            conv: cfg.model.conv.clone(),
+            hidden: cfg.model.cnn_hidden,
+            classes: data.classes,
+        },
+        _ => ModelSpec::Mlp { input: c * h * w, hidden: cfg.model.hidden.clone(), classes: data.classes },
+    }
+}
+
+pub fn optimizer_spec(cfg: &TrainConfig) -> OptimizerSpec {
+    let o = &cfg.optimizer;
+    match o.kind.as_str() {
+        "adamw" => OptimizerSpec::AdamW { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay },
+        _ => OptimizerSpec::Sgd { momentum: o.momentum, weight_decay: o.weight_decay, nesterov: o.nesterov },
+    }
+}
+
+/// Train according to `cfg` as one rank of `ctx.comm`. Returns the summary (complete on rank 0;
+/// other ranks return it too, with the same global figures).
+pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, TrainError> {
+    let WorkerContext { comm, host, out_dir, on_progress } = ctx;
+    let started = Instant::now();
+    let (rank, world) = (comm.rank(), comm.size());
+    let t = &cfg.train;
+
+    let (train_set, test_set) = crate::datasets::load(&cfg.data, t.seed)?;
+    if train_set.len() < t.global_batch {
+        return Err(TrainError::TooSmall {
+            dataset: train_set.name.clone(),
+            have: train_set.len(),
+            need: t.global_batch,
+        });
+    }
+    let sampler = Sampler::new(train_set.len(), t.global_batch, t.seed)?;
+    let total_steps = if t.steps > 0 { t.steps } else { t.epochs * sampler.steps_per_epoch() as u64 };
+    let n_micro = cfg.microbatches_per_step();
+
+    let mut model = Model::new(&model_spec(cfg, &train_set), t.seed)?;
+    check_same_structure(comm, &model)?;
+    let mut params = model.params_flat();
+    comm.broadcast(&mut params, 0)?;
+    model.set_params_flat(&params)?;
+
+    let mut optimizer = Optimizer::new(&optimizer_spec(cfg), params.len());
+    let schedule = LrSchedule { base_lr: t.lr, warmup_steps: t.warmup_steps, total_steps, min_lr: t.min_lr };
+    let mut sync = GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems);
+
+    let my_micro = assign(n_micro, world, rank);
+    let mut grads: Vec<Vec<f32>> = vec![vec![0f32; params.len()]; my_micro.len()];
+    let mut total_grad = vec![0f32; params.len()];
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let scale = 1.0 / t.global_batch as f32;
+    let mut records = Vec::with_capacity(total_steps as usize);
+    let mut last_loss = f64::NAN;
+    let mut evals = Vec::new();
+
+    for step in 0..total_steps {
+        let step_start = Instant::now();
+        let bytes_before = comm.stats().bytes_sent;
+        let mut sec = PhaseSeconds::default();
+        let batch = sampler.global_batch(step);
+        let pieces = microbatches(&batch, t.microbatch);
+        let mut losses = Vec::with_capacity(my_micro.len());
+        for (slot, k) in my_micro.clone().enumerate() {
+            let t0 = Instant::now();
+            train_set.gather(pieces[k], &mut x, &mut y);
+            let t1 = Instant::now();
+            let timed = model.loss_and_grad_timed(&x, &y, pieces[k].len(), scale, &mut grads[slot])?;
+            sec.data += (t1 - t0).as_secs_f64();
+            sec.forward += timed.forward_seconds;
+            sec.backward += timed.backward_seconds;
+            losses.push(timed.loss);
+        }
+        let grad_refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
+        let (loss, timing) = sync
+            .sync(comm, &grad_refs, &losses, n_micro, &mut total_grad)
+            .map_err(|source| match source {
+                ExactError::Comm(c) => TrainError::Comm(c),
+                other => TrainError::Sync { step, source: other },
+            })?;
+        sec.waiting = timing.waiting;
+        sec.communication = timing.communication;
+
+        let t0 = Instant::now();
+        let lr = schedule.lr(step);
+        optimizer.step(&mut params, &total_grad, lr);
+        model.set_params_flat(&params)?;
+        sec.optimizer = t0.elapsed().as_secs_f64();
+
+        let eval = if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) || step + 1 == total_steps {
+            let e = evaluate(comm, &model, &test_set)?;
+            evals.push((step + 1, e));
+            Some(e)
+        } else {
+            None
+        };
+        let step_seconds = step_start.elapsed().as_secs_f64();
+        last_loss = loss;
+        records.push(StepRecord {
+            rank,
+            step,
+            loss,
+            lr,
+            samples: my_micro.len() * t.microbatch,
+            samples_per_sec: t.global_batch as f64 / step_seconds,
+            step_seconds,
+            seconds: sec,
+            bytes_sent: comm.stats().bytes_sent - bytes_before,
+            eval,
+        });
+        if rank == 0 && ((step + 1) % t.log_every == 0 || step + 1 == total_steps) {
+            let elapsed = started.elapsed().as_secs_f64();
+            let done = (step + 1) as f64;
+            on_progress(Progress {
+                step: step + 1,
+                total_steps,
+                loss,
+                samples_per_sec: done * t.global_batch as f64 / elapsed,
+                eta_seconds: elapsed / done * (total_steps as f64 - done),
+            });
+        }
+    }
+
+    let hash = param_hash(&params);
+    check_same_hash(comm, &hash)?;
+    let all_records = gather_records(comm, &records)?;
+    let hosts = gather_strings(comm, &host)?;
+    let wall_seconds = started.elapsed().as_secs_f64();
+
+    let ranks = rank_summaries(&all_records, &hosts);
+    let (imb, straggler) = imbalance(&ranks);
+    let step_total: f64 = all_records.iter().map(|r| r.step_seconds).sum();
+    let comm_total: f64 = all_records.iter().map(|r| r.seconds.communication + r.seconds.waiting).sum();
+    let (test_loss, test_accuracy) = evals.last().map(|(_, e)| (e.test_loss, e.test_accuracy)).unwrap_or((f64::NAN, f64::NAN));
+    let summary = Summary {
+        world_size: world,
+        steps: total_steps,
+        global_batch: t.global_batch,
+        microbatch: t.microbatch,
+        reproducible: cfg.dist.reproducible,
+        transport: comm.transport_name().to_string(),
+        final_loss: last_loss,
+        test_loss,
+        test_accuracy,
+        param_hash: hash,
+        config_hash: cfg.hash_hex(),
+        wall_seconds,
+        samples_per_sec: (total_steps as f64 * t.global_batch as f64) / wall_seconds,
+        imbalance: imb,
+        straggler,
+        bytes_sent_total: ranks.iter().map(|r| r.bytes_sent).sum(),
+        communication_fraction: if step_total > 0.0 { comm_total / step_total } else { 0.0 },
+        evals,
+        ranks,
+    };
+    if rank == 0 {
+        write_outputs(out_dir, cfg, &all_records, &summary)?;
+    }
+    Ok(summary)
+}
+
+/// Shard the test set over ranks; sum loss and correct counts (exact for counts).
+fn evaluate(comm: &mut Communicator, model: &Model, test: &Dataset) -> Result<Eval, TrainError> {
+    let shard = assign(test.len(), comm.size(), comm.rank());
+    let idx: Vec<u32> = (shard.start as u32..shard.end as u32).collect();
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let mut sums = [0f64; 2];
+    for chunk in idx.chunks(512) {
+        test.gather(chunk, &mut x, &mut y);
+        let (loss, correct) = model.evaluate(&x, &y, chunk.len())?;
+        sums[0] += loss;
+        sums[1] += correct as f64;
+    }
+    comm.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let n = test.len().max(1) as f64;
+    Ok(Eval { test_loss: sums[0] / n, test_accuracy: sums[1] / n })
+}
+
+fn check_same_structure(comm: &mut Communicator, model: &Model) -> Result<(), TrainError> {
+    let mine = model.structure_hash();
+    let mut all = vec![0u8; 32 * comm.size()];
+    comm.all_gather(&mine[..], &mut all)?;
+    let ours = hex::encode(&all[..32]);
+    for (rank, h) in all.chunks(32).enumerate() {
+        if h != &all[..32] {
+            return Err(TrainError::ModelMismatch { rank, theirs: hex::encode(h), ours });
+        }
+    }
+    Ok(())
+}
+
+fn check_same_hash(comm: &mut Communicator, hash_hex: &str) -> Result<(), TrainError> {
+    let hashes = gather_strings(comm, hash_hex)?;
+    for (rank, h) in hashes.iter().enumerate() {
+        if h != &hashes[0] {
+            return Err(TrainError::Diverged { rank, theirs: h.clone(), ours: hashes[0].clone() });
+        }
+    }
+    Ok(())
+}
+
+/// All-gather one variable-length byte string per rank.
+fn gather_bytes(comm: &mut Communicator, mine: &[u8]) -> Result<Vec<Vec<u8>>, TrainError> {
+    let n = comm.size();
+    let mut lens = vec![0i64; n];
+    comm.all_gather(&[mine.len() as i64], &mut lens)?;
+    let max = lens.iter().copied().max().unwrap_or(0) as usize;
+    let mut padded = mine.to_vec();
+    padded.resize(max, 0);
+    let mut all = vec![0u8; max * n];
+    comm.all_gather(&padded, &mut all)?;
+    Ok((0..n).map(|r| all[r * max..r * max + lens[r] as usize].to_vec()).collect())
+}
+
+fn gather_strings(comm: &mut Communicator, mine: &str) -> Result<Vec<String>, TrainError> {
+    Ok(gather_bytes(comm, mine.as_bytes())?
+        .into_iter()
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .collect())
+}
+
+fn gather_records(comm: &mut Communicator, mine: &[StepRecord]) -> Result<Vec<StepRecord>, TrainError> {
+    let bytes = serde_json::to_vec(mine).expect("records serialise");
+    let mut all = Vec::new();
+    for b in gather_bytes(comm, &bytes)? {
+        let recs: Vec<StepRecord> = serde_json::from_slice(&b).expect("records from our own ranks parse");
+        all.extend(recs);
+    }
+    all.sort_by_key(|r| (r.step, r.rank));
+    Ok(all)
+}
+
+fn write_outputs(dir: &Path, cfg: &TrainConfig, records: &[StepRecord], summary: &Summary) -> Result<(), TrainError> {
+    std::fs::create_dir_all(dir).map_err(|source| TrainError::Io { path: dir.display().to_string(), source })?;
+    write_atomic(&dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+    let mut lines = Vec::new();
+    for r in records {
+        serde_json::to_writer(&mut lines, r).expect("record serialises");
+        lines.push(b'\n');
+    }
+    write_atomic(&dir.join("metrics.jsonl"), &lines)?;
+    let mut s = serde_json::to_vec_pretty(summary).expect("summary serialises");
+    s.push(b'\n');
+    write_atomic(&dir.join("summary.json"), &s)?;
+    Ok(())
+}
+
+/// Write to a temporary file in the same directory, fsync, rename: readers see the old file or the
+/// complete new one, never a torn one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    let io = |source| TrainError::Io { path: path.display().to_string(), source };
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(bytes).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)?;
+    Ok(())
+}
