@@ -29,8 +29,16 @@ pub struct LaunchSpec {
     pub store: String,
     pub secret: JobSecret,
     pub job_id: String,
+    /// Compute threads per worker (burn's rayon pool), so N workers don't oversubscribe the cores.
+    pub threads_per_worker: usize,
     /// Extra environment for the workers (e.g. test-only options).
     pub extra_env: Vec<(String, String)>,
+}
+
+/// Default threads per worker: the cores of this host shared among its workers.
+pub fn default_threads(nproc: usize) -> usize {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    (cores / nproc.max(1)).max(1)
 }
 
 enum Event {
@@ -55,6 +63,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
             .env("LOCKSTEP_STORE", &spec.store)
             .env("LOCKSTEP_SECRET", spec.secret.to_hex())
             .env("LOCKSTEP_JOB_ID", &spec.job_id)
+            .env("RAYON_NUM_THREADS", spec.threads_per_worker.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

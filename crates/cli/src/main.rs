@@ -51,6 +51,9 @@ struct TrainArgs {
     /// Worker processes on this node.
     #[arg(long, default_value_t = 2)]
     nproc: usize,
+    /// Compute threads per worker (default: this host's cores / --nproc).
+    #[arg(long)]
+    threads_per_worker: Option<usize>,
     /// Run directory (default: runs/run-<time>).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -122,6 +125,7 @@ fn main() {
         None => cmd_train(TrainArgs {
             config: None,
             nproc: 2,
+            threads_per_worker: None,
             out: None,
             sets: Vec::new(),
             nodes: NodeArgs { nnodes: 1, node_rank: 0, rdzv: None },
@@ -176,13 +180,16 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     std::fs::create_dir_all(&out).with_context(|| format!("creating run directory {}", out.display()))?;
     let resolved = out.join("config.toml");
     lockstep_train::trainer::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
-    let (spec, _server) = launch_spec(&a.nodes, a.nproc, &env, vec![
+    let (mut spec, _server) = launch_spec(&a.nodes, a.nproc, &env, vec![
         "train".into(),
         "--config".into(),
         resolved.display().to_string(),
         "--out".into(),
         out.display().to_string(),
     ])?;
+    if let Some(t) = a.threads_per_worker {
+        spec.threads_per_worker = t.max(1);
+    }
     eprintln!(
         "lockstep: training {} on {} worker(s) ({} node(s)), run directory {}",
         cfg.data.dataset,
@@ -243,7 +250,17 @@ fn launch_spec(
         None
     };
     let extra_env = env.iter().filter(|(k, _)| k.starts_with("LOCKSTEP_TEST_")).map(|(k, v)| (k.clone(), v.clone())).collect();
-    let spec = LaunchSpec { worker_args, nproc, nnodes: nodes.nnodes, node_rank: nodes.node_rank, store, secret, job_id, extra_env };
+    let spec = LaunchSpec {
+        worker_args,
+        nproc,
+        nnodes: nodes.nnodes,
+        node_rank: nodes.node_rank,
+        store,
+        secret,
+        job_id,
+        threads_per_worker: launch::default_threads(nproc),
+        extra_env,
+    };
     Ok((spec, server))
 }
 

@@ -574,6 +574,7 @@ fn assert_broken_afterwards(comm: &mut Communicator) {
 #[test]
 fn a_dead_rank_is_named_by_every_survivor_and_breaks_the_communicator() {
     let sync = Meet::new(3);
+    let survivors_failed = Meet::new(2);
     spmd_raw(3, |t| {
         let mut comm = Communicator::new(Arc::new(t), SHORT);
         comm.set_algorithm(Algorithm::Ring);
@@ -588,8 +589,13 @@ fn a_dead_rank_is_named_by_every_survivor_and_breaks_the_communicator() {
         }
         sync.wait();
         let t0 = Instant::now();
-        let err = expect_op_error(comm.all_reduce(&mut buf, ReduceOp::Sum), "all_reduce");
-        assert!(t0.elapsed() < 2 * SHORT, "took {:?}", t0.elapsed());
+        let res = comm.all_reduce(&mut buf, ReduceOp::Sum);
+        let waited = t0.elapsed();
+        // A survivor that finished must not vanish (and be reported as closed) before the other
+        // has met the dead rank itself.
+        survivors_failed.wait();
+        let err = expect_op_error(res, "all_reduce");
+        assert!(waited < 2 * SHORT, "took {waited:?}");
         assert_eq!(err.peer, 2, "{err}");
         assert!(matches!(err.failure, LinkFailure::Closed), "{err}");
         assert!(

@@ -5,7 +5,7 @@
 //! directly into its place in the caller's buffer: no staging copy, no scratch.
 //!
 //! Cost per rank with blocks of `B` bytes: `n-1` steps, `(n-1)·B` bytes sent and received, which
-//! is the minimum (every rank must receive the `n-1` blocks it lacks). [`ring_all_gather_blocks`]
+//! is the minimum (every rank must receive the `n-1` blocks it lacks). `ring_all_gather_blocks`
 //! is also the second half of ring all-reduce, where blocks are the unequal [`super::chunk_range`]
 //! chunks.
 

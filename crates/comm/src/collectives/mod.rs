@@ -12,7 +12,7 @@
 //!   segment is reduced while it is still in cache and no frame grows without bound. Sender and
 //!   receiver derive the same segmentation from lengths both know (SPMD), so segment boundaries
 //!   never travel on the wire.
-//! - A message both sides know to be empty is not sent at all (see [`Group::exchange`]).
+//! - A message both sides know to be empty is not sent at all (see `Group::exchange`).
 //!
 //! Files: [`ring`] (bandwidth-optimal all-reduce and reduce-scatter), [`recursive_doubling`]
 //! (latency-optimal all-reduce), [`broadcast`] (binomial tree, pipelined chain), [`all_gather`]

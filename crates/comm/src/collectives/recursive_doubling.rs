@@ -10,9 +10,10 @@
 //! 3. Unfold: each odd rank `< 2·rem` sends the result to the even rank below it, which receives
 //!    it straight into its buffer.
 //!
-//! Cost per rank with a buffer of `S` bytes: `log2 p` steps of `S` bytes (plus one more send of
-//! `S` in steps 1 and 3 for ranks `< 2·rem`), i.e. `⌊log2 n⌋·S` bytes sent, `≤ ⌊log2 n⌋ + 2`
-//! latencies. More bytes than the ring's `2(n-1)/n·S`, but far fewer round trips.
+//! Cost per rank with a buffer of `S` bytes: a remaining rank sends `log2 p · S` bytes in
+//! `log2 p` steps (plus `S` in step 3 if a rank was folded into it); a folded-out rank sends `S`.
+//! At most `⌊log2 n⌋ + 2` message latencies: more bytes than the ring's `2(n-1)/n · S`, but far
+//! fewer round trips, which is what matters for small messages.
 //!
 //! Determinism: two partners compute the same value independently, so they combine in one
 //! canonical order, the lower-numbered side's operand first (Max/Min are not commutative for
@@ -45,7 +46,7 @@ pub fn recursive_doubling_all_reduce<T: Element>(
 
     // Step 1 (fold) and, for the even ranks that sit out, step 3 (unfold).
     let new_rank = if me < 2 * rem {
-        if me % 2 == 0 {
+        if me & 1 == 0 {
             let t = step_tag(tag, 0);
             for j in 0..nseg {
                 g.send(me + 1, as_bytes(&buf[segment(&whole, nseg, j)]), t)?;

@@ -1,7 +1,7 @@
 //! Ring all-reduce and ring reduce-scatter: the bandwidth-optimal algorithms for large messages.
 //!
 //! The buffer of `S` bytes is cut into `n` chunks with [`chunk_range`]; rank `r` owns chunk `r`.
-//! Every step is one [`Group::exchange`] (a `send_recv`): send to the right neighbour `r+1` while
+//! Every step is one `Group::exchange` (a `send_recv`): send to the right neighbour `r+1` while
 //! receiving from the left neighbour `r-1`, so no rank ever blocks in a plain send that nobody
 //! reads, however large the chunks (TCP buffers cannot deadlock the ring). Each chunk travels in
 //! segments of at most `segment_bytes`, and a received segment is reduced immediately, while it is
@@ -10,7 +10,7 @@
 //! 1. Reduce-scatter, steps `s = 0..n-1`: send chunk `r-s-1`, receive chunk `r-s-2` and reduce it
 //!    into the local copy (`local ∘ received`). After `n-1` steps chunk `r` holds the reduction of
 //!    all ranks. Mean divides the owned chunk by `n` here, once per element in the whole group.
-//! 2. All-gather, steps `s = 0..n-1` ([`ring_all_gather_blocks`]): send chunk `r-s`, receive chunk
+//! 2. All-gather, steps `s = 0..n-1` (`all_gather::ring_all_gather_blocks`): send chunk `r-s`, receive chunk
 //!    `r-s-1` straight into the caller's buffer (no copy, no reduction).
 //!
 //! Cost per rank: reduce-scatter `n-1` steps and `(n-1)/n·S` bytes sent; all-reduce `2(n-1)`
