@@ -691,7 +691,8 @@ fn killed_peer_process_gives_closed_naming_the_rank_not_a_hang() {
     expect_closed(&e, 1);
     let m = e.to_string();
     assert!(
-        m.contains("waiting for rank 1") && m.contains(&format!("owner pid {pid} has exited")),
+        m.contains("waiting for rank 1")
+            && m.contains(&format!("the process of rank 1 (pid {pid}) has exited")),
         "{m}"
     );
     assert!(took < Duration::from_secs(2), "took {took:?}");

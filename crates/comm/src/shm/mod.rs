@@ -39,10 +39,18 @@
 //! **Failures.** While stuck, a call checks the peer's `closed` flag (set by its Drop) and, each
 //! sleep slice, whether the peer process still exists (its OFD lock, released by the kernel when the
 //! process dies even before it is reaped; plus `kill(pid, 0)`): either gives `LinkFailure::Closed`
-//! after draining what the peer published; the address says which (`…; owner pid N has exited`).
-//! The deadline gives `LinkFailure::Timeout`. A call that fails part-way through a message poisons
-//! that direction of the link (the stream is no longer framed), so later calls fail with a protocol
-//! error instead of misreading bytes.
+//! after draining what the peer published, and the address says which (`…; rank 1 closed its
+//! transport` or `…; the process of rank 1 (pid N) has exited`). The deadline gives
+//! `LinkFailure::Timeout`. A call that fails part-way through a message poisons that direction of
+//! the link (the stream is no longer framed), so later calls fail with a protocol error instead of
+//! misreading bytes. Ranks whose settings disagree (world, ring size) fail at once on both sides:
+//! the rank that notices flags the other's segment.
+//!
+//! **Usage notes.** One transport per `(job_id, rank)` at a time: a second concurrent stream (e.g.
+//! background gradient all-reduce) establishes its own transport under a derived job id such as
+//! `{job_id}-grad`. Each rank reserves `world × ring_bytes` in `dir` up front (so a full tmpfs is
+//! an error at setup, not a SIGBUS later); `dir` should be tmpfs, a disk-backed directory works
+//! but is slow.
 
 mod ring;
 mod segment;
@@ -366,7 +374,7 @@ impl ShmTransport {
         let seg = &self.segs[peer];
         let pid = seg.header().owner_pid;
         (segment::pid_gone(pid) || !seg.owner_holds_lock())
-            .then(|| format!("owner pid {pid} has exited"))
+            .then(|| format!("the process of rank {peer} (pid {pid}) has exited"))
     }
 
     fn drive(
