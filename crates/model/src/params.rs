@@ -1,10 +1,11 @@
-//! Flat-parameter views of a [`Net`]: layout, read, write and gradient extraction.
+//! Flat-parameter views of any burn [`Module`]: layout, read, write and gradient extraction.
+//! lockstep's own nets use them, and so can a user's model (see the `custom_model` example of
+//! lockstep-train): this is all the distribution layer needs from a model.
 //!
 //! All four walk the module with burn's visitor/mapper, whose order is the `#[derive(Module)]`
 //! declaration order, so they agree by construction. Nothing here keys anything by `ParamId`:
 //! ids are random per process, while names and positions are the same on every rank.
 
-use crate::net::Net;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
@@ -51,7 +52,8 @@ impl ModuleVisitor for LayoutVisitor {
     }
 }
 
-pub(crate) fn layout(net: &Net) -> Vec<ParamInfo> {
+/// Names, shapes and flat offsets of every float parameter, in canonical (declaration) order.
+pub fn layout<M: Module>(net: &M) -> Vec<ParamInfo> {
     let mut v = LayoutVisitor {
         path: Vec::new(),
         out: Vec::new(),
@@ -73,7 +75,8 @@ impl ModuleVisitor for ReadVisitor {
     }
 }
 
-pub(crate) fn read(net: &Net, num_params: usize) -> Vec<f32> {
+/// All parameter values, concatenated in canonical order.
+pub fn read<M: Module>(net: &M, num_params: usize) -> Vec<f32> {
     let mut v = ReadVisitor {
         out: Vec::with_capacity(num_params),
     };
@@ -105,7 +108,9 @@ impl ModuleMapper for WriteMapper<'_> {
     }
 }
 
-pub(crate) fn write(net: Net, src: &[f32], device: &Device) -> Net {
+/// Replace every parameter with the next slice of `src` (whose length must be the parameter
+/// count); the new tensors are autodiff leaves that require gradients.
+pub fn write<M: Module>(net: M, src: &[f32], device: &Device) -> M {
     let mut m = WriteMapper {
         src,
         offset: 0,
@@ -140,7 +145,8 @@ impl ModuleVisitor for GradVisitor<'_> {
     }
 }
 
-pub(crate) fn read_grads(net: &Net, mut grads: Gradients, out: &mut [f32]) {
+/// Move each parameter's gradient out of `grads` into its slot of `out` (canonical order).
+pub fn read_grads<M: Module>(net: &M, mut grads: Gradients, out: &mut [f32]) {
     let mut v = GradVisitor {
         grads: &mut grads,
         out,
@@ -152,7 +158,7 @@ pub(crate) fn read_grads(net: &Net, mut grads: Gradients, out: &mut [f32]) {
 
 /// The f32 contents of tensor data. Every tensor of this crate is created as f32, so another
 /// dtype here is a programming error, not an input error.
-pub(crate) fn f32_slice(data: &TensorData) -> &[f32] {
+pub fn f32_slice(data: &TensorData) -> &[f32] {
     data.as_slice::<f32>()
         .expect("lockstep-model tensors are f32 by construction")
 }
