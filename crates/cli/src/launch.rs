@@ -86,10 +86,19 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
     let mut progress_shown = false;
     let mut results = Vec::new();
     let mut running = children.len();
-    let mut failure: Option<String> = None;
+    // Abnormal exits in arrival order. The first one starts a short grace period before the rest
+    // are stopped: a worker that dies takes its peers down with it within milliseconds (they see
+    // the broken link), and the launcher should blame the cause, not the first casualty it polls.
+    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
+    let mut stop_at: Option<Instant> = None;
+    let mut stopped = false;
     let mut last_lines: Vec<Vec<String>> = vec![Vec::new(); world];
 
     while running > 0 {
+        if !stopped && stop_at.is_some_and(|t| Instant::now() >= t) {
+            stop_all(&mut children);
+            stopped = true;
+        }
         for w in children.iter_mut().filter(|w| !w.exited) {
             if let Ok(Some(status)) = w.child.try_wait() {
                 w.exited = true;
@@ -121,14 +130,9 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
             }
             Ok(Event::Exited { rank, status }) => {
                 running -= 1;
-                if !status.success() && failure.is_none() {
-                    let why = describe(status);
-                    let tail = last_lines[rank % world].join("\n    ");
-                    failure = Some(format!(
-                        "worker rank {rank} failed: {why}{}",
-                        if tail.is_empty() { String::new() } else { format!("; its last output:\n    {tail}") }
-                    ));
-                    stop_all(&mut children);
+                if !status.success() && !stopped {
+                    failures.push((rank, status));
+                    stop_at.get_or_insert_with(|| Instant::now() + FAILURE_GRACE);
                 }
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -148,10 +152,29 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
     if progress_shown {
         eprintln!();
     }
-    if let Some(f) = failure {
-        bail!(f);
+    if let Some((rank, status)) = root_cause(&failures) {
+        let why = describe(status);
+        let tail = last_lines[rank % world].join("\n    ");
+        let others: Vec<String> =
+            failures.iter().filter(|(r, _)| *r != rank).map(|(r, s)| format!("rank {r} {}", describe(*s))).collect();
+        bail!(
+            "worker rank {rank} failed: {why}{}{}",
+            if tail.is_empty() { String::new() } else { format!("; its last output:\n    {tail}") },
+            if others.is_empty() { String::new() } else { format!("\n  (then: {})", others.join(", ")) }
+        );
     }
     Ok(results)
+}
+
+/// How long after the first abnormal exit the launcher waits for the others before stopping them.
+const FAILURE_GRACE: Duration = Duration::from_millis(500);
+
+/// Which failure to blame: a worker killed by a signal (the launcher had sent none yet) over
+/// workers that exited with an error status (typically peers reporting the broken link), and
+/// otherwise the first to exit.
+fn root_cause(failures: &[(usize, ExitStatus)]) -> Option<(usize, ExitStatus)> {
+    use std::os::unix::process::ExitStatusExt;
+    failures.iter().find(|(_, s)| s.signal().is_some()).or(failures.first()).copied()
 }
 
 struct Running {

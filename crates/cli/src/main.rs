@@ -92,6 +92,9 @@ struct BenchArgs {
     /// auto, ring or recursive-doubling.
     #[arg(long, default_value = "auto")]
     algorithm: String,
+    /// Largest piece a ring step moves at once (bytes; default: the communicator's).
+    #[arg(long)]
+    segment_bytes: Option<usize>,
     /// Write {memcpy_gbps, rows} here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -114,6 +117,8 @@ enum WorkerRole {
         sizes: String,
         #[arg(long)]
         algorithm: String,
+        #[arg(long)]
+        segment_bytes: Option<usize>,
     },
 }
 
@@ -172,7 +177,13 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     // Started by Slurm / mpirun / torchrun: this process is one worker.
     if let Some(w) = cluster_env::detect(&env)? {
         if w.engine != cluster_env::Engine::Launcher {
-            eprintln!("lockstep: rank {} of {} (started by {})", w.rank, w.world_size, w.engine.name());
+            eprintln!(
+                "lockstep: rank {} of {} (local rank {}, started by {})",
+                w.rank,
+                w.world_size,
+                w.local_rank,
+                w.engine.name()
+            );
             return run_train_worker(w, &cfg, &out, false);
         }
     }
@@ -275,7 +286,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     let memcpy = bench::memcpy_gbps(64 << 20);
     let env = environment();
-    let (spec, _server) = launch_spec(&NodeArgs { nnodes: 1, node_rank: 0, rdzv: None }, a.nproc, &env, vec![
+    let (mut spec, _server) = launch_spec(&NodeArgs { nnodes: 1, node_rank: 0, rdzv: None }, a.nproc, &env, vec![
         "bench".into(),
         "--transport".into(),
         a.transport.clone(),
@@ -286,6 +297,9 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         "--algorithm".into(),
         a.algorithm.clone(),
     ])?;
+    if let Some(b) = a.segment_bytes {
+        spec.worker_args.extend(["--segment-bytes".to_string(), b.to_string()]);
+    }
     eprintln!("lockstep: {} over {} on {} ranks, {} sizes", a.op, a.transport, a.nproc, sizes.len());
     let results = launch::run(&spec)?;
     let mut rows = Vec::new();
@@ -308,9 +322,12 @@ fn cmd_worker(role: WorkerRole) -> Result<()> {
             let cfg = TrainConfig::load(Some(&config), &[])?;
             run_train_worker(w, &cfg, &out, true)
         }
-        WorkerRole::Bench { transport, op, sizes, algorithm } => {
+        WorkerRole::Bench { transport, op, sizes, algorithm, segment_bytes } => {
             let timeout = Duration::from_secs(60);
             let mut worker = worker::connect(w, &transport, timeout, &tcp_options(&env)?)?;
+            if let Some(b) = segment_bytes {
+                worker.comm.set_segment_bytes(b);
+            }
             let rows = bench::run_worker(&mut worker.comm, &op, &bench::parse_sizes(&sizes)?, parse_algorithm(&algorithm)?)?;
             for r in rows {
                 println!("{RESULT_PREFIX}{}", serde_json::to_string(&r)?);

@@ -19,10 +19,10 @@ use crate::cluster_env::WorkerEnv;
 
 /// A connected worker. Keeps the store (and, on rank 0 under an engine, its server) alive.
 pub struct Worker {
-    pub env: WorkerEnv,
     pub comm: Communicator,
     pub host: String,
-    pub store: StoreClient,
+    /// Held so the store connection (and, on rank 0 under an engine, the server) outlive setup.
+    _store: StoreClient,
     _server: Option<StoreServer>,
 }
 
@@ -92,5 +92,5 @@ pub fn connect(env: WorkerEnv, transport: &str, timeout: Duration, tcp: &TcpOpti
         )
     };
     let comm = Communicator::new(t, timeout);
-    Ok(Worker { env, comm, host: hostname(), store, _server: server })
+    Ok(Worker { comm, host: hostname(), _store: store, _server: server })
 }

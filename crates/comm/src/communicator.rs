@@ -426,8 +426,8 @@ impl Communicator {
         self.stats.ops += 1;
         self.stats.bytes_sent += self.transport.bytes_sent().saturating_sub(sent_before);
         self.stats.seconds += start.elapsed().as_secs_f64();
-        result.map_err(|source| {
-            let err = CommError::Op { op, source };
+        result.map_err(|link| {
+            let err = CommError::Op { op, link };
             self.broken = Some(err.to_string());
             err
         })

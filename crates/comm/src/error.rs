@@ -46,9 +46,10 @@ impl TransportError {
 /// Errors surfaced to users of a [`crate::Communicator`] and of the rendezvous store.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CommError {
-    /// A collective or point-to-point operation failed on one link.
-    #[error("{op}: {source}")]
-    Op { op: &'static str, #[source] source: TransportError },
+    /// A collective or point-to-point operation failed on one link. (The link error is part of
+    /// the message, not a `source`, so a printed error chain does not repeat it.)
+    #[error("{op}: {link}")]
+    Op { op: &'static str, link: TransportError },
     /// An earlier failure broke this communicator; it must be rebuilt.
     #[error("communicator is broken (earlier failure: {0}); rebuild it before further use")]
     Broken(String),

@@ -472,11 +472,11 @@ fn messages_of_different_groups_are_never_confused() {
         match res {
             Err(CommError::Op {
                 op: "barrier",
-                source,
+                link,
             }) => {
                 assert!(
-                    matches!(source.failure, LinkFailure::Protocol(_)),
-                    "rank {rank}: {source}"
+                    matches!(link.failure, LinkFailure::Protocol(_)),
+                    "rank {rank}: {link}"
                 )
             }
             other => panic!("rank {rank}: expected a protocol error, got {other:?}"),
@@ -552,7 +552,7 @@ fn expect_op_error<T: std::fmt::Debug>(
     want_op: &str,
 ) -> lockstep_comm::TransportError {
     match res {
-        Err(CommError::Op { op, source }) if op == want_op => source,
+        Err(CommError::Op { op, link }) if op == want_op => link,
         other => panic!("expected a {want_op} error, got {other:?}"),
     }
 }
@@ -669,7 +669,7 @@ fn a_rank_that_never_calls_is_named_in_a_timeout() {
         assert!(err.is_timeout() && err.peer == 1, "{err}");
         let msg = CommError::Op {
             op: "all_reduce",
-            source: err,
+            link: err,
         }
         .to_string();
         assert!(

@@ -8,16 +8,16 @@ pub enum DataError {
     #[error("{}: file not found ({hint})", .path.display())]
     NotFound { path: PathBuf, hint: &'static str },
 
-    #[error("{}: cannot read: {source}", .path.display())]
+    #[error("{}: cannot read: {cause}", .path.display())]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
-    #[error("{}: gzip data is corrupt or truncated: {source}", .path.display())]
+    #[error("{}: gzip data is corrupt or truncated: {cause}", .path.display())]
     Gzip {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
     /// A malformed line of a CSV file; `line` is 1-based.

@@ -22,7 +22,7 @@ pub(crate) fn read_maybe_gz(path: &Path, hint: &'static str) -> Result<Vec<u8>, 
         },
         _ => DataError::Io {
             path: path.to_path_buf(),
-            source,
+            cause: source,
         },
     })?;
     decode(&raw, path)
@@ -45,7 +45,7 @@ pub(crate) fn decode(raw: &[u8], origin: &Path) -> Result<Vec<u8>, DataError> {
         .read_to_end(&mut out)
         .map_err(|source| DataError::Gzip {
             path: origin.to_path_buf(),
-            source,
+            cause: source,
         })?;
     Ok(out)
 }
