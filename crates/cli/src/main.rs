@@ -3,6 +3,7 @@
 mod bench;
 mod cluster_env;
 mod launch;
+mod scale;
 mod worker;
 
 use std::collections::HashMap;
@@ -33,6 +34,8 @@ enum Command {
     Train(TrainArgs),
     /// Time collectives across worker processes (nccl-tests style), with memcpy as the reference.
     BenchCollectives(BenchArgs),
+    /// Run the same training at several worker counts and compare speed, balance and result.
+    Scale(ScaleArgs),
     /// Print a fresh job secret (64 hex digits) for multi-node jobs or external launchers.
     Secret,
     /// Internal: the worker process started by the launcher.
@@ -62,6 +65,24 @@ struct TrainArgs {
     sets: Vec<String>,
     #[command(flatten)]
     nodes: NodeArgs,
+}
+
+#[derive(Args, Clone)]
+struct ScaleArgs {
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Worker counts to compare, the first being the baseline, e.g. 1,2,4.
+    #[arg(long, default_value = "1,2")]
+    nproc: String,
+    /// Compute threads per worker, the same for every size (default 1, so that a larger world
+    /// size is more compute, not the same cores split differently).
+    #[arg(long, default_value_t = 1)]
+    threads_per_worker: usize,
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Directory for the runs (nproc-N/) and scale.json.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args, Clone)]
@@ -137,6 +158,7 @@ fn main() {
         }),
         Some(Command::Train(a)) => cmd_train(a),
         Some(Command::BenchCollectives(a)) => cmd_bench(a),
+        Some(Command::Scale(a)) => cmd_scale(a),
         Some(Command::Secret) => JobSecret::generate().map(|s| println!("{}", s.to_hex())).map_err(Into::into),
         Some(Command::Worker { role }) => cmd_worker(role),
     };
@@ -273,6 +295,33 @@ fn launch_spec(
         extra_env,
     };
     Ok((spec, server))
+}
+
+fn cmd_scale(a: ScaleArgs) -> Result<()> {
+    let sizes = scale::parse_nprocs(&a.nproc)?;
+    TrainConfig::load(a.config.as_deref(), &a.sets)?; // fail on a bad config before the first run
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut runs = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        eprintln!("lockstep scale: run {}/{}: {n} worker(s)", i + 1, sizes.len());
+        let dir = scale::run_dir(&a.out, n);
+        cmd_train(TrainArgs {
+            config: a.config.clone(),
+            nproc: n,
+            threads_per_worker: Some(a.threads_per_worker),
+            out: Some(dir.clone()),
+            sets: a.sets.clone(),
+            nodes: NodeArgs { nnodes: 1, node_rank: 0, rdzv: None },
+        })
+        .with_context(|| format!("the {n}-worker run"))?;
+        runs.push(scale::load_run(&dir)?);
+    }
+    let report = lockstep_train::scaling::compare(&runs);
+    print!("{}", scale::format_table(&report));
+    let path = a.out.join("scale.json");
+    lockstep_train::trainer::write_atomic(&path, (serde_json::to_string_pretty(&report)? + "\n").as_bytes())?;
+    eprintln!("lockstep scale: wrote {}", path.display());
+    Ok(())
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {

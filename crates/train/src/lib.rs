@@ -7,6 +7,7 @@ pub mod config;
 pub mod datasets;
 pub mod grad_sync;
 pub mod metrics;
+pub mod scaling;
 pub mod trainer;
 
 pub use config::{ConfigError, TrainConfig};
