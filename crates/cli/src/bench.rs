@@ -41,7 +41,9 @@ pub fn parse_sizes(spec: &str) -> Result<Vec<u64>> {
             Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
             _ => (s, 1),
         };
-        let n: u64 = num.parse().with_context(|| format!("size `{s}` is not a number with optional K/M/G suffix"))?;
+        let n: u64 = num
+            .parse()
+            .with_context(|| format!("size `{s}` is not a number with optional K/M/G suffix"))?;
         Ok(n * mult)
     };
     if let Some((a, b)) = spec.split_once("..") {
@@ -86,7 +88,12 @@ pub fn memcpy_gbps(bytes: usize) -> f64 {
 }
 
 /// Run on every rank; returns rows on rank 0 (others return an empty list).
-pub fn run_worker(comm: &mut Communicator, op: &str, sizes: &[u64], algorithm: Algorithm) -> Result<Vec<Row>> {
+pub fn run_worker(
+    comm: &mut Communicator,
+    op: &str,
+    sizes: &[u64],
+    algorithm: Algorithm,
+) -> Result<Vec<Row>> {
     if !OPS.contains(&op) {
         bail!("unknown op `{op}`; one of {OPS:?}");
     }
@@ -97,7 +104,11 @@ pub fn run_worker(comm: &mut Communicator, op: &str, sizes: &[u64], algorithm: A
         let elems = (bytes as usize / 4).max(1);
         let mut buf = vec![1.0f32; elems];
         let mut out = vec![0f32; if op == "all_gather" { elems } else { 0 }];
-        let send_len = if op == "all_gather" { (elems / n).max(1) } else { 0 };
+        let send_len = if op == "all_gather" {
+            (elems / n).max(1)
+        } else {
+            0
+        };
         if op == "all_gather" {
             out.resize(send_len * n, 0.0);
         }
@@ -128,7 +139,11 @@ pub fn run_worker(comm: &mut Communicator, op: &str, sizes: &[u64], algorithm: A
         let mut elapsed = [t.elapsed().as_secs_f64()];
         comm.all_reduce(&mut elapsed, ReduceOp::Max)?;
         let secs = elapsed[0] / iters as f64;
-        let real_bytes = if op == "all_gather" { (send_len * n * 4) as u64 } else { (elems * 4) as u64 };
+        let real_bytes = if op == "all_gather" {
+            (send_len * n * 4) as u64
+        } else {
+            (elems * 4) as u64
+        };
         let algbw = real_bytes as f64 / secs / 1e9;
         rows.push(Row {
             op: op.to_string(),
@@ -171,7 +186,10 @@ mod tests {
 
     #[test]
     fn sizes_parse() {
-        assert_eq!(parse_sizes("4K..32K").unwrap(), vec![4096, 8192, 16384, 32768]);
+        assert_eq!(
+            parse_sizes("4K..32K").unwrap(),
+            vec![4096, 8192, 16384, 32768]
+        );
         assert_eq!(parse_sizes("1M,3").unwrap(), vec![1 << 20, 3]);
         assert!(parse_sizes("4X").is_err());
         assert!(parse_sizes("8K..4K").is_err());

@@ -56,25 +56,66 @@ pub struct WorkerEnv {
 
 /// Detect the engine from `env`; `None` when the process was started by none of them.
 pub fn detect(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
-    let get = |k: &str| env.get(k).map(|s| s.trim().to_string()).filter(|s| !s.is_empty());
+    let get = |k: &str| {
+        env.get(k)
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    };
     let num = |k: &str| -> Result<Option<usize>> {
-        get(k).map(|v| v.parse::<usize>().with_context(|| format!("environment variable {k}={v} is not a non-negative integer"))).transpose()
+        get(k)
+            .map(|v| {
+                v.parse::<usize>().with_context(|| {
+                    format!("environment variable {k}={v} is not a non-negative integer")
+                })
+            })
+            .transpose()
     };
 
     if let Some(rank) = num("LOCKSTEP_RANK")? {
-        let world = num("LOCKSTEP_WORLD_SIZE")?.ok_or_else(|| anyhow!("LOCKSTEP_RANK is set but LOCKSTEP_WORLD_SIZE is not"))?;
-        let store = get("LOCKSTEP_STORE").ok_or_else(|| anyhow!("LOCKSTEP_RANK is set but LOCKSTEP_STORE is not"))?;
-        let secret = secret_from(env)?.ok_or_else(|| anyhow!("LOCKSTEP_RANK is set but LOCKSTEP_SECRET is not"))?;
+        let world = num("LOCKSTEP_WORLD_SIZE")?
+            .ok_or_else(|| anyhow!("LOCKSTEP_RANK is set but LOCKSTEP_WORLD_SIZE is not"))?;
+        let store = get("LOCKSTEP_STORE")
+            .ok_or_else(|| anyhow!("LOCKSTEP_RANK is set but LOCKSTEP_STORE is not"))?;
+        let secret = secret_from(env)?
+            .ok_or_else(|| anyhow!("LOCKSTEP_RANK is set but LOCKSTEP_SECRET is not"))?;
         let job_id = get("LOCKSTEP_JOB_ID").unwrap_or_else(|| job_id_from_secret(&secret));
-        return finish(Engine::Launcher, rank, world, num("LOCKSTEP_LOCAL_RANK")?.unwrap_or(0), store, false, secret, job_id);
+        return finish(
+            Engine::Launcher,
+            rank,
+            world,
+            num("LOCKSTEP_LOCAL_RANK")?.unwrap_or(0),
+            store,
+            false,
+            secret,
+            job_id,
+        );
     }
 
     let found = if let (Some(r), Some(w)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
-        Some((Engine::Slurm, r, w, num("SLURM_LOCALID")?.unwrap_or(0), get("SLURM_JOB_ID")))
-    } else if let (Some(r), Some(w)) = (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?) {
-        Some((Engine::OpenMpi, r, w, num("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0), get("OMPI_MCA_ess_base_jobid")))
+        Some((
+            Engine::Slurm,
+            r,
+            w,
+            num("SLURM_LOCALID")?.unwrap_or(0),
+            get("SLURM_JOB_ID"),
+        ))
+    } else if let (Some(r), Some(w)) = (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?)
+    {
+        Some((
+            Engine::OpenMpi,
+            r,
+            w,
+            num("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(0),
+            get("OMPI_MCA_ess_base_jobid"),
+        ))
     } else if let (Some(r), Some(w)) = (num("RANK")?, num("WORLD_SIZE")?) {
-        Some((Engine::Torchrun, r, w, num("LOCAL_RANK")?.unwrap_or(0), get("TORCHELASTIC_RUN_ID")))
+        Some((
+            Engine::Torchrun,
+            r,
+            w,
+            num("LOCAL_RANK")?.unwrap_or(0),
+            get("TORCHELASTIC_RUN_ID"),
+        ))
     } else {
         None
     };
@@ -85,7 +126,9 @@ pub fn detect(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
         anyhow!("started by {} (rank {rank} of {world}) but MASTER_ADDR is not set: export MASTER_ADDR (the host of rank 0) and optionally MASTER_PORT", engine.name())
     })?;
     let port = match get("MASTER_PORT") {
-        Some(p) => p.parse::<u16>().with_context(|| format!("MASTER_PORT={p} is not a port number"))?,
+        Some(p) => p
+            .parse::<u16>()
+            .with_context(|| format!("MASTER_PORT={p} is not a port number"))?,
         None => 29500,
     };
     let secret = secret_from(env)?.ok_or_else(|| {
@@ -97,8 +140,21 @@ pub fn detect(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
     let job_id = get("LOCKSTEP_JOB_ID")
         .or(engine_job.map(|j| sanitize_job_id(&j)))
         .unwrap_or_else(|| job_id_from_secret(&secret));
-    let store = if addr.contains(':') && !addr.starts_with('[') { format!("[{addr}]:{port}") } else { format!("{addr}:{port}") };
-    finish(engine, rank, world, local_rank, store, rank == 0, secret, job_id)
+    let store = if addr.contains(':') && !addr.starts_with('[') {
+        format!("[{addr}]:{port}")
+    } else {
+        format!("{addr}:{port}")
+    };
+    finish(
+        engine,
+        rank,
+        world,
+        local_rank,
+        store,
+        rank == 0,
+        secret,
+        job_id,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -116,30 +172,52 @@ fn finish(
         bail!("{}: world size is 0", engine.name());
     }
     if rank >= world_size {
-        bail!("{}: rank {rank} is not below the world size {world_size}", engine.name());
+        bail!(
+            "{}: rank {rank} is not below the world size {world_size}",
+            engine.name()
+        );
     }
-    Ok(Some(WorkerEnv { engine, rank, world_size, local_rank, store, serve_store, secret, job_id }))
+    Ok(Some(WorkerEnv {
+        engine,
+        rank,
+        world_size,
+        local_rank,
+        store,
+        serve_store,
+        secret,
+        job_id,
+    }))
 }
 
 fn secret_from(env: &HashMap<String, String>) -> Result<Option<JobSecret>> {
     if let Some(hex) = env.get("LOCKSTEP_SECRET").filter(|s| !s.trim().is_empty()) {
         return Ok(Some(JobSecret::from_hex(hex).context("LOCKSTEP_SECRET")?));
     }
-    if let Some(path) = env.get("LOCKSTEP_SECRET_FILE").filter(|s| !s.trim().is_empty()) {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading LOCKSTEP_SECRET_FILE {path}"))?;
-        return Ok(Some(JobSecret::from_hex(&text).with_context(|| format!("secret in {path}"))?));
+    if let Some(path) = env
+        .get("LOCKSTEP_SECRET_FILE")
+        .filter(|s| !s.trim().is_empty())
+    {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading LOCKSTEP_SECRET_FILE {path}"))?;
+        return Ok(Some(
+            JobSecret::from_hex(&text).with_context(|| format!("secret in {path}"))?,
+        ));
     }
     Ok(None)
 }
 
 /// A job id all ranks agree on without talking: a hash of the secret (not reversible to it).
 pub fn job_id_from_secret(secret: &JobSecret) -> String {
-    let digest = sha2::Sha256::digest([b"lockstep-job-id|".as_slice(), secret.to_hex().as_bytes()].concat());
+    let digest =
+        sha2::Sha256::digest([b"lockstep-job-id|".as_slice(), secret.to_hex().as_bytes()].concat());
     hex::encode(&digest[..6])
 }
 
 fn sanitize_job_id(raw: &str) -> String {
-    raw.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_').take(32).collect()
+    raw.chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+        .take(32)
+        .collect()
 }
 
 #[cfg(test)]
@@ -147,7 +225,10 @@ mod tests {
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
     const SECRET: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
@@ -168,7 +249,10 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!((w.engine, w.rank, w.world_size, w.local_rank), (Engine::Torchrun, 3, 4, 1));
+        assert_eq!(
+            (w.engine, w.rank, w.world_size, w.local_rank),
+            (Engine::Torchrun, 3, 4, 1)
+        );
         assert_eq!(w.store, "10.1.2.3:1234");
         assert!(!w.serve_store);
         assert_eq!(w.job_id.len(), 12);
@@ -204,23 +288,49 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!((w.engine, w.rank, w.world_size, w.local_rank), (Engine::OpenMpi, 1, 2, 1));
+        assert_eq!(
+            (w.engine, w.rank, w.world_size, w.local_rank),
+            (Engine::OpenMpi, 1, 2, 1)
+        );
     }
 
     #[test]
     fn errors_name_the_variable() {
-        let e = detect(&env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCKSTEP_SECRET", SECRET)])).unwrap_err();
+        let e = detect(&env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCKSTEP_SECRET", SECRET),
+        ]))
+        .unwrap_err();
         assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
-        let e = detect(&env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")])).unwrap_err();
+        let e = detect(&env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+        ]))
+        .unwrap_err();
         assert!(e.to_string().contains("LOCKSTEP_SECRET"), "{e}");
         let e = detect(&env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
         assert!(e.to_string().contains("RANK=x"), "{e}");
-        let e = detect(&env(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("LOCKSTEP_SECRET", SECRET)]))
-            .unwrap_err();
+        let e = detect(&env(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("LOCKSTEP_SECRET", SECRET),
+        ]))
+        .unwrap_err();
         assert!(e.to_string().contains("rank 2"), "{e}");
-        let e = detect(&env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("LOCKSTEP_SECRET", "nothex")]))
-            .unwrap_err();
+        let e = detect(&env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("LOCKSTEP_SECRET", "nothex"),
+        ]))
+        .unwrap_err();
         assert!(format!("{e:#}").contains("LOCKSTEP_SECRET"), "{e:#}");
-        assert!(!format!("{e:#}").contains("nothex"), "the secret's value must not be echoed: {e:#}");
+        assert!(
+            !format!("{e:#}").contains("nothex"),
+            "the secret's value must not be echoed: {e:#}"
+        );
     }
 }

@@ -12,11 +12,44 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use lockstep_comm::JobSecret;
 
 pub const PROGRESS_PREFIX: &str = "@@progress ";
 pub const RESULT_PREFIX: &str = "@@result ";
+/// Rank 0 reports each completed step (`@@step N`) and a resume (`@@resumed N`), so the launcher
+/// knows how much work a failure cost.
+pub const STEP_PREFIX: &str = "@@step ";
+pub const RESUMED_PREFIX: &str = "@@resumed ";
+/// Exit status of a worker that failed on bad input (config, data, checkpoint of another run):
+/// restarting cannot help.
+pub const EXIT_PERMANENT: i32 = 3;
+
+/// What one launch of the worker group produced.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// `@@result` payloads in arrival order.
+    pub results: Vec<String>,
+    /// Last step rank 0 reported complete, and the step it resumed from.
+    pub last_step: Option<u64>,
+    pub resumed_from: Option<u64>,
+    /// Set when the group failed.
+    pub failure: Option<WorkerFailure>,
+}
+
+/// The root cause of a failed launch.
+#[derive(Debug, Clone)]
+pub struct WorkerFailure {
+    pub rank: usize,
+    /// e.g. "killed by signal 9 (SIGKILL)", "exited with status 1".
+    pub what: String,
+    /// The full message for the user (with the worker's last output).
+    pub message: String,
+    /// Bad input: do not restart.
+    pub permanent: bool,
+    /// Seconds from rank 0's last progress to the launcher noticing the failure.
+    pub detection_seconds: f64,
+}
 
 /// What to start.
 pub struct LaunchSpec {
@@ -37,17 +70,27 @@ pub struct LaunchSpec {
 
 /// Default threads per worker: the cores of this host shared among its workers.
 pub fn default_threads(nproc: usize) -> usize {
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     (cores / nproc.max(1)).max(1)
 }
 
 enum Event {
-    Line { rank: usize, stderr: bool, line: String },
-    Exited { rank: usize, status: ExitStatus },
+    Line {
+        rank: usize,
+        stderr: bool,
+        line: String,
+    },
+    Exited {
+        rank: usize,
+        status: ExitStatus,
+    },
 }
 
-/// Run the workers to completion. Returns the `@@result` payloads (in arrival order).
-pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
+/// Run the workers to completion. A worker failure is reported in `Outcome::failure` (the other
+/// workers are stopped); `Err` is for failures to start at all.
+pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let exe = std::env::current_exe().context("locating the lockstep executable")?;
     let world = spec.nproc * spec.nnodes;
     let (tx, rx) = mpsc::channel::<Event>();
@@ -74,17 +117,24 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
             Ok(c) => c,
             Err(e) => {
                 stop_all(&mut children);
-                return Err(e).with_context(|| format!("starting worker rank {rank} ({})", exe.display()));
+                return Err(e)
+                    .with_context(|| format!("starting worker rank {rank} ({})", exe.display()));
             }
         };
         pump(rank, false, child.stdout.take().expect("piped"), tx.clone());
         pump(rank, true, child.stderr.take().expect("piped"), tx.clone());
-        children.push(Running { rank, child, exited: false });
+        children.push(Running {
+            rank,
+            child,
+            exited: false,
+        });
     }
 
     let fancy = std::io::stderr().is_terminal();
     let mut progress_shown = false;
-    let mut results = Vec::new();
+    let mut outcome = Outcome::default();
+    let mut last_progress = Instant::now();
+    let mut first_failure_at: Option<Instant> = None;
     let mut running = children.len();
     // Abnormal exits in arrival order. The first one starts a short grace period before the rest
     // are stopped: a worker that dies takes its peers down with it within milliseconds (they see
@@ -102,7 +152,10 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
         for w in children.iter_mut().filter(|w| !w.exited) {
             if let Ok(Some(status)) = w.child.try_wait() {
                 w.exited = true;
-                let _ = tx.send(Event::Exited { rank: w.rank, status });
+                let _ = tx.send(Event::Exited {
+                    rank: w.rank,
+                    status,
+                });
             }
         }
         match rx.recv_timeout(Duration::from_millis(50)) {
@@ -110,8 +163,13 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
                 if let Some(p) = line.strip_prefix(PROGRESS_PREFIX) {
                     draw_progress(p, fancy);
                     progress_shown = fancy;
+                } else if let Some(n) = line.strip_prefix(STEP_PREFIX) {
+                    outcome.last_step = n.trim().parse().ok().or(outcome.last_step);
+                    last_progress = Instant::now();
+                } else if let Some(n) = line.strip_prefix(RESUMED_PREFIX) {
+                    outcome.resumed_from = n.trim().parse().ok();
                 } else if let Some(r) = line.strip_prefix(RESULT_PREFIX) {
-                    results.push(r.to_string());
+                    outcome.results.push(r.to_string());
                 } else {
                     if progress_shown {
                         eprint!("\r\x1b[2K");
@@ -132,6 +190,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
                 running -= 1;
                 if !status.success() && !stopped {
                     failures.push((rank, status));
+                    first_failure_at.get_or_insert_with(Instant::now);
                     stop_at.get_or_insert_with(|| Instant::now() + FAILURE_GRACE);
                 }
             }
@@ -143,8 +202,10 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
     while let Ok(ev) = rx.recv_timeout(Duration::from_millis(100)) {
         if let Event::Line { rank, line, .. } = ev {
             if let Some(r) = line.strip_prefix(RESULT_PREFIX) {
-                results.push(r.to_string());
-            } else if !line.starts_with(PROGRESS_PREFIX) {
+                outcome.results.push(r.to_string());
+            } else if let Some(n) = line.strip_prefix(STEP_PREFIX) {
+                outcome.last_step = n.trim().parse().ok().or(outcome.last_step);
+            } else if !line.starts_with("@@") {
                 eprintln!("[rank {rank}] {line}");
             }
         }
@@ -152,29 +213,89 @@ pub fn run(spec: &LaunchSpec) -> Result<Vec<String>> {
     if progress_shown {
         eprintln!();
     }
-    if let Some((rank, status)) = root_cause(&failures) {
-        let why = describe(status);
+    if let Some((rank, what)) = blame(&failures, &last_lines) {
+        let status_permanent = failures
+            .iter()
+            .all(|(_, s)| s.code() == Some(EXIT_PERMANENT));
         let tail = last_lines[rank % world].join("\n    ");
-        let others: Vec<String> =
-            failures.iter().filter(|(r, _)| *r != rank).map(|(r, s)| format!("rank {r} {}", describe(*s))).collect();
-        bail!(
-            "worker rank {rank} failed: {why}{}{}",
-            if tail.is_empty() { String::new() } else { format!("; its last output:\n    {tail}") },
-            if others.is_empty() { String::new() } else { format!("\n  (then: {})", others.join(", ")) }
+        let others: Vec<String> = failures
+            .iter()
+            .filter(|(r, _)| *r != rank)
+            .map(|(r, s)| format!("rank {r} {}", describe(*s)))
+            .collect();
+        let message = format!(
+            "worker rank {rank} failed: {what}{}{}",
+            if tail.is_empty() {
+                String::new()
+            } else {
+                format!("; its last output:\n    {tail}")
+            },
+            if others.is_empty() {
+                String::new()
+            } else {
+                format!("\n  (then: {})", others.join(", "))
+            }
         );
+        let detected = first_failure_at.unwrap_or_else(Instant::now);
+        outcome.failure = Some(WorkerFailure {
+            rank,
+            what,
+            message,
+            permanent: status_permanent,
+            detection_seconds: detected
+                .saturating_duration_since(last_progress)
+                .as_secs_f64(),
+        });
     }
-    Ok(results)
+    Ok(outcome)
 }
 
 /// How long after the first abnormal exit the launcher waits for the others before stopping them.
 const FAILURE_GRACE: Duration = Duration::from_millis(500);
 
-/// Which failure to blame: a worker killed by a signal (the launcher had sent none yet) over
-/// workers that exited with an error status (typically peers reporting the broken link), and
+/// Which rank to blame, and what happened to it: a worker killed by a signal (the launcher had
+/// sent none yet) over workers that exited with an error; among those, a rank that the failed
+/// workers all timed out *waiting for* but that never exited itself is hung, and is the cause;
 /// otherwise the first to exit.
-fn root_cause(failures: &[(usize, ExitStatus)]) -> Option<(usize, ExitStatus)> {
+fn blame(failures: &[(usize, ExitStatus)], last_lines: &[Vec<String>]) -> Option<(usize, String)> {
     use std::os::unix::process::ExitStatusExt;
-    failures.iter().find(|(_, s)| s.signal().is_some()).or(failures.first()).copied()
+    if let Some((rank, status)) = failures.iter().find(|(_, s)| s.signal().is_some()) {
+        return Some((*rank, describe(*status)));
+    }
+    let waited_for: Vec<usize> = failures
+        .iter()
+        .filter_map(|(r, _)| {
+            last_lines
+                .get(*r)?
+                .iter()
+                .rev()
+                .find_map(|l| waited_rank(l))
+        })
+        .collect();
+    if let Some(&hung) = waited_for.first() {
+        if waited_for.iter().all(|&r| r == hung) && !failures.iter().any(|(r, _)| *r == hung) {
+            let who: Vec<String> = failures.iter().map(|(r, _)| r.to_string()).collect();
+            return Some((
+                hung,
+                format!(
+                    "stopped making progress (ranks {} timed out waiting for it)",
+                    who.join(", ")
+                ),
+            ));
+        }
+    }
+    failures.first().map(|(r, s)| (*r, describe(*s)))
+}
+
+/// The rank in "timed out after …s waiting for rank N (…".
+fn waited_rank(line: &str) -> Option<usize> {
+    let rest = &line[line.find("timed out after")?..];
+    let after = &rest[rest.find("waiting for rank ")? + "waiting for rank ".len()..];
+    after
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 struct Running {
@@ -184,7 +305,12 @@ struct Running {
     exited: bool,
 }
 
-fn pump(rank: usize, stderr: bool, stream: impl std::io::Read + Send + 'static, tx: mpsc::Sender<Event>) {
+fn pump(
+    rank: usize,
+    stderr: bool,
+    stream: impl std::io::Read + Send + 'static,
+    tx: mpsc::Sender<Event>,
+) {
     std::thread::spawn(move || {
         for line in BufReader::new(stream).lines() {
             let Ok(line) = line else { break };
@@ -219,7 +345,16 @@ fn describe(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with status {c}"),
-        (None, Some(s)) => format!("killed by signal {s}{}", if s == 9 { " (SIGKILL)" } else if s == 15 { " (SIGTERM)" } else { "" }),
+        (None, Some(s)) => format!(
+            "killed by signal {s}{}",
+            if s == 9 {
+                " (SIGKILL)"
+            } else if s == 15 {
+                " (SIGTERM)"
+            } else {
+                ""
+            }
+        ),
         _ => "ended abnormally".into(),
     }
 }
@@ -234,9 +369,15 @@ struct ProgressLine {
 }
 
 fn draw_progress(json: &str, fancy: bool) {
-    let Ok(p) = serde_json::from_str::<ProgressLine>(json) else { return };
+    let Ok(p) = serde_json::from_str::<ProgressLine>(json) else {
+        return;
+    };
     let width = 30usize;
-    let filled = if p.total_steps == 0 { width } else { (p.step as usize * width) / p.total_steps as usize };
+    let filled = if p.total_steps == 0 {
+        width
+    } else {
+        (p.step as usize * width) / p.total_steps as usize
+    };
     let bar: String = "#".repeat(filled) + &"-".repeat(width - filled.min(width));
     let text = format!(
         "[{bar}] step {}/{}  loss {:.4}  {:.0} samples/s  ETA {:.0}s",
@@ -253,6 +394,9 @@ fn draw_progress(json: &str, fancy: bool) {
 
 /// Default run directory: `runs/<unix seconds>`.
 pub fn default_out_dir() -> PathBuf {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     PathBuf::from("runs").join(format!("run-{secs}"))
 }

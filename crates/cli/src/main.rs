@@ -2,8 +2,10 @@
 
 mod bench;
 mod cluster_env;
+mod inject;
 mod launch;
 mod scale;
+mod supervise;
 mod worker;
 
 use std::collections::HashMap;
@@ -16,13 +18,18 @@ use clap::{Args, Parser, Subcommand};
 use lockstep_comm::store::StoreServer;
 use lockstep_comm::tcp::TcpOptions;
 use lockstep_comm::{Algorithm, JobSecret};
-use lockstep_train::{Progress, TrainConfig, WorkerContext};
+use lockstep_train::faults::Fault;
+use lockstep_train::{Event, TrainConfig, WorkerContext};
 
 use crate::cluster_env::WorkerEnv;
-use crate::launch::{LaunchSpec, PROGRESS_PREFIX, RESULT_PREFIX};
+use crate::launch::{LaunchSpec, PROGRESS_PREFIX, RESULT_PREFIX, RESUMED_PREFIX, STEP_PREFIX};
 
 #[derive(Parser)]
-#[command(name = "lockstep", version, about = "Distributed training across worker processes and hosts, bitwise reproducible.")]
+#[command(
+    name = "lockstep",
+    version,
+    about = "Distributed training across worker processes and hosts, bitwise reproducible."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -51,9 +58,20 @@ struct TrainArgs {
     /// TOML config (default: the built-in digits MLP, as in configs/digits-mlp.toml).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Worker processes on this node.
-    #[arg(long, default_value_t = 2)]
-    nproc: usize,
+    /// Worker processes on this node: N, or MIN:MAX for an elastic job that goes on with fewer
+    /// workers (never below MIN) when one cannot come back.
+    #[arg(long, default_value = "2")]
+    nproc: String,
+    /// Continue the run in this directory from its last good checkpoint (its config.toml is used).
+    #[arg(long, value_name = "DIR", conflicts_with = "config")]
+    resume: Option<PathBuf>,
+    /// Restart the worker group from the last good checkpoint at most this many times.
+    #[arg(long, default_value_t = 3)]
+    max_restarts: usize,
+    /// Deliberate faults, e.g. "kill:rank=1,step=30", "hang:rank=0,step=5", "slow:rank=1,factor=3",
+    /// "corrupt-checkpoint:step=20", "lose:rank=3,step=40" (separate several with `;`).
+    #[arg(long, value_name = "SPEC")]
+    inject: Option<String>,
     /// Compute threads per worker (default: this host's cores / --nproc).
     #[arg(long)]
     threads_per_worker: Option<usize>,
@@ -128,6 +146,12 @@ enum WorkerRole {
         config: PathBuf,
         #[arg(long)]
         out: PathBuf,
+        /// Continue from the last good checkpoint in <out>/checkpoints, if any.
+        #[arg(long)]
+        resume: bool,
+        /// Injected faults, as JSON (the launcher passes only those due on this attempt).
+        #[arg(long)]
+        faults: Option<String>,
     },
     Bench {
         #[arg(long)]
@@ -150,22 +174,55 @@ fn main() {
     let result = match cli.command {
         None => cmd_train(TrainArgs {
             config: None,
-            nproc: 2,
+            nproc: "2".into(),
+            resume: None,
+            max_restarts: 3,
+            inject: None,
             threads_per_worker: None,
             out: None,
             sets: Vec::new(),
-            nodes: NodeArgs { nnodes: 1, node_rank: 0, rdzv: None },
+            nodes: NodeArgs {
+                nnodes: 1,
+                node_rank: 0,
+                rdzv: None,
+            },
         }),
         Some(Command::Train(a)) => cmd_train(a),
         Some(Command::BenchCollectives(a)) => cmd_bench(a),
         Some(Command::Scale(a)) => cmd_scale(a),
-        Some(Command::Secret) => JobSecret::generate().map(|s| println!("{}", s.to_hex())).map_err(Into::into),
+        Some(Command::Secret) => JobSecret::generate()
+            .map(|s| println!("{}", s.to_hex()))
+            .map_err(Into::into),
         Some(Command::Worker { role }) => cmd_worker(role),
     };
     if let Err(e) = result {
         eprintln!("lockstep: error: {e:#}");
-        std::process::exit(1);
+        std::process::exit(if is_bad_input(&e) {
+            launch::EXIT_PERMANENT
+        } else {
+            1
+        });
     }
+}
+
+/// Errors that a restart cannot cure: the input itself is wrong.
+fn is_bad_input(e: &anyhow::Error) -> bool {
+    use lockstep_train::checkpoint::CheckpointError;
+    use lockstep_train::TrainError;
+    e.chain().any(|c| {
+        c.is::<lockstep_train::ConfigError>()
+            || matches!(
+                c.downcast_ref::<TrainError>(),
+                Some(
+                    TrainError::Data(_)
+                        | TrainError::Model(_)
+                        | TrainError::ModelMismatch { .. }
+                        | TrainError::TooSmall { .. }
+                        | TrainError::Checkpoint(CheckpointError::Mismatch { .. })
+                        | TrainError::ResumeFailed
+                )
+            )
+    })
 }
 
 fn environment() -> HashMap<String, String> {
@@ -185,7 +242,9 @@ fn parse_algorithm(s: &str) -> Result<Algorithm> {
 fn tcp_options(env: &HashMap<String, String>) -> Result<TcpOptions> {
     let mut o = TcpOptions::default();
     if let Some(us) = env.get("LOCKSTEP_TEST_LATENCY_US") {
-        let us: u64 = us.parse().with_context(|| format!("LOCKSTEP_TEST_LATENCY_US={us} is not a number of microseconds"))?;
+        let us: u64 = us.parse().with_context(|| {
+            format!("LOCKSTEP_TEST_LATENCY_US={us} is not a number of microseconds")
+        })?;
         o.emulated_latency = Some(Duration::from_micros(us));
     }
     Ok(o)
@@ -193,8 +252,19 @@ fn tcp_options(env: &HashMap<String, String>) -> Result<TcpOptions> {
 
 fn cmd_train(a: TrainArgs) -> Result<()> {
     let env = environment();
-    let cfg = TrainConfig::load(a.config.as_deref(), &a.sets)?;
-    let out = a.out.clone().unwrap_or_else(launch::default_out_dir);
+    let (config_path, out) = match &a.resume {
+        Some(dir) => (Some(dir.join("config.toml")), dir.clone()),
+        None => (
+            a.config.clone(),
+            a.out.clone().unwrap_or_else(launch::default_out_dir),
+        ),
+    };
+    let cfg = TrainConfig::load(config_path.as_deref(), &a.sets)?;
+    let (min_world, max_world) = parse_nproc(&a.nproc)?;
+    let faults = match &a.inject {
+        Some(spec) => inject::parse(spec)?,
+        None => Vec::new(),
+    };
 
     // Started by Slurm / mpirun / torchrun: this process is one worker.
     if let Some(w) = cluster_env::detect(&env)? {
@@ -206,38 +276,100 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
                 w.local_rank,
                 w.engine.name()
             );
-            return run_train_worker(w, &cfg, &out, false);
+            return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
         }
     }
 
-    std::fs::create_dir_all(&out).with_context(|| format!("creating run directory {}", out.display()))?;
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("creating run directory {}", out.display()))?;
     let resolved = out.join("config.toml");
     lockstep_train::trainer::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
-    let (mut spec, _server) = launch_spec(&a.nodes, a.nproc, &env, vec![
-        "train".into(),
-        "--config".into(),
-        resolved.display().to_string(),
-        "--out".into(),
-        out.display().to_string(),
-    ])?;
-    if let Some(t) = a.threads_per_worker {
-        spec.threads_per_worker = t.max(1);
+    if a.nodes.nnodes > 1 && (a.max_restarts > 0 || min_world != max_world) {
+        eprintln!("lockstep: note: with several nodes a failure ends the job on this node (restarts and elasticity are per-launcher); resume it with --resume");
     }
     eprintln!(
         "lockstep: training {} on {} worker(s) ({} node(s)), run directory {}",
         cfg.data.dataset,
-        a.nproc * a.nodes.nnodes,
+        max_world * a.nodes.nnodes,
         a.nodes.nnodes,
         out.display()
     );
-    let results = launch::run(&spec)?;
-    for r in results {
-        println!("{r}");
-    }
+    let policy = supervise::Policy {
+        max_restarts: if a.nodes.nnodes > 1 {
+            0
+        } else {
+            a.max_restarts
+        },
+        min_world,
+        max_world,
+        faults: faults.clone(),
+    };
+    let mut servers = Vec::new();
+    let sup = supervise::run(&policy, |attempt, world| {
+        let mut args: Vec<String> = vec![
+            "train".into(),
+            "--config".into(),
+            resolved.display().to_string(),
+            "--out".into(),
+            out.display().to_string(),
+        ];
+        if attempt > 0 || a.resume.is_some() {
+            args.push("--resume".into());
+        }
+        let active: Vec<Fault> = faults
+            .iter()
+            .filter(|f| attempt == 0 || !lockstep_train::faults::first_attempt_only(f))
+            .copied()
+            .collect();
+        if !active.is_empty() {
+            args.extend([
+                "--faults".into(),
+                serde_json::to_string(&active).expect("faults serialise"),
+            ]);
+        }
+        let (mut spec, server) = launch_spec(&a.nodes, world, &env, args)?;
+        servers.push(server); // keep each attempt's store alive until it is done
+        if let Some(t) = a.threads_per_worker {
+            spec.threads_per_worker = t.max(1);
+        }
+        Ok(spec)
+    })?;
     if a.nodes.node_rank == 0 {
-        eprintln!("lockstep: done; summary in {}", out.join("summary.json").display());
+        supervise::annotate_summary(&out, &sup)?;
+        if sup.restarts > 0 {
+            eprintln!(
+                "lockstep: survived {} failure(s) with {} restart(s), {} step(s) recomputed",
+                sup.failures.len(),
+                sup.restarts,
+                sup.steps_recomputed
+            );
+        }
+        eprintln!(
+            "lockstep: done; summary in {}",
+            out.join("summary.json").display()
+        );
     }
     Ok(())
+}
+
+/// "N" or "MIN:MAX".
+fn parse_nproc(s: &str) -> Result<(usize, usize)> {
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<usize>()
+            .with_context(|| format!("--nproc {s}: `{v}` is not a worker count"))
+    };
+    let (lo, hi) = match s.split_once(':') {
+        Some((a, b)) => (parse(a)?, parse(b)?),
+        None => {
+            let n = parse(s)?;
+            (n, n)
+        }
+    };
+    if lo == 0 || lo > hi {
+        bail!("--nproc {s}: need 1 ≤ MIN ≤ MAX");
+    }
+    Ok((lo, hi))
 }
 
 /// Prepare the workers' launch; node 0 also starts the rendezvous store (kept alive by the returned
@@ -252,29 +384,48 @@ fn launch_spec(
         bail!("--nproc must be at least 1");
     }
     if nodes.nnodes == 0 || nodes.node_rank >= nodes.nnodes {
-        bail!("--node-rank {} must be below --nnodes {}", nodes.node_rank, nodes.nnodes);
+        bail!(
+            "--node-rank {} must be below --nnodes {}",
+            nodes.node_rank,
+            nodes.nnodes
+        );
     }
     let (store, secret, job_id) = if nodes.nnodes > 1 {
-        let rdzv = nodes.rdzv.clone().context("--nnodes > 1 needs --rdzv HOST:PORT (node 0 serves the store there)")?;
+        let rdzv = nodes
+            .rdzv
+            .clone()
+            .context("--nnodes > 1 needs --rdzv HOST:PORT (node 0 serves the store there)")?;
         let hex = env.get("LOCKSTEP_SECRET").context(
             "--nnodes > 1 needs the same LOCKSTEP_SECRET on every node: run `lockstep secret` once and export it everywhere",
         )?;
         let secret = JobSecret::from_hex(hex).context("LOCKSTEP_SECRET")?;
-        let job = env.get("LOCKSTEP_JOB_ID").cloned().unwrap_or_else(|| cluster_env::job_id_from_secret(&secret));
+        let job = env
+            .get("LOCKSTEP_JOB_ID")
+            .cloned()
+            .unwrap_or_else(|| cluster_env::job_id_from_secret(&secret));
         (rdzv, secret, job)
     } else {
         let secret = JobSecret::generate()?;
-        let job = format!("{}{:x}", &cluster_env::job_id_from_secret(&secret)[..8], std::process::id() & 0xffff);
+        let job = format!(
+            "{}{:x}",
+            &cluster_env::job_id_from_secret(&secret)[..8],
+            std::process::id() & 0xffff
+        );
         (String::new(), secret, job)
     };
     let mut store = store;
     let server = if nodes.node_rank == 0 {
         let bind: SocketAddr = if nodes.nnodes > 1 {
-            store.to_socket_addrs().with_context(|| format!("resolving --rdzv {store}"))?.next().context("--rdzv resolves to nothing")?
+            store
+                .to_socket_addrs()
+                .with_context(|| format!("resolving --rdzv {store}"))?
+                .next()
+                .context("--rdzv resolves to nothing")?
         } else {
             "127.0.0.1:0".parse().expect("literal address")
         };
-        let server = StoreServer::bind(bind, &secret, &job_id).with_context(|| format!("serving the rendezvous store on {bind}"))?;
+        let server = StoreServer::bind(bind, &secret, &job_id)
+            .with_context(|| format!("serving the rendezvous store on {bind}"))?;
         if nodes.nnodes == 1 {
             store = server.local_addr().to_string();
         }
@@ -282,7 +433,11 @@ fn launch_spec(
     } else {
         None
     };
-    let extra_env = env.iter().filter(|(k, _)| k.starts_with("LOCKSTEP_TEST_")).map(|(k, v)| (k.clone(), v.clone())).collect();
+    let extra_env = env
+        .iter()
+        .filter(|(k, _)| k.starts_with("LOCKSTEP_TEST_"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     let spec = LaunchSpec {
         worker_args,
         nproc,
@@ -303,15 +458,26 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let mut runs = Vec::new();
     for (i, &n) in sizes.iter().enumerate() {
-        eprintln!("lockstep scale: run {}/{}: {n} worker(s)", i + 1, sizes.len());
+        eprintln!(
+            "lockstep scale: run {}/{}: {n} worker(s)",
+            i + 1,
+            sizes.len()
+        );
         let dir = scale::run_dir(&a.out, n);
         cmd_train(TrainArgs {
             config: a.config.clone(),
-            nproc: n,
+            nproc: n.to_string(),
+            resume: None,
+            max_restarts: 0,
+            inject: None,
             threads_per_worker: Some(a.threads_per_worker),
             out: Some(dir.clone()),
             sets: a.sets.clone(),
-            nodes: NodeArgs { nnodes: 1, node_rank: 0, rdzv: None },
+            nodes: NodeArgs {
+                nnodes: 1,
+                node_rank: 0,
+                rdzv: None,
+            },
         })
         .with_context(|| format!("the {n}-worker run"))?;
         runs.push(scale::load_run(&dir)?);
@@ -319,7 +485,10 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
     let report = lockstep_train::scaling::compare(&runs);
     print!("{}", scale::format_table(&report));
     let path = a.out.join("scale.json");
-    lockstep_train::trainer::write_atomic(&path, (serde_json::to_string_pretty(&report)? + "\n").as_bytes())?;
+    lockstep_train::trainer::write_atomic(
+        &path,
+        (serde_json::to_string_pretty(&report)? + "\n").as_bytes(),
+    )?;
     eprintln!("lockstep scale: wrote {}", path.display());
     Ok(())
 }
@@ -335,49 +504,95 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     }
     let memcpy = bench::memcpy_gbps(64 << 20);
     let env = environment();
-    let (mut spec, _server) = launch_spec(&NodeArgs { nnodes: 1, node_rank: 0, rdzv: None }, a.nproc, &env, vec![
-        "bench".into(),
-        "--transport".into(),
-        a.transport.clone(),
-        "--op".into(),
-        a.op.clone(),
-        "--sizes".into(),
-        a.sizes.clone(),
-        "--algorithm".into(),
-        a.algorithm.clone(),
-    ])?;
+    let (mut spec, _server) = launch_spec(
+        &NodeArgs {
+            nnodes: 1,
+            node_rank: 0,
+            rdzv: None,
+        },
+        a.nproc,
+        &env,
+        vec![
+            "bench".into(),
+            "--transport".into(),
+            a.transport.clone(),
+            "--op".into(),
+            a.op.clone(),
+            "--sizes".into(),
+            a.sizes.clone(),
+            "--algorithm".into(),
+            a.algorithm.clone(),
+        ],
+    )?;
     if let Some(b) = a.segment_bytes {
-        spec.worker_args.extend(["--segment-bytes".to_string(), b.to_string()]);
+        spec.worker_args
+            .extend(["--segment-bytes".to_string(), b.to_string()]);
     }
-    eprintln!("lockstep: {} over {} on {} ranks, {} sizes", a.op, a.transport, a.nproc, sizes.len());
-    let results = launch::run(&spec)?;
+    eprintln!(
+        "lockstep: {} over {} on {} ranks, {} sizes",
+        a.op,
+        a.transport,
+        a.nproc,
+        sizes.len()
+    );
+    let outcome = launch::run(&spec)?;
+    if let Some(f) = outcome.failure {
+        bail!(f.message);
+    }
     let mut rows = Vec::new();
-    for r in results {
-        rows.push(serde_json::from_str::<bench::Row>(&r).context("worker sent a malformed result row")?);
+    for r in outcome.results {
+        rows.push(
+            serde_json::from_str::<bench::Row>(&r).context("worker sent a malformed result row")?,
+        );
     }
-    let report = bench::Report { memcpy_gbps: memcpy, rows };
+    let report = bench::Report {
+        memcpy_gbps: memcpy,
+        rows,
+    };
     print!("{}", bench::format_table(&report));
     if let Some(path) = a.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
 
 fn cmd_worker(role: WorkerRole) -> Result<()> {
     let env = environment();
-    let w = cluster_env::detect(&env)?.context("`lockstep worker` is started by the launcher (LOCKSTEP_RANK etc. are missing)")?;
+    let w = cluster_env::detect(&env)?
+        .context("`lockstep worker` is started by the launcher (LOCKSTEP_RANK etc. are missing)")?;
     match role {
-        WorkerRole::Train { config, out } => {
+        WorkerRole::Train {
+            config,
+            out,
+            resume,
+            faults,
+        } => {
             let cfg = TrainConfig::load(Some(&config), &[])?;
-            run_train_worker(w, &cfg, &out, true)
+            let faults: Vec<Fault> = match faults {
+                Some(j) => serde_json::from_str(&j).context("--faults is not valid fault JSON")?,
+                None => Vec::new(),
+            };
+            run_train_worker(w, &cfg, &out, true, resume, &faults)
         }
-        WorkerRole::Bench { transport, op, sizes, algorithm, segment_bytes } => {
+        WorkerRole::Bench {
+            transport,
+            op,
+            sizes,
+            algorithm,
+            segment_bytes,
+        } => {
             let timeout = Duration::from_secs(60);
             let mut worker = worker::connect(w, &transport, timeout, &tcp_options(&env)?)?;
             if let Some(b) = segment_bytes {
                 worker.comm.set_segment_bytes(b);
             }
-            let rows = bench::run_worker(&mut worker.comm, &op, &bench::parse_sizes(&sizes)?, parse_algorithm(&algorithm)?)?;
+            let rows = bench::run_worker(
+                &mut worker.comm,
+                &op,
+                &bench::parse_sizes(&sizes)?,
+                parse_algorithm(&algorithm)?,
+            )?;
             for r in rows {
                 println!("{RESULT_PREFIX}{}", serde_json::to_string(&r)?);
             }
@@ -386,26 +601,52 @@ fn cmd_worker(role: WorkerRole) -> Result<()> {
     }
 }
 
-fn run_train_worker(w: WorkerEnv, cfg: &TrainConfig, out: &std::path::Path, under_launcher: bool) -> Result<()> {
+fn run_train_worker(
+    w: WorkerEnv,
+    cfg: &TrainConfig,
+    out: &std::path::Path,
+    under_launcher: bool,
+    resume: bool,
+    faults: &[Fault],
+) -> Result<()> {
     let env = environment();
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_secs);
     let rank = w.rank;
     let mut worker = worker::connect(w, &cfg.dist.transport, timeout, &tcp_options(&env)?)?;
-    worker.comm.set_algorithm(parse_algorithm(&cfg.dist.algorithm)?);
-    let mut on_progress = |p: Progress| {
-        if under_launcher {
-            println!(
-                "{PROGRESS_PREFIX}{{\"step\":{},\"total_steps\":{},\"loss\":{},\"samples_per_sec\":{},\"eta_seconds\":{}}}",
-                p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds
-            );
-        } else {
-            eprintln!("step {}/{} loss {:.4} {:.0} samples/s ETA {:.0}s", p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds);
+    worker
+        .comm
+        .set_algorithm(parse_algorithm(&cfg.dist.algorithm)?);
+    let mut on_event = |e: Event| {
+        match e {
+        Event::Progress(p) if under_launcher => println!(
+            "{PROGRESS_PREFIX}{{\"step\":{},\"total_steps\":{},\"loss\":{},\"samples_per_sec\":{},\"eta_seconds\":{}}}",
+            p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds
+        ),
+        Event::Progress(p) => {
+            eprintln!("step {}/{} loss {:.4} {:.0} samples/s ETA {:.0}s", p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds)
         }
+        Event::StepDone(step) if under_launcher => println!("{STEP_PREFIX}{step}"),
+        Event::Resumed(step) => {
+            if under_launcher {
+                println!("{RESUMED_PREFIX}{step}");
+            }
+            eprintln!("resumed from the checkpoint of step {step}");
+        }
+        Event::Notice(text) => eprintln!("{text}"),
+        Event::StepDone(_) => {}
+    }
     };
     let host = worker.host.clone();
     let summary = lockstep_train::train(
         cfg,
-        WorkerContext { comm: &mut worker.comm, host, out_dir: out, on_progress: &mut on_progress },
+        WorkerContext {
+            comm: &mut worker.comm,
+            host,
+            out_dir: out,
+            on_event: &mut on_event,
+            resume,
+            faults,
+        },
     )
     .with_context(|| format!("rank {rank}"))?;
     if rank == 0 {

@@ -10,7 +10,11 @@ use lockstep_train::{StepRecord, Summary};
 pub fn parse_nprocs(spec: &str) -> Result<Vec<usize>> {
     let v: Vec<usize> = spec
         .split(',')
-        .map(|s| s.trim().parse::<usize>().with_context(|| format!("--nproc: `{s}` is not a worker count")))
+        .map(|s| {
+            s.trim()
+                .parse::<usize>()
+                .with_context(|| format!("--nproc: `{s}` is not a worker count"))
+        })
         .collect::<Result<_>>()?;
     if v.is_empty() || v.contains(&0) {
         bail!("--nproc needs one or more worker counts ≥ 1, e.g. 1,2,4");
@@ -24,13 +28,19 @@ pub fn run_dir(out: &Path, nproc: usize) -> PathBuf {
 
 /// Read one finished run's summary and per-step records.
 pub fn load_run(dir: &Path) -> Result<(Summary, Vec<StepRecord>)> {
-    let s = std::fs::read_to_string(dir.join("summary.json")).with_context(|| format!("reading {}/summary.json", dir.display()))?;
-    let summary: Summary = serde_json::from_str(&s).with_context(|| format!("parsing {}/summary.json", dir.display()))?;
-    let m = std::fs::read_to_string(dir.join("metrics.jsonl")).with_context(|| format!("reading {}/metrics.jsonl", dir.display()))?;
+    let s = std::fs::read_to_string(dir.join("summary.json"))
+        .with_context(|| format!("reading {}/summary.json", dir.display()))?;
+    let summary: Summary = serde_json::from_str(&s)
+        .with_context(|| format!("parsing {}/summary.json", dir.display()))?;
+    let m = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .with_context(|| format!("reading {}/metrics.jsonl", dir.display()))?;
     let records = m
         .lines()
         .enumerate()
-        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{}/metrics.jsonl line {}", dir.display(), i + 1)))
+        .map(|(i, l)| {
+            serde_json::from_str(l)
+                .with_context(|| format!("{}/metrics.jsonl line {}", dir.display(), i + 1))
+        })
         .collect::<Result<Vec<StepRecord>>>()?;
     Ok((summary, records))
 }
@@ -38,7 +48,17 @@ pub fn load_run(dir: &Path) -> Result<(Summary, Vec<StepRecord>)> {
 pub fn format_table(r: &ScaleReport) -> String {
     let mut s = format!(
         "{:>7} {:>10} {:>11} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7} {:>10} {:>8}\n",
-        "workers", "step_ms", "samples/s", "speedup", "effic.", "fwd_ms", "bwd_ms", "comm_ms", "comm%", "test_acc", "hash"
+        "workers",
+        "step_ms",
+        "samples/s",
+        "speedup",
+        "effic.",
+        "fwd_ms",
+        "bwd_ms",
+        "comm_ms",
+        "comm%",
+        "test_acc",
+        "hash"
     );
     for p in &r.points {
         s += &format!(

@@ -30,13 +30,26 @@ pub struct Worker {
 /// network namespaces (our simulated hosts) must not be taken for neighbours even though they share
 /// a kernel and /dev/shm.
 pub fn host_identity() -> String {
-    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
-    let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
-    format!("{}|{}|{}", hostname(), read("/proc/sys/kernel/random/boot_id"), netns)
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    };
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    format!(
+        "{}|{}|{}",
+        hostname(),
+        read("/proc/sys/kernel/random/boot_id"),
+        netns
+    )
 }
 
 pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
 }
 
 fn resolve(store: &str) -> Result<SocketAddr> {
@@ -47,14 +60,30 @@ fn resolve(store: &str) -> Result<SocketAddr> {
         .with_context(|| format!("rendezvous address {store} resolves to nothing"))
 }
 
-/// `transport`: "auto", "shm" or "tcp". `timeout`: for setup and for every collective.
-pub fn connect(env: WorkerEnv, transport: &str, timeout: Duration, tcp: &TcpOptions) -> Result<Worker> {
+/// Workers start at different times (process start-up, dataset loading), so joining gets at least
+/// this long even when collectives have a short timeout.
+const MIN_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `transport`: "auto", "shm" or "tcp". `timeout`: for every collective (and for setup, at least
+/// [`MIN_SETUP_TIMEOUT`]).
+pub fn connect(
+    env: WorkerEnv,
+    transport: &str,
+    timeout: Duration,
+    tcp: &TcpOptions,
+) -> Result<Worker> {
+    let collective_timeout = timeout;
+    let timeout = timeout.max(MIN_SETUP_TIMEOUT);
     let addr = resolve(&env.store)?;
     let server = if env.serve_store {
         let bind: SocketAddr = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), addr.port());
         Some(
-            StoreServer::bind(bind, &env.secret, &env.job_id)
-                .with_context(|| format!("rank 0 serving the rendezvous store on port {}", addr.port()))?,
+            StoreServer::bind(bind, &env.secret, &env.job_id).with_context(|| {
+                format!(
+                    "rank 0 serving the rendezvous store on port {}",
+                    addr.port()
+                )
+            })?,
         )
     } else {
         None
@@ -66,7 +95,9 @@ pub fn connect(env: WorkerEnv, transport: &str, timeout: Duration, tcp: &TcpOpti
     store.set(&format!("host/{}", env.rank), me.as_bytes())?;
     let mut same_host = true;
     for r in 0..env.world_size {
-        let other = store.get(&format!("host/{r}"), timeout).with_context(|| format!("waiting for rank {r} to join"))?;
+        let other = store
+            .get(&format!("host/{r}"), timeout)
+            .with_context(|| format!("waiting for rank {r} to join"))?;
         same_host &= other == me.as_bytes();
     }
     let use_shm = match transport {
@@ -77,8 +108,14 @@ pub fn connect(env: WorkerEnv, transport: &str, timeout: Duration, tcp: &TcpOpti
     };
     let t: Arc<dyn Transport> = if use_shm {
         Arc::new(
-            ShmTransport::establish(env.rank, env.world_size, &env.job_id, timeout, &ShmOptions::default())
-                .context("setting up shared-memory transport")?,
+            ShmTransport::establish(
+                env.rank,
+                env.world_size,
+                &env.job_id,
+                timeout,
+                &ShmOptions::default(),
+            )
+            .context("setting up shared-memory transport")?,
         )
     } else {
         let mut opts = tcp.clone();
@@ -87,10 +124,22 @@ pub fn connect(env: WorkerEnv, transport: &str, timeout: Duration, tcp: &TcpOpti
             opts.advertise_ip = Some(store.local_ip()?);
         }
         Arc::new(
-            TcpTransport::establish(&mut store, env.rank, env.world_size, &env.secret, &env.job_id, &opts)
-                .context("setting up TCP transport")?,
+            TcpTransport::establish(
+                &mut store,
+                env.rank,
+                env.world_size,
+                &env.secret,
+                &env.job_id,
+                &opts,
+            )
+            .context("setting up TCP transport")?,
         )
     };
-    let comm = Communicator::new(t, timeout);
-    Ok(Worker { comm, host: hostname(), _store: store, _server: server })
+    let comm = Communicator::new(t, collective_timeout);
+    Ok(Worker {
+        comm,
+        host: hostname(),
+        _store: store,
+        _server: server,
+    })
 }

@@ -454,7 +454,8 @@ fn worker_children(parent: i32) -> Vec<(usize, i32)> {
 fn launcher_fails_the_job_naming_the_killed_worker_and_its_signal() {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = lockstep(tmp.path(), &long_run(None));
-    c.args(["--nproc", "3"]);
+    // No restarts: this test is about how the failure is reported (recovery.rs covers restarts).
+    c.args(["--nproc", "3", "--max-restarts", "0"]);
     let mut job = Job(vec![Proc::spawn("launcher".into(), c)]);
     // Not a terminal: the launcher writes its progress bar as plain lines.
     job.wait_for_line(0, "step 10/100000", START_BOUND);

@@ -10,7 +10,15 @@ const SECRET: &str = "5ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2
 fn lockstep(args: &[&str]) -> Command {
     let mut c = Command::new(BIN);
     c.args(args).stdin(Stdio::null());
-    for k in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "LOCKSTEP_RANK"] {
+    for k in [
+        "RANK",
+        "WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "LOCKSTEP_RANK",
+    ] {
         c.env_remove(k);
     }
     c
@@ -35,7 +43,15 @@ fn summary(dir: &Path) -> serde_json::Value {
 
 fn train(nproc: usize, out: &Path, sets: &[&str]) -> serde_json::Value {
     let np = nproc.to_string();
-    let mut args = vec!["train", "--nproc", &np, "--out", out.to_str().unwrap(), "--set", "train.steps=25"];
+    let mut args = vec![
+        "train",
+        "--nproc",
+        &np,
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        "train.steps=25",
+    ];
     for s in sets {
         args.push("--set");
         args.push(s);
@@ -51,19 +67,36 @@ fn hash(s: &serde_json::Value) -> String {
 #[test]
 fn param_hash_is_identical_for_1_2_3_4_workers() {
     let tmp = tempfile::tempdir().unwrap();
-    let runs: Vec<serde_json::Value> =
-        (1..=4).map(|n| train(n, &tmp.path().join(format!("n{n}")), &[])).collect();
+    let runs: Vec<serde_json::Value> = (1..=4)
+        .map(|n| train(n, &tmp.path().join(format!("n{n}")), &[]))
+        .collect();
     for (i, s) in runs.iter().enumerate() {
         assert_eq!(s["world_size"], i + 1);
-        assert_eq!(hash(s), hash(&runs[0]), "world size {} differs from world size 1", i + 1);
+        assert_eq!(
+            hash(s),
+            hash(&runs[0]),
+            "world size {} differs from world size 1",
+            i + 1
+        );
         assert_eq!(s["final_loss"], runs[0]["final_loss"]);
         assert_eq!(s["ranks"].as_array().unwrap().len(), i + 1);
-        for key in ["steps", "test_accuracy", "wall_seconds", "samples_per_sec", "imbalance"] {
+        for key in [
+            "steps",
+            "test_accuracy",
+            "wall_seconds",
+            "samples_per_sec",
+            "imbalance",
+        ] {
             assert!(s[key].is_number(), "summary.{key} missing: {s}");
         }
     }
     // 3 workers, 4 micro-batches: uneven shares 2,1,1.
-    let samples: Vec<u64> = runs[2]["ranks"].as_array().unwrap().iter().map(|r| r["samples"].as_u64().unwrap()).collect();
+    let samples: Vec<u64> = runs[2]["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["samples"].as_u64().unwrap())
+        .collect();
     assert_eq!(samples, vec![2 * 16 * 25, 16 * 25, 16 * 25]);
     // Per-rank, per-step metrics, with the config resolved next to them.
     let metrics = std::fs::read_to_string(tmp.path().join("n3/metrics.jsonl")).unwrap();
@@ -72,8 +105,19 @@ fn param_hash_is_identical_for_1_2_3_4_workers() {
     for key in ["step", "loss", "samples_per_sec", "seconds", "bytes_sent"] {
         assert!(!first[key].is_null(), "metrics line lacks {key}: {first}");
     }
-    for key in ["data", "forward", "backward", "communication", "waiting", "optimizer", "overlapped_communication"] {
-        assert!(first["seconds"][key].is_number(), "metrics seconds lack {key}");
+    for key in [
+        "data",
+        "forward",
+        "backward",
+        "communication",
+        "waiting",
+        "optimizer",
+        "overlapped_communication",
+    ] {
+        assert!(
+            first["seconds"][key].is_number(),
+            "metrics seconds lack {key}"
+        );
     }
     let cfg = std::fs::read_to_string(tmp.path().join("n3/config.toml")).unwrap();
     assert!(cfg.contains("steps = 25"), "{cfg}");
@@ -87,28 +131,55 @@ fn repeated_runs_are_bitwise_identical_in_both_modes() {
     assert_eq!(hash(&a), hash(&b));
     let c = train(2, &tmp.path().join("c"), &["dist.reproducible=false"]);
     let d = train(2, &tmp.path().join("d"), &["dist.reproducible=false"]);
-    assert_eq!(hash(&c), hash(&d), "plain mode must still be deterministic at a fixed world size");
+    assert_eq!(
+        hash(&c),
+        hash(&d),
+        "plain mode must still be deterministic at a fixed world size"
+    );
     // And the ring/tree choice is forceable without changing reproducible results.
     let e = train(2, &tmp.path().join("e"), &["dist.algorithm=ring"]);
     assert_eq!(hash(&a), hash(&e));
 }
 
 /// Start `world` workers the way an external engine would, with `vars(rank)` as its variables.
-fn run_under_engine(world: usize, out: &Path, vars: impl Fn(usize) -> Vec<(String, String)>) -> serde_json::Value {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+fn run_under_engine(
+    world: usize,
+    out: &Path,
+    vars: impl Fn(usize) -> Vec<(String, String)>,
+) -> serde_json::Value {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let children: Vec<_> = (0..world)
         .map(|r| {
-            let mut c = lockstep(&["train", "--out", out.to_str().unwrap(), "--set", "train.steps=25"]);
-            c.env("MASTER_ADDR", "127.0.0.1").env("MASTER_PORT", port.to_string()).env("LOCKSTEP_SECRET", SECRET);
+            let mut c = lockstep(&[
+                "train",
+                "--out",
+                out.to_str().unwrap(),
+                "--set",
+                "train.steps=25",
+            ]);
+            c.env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("LOCKSTEP_SECRET", SECRET);
             for (k, v) in vars(r) {
                 c.env(k, v);
             }
-            c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+            c.stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
         })
         .collect();
     for (r, ch) in children.into_iter().enumerate() {
         let o = ch.wait_with_output().unwrap();
-        assert!(o.status.success(), "engine rank {r} failed:\n{}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "engine rank {r} failed:\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
     }
     summary(out)
 }
@@ -118,12 +189,22 @@ fn workers_started_by_torchrun_slurm_or_mpirun_join_the_same_job() {
     let tmp = tempfile::tempdir().unwrap();
     let reference = train(1, &tmp.path().join("ref"), &[]);
     let s = |k: &str, v: usize| (k.to_string(), v.to_string());
-    let torch = run_under_engine(2, &tmp.path().join("torch"), |r| vec![s("RANK", r), s("WORLD_SIZE", 2), s("LOCAL_RANK", r)]);
+    let torch = run_under_engine(2, &tmp.path().join("torch"), |r| {
+        vec![s("RANK", r), s("WORLD_SIZE", 2), s("LOCAL_RANK", r)]
+    });
     let slurm = run_under_engine(3, &tmp.path().join("slurm"), |r| {
-        vec![s("SLURM_PROCID", r), s("SLURM_NTASKS", 3), s("SLURM_LOCALID", r)]
+        vec![
+            s("SLURM_PROCID", r),
+            s("SLURM_NTASKS", 3),
+            s("SLURM_LOCALID", r),
+        ]
     });
     let mpi = run_under_engine(2, &tmp.path().join("mpi"), |r| {
-        vec![s("OMPI_COMM_WORLD_RANK", r), s("OMPI_COMM_WORLD_SIZE", 2), s("OMPI_COMM_WORLD_LOCAL_RANK", r)]
+        vec![
+            s("OMPI_COMM_WORLD_RANK", r),
+            s("OMPI_COMM_WORLD_SIZE", 2),
+            s("OMPI_COMM_WORLD_LOCAL_RANK", r),
+        ]
     });
     assert_eq!(torch["world_size"], 2);
     assert_eq!(slurm["world_size"], 3);
@@ -143,35 +224,63 @@ fn engine_worker_without_a_secret_is_refused_with_a_hint() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("LOCKSTEP_SECRET") && err.contains("lockstep secret"), "{err}");
+    assert!(
+        err.contains("LOCKSTEP_SECRET") && err.contains("lockstep secret"),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_model_that_differs_between_ranks_is_refused_not_hung() {
     let tmp = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let start = std::time::Instant::now();
     let children: Vec<_> = (0..2)
         .map(|r| {
-            let hidden = if r == 0 { "model.hidden=[32]" } else { "model.hidden=[48]" };
-            lockstep(&["train", "--out", tmp.path().to_str().unwrap(), "--set", "train.steps=3", "--set", hidden])
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("LOCKSTEP_SECRET", SECRET)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
+            let hidden = if r == 0 {
+                "model.hidden=[32]"
+            } else {
+                "model.hidden=[48]"
+            };
+            lockstep(&[
+                "train",
+                "--out",
+                tmp.path().to_str().unwrap(),
+                "--set",
+                "train.steps=3",
+                "--set",
+                hidden,
+            ])
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("LOCKSTEP_SECRET", SECRET)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
         })
         .collect();
-    let outs: Vec<Output> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
-    assert!(start.elapsed().as_secs() < 30, "mismatch must fail fast, not wait for a timeout");
+    let outs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    assert!(
+        start.elapsed().as_secs() < 30,
+        "mismatch must fail fast, not wait for a timeout"
+    );
     for o in &outs {
         assert!(!o.status.success());
         let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.contains("model structure differs between ranks"), "{err}");
+        assert!(
+            err.contains("model structure differs between ranks"),
+            "{err}"
+        );
     }
     assert!(!tmp.path().join("summary.json").exists());
 }
@@ -185,13 +294,23 @@ fn config_errors_name_the_field_before_any_worker_starts() {
         ("train.stepz=3", "stepz"),
     ] {
         let tmp = tempfile::tempdir().unwrap();
-        let out = lockstep(&["train", "--out", tmp.path().to_str().unwrap(), "--set", set]).output().unwrap();
+        let out = lockstep(&["train", "--out", tmp.path().to_str().unwrap(), "--set", set])
+            .output()
+            .unwrap();
         assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(field), "error for {set} should name {field}: {err}");
-        assert!(!err.contains("[rank"), "no worker may start on a bad config: {err}");
+        assert!(
+            err.contains(field),
+            "error for {set} should name {field}: {err}"
+        );
+        assert!(
+            !err.contains("[rank"),
+            "no worker may start on a bad config: {err}"
+        );
     }
-    let out = lockstep(&["train", "--config", "/nonexistent/cfg.toml"]).output().unwrap();
+    let out = lockstep(&["train", "--config", "/nonexistent/cfg.toml"])
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/cfg.toml"));
 }
 
@@ -213,18 +332,26 @@ fn a_failing_worker_fails_the_job_naming_its_rank_and_reason() {
     .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("worker rank") && err.contains("failed"), "{err}");
-    assert!(err.contains("/nonexistent-fashion/train-images-idx3-ubyte"), "the data error names the file: {err}");
+    assert!(
+        err.contains("worker rank") && err.contains("failed"),
+        "{err}"
+    );
+    assert!(
+        err.contains("/nonexistent-fashion/train-images-idx3-ubyte"),
+        "the data error names the file: {err}"
+    );
 }
 
 #[test]
 fn shipped_configs_are_valid_and_the_default_file_matches_the_built_in_default() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../configs");
     let default_file = std::fs::read_to_string(root.join("digits-mlp.toml")).unwrap();
-    let from_file = lockstep_train::TrainConfig::from_toml_str(&default_file, "digits-mlp.toml", &[]).unwrap();
+    let from_file =
+        lockstep_train::TrainConfig::from_toml_str(&default_file, "digits-mlp.toml", &[]).unwrap();
     assert_eq!(from_file, lockstep_train::TrainConfig::default());
     for entry in std::fs::read_dir(&root).unwrap() {
         let p = entry.unwrap().path();
-        lockstep_train::TrainConfig::load(Some(&p), &[]).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        lockstep_train::TrainConfig::load(Some(&p), &[])
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     }
 }

@@ -73,12 +73,22 @@ pub fn random_nonce() -> [u8; NONCE_LEN] {
 }
 
 /// MAC the connector sends in step 2.
-pub fn connector_proof(secret: &JobSecret, context: &[u8], nonce_a: &[u8], nonce_c: &[u8]) -> [u8; MAC_LEN] {
+pub fn connector_proof(
+    secret: &JobSecret,
+    context: &[u8],
+    nonce_a: &[u8],
+    nonce_c: &[u8],
+) -> [u8; MAC_LEN] {
     secret.mac(&[b"lockstep-auth-v1|c|", context, nonce_a, nonce_c])
 }
 
 /// MAC the acceptor answers with in step 3.
-pub fn acceptor_proof(secret: &JobSecret, context: &[u8], nonce_a: &[u8], nonce_c: &[u8]) -> [u8; MAC_LEN] {
+pub fn acceptor_proof(
+    secret: &JobSecret,
+    context: &[u8],
+    nonce_a: &[u8],
+    nonce_c: &[u8],
+) -> [u8; MAC_LEN] {
     secret.mac(&[b"lockstep-auth-v1|a|", context, nonce_c, nonce_a])
 }
 

@@ -33,10 +33,20 @@ pub struct TransportError {
 
 impl TransportError {
     pub fn recv(peer: usize, addr: impl Into<String>, failure: LinkFailure) -> Self {
-        Self { peer, addr: addr.into(), verb: "waiting for", failure }
+        Self {
+            peer,
+            addr: addr.into(),
+            verb: "waiting for",
+            failure,
+        }
     }
     pub fn send(peer: usize, addr: impl Into<String>, failure: LinkFailure) -> Self {
-        Self { peer, addr: addr.into(), verb: "sending to", failure }
+        Self {
+            peer,
+            addr: addr.into(),
+            verb: "sending to",
+            failure,
+        }
     }
     pub fn is_timeout(&self) -> bool {
         matches!(self.failure, LinkFailure::Timeout(_))
@@ -49,7 +59,10 @@ pub enum CommError {
     /// A collective or point-to-point operation failed on one link. (The link error is part of
     /// the message, not a `source`, so a printed error chain does not repeat it.)
     #[error("{op}: {link}")]
-    Op { op: &'static str, link: TransportError },
+    Op {
+        op: &'static str,
+        link: TransportError,
+    },
     /// An earlier failure broke this communicator; it must be rebuilt.
     #[error("communicator is broken (earlier failure: {0}); rebuild it before further use")]
     Broken(String),
@@ -69,10 +82,16 @@ pub enum CommError {
 
 impl CommError {
     pub fn setup(context: impl Into<String>, detail: impl std::fmt::Display) -> Self {
-        CommError::Setup { context: context.into(), detail: detail.to_string() }
+        CommError::Setup {
+            context: context.into(),
+            detail: detail.to_string(),
+        }
     }
     pub fn invalid(op: &'static str, detail: impl Into<String>) -> Self {
-        CommError::InvalidArgument { op, detail: detail.into() }
+        CommError::InvalidArgument {
+            op,
+            detail: detail.into(),
+        }
     }
 }
 

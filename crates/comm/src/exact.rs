@@ -152,13 +152,21 @@ impl ExactReducer {
     /// `bucket_elems`: values sharing one exponent (and one `all_reduce` call). Smaller buckets keep
     /// more relative precision for small values; larger buckets mean fewer calls.
     pub fn new(bucket_elems: usize) -> Self {
-        Self { bucket_elems: bucket_elems.max(1), exponents: Vec::new(), acc: Vec::new() }
+        Self {
+            bucket_elems: bucket_elems.max(1),
+            exponents: Vec::new(),
+            acc: Vec::new(),
+        }
     }
 
     /// Buckets of a vector of `len` values: `(start, end)` pairs.
     pub fn buckets(&self, len: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (0..len.div_ceil(self.bucket_elems))
-            .map(move |b| (b * self.bucket_elems, ((b + 1) * self.bucket_elems).min(len)))
+        (0..len.div_ceil(self.bucket_elems)).map(move |b| {
+            (
+                b * self.bucket_elems,
+                ((b + 1) * self.bucket_elems).min(len),
+            )
+        })
     }
 
     /// Exactly sum `local_parts` (this rank's micro-batch gradients, each of `out.len()` values) across
@@ -213,7 +221,11 @@ impl ExactReducer {
             if e_max == ALL_ZERO {
                 out[s..e].fill(0.0);
             } else {
-                finish_fixed(&self.acc[s..e], shift_for(e_max, total_parts), &mut out[s..e]);
+                finish_fixed(
+                    &self.acc[s..e],
+                    shift_for(e_max, total_parts),
+                    &mut out[s..e],
+                );
             }
         }
         Ok(())
@@ -244,7 +256,11 @@ impl ExactReducer {
         }
 
         // Step 1: the bucket's shared exponent.
-        let mut e_max = [local_parts.iter().map(|p| max_exponent(&p[s..e])).max().unwrap_or(ALL_ZERO)];
+        let mut e_max = [local_parts
+            .iter()
+            .map(|p| max_exponent(&p[s..e]))
+            .max()
+            .unwrap_or(ALL_ZERO)];
         comm.all_reduce(&mut e_max, ReduceOp::Max)?;
         let e_max = e_max[0];
         if e_max == NON_FINITE {
@@ -295,7 +311,11 @@ mod tests {
         for v in [1.0f32, 1.5, 0.75, 3.0, 1e-30, -2.0, f32::MAX, 1e-40] {
             let e = exponent_bound(v);
             assert!((v.abs() as f64) < pow2(e), "{v} < 2^{e}");
-            assert!((v.abs() as f64) >= pow2(e - 1) || v.abs() < 1.2e-38, "{v} >= 2^{}", e - 1);
+            assert!(
+                (v.abs() as f64) >= pow2(e - 1) || v.abs() < 1.2e-38,
+                "{v} >= 2^{}",
+                e - 1
+            );
         }
         assert_eq!(max_exponent(&[0.0, 0.0]), ALL_ZERO);
         assert_eq!(max_exponent(&[1.0, f32::NAN]), NON_FINITE);
@@ -305,9 +325,33 @@ mod tests {
     #[test]
     fn round_half_even_matches_the_library() {
         let two52 = 4_503_599_627_370_496.0f64;
-        let mut cases = vec![0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999999999999994, 1e-300];
-        cases.extend([two52 - 0.5, two52 - 1.5, two52, two52 + 1.0, -(two52 - 0.5), 2f64.powi(62), -2f64.powi(62)]);
-        cases.extend([two52 / 2.0 + 0.5, two52 / 2.0 + 1.5, f64::MAX, f64::MIN_POSITIVE]);
+        let mut cases = vec![
+            0.0,
+            -0.0,
+            0.5,
+            1.5,
+            2.5,
+            -0.5,
+            -1.5,
+            -2.5,
+            0.49999999999999994,
+            1e-300,
+        ];
+        cases.extend([
+            two52 - 0.5,
+            two52 - 1.5,
+            two52,
+            two52 + 1.0,
+            -(two52 - 0.5),
+            2f64.powi(62),
+            -2f64.powi(62),
+        ]);
+        cases.extend([
+            two52 / 2.0 + 0.5,
+            two52 / 2.0 + 1.5,
+            f64::MAX,
+            f64::MIN_POSITIVE,
+        ]);
         // A sweep over magnitudes with fractional parts, both signs.
         let mut x = 0.123_456_789f64;
         for _ in 0..4000 {
@@ -317,7 +361,10 @@ mod tests {
         // Equal as numbers (the sign of a zero may differ) and, what `accumulate_fixed` uses, as i64.
         for v in cases {
             let (ours, lib) = (round_half_even(v), v.round_ties_even());
-            assert!(ours == lib && ours as i64 == lib as i64, "{v:e}: {ours:e} vs {lib:e}");
+            assert!(
+                ours == lib && ours as i64 == lib as i64,
+                "{v:e}: {ours:e} vs {lib:e}"
+            );
         }
     }
 
@@ -347,7 +394,11 @@ mod tests {
     fn sum_is_independent_of_grouping_and_order() {
         // Values chosen so plain f32 summation order matters.
         let parts: Vec<Vec<f32>> = (0..6)
-            .map(|k| (0..5).map(|i| ((k * 7 + i * 13) as f32).sin() * 10f32.powi((k % 3) as i32 - 1)).collect())
+            .map(|k| {
+                (0..5)
+                    .map(|i| ((k * 7 + i * 13) as f32).sin() * 10f32.powi(k % 3 - 1))
+                    .collect()
+            })
             .collect();
         let e = parts.iter().map(|p| max_exponent(p)).max().unwrap();
         let shift = shift_for(e, parts.len());

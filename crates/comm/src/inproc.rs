@@ -33,12 +33,19 @@ pub fn in_process_group(world: usize) -> Vec<InProcTransport> {
     let shared = Arc::new(Shared {
         world,
         boxes: (0..world * world)
-            .map(|_| Mailbox { queue: Mutex::new(VecDeque::new()), ready: Condvar::new() })
+            .map(|_| Mailbox {
+                queue: Mutex::new(VecDeque::new()),
+                ready: Condvar::new(),
+            })
             .collect(),
         alive: (0..world).map(|_| AtomicBool::new(true)).collect(),
     });
     (0..world)
-        .map(|rank| InProcTransport { rank, shared: shared.clone(), bytes_sent: AtomicU64::new(0) })
+        .map(|rank| InProcTransport {
+            rank,
+            shared: shared.clone(),
+            bytes_sent: AtomicU64::new(0),
+        })
         .collect()
 }
 
@@ -51,7 +58,10 @@ impl InProcTransport {
             return Err(TransportError::send(
                 peer,
                 self.peer_addr(peer),
-                LinkFailure::Protocol(format!("rank {peer} is outside world of {}", self.shared.world)),
+                LinkFailure::Protocol(format!(
+                    "rank {peer} is outside world of {}",
+                    self.shared.world
+                )),
             ));
         }
         Ok(())
@@ -83,19 +93,39 @@ impl Transport for InProcTransport {
         "inproc"
     }
 
-    fn send(&self, peer: usize, tag: Tag, data: &[u8], _deadline: Instant) -> Result<(), TransportError> {
+    fn send(
+        &self,
+        peer: usize,
+        tag: Tag,
+        data: &[u8],
+        _deadline: Instant,
+    ) -> Result<(), TransportError> {
         self.check_peer(peer)?;
         if !self.shared.alive[peer].load(Ordering::SeqCst) {
-            return Err(TransportError::send(peer, self.peer_addr(peer), LinkFailure::Closed));
+            return Err(TransportError::send(
+                peer,
+                self.peer_addr(peer),
+                LinkFailure::Closed,
+            ));
         }
         let mb = self.mailbox(self.rank, peer);
-        mb.queue.lock().unwrap_or_else(|e| e.into_inner()).push_back((tag, data.to_vec()));
+        mb.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back((tag, data.to_vec()));
         mb.ready.notify_all();
-        self.bytes_sent.fetch_add(data.len() as u64, Ordering::Relaxed);
+        self.bytes_sent
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
-    fn recv(&self, peer: usize, tag: Tag, buf: &mut [u8], deadline: Instant) -> Result<(), TransportError> {
+    fn recv(
+        &self,
+        peer: usize,
+        tag: Tag,
+        buf: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
         self.check_peer(peer)?;
         let mb = self.mailbox(peer, self.rank);
         let started = Instant::now();
@@ -117,7 +147,11 @@ impl Transport for InProcTransport {
                 return Ok(());
             }
             if !self.shared.alive[peer].load(Ordering::SeqCst) {
-                return Err(TransportError::recv(peer, self.peer_addr(peer), LinkFailure::Closed));
+                return Err(TransportError::recv(
+                    peer,
+                    self.peer_addr(peer),
+                    LinkFailure::Closed,
+                ));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -127,7 +161,11 @@ impl Transport for InProcTransport {
                     LinkFailure::Timeout(now - started),
                 ));
             }
-            queue = mb.ready.wait_timeout(queue, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            queue = mb
+                .ready
+                .wait_timeout(queue, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 

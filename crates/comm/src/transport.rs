@@ -28,10 +28,22 @@ pub trait Transport: Send + Sync {
     fn name(&self) -> &'static str;
 
     /// Send `data` to `peer`. May return before the peer has received it.
-    fn send(&self, peer: usize, tag: Tag, data: &[u8], deadline: Instant) -> Result<(), TransportError>;
+    fn send(
+        &self,
+        peer: usize,
+        tag: Tag,
+        data: &[u8],
+        deadline: Instant,
+    ) -> Result<(), TransportError>;
 
     /// Receive exactly `buf.len()` bytes tagged `tag` from `peer`.
-    fn recv(&self, peer: usize, tag: Tag, buf: &mut [u8], deadline: Instant) -> Result<(), TransportError>;
+    fn recv(
+        &self,
+        peer: usize,
+        tag: Tag,
+        buf: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), TransportError>;
 
     /// Send `send` to `to` while receiving `recv.len()` bytes from `from`, both tagged `tag`.
     /// Must not deadlock when `to` does the mirror-image call at the same time, whatever the sizes

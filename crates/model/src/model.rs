@@ -117,7 +117,8 @@ impl Model {
         scale: f32,
         grad_out: &mut [f32],
     ) -> Result<f32, ModelError> {
-        self.loss_and_grad_timed(x, y, n, scale, grad_out).map(|t| t.loss)
+        self.loss_and_grad_timed(x, y, n, scale, grad_out)
+            .map(|t| t.loss)
     }
 
     /// [`Model::loss_and_grad`] that also reports how long the forward pass and the backward pass

@@ -25,7 +25,9 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use lockstep_comm::exact::ExactReducer;
 use lockstep_comm::inproc::in_process_group;
 use lockstep_comm::Communicator;
-use lockstep_data::{assign, load_digits_embedded, microbatches, split_train_test, Dataset, Sampler};
+use lockstep_data::{
+    assign, load_digits_embedded, microbatches, split_train_test, Dataset, Sampler,
+};
 use lockstep_model::flat;
 
 /// Your model: nothing lockstep-specific in it.
@@ -37,7 +39,10 @@ struct TwoLayer {
 
 impl TwoLayer {
     fn new(device: &Device) -> Self {
-        Self { hidden: LinearConfig::new(64, 48).init(device), out: LinearConfig::new(48, 10).init(device) }
+        Self {
+            hidden: LinearConfig::new(64, 48).init(device),
+            out: LinearConfig::new(48, 10).init(device),
+        }
     }
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.out.forward(relu(self.hidden.forward(x)))
@@ -54,18 +59,31 @@ fn batch_tensors(data: &Dataset, idx: &[u32], device: &Device) -> (Tensor<2>, Te
     data.gather(idx, &mut x, &mut y);
     let n = idx.len();
     let x = Tensor::from_data(TensorData::new(x, [n, data.dim()]), device);
-    let y = Tensor::<2, Int>::from_data(TensorData::new(y.iter().map(|&l| l as i64).collect::<Vec<_>>(), [n, 1]), device);
+    let y = Tensor::<2, Int>::from_data(
+        TensorData::new(y.iter().map(|&l| l as i64).collect::<Vec<_>>(), [n, 1]),
+        device,
+    );
     (x, y)
 }
 
 /// One worker's whole training run. Returns (parameter hash, test accuracy).
-fn worker(mut comm: Communicator, initial: &[f32], train: &Dataset, test: &Dataset) -> (String, f64) {
+fn worker(
+    mut comm: Communicator,
+    initial: &[f32],
+    train: &Dataset,
+    test: &Dataset,
+) -> (String, f64) {
     let device = Device::flex().autodiff();
     // Every rank builds the model; rank 0's initial values are broadcast to all.
     let mut model = TwoLayer::new(&device);
     let n_params: usize = flat::layout(&model).iter().map(|p| p.len).sum();
-    let mut params = if comm.rank() == 0 { initial.to_vec() } else { vec![0f32; n_params] };
-    comm.broadcast(&mut params, 0).expect("broadcast initial parameters");
+    let mut params = if comm.rank() == 0 {
+        initial.to_vec()
+    } else {
+        vec![0f32; n_params]
+    };
+    comm.broadcast(&mut params, 0)
+        .expect("broadcast initial parameters");
     model = flat::write(model, &params, &device);
 
     let sampler = Sampler::new(train.len(), GLOBAL_BATCH, 7).expect("sampler");
@@ -78,13 +96,18 @@ fn worker(mut comm: Communicator, initial: &[f32], train: &Dataset, test: &Datas
         let mut grads = Vec::new();
         for k in assign(pieces.len(), comm.size(), comm.rank()) {
             let (x, y) = batch_tensors(train, pieces[k], &device);
-            let loss = log_softmax(model.forward(x), 1).gather(1, y).sum().mul_scalar(-1.0 / GLOBAL_BATCH as f32);
+            let loss = log_softmax(model.forward(x), 1)
+                .gather(1, y)
+                .sum()
+                .mul_scalar(-1.0 / GLOBAL_BATCH as f32);
             let mut g = vec![0f32; n_params];
             flat::read_grads(&model, loss.backward(), &mut g);
             grads.push(g);
         }
         let parts: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
-        reducer.reduce(&mut comm, &parts, pieces.len(), &mut total).expect("exact gradient sum");
+        reducer
+            .reduce(&mut comm, &parts, pieces.len(), &mut total)
+            .expect("exact gradient sum");
         // Plain SGD on the flat vector: the same bits on every rank, so replicas never drift.
         for (p, g) in params.iter_mut().zip(&total) {
             *p -= LR * g;
@@ -96,7 +119,10 @@ fn worker(mut comm: Communicator, initial: &[f32], train: &Dataset, test: &Datas
     let (x, y) = batch_tensors(test, &all, &device);
     let predicted = model.forward(x).argmax(1);
     let correct: i64 = predicted.equal(y).int().sum().into_scalar();
-    (lockstep_model::param_hash(&params), correct as f64 / test.len() as f64)
+    (
+        lockstep_model::param_hash(&params),
+        correct as f64 / test.len() as f64,
+    )
 }
 
 fn main() {
@@ -105,7 +131,10 @@ fn main() {
     let device = Device::flex();
     device.seed(42);
     let init_model = TwoLayer::new(&device);
-    let initial = flat::read(&init_model, flat::layout(&init_model).iter().map(|p| p.len).sum());
+    let initial = flat::read(
+        &init_model,
+        flat::layout(&init_model).iter().map(|p| p.len).sum(),
+    );
     for world in 1..=3 {
         let results: Vec<(String, f64)> = std::thread::scope(|s| {
             let handles: Vec<_> = in_process_group(world)
@@ -116,10 +145,16 @@ fn main() {
                     s.spawn(move || worker(comm, initial, train, test))
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("worker panicked")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("worker panicked"))
+                .collect()
         });
         let (hash, accuracy) = &results[0];
         assert!(results.iter().all(|r| &r.0 == hash), "replicas diverged");
-        println!("world size {world}: param hash {}…, test accuracy {accuracy:.3}", &hash[..16]);
+        println!(
+            "world size {world}: param hash {}…, test accuracy {accuracy:.3}",
+            &hash[..16]
+        );
     }
 }

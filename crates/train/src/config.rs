@@ -9,7 +9,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{origin}: {message}")]
     Parse { origin: String, message: String },
     #[error("override `{0}` must look like key=value (e.g. train.steps=20)")]
@@ -17,11 +20,17 @@ pub enum ConfigError {
     #[error("override `{key}`: `{part}` is not a table in the config")]
     OverridePath { key: String, part: String },
     #[error("invalid config: {field}: {message}")]
-    Invalid { field: &'static str, message: String },
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
 }
 
 fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field, message: message.into() }
+    ConfigError::Invalid {
+        field,
+        message: message.into(),
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -32,6 +41,28 @@ pub struct TrainConfig {
     pub train: TrainSection,
     pub optimizer: OptimizerConfig,
     pub dist: DistConfig,
+    pub checkpoint: CheckpointConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Save every this many steps (0 = never). A failure recomputes at most this many steps.
+    pub every: u64,
+    /// How many of the newest checkpoints to keep.
+    pub keep: usize,
+    /// Directory; empty = `<run dir>/checkpoints`.
+    pub dir: String,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            every: 50,
+            keep: 3,
+            dir: String::new(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -100,6 +131,14 @@ pub struct DistConfig {
     pub reproducible: bool,
     /// Gradient values per all-reduce bucket (and per shared exponent in reproducible mode).
     pub bucket_elems: usize,
+    /// Reduce gradient buckets on a communication thread while backward is still running (the
+    /// last local micro-batch streams its gradients out). Same result bits either way. Off by
+    /// default: on a CPU-only host whose cores are all busy computing (the default
+    /// `--threads-per-worker`), the thread's work (fixed-point conversion, shared-memory copies) is
+    /// CPU work too and slows backward by about what it hides; measured on 2 cores, 2 workers,
+    /// MLP 784-512-512-10: steps 4-20% slower with overlap. Worth turning on when communication
+    /// leaves CPUs idle (network-bound multi-node jobs) or cores are spare.
+    pub overlap: bool,
     /// Seconds any collective may wait for a peer before failing with the peer's name.
     pub timeout_secs: f64,
     /// "auto" (shared memory when all ranks share a host, else TCP), "shm" or "tcp".
@@ -116,17 +155,27 @@ impl Default for TrainConfig {
             train: TrainSection::default(),
             optimizer: OptimizerConfig::default(),
             dist: DistConfig::default(),
+            checkpoint: CheckpointConfig::default(),
         }
     }
 }
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { kind: "mlp".into(), hidden: vec![128, 64], conv: vec![16, 32], cnn_hidden: 64 }
+        Self {
+            kind: "mlp".into(),
+            hidden: vec![128, 64],
+            conv: vec![16, 32],
+            cnn_hidden: 64,
+        }
     }
 }
 impl Default for DataConfig {
     fn default() -> Self {
-        Self { dataset: "digits".into(), dir: String::new(), test_fraction: 0.2 }
+        Self {
+            dataset: "digits".into(),
+            dir: String::new(),
+            test_fraction: 0.2,
+        }
     }
 }
 impl Default for TrainSection {
@@ -163,6 +212,7 @@ impl Default for DistConfig {
         Self {
             reproducible: true,
             bucket_elems: 1 << 16,
+            overlap: false,
             timeout_secs: 60.0,
             transport: "auto".into(),
             algorithm: "auto".into(),
@@ -175,8 +225,10 @@ impl TrainConfig {
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
         let (text, origin) = match path {
             Some(p) => (
-                std::fs::read_to_string(p)
-                    .map_err(|source| ConfigError::Read { path: p.to_path_buf(), source })?,
+                std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.to_path_buf(),
+                    source,
+                })?,
                 p.display().to_string(),
             ),
             None => (String::new(), "built-in defaults".to_string()),
@@ -184,17 +236,34 @@ impl TrainConfig {
         Self::from_toml_str(&text, &origin, overrides)
     }
 
-    pub fn from_toml_str(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
-        let mut table: toml::Table = text
-            .parse()
-            .map_err(|e: toml::de::Error| ConfigError::Parse { origin: origin.into(), message: e.to_string() })?;
+    pub fn from_toml_str(
+        text: &str,
+        origin: &str,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let mut table: toml::Table =
+            text.parse()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    origin: origin.into(),
+                    message: e.to_string(),
+                })?;
         for o in overrides {
             apply_override(&mut table, o)?;
         }
-        let cfg: TrainConfig = toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| {
-            let origin = if overrides.is_empty() { origin.to_string() } else { format!("{origin} with --set overrides") };
-            ConfigError::Parse { origin, message: e.to_string().trim().to_string() }
-        })?;
+        let cfg: TrainConfig =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    let origin = if overrides.is_empty() {
+                        origin.to_string()
+                    } else {
+                        format!("{origin} with --set overrides")
+                    };
+                    ConfigError::Parse {
+                        origin,
+                        message: e.to_string().trim().to_string(),
+                    }
+                })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -210,6 +279,24 @@ impl TrainConfig {
         hex::encode(sha2::Sha256::digest(self.to_toml().as_bytes()))
     }
 
+    /// SHA-256 of the settings that determine the training trajectory: model, data, training,
+    /// optimizer, and the gradient-sum mode and buckets (which fix the bits in reproducible mode).
+    /// Logging, evaluation, timeouts, transport, overlap and checkpoint settings are left out, so a
+    /// run can resume with those changed; a checkpoint whose identity differs is refused.
+    pub fn identity_hash(&self) -> String {
+        use sha2::Digest;
+        let mut c = self.clone();
+        c.train.eval_every = 0;
+        c.train.log_every = 1;
+        c.dist = DistConfig {
+            reproducible: self.dist.reproducible,
+            bucket_elems: self.dist.bucket_elems,
+            ..DistConfig::default()
+        };
+        c.checkpoint = CheckpointConfig::default();
+        hex::encode(sha2::Sha256::digest(c.to_toml().as_bytes()))
+    }
+
     /// Number of micro-batches in each global batch.
     pub fn microbatches_per_step(&self) -> usize {
         self.train.global_batch / self.train.microbatch
@@ -219,7 +306,12 @@ impl TrainConfig {
         let t = &self.train;
         match self.model.kind.as_str() {
             "mlp" | "cnn" => {}
-            other => return Err(invalid("model.kind", format!("`{other}` is not one of \"mlp\", \"cnn\""))),
+            other => {
+                return Err(invalid(
+                    "model.kind",
+                    format!("`{other}` is not one of \"mlp\", \"cnn\""),
+                ))
+            }
         }
         if self.model.kind == "cnn" && self.model.conv.is_empty() {
             return Err(invalid("model.conv", "a CNN needs at least one conv layer"));
@@ -237,28 +329,47 @@ impl TrainConfig {
             }
         }
         if self.data.dataset == "mnist" && self.data.dir.is_empty() {
-            return Err(invalid("data.dir", "dataset \"mnist\" needs data.dir: the folder holding its IDX files"));
+            return Err(invalid(
+                "data.dir",
+                "dataset \"mnist\" needs data.dir: the folder holding its IDX files",
+            ));
         }
         if !(0.0 < self.data.test_fraction && self.data.test_fraction < 1.0) {
-            return Err(invalid("data.test_fraction", format!("{} is not in (0, 1)", self.data.test_fraction)));
+            return Err(invalid(
+                "data.test_fraction",
+                format!("{} is not in (0, 1)", self.data.test_fraction),
+            ));
         }
         if t.steps == 0 && t.epochs == 0 {
-            return Err(invalid("train.steps", "set train.steps or train.epochs to at least 1"));
+            return Err(invalid(
+                "train.steps",
+                "set train.steps or train.epochs to at least 1",
+            ));
         }
         if t.global_batch == 0 {
             return Err(invalid("train.global_batch", "must be ≥ 1"));
         }
-        if t.microbatch == 0 || t.microbatch > t.global_batch || t.global_batch % t.microbatch != 0 {
+        if t.microbatch == 0 || t.microbatch > t.global_batch || t.global_batch % t.microbatch != 0
+        {
             return Err(invalid(
                 "train.microbatch",
-                format!("{} must be ≥ 1 and divide train.global_batch = {}", t.microbatch, t.global_batch),
+                format!(
+                    "{} must be ≥ 1 and divide train.global_batch = {}",
+                    t.microbatch, t.global_batch
+                ),
             ));
         }
         if !(t.lr.is_finite() && t.lr > 0.0) {
-            return Err(invalid("train.lr", format!("{} must be a positive number", t.lr)));
+            return Err(invalid(
+                "train.lr",
+                format!("{} must be a positive number", t.lr),
+            ));
         }
         if !(t.min_lr.is_finite() && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
-            return Err(invalid("train.min_lr", format!("{} must be in [0, train.lr]", t.min_lr)));
+            return Err(invalid(
+                "train.min_lr",
+                format!("{} must be in [0, train.lr]", t.min_lr),
+            ));
         }
         if t.log_every == 0 {
             return Err(invalid("train.log_every", "must be ≥ 1"));
@@ -266,13 +377,24 @@ impl TrainConfig {
         let o = &self.optimizer;
         match o.kind.as_str() {
             "sgd" | "adamw" => {}
-            other => return Err(invalid("optimizer.kind", format!("`{other}` is not one of \"sgd\", \"adamw\""))),
+            other => {
+                return Err(invalid(
+                    "optimizer.kind",
+                    format!("`{other}` is not one of \"sgd\", \"adamw\""),
+                ))
+            }
         }
         if !(0.0..1.0).contains(&o.momentum) {
-            return Err(invalid("optimizer.momentum", format!("{} is not in [0, 1)", o.momentum)));
+            return Err(invalid(
+                "optimizer.momentum",
+                format!("{} is not in [0, 1)", o.momentum),
+            ));
         }
         if !(0.0..1.0).contains(&o.beta1) || !(0.0..1.0).contains(&o.beta2) {
-            return Err(invalid("optimizer.beta1", "beta1 and beta2 must be in [0, 1)"));
+            return Err(invalid(
+                "optimizer.beta1",
+                "beta1 and beta2 must be in [0, 1)",
+            ));
         }
         if !(o.eps > 0.0) {
             return Err(invalid("optimizer.eps", "must be > 0"));
@@ -280,16 +402,27 @@ impl TrainConfig {
         if !(o.weight_decay >= 0.0) {
             return Err(invalid("optimizer.weight_decay", "must be ≥ 0"));
         }
+        if self.checkpoint.keep == 0 {
+            return Err(invalid("checkpoint.keep", "must be ≥ 1"));
+        }
         let d = &self.dist;
         if d.bucket_elems == 0 {
             return Err(invalid("dist.bucket_elems", "must be ≥ 1"));
         }
         if !(d.timeout_secs.is_finite() && d.timeout_secs > 0.0) {
-            return Err(invalid("dist.timeout_secs", format!("{} must be a positive number of seconds", d.timeout_secs)));
+            return Err(invalid(
+                "dist.timeout_secs",
+                format!("{} must be a positive number of seconds", d.timeout_secs),
+            ));
         }
         match d.transport.as_str() {
             "auto" | "shm" | "tcp" => {}
-            other => return Err(invalid("dist.transport", format!("`{other}` is not one of \"auto\", \"shm\", \"tcp\""))),
+            other => {
+                return Err(invalid(
+                    "dist.transport",
+                    format!("`{other}` is not one of \"auto\", \"shm\", \"tcp\""),
+                ))
+            }
         }
         match d.algorithm.as_str() {
             "auto" | "ring" | "recursive-doubling" => {}
@@ -307,7 +440,9 @@ impl TrainConfig {
 /// Apply `a.b.c=value` to a TOML table. The value is parsed as a TOML value when it is one
 /// (numbers, booleans, arrays, quoted strings) and taken as a bare string otherwise.
 fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError> {
-    let (key, raw) = spec.split_once('=').ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
+    let (key, raw) = spec
+        .split_once('=')
+        .ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
     let key = key.trim();
     if key.is_empty() {
         return Err(ConfigError::BadOverride(spec.to_string()));
@@ -316,11 +451,15 @@ fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError
     let parts: Vec<&str> = key.split('.').collect();
     let mut cur = table;
     for part in &parts[..parts.len() - 1] {
-        let entry = cur.entry(part.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        cur = entry.as_table_mut().ok_or_else(|| ConfigError::OverridePath {
-            key: key.to_string(),
-            part: part.to_string(),
-        })?;
+        let entry = cur
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = entry
+            .as_table_mut()
+            .ok_or_else(|| ConfigError::OverridePath {
+                key: key.to_string(),
+                part: part.to_string(),
+            })?;
     }
     cur.insert(parts[parts.len() - 1].to_string(), value);
     Ok(())
@@ -352,7 +491,12 @@ mod tests {
         let c = TrainConfig::from_toml_str(
             "[train]\nsteps = 5\n",
             "t.toml",
-            &["train.steps=20".into(), "train.lr=0.5".into(), "model.hidden=[32]".into(), "optimizer.kind=adamw".into()],
+            &[
+                "train.steps=20".into(),
+                "train.lr=0.5".into(),
+                "model.hidden=[32]".into(),
+                "optimizer.kind=adamw".into(),
+            ],
         )
         .unwrap();
         assert_eq!(c.train.steps, 20);
@@ -363,21 +507,46 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let e = TrainConfig::from_toml_str("", "x", &["train.microbatch=7".into()]).unwrap_err().to_string();
+        let e = TrainConfig::from_toml_str("", "x", &["train.microbatch=7".into()])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("train.microbatch"), "{e}");
-        let e = TrainConfig::from_toml_str("[train]\nstepz = 3\n", "bad.toml", &[]).unwrap_err().to_string();
+        let e = TrainConfig::from_toml_str("[train]\nstepz = 3\n", "bad.toml", &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("stepz") && e.contains("bad.toml"), "{e}");
-        let e = TrainConfig::from_toml_str("[train]\nsteps = \"many\"\n", "bad.toml", &[]).unwrap_err().to_string();
+        let e = TrainConfig::from_toml_str("[train]\nsteps = \"many\"\n", "bad.toml", &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("steps"), "{e}");
-        let e = TrainConfig::from_toml_str("", "x", &["dist.transport=carrier-pigeon".into()]).unwrap_err().to_string();
-        assert!(e.contains("dist.transport") && e.contains("carrier-pigeon"), "{e}");
-        let e = TrainConfig::from_toml_str("", "x", &["train.lr=-1".into()]).unwrap_err().to_string();
+        let e = TrainConfig::from_toml_str("", "x", &["dist.transport=carrier-pigeon".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("dist.transport") && e.contains("carrier-pigeon"),
+            "{e}"
+        );
+        let e = TrainConfig::from_toml_str("", "x", &["train.lr=-1".into()])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("train.lr"), "{e}");
-        let e = TrainConfig::from_toml_str("", "x", &["nonsense".into()]).unwrap_err().to_string();
+        let e = TrainConfig::from_toml_str("", "x", &["dist.overlap=sometimes".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("overlap") && e.contains("bool"), "{e}");
+        let c = TrainConfig::from_toml_str("[dist]\noverlap = true\n", "x", &[]).unwrap();
+        assert!(c.dist.overlap && !TrainConfig::default().dist.overlap);
+        let e = TrainConfig::from_toml_str("", "x", &["nonsense".into()])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("key=value"), "{e}");
-        let e = TrainConfig::from_toml_str("", "x", &["train.steps.x=1".into()]).unwrap_err().to_string();
+        let e = TrainConfig::from_toml_str("", "x", &["train.steps.x=1".into()])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("train.steps"), "{e}");
-        let e = TrainConfig::from_toml_str("[train\n", "broken.toml", &[]).unwrap_err().to_string();
+        let e = TrainConfig::from_toml_str("[train\n", "broken.toml", &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("broken.toml"), "{e}");
     }
 }

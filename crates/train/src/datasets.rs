@@ -15,7 +15,11 @@ pub fn load(cfg: &DataConfig, seed: u64) -> Result<(Dataset, Dataset), DataError
             } else {
                 lockstep_data::load_digits(&PathBuf::from(&cfg.dir).join("digits.csv.gz"))?
             };
-            Ok(lockstep_data::split_train_test(all, cfg.test_fraction, seed))
+            Ok(lockstep_data::split_train_test(
+                all,
+                cfg.test_fraction,
+                seed,
+            ))
         }
         name @ ("fashion-mnist" | "mnist") => {
             // MNIST has no packaged location here: its directory must be given in data.dir
@@ -38,8 +42,11 @@ pub fn load(cfg: &DataConfig, seed: u64) -> Result<(Dataset, Dataset), DataError
                 &pick("train-labels-idx1-ubyte"),
                 name,
             )?;
-            let test =
-                lockstep_data::load_idx(&pick("t10k-images-idx3-ubyte"), &pick("t10k-labels-idx1-ubyte"), name)?;
+            let test = lockstep_data::load_idx(
+                &pick("t10k-images-idx3-ubyte"),
+                &pick("t10k-labels-idx1-ubyte"),
+                name,
+            )?;
             Ok((train, test))
         }
         other => unreachable!("config validation admits no dataset `{other}`"),

@@ -3,8 +3,10 @@
 //! Invariant: nothing here reads argv or environment variables; the CLI resolves those and passes
 //! a [`TrainConfig`] and a ready [`lockstep_comm::Communicator`].
 
+pub mod checkpoint;
 pub mod config;
 pub mod datasets;
+pub mod faults;
 pub mod grad_sync;
 pub mod metrics;
 pub mod scaling;
@@ -12,4 +14,4 @@ pub mod trainer;
 
 pub use config::{ConfigError, TrainConfig};
 pub use metrics::{StepRecord, Summary};
-pub use trainer::{train, Progress, TrainError, WorkerContext};
+pub use trainer::{train, Event, Progress, TrainError, WorkerContext};

@@ -131,28 +131,37 @@ pub fn rank_summaries(records: &[StepRecord], hosts: &[String]) -> Vec<RankSumma
                 optimizer_seconds: total.optimizer,
                 overlapped_communication_seconds: total.overlapped_communication,
                 bytes_sent: mine.iter().map(|s| s.bytes_sent).sum(),
-                step_seconds_mean: if mine.is_empty() { 0.0 } else { step_sum / mine.len() as f64 },
+                step_seconds_mean: if mine.is_empty() {
+                    0.0
+                } else {
+                    step_sum / mine.len() as f64
+                },
                 step_seconds_max: step_max,
             }
         })
         .collect()
 }
 
-/// `(imbalance, straggler)`: max/mean compute seconds, and the slowest rank if it is >10% above the mean.
+/// `(imbalance, straggler)`: imbalance is max/mean compute seconds (uneven shares count: that is
+/// load imbalance too). The straggler is judged per sample, so a rank that simply holds one more
+/// micro-batch is not blamed: the rank whose compute seconds per sample exceed the mean rate by
+/// more than 25%.
 pub fn imbalance(ranks: &[RankSummary]) -> (f64, Option<usize>) {
-    if ranks.is_empty() {
+    let busy: Vec<&RankSummary> = ranks.iter().filter(|r| r.samples > 0).collect();
+    if busy.len() < 2 {
         return (1.0, None);
     }
-    let mean = ranks.iter().map(|r| r.compute_seconds).sum::<f64>() / ranks.len() as f64;
-    let (slowest, max) = ranks
+    let mean = busy.iter().map(|r| r.compute_seconds).sum::<f64>() / busy.len() as f64;
+    let max = busy.iter().map(|r| r.compute_seconds).fold(0.0, f64::max);
+    let ratio = if mean > 0.0 { max / mean } else { 1.0 };
+    let rate = |r: &RankSummary| r.compute_seconds / r.samples as f64;
+    let mean_rate = busy.iter().map(|r| rate(r)).sum::<f64>() / busy.len() as f64;
+    let slowest = busy
         .iter()
-        .map(|r| (r.rank, r.compute_seconds))
-        .fold((0, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
-    if mean <= 0.0 {
-        return (1.0, None);
-    }
-    let ratio = max / mean;
-    (ratio, if ratio > 1.10 && ranks.len() > 1 { Some(slowest) } else { None })
+        .max_by(|a, b| rate(a).total_cmp(&rate(b)))
+        .expect("two or more ranks");
+    let straggler = (mean_rate > 0.0 && rate(slowest) > 1.25 * mean_rate).then_some(slowest.rank);
+    (ratio, straggler)
 }
 
 #[cfg(test)]
@@ -168,7 +177,12 @@ mod tests {
             samples: 8,
             samples_per_sec: 1.0,
             step_seconds: compute + 0.5,
-            seconds: PhaseSeconds { forward: compute / 2.0, backward: compute / 2.0, communication: 0.5, ..Default::default() },
+            seconds: PhaseSeconds {
+                forward: compute / 2.0,
+                backward: compute / 2.0,
+                communication: 0.5,
+                ..Default::default()
+            },
             bytes_sent: 10,
             eval: None,
         }
@@ -176,7 +190,14 @@ mod tests {
 
     #[test]
     fn imbalance_names_the_straggler() {
-        let records = vec![rec(0, 1.0), rec(1, 1.0), rec(2, 2.0), rec(0, 1.0), rec(1, 1.0), rec(2, 2.0)];
+        let records = vec![
+            rec(0, 1.0),
+            rec(1, 1.0),
+            rec(2, 2.0),
+            rec(0, 1.0),
+            rec(1, 1.0),
+            rec(2, 2.0),
+        ];
         let hosts = vec!["h".to_string(); 3];
         let ranks = rank_summaries(&records, &hosts);
         assert_eq!(ranks[2].compute_seconds, 4.0);
@@ -186,5 +207,12 @@ mod tests {
         assert_eq!(straggler, Some(2));
         let balanced = rank_summaries(&[rec(0, 1.0), rec(1, 1.02)], &hosts[..2]);
         assert_eq!(imbalance(&balanced).1, None);
+        // Twice the work for twice the samples is imbalance, not a straggler.
+        let mut uneven = rec(0, 2.0);
+        uneven.samples = 16;
+        let ranks = rank_summaries(&[uneven, rec(1, 1.0), rec(2, 1.0)], &hosts);
+        let (ratio, straggler) = imbalance(&ranks);
+        assert!(ratio > 1.4);
+        assert_eq!(straggler, None);
     }
 }

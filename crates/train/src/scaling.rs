@@ -94,7 +94,11 @@ pub fn compare(runs: &[(Summary, Vec<StepRecord>)]) -> ScaleReport {
             waiting: wait,
             optimizer: m(&|r| r.seconds.optimizer),
             data: m(&|r| r.seconds.data),
-            communication_fraction: if step > 0.0 { (comm + wait) / step } else { 0.0 },
+            communication_fraction: if step > 0.0 {
+                (comm + wait) / step
+            } else {
+                0.0
+            },
             final_loss: summary.final_loss,
             test_accuracy: summary.test_accuracy,
             param_hash: summary.param_hash.clone(),
@@ -115,17 +119,29 @@ pub fn compare(runs: &[(Summary, Vec<StepRecord>)]) -> ScaleReport {
             format!(
                 "{} workers: {:.2}× {} than {}, {:.0}% efficient, communication {:.0}% of step, {}",
                 p.world_size,
-                if p.speedup >= 1.0 { p.speedup } else { 1.0 / p.speedup },
+                if p.speedup >= 1.0 {
+                    p.speedup
+                } else {
+                    1.0 / p.speedup
+                },
                 if p.speedup >= 1.0 { "faster" } else { "slower" },
                 points[0].world_size,
                 p.efficiency * 100.0,
                 p.communication_fraction * 100.0,
-                if p.same_result_as_first { "same result (identical parameter hash)".to_string() } else { "DIFFERENT result (parameter hash differs)".to_string() }
+                if p.same_result_as_first {
+                    "same result (identical parameter hash)".to_string()
+                } else {
+                    "DIFFERENT result (parameter hash differs)".to_string()
+                }
             )
         })
         .collect();
     let hashes_agree = points.iter().all(|p| p.same_result_as_first);
-    ScaleReport { points, hashes_agree, verdict }
+    ScaleReport {
+        points,
+        hashes_agree,
+        verdict,
+    }
 }
 
 #[cfg(test)]
@@ -142,7 +158,11 @@ mod tests {
             samples: 1,
             samples_per_sec: 1.0,
             step_seconds: secs,
-            seconds: PhaseSeconds { communication: comm, forward: secs - comm, ..Default::default() },
+            seconds: PhaseSeconds {
+                communication: comm,
+                forward: secs - comm,
+                ..Default::default()
+            },
             bytes_sent: 0,
             eval: None,
         }
@@ -175,10 +195,18 @@ mod tests {
     #[test]
     fn speedup_uses_the_slowest_rank_and_skips_warmup() {
         // 1 worker: 1.0 s steps (a slow warm-up step 0 is ignored).
-        let one: Vec<StepRecord> = (0..20).map(|s| rec(0, s, if s == 0 { 9.0 } else { 1.0 }, 0.0)).collect();
+        let one: Vec<StepRecord> = (0..20)
+            .map(|s| rec(0, s, if s == 0 { 9.0 } else { 1.0 }, 0.0))
+            .collect();
         // 2 workers: rank 1 is slower (0.6 s) than rank 0 (0.5 s); the step takes 0.6 s.
-        let two: Vec<StepRecord> =
-            (0..20).flat_map(|s| [rec(0, s, 0.5, 0.1), rec(1, s, if s == 0 { 9.0 } else { 0.6 }, 0.15)]).collect();
+        let two: Vec<StepRecord> = (0..20)
+            .flat_map(|s| {
+                [
+                    rec(0, s, 0.5, 0.1),
+                    rec(1, s, if s == 0 { 9.0 } else { 0.6 }, 0.15),
+                ]
+            })
+            .collect();
         let r = compare(&[(summary(1, "h"), one), (summary(2, "h"), two)]);
         let p = &r.points[1];
         assert!((p.median_step_seconds - 0.6).abs() < 1e-12);

@@ -14,28 +14,50 @@ use lockstep_comm::{CommError, Communicator, ReduceOp};
 use lockstep_data::{assign, microbatches, Dataset, Sampler};
 use lockstep_model::{param_hash, LrSchedule, Model, ModelSpec, Optimizer, OptimizerSpec};
 
+use crate::checkpoint::{self, Checkpoint, CheckpointError, Identity};
 use crate::config::TrainConfig;
-use crate::grad_sync::GradSync;
+use crate::faults::{self, Fault};
+use crate::grad_sync::{GradSync, LastMicrobatch, SyncError};
 use crate::metrics::{imbalance, rank_summaries, Eval, PhaseSeconds, StepRecord, Summary};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     #[error(transparent)]
     Comm(#[from] CommError),
-    #[error("gradient synchronisation at step {step}: {source}")]
-    Sync { step: u64, source: ExactError },
-    #[error("data: {0}")]
+    #[error("gradient synchronisation at step {step}: {cause}")]
+    Sync { step: u64, cause: ExactError },
+    #[error(transparent)]
     Data(#[from] lockstep_data::DataError),
-    #[error("model: {0}")]
+    #[error(transparent)]
     Model(#[from] lockstep_model::ModelError),
     #[error("model structure differs between ranks: rank {rank} has {theirs}, rank 0 has {ours} (same config and binary on every worker?)")]
-    ModelMismatch { rank: usize, theirs: String, ours: String },
-    #[error("replicas diverged: rank {rank} ended with parameter hash {theirs}, rank 0 with {ours}")]
-    Diverged { rank: usize, theirs: String, ours: String },
-    #[error("dataset `{dataset}` has {have} training samples, fewer than one global batch ({need})")]
-    TooSmall { dataset: String, have: usize, need: usize },
-    #[error("writing {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    ModelMismatch {
+        rank: usize,
+        theirs: String,
+        ours: String,
+    },
+    #[error(
+        "replicas diverged: rank {rank} ended with parameter hash {theirs}, rank 0 with {ours}"
+    )]
+    Diverged {
+        rank: usize,
+        theirs: String,
+        ours: String,
+    },
+    #[error(
+        "dataset `{dataset}` has {have} training samples, fewer than one global batch ({need})"
+    )]
+    TooSmall {
+        dataset: String,
+        have: usize,
+        need: usize,
+    },
+    #[error("writing {path}: {cause}")]
+    Io { path: String, cause: std::io::Error },
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("rank 0 could not load the checkpoint to resume from (see its error)")]
+    ResumeFailed,
 }
 
 /// A progress report for the terminal (rank 0 only).
@@ -48,14 +70,31 @@ pub struct Progress {
     pub eta_seconds: f64,
 }
 
+/// What the loop tells its caller (rank 0 only, except `Notice`).
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Every `train.log_every` steps.
+    Progress(Progress),
+    /// A step completed (its number, counting from 1).
+    StepDone(u64),
+    /// Training continues from the checkpoint of this step.
+    Resumed(u64),
+    /// Something worth a log line (damaged checkpoint skipped, straggler, …).
+    Notice(String),
+}
+
 /// Everything the loop needs that is not in the config.
 pub struct WorkerContext<'a> {
     pub comm: &'a mut Communicator,
     /// Host name of this rank (for the summary).
     pub host: String,
-    /// Run directory; only rank 0 writes to it.
+    /// Run directory; only rank 0 writes to it (outputs and checkpoints).
     pub out_dir: &'a Path,
-    pub on_progress: &'a mut dyn FnMut(Progress),
+    pub on_event: &'a mut dyn FnMut(Event),
+    /// Continue from the newest good checkpoint, if there is one.
+    pub resume: bool,
+    /// Deliberately injected faults (tests, demonstrations).
+    pub faults: &'a [Fault],
 }
 
 pub fn model_spec(cfg: &TrainConfig, data: &Dataset) -> ModelSpec {
@@ -69,22 +108,42 @@ pub fn model_spec(cfg: &TrainConfig, data: &Dataset) -> ModelSpec {
             hidden: cfg.model.cnn_hidden,
             classes: data.classes,
         },
-        _ => ModelSpec::Mlp { input: c * h * w, hidden: cfg.model.hidden.clone(), classes: data.classes },
+        _ => ModelSpec::Mlp {
+            input: c * h * w,
+            hidden: cfg.model.hidden.clone(),
+            classes: data.classes,
+        },
     }
 }
 
 pub fn optimizer_spec(cfg: &TrainConfig) -> OptimizerSpec {
     let o = &cfg.optimizer;
     match o.kind.as_str() {
-        "adamw" => OptimizerSpec::AdamW { beta1: o.beta1, beta2: o.beta2, eps: o.eps, weight_decay: o.weight_decay },
-        _ => OptimizerSpec::Sgd { momentum: o.momentum, weight_decay: o.weight_decay, nesterov: o.nesterov },
+        "adamw" => OptimizerSpec::AdamW {
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        },
+        _ => OptimizerSpec::Sgd {
+            momentum: o.momentum,
+            weight_decay: o.weight_decay,
+            nesterov: o.nesterov,
+        },
     }
 }
 
 /// Train according to `cfg` as one rank of `ctx.comm`. Returns the summary (complete on rank 0;
 /// other ranks return it too, with the same global figures).
 pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, TrainError> {
-    let WorkerContext { comm, host, out_dir, on_progress } = ctx;
+    let WorkerContext {
+        comm,
+        host,
+        out_dir,
+        on_event,
+        resume,
+        faults,
+    } = ctx;
     let started = Instant::now();
     let (rank, world) = (comm.rank(), comm.size());
     let t = &cfg.train;
@@ -98,7 +157,11 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         });
     }
     let sampler = Sampler::new(train_set.len(), t.global_batch, t.seed)?;
-    let total_steps = if t.steps > 0 { t.steps } else { t.epochs * sampler.steps_per_epoch() as u64 };
+    let total_steps = if t.steps > 0 {
+        t.steps
+    } else {
+        t.epochs * sampler.steps_per_epoch() as u64
+    };
     let n_micro = cfg.microbatches_per_step();
 
     let mut model = Model::new(&model_spec(cfg, &train_set), t.seed)?;
@@ -108,7 +171,36 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     model.set_params_flat(&params)?;
 
     let mut optimizer = Optimizer::new(&optimizer_spec(cfg), params.len());
-    let schedule = LrSchedule { base_lr: t.lr, warmup_steps: t.warmup_steps, total_steps, min_lr: t.min_lr };
+    let identity = Identity {
+        config: cfg.identity_hash(),
+        model: hex::encode(model.structure_hash()),
+    };
+    let ckpt_dir = checkpoint_dir(cfg, out_dir);
+    let start_step = if resume {
+        resume_from_checkpoint(
+            comm,
+            &ckpt_dir,
+            &identity,
+            &mut params,
+            &mut optimizer,
+            on_event,
+        )?
+    } else {
+        0
+    };
+    if start_step > 0 {
+        model.set_params_flat(&params)?;
+        if rank == 0 {
+            on_event(Event::Resumed(start_step));
+        }
+    }
+    let slowdown = faults::slowdown(faults, rank);
+    let schedule = LrSchedule {
+        base_lr: t.lr,
+        warmup_steps: t.warmup_steps,
+        total_steps,
+        min_lr: t.min_lr,
+    };
     let mut sync = GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems);
 
     let my_micro = assign(n_micro, world, rank);
@@ -117,49 +209,124 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let scale = 1.0 / t.global_batch as f32;
     let mut records = Vec::with_capacity(total_steps as usize);
+    // Every rank's records, gathered at each checkpoint (and at the end) and appended to
+    // metrics.jsonl by rank 0, so a crash loses only steps that will be recomputed anyway.
+    let mut metrics = MetricsLog {
+        gathered: Vec::new(),
+        flushed: 0,
+        started: false,
+    };
     let mut last_loss = f64::NAN;
     let mut evals = Vec::new();
 
-    for step in 0..total_steps {
+    for step in start_step..total_steps {
+        faults::at_step(faults, rank, step);
         let step_start = Instant::now();
         let bytes_before = comm.stats().bytes_sent;
         let mut sec = PhaseSeconds::default();
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, t.microbatch);
         let mut losses = Vec::with_capacity(my_micro.len());
-        for (slot, k) in my_micro.clone().enumerate() {
+        // With overlap, the last local micro-batch is computed inside the synchronisation (its
+        // backward streams gradients to the communication thread); the others are computed here.
+        let streamed = usize::from(cfg.dist.overlap && !my_micro.is_empty());
+        for (slot, k) in my_micro.clone().enumerate().take(my_micro.len() - streamed) {
             let t0 = Instant::now();
             train_set.gather(pieces[k], &mut x, &mut y);
             let t1 = Instant::now();
-            let timed = model.loss_and_grad_timed(&x, &y, pieces[k].len(), scale, &mut grads[slot])?;
+            let timed =
+                model.loss_and_grad_timed(&x, &y, pieces[k].len(), scale, &mut grads[slot])?;
             sec.data += (t1 - t0).as_secs_f64();
             sec.forward += timed.forward_seconds;
             sec.backward += timed.backward_seconds;
             losses.push(timed.loss);
         }
-        let grad_refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
-        let (loss, timing) = sync
-            .sync(comm, &grad_refs, &losses, n_micro, &mut total_grad)
-            .map_err(|source| match source {
-                ExactError::Comm(c) => TrainError::Comm(c),
-                other => TrainError::Sync { step, source: other },
-            })?;
+        let sync_error = |source: SyncError| match source {
+            SyncError::Exact(ExactError::Comm(c)) => TrainError::Comm(c),
+            SyncError::Exact(other) => TrainError::Sync { step, cause: other },
+            SyncError::Model(m) => TrainError::Model(m),
+        };
+        let (loss, timing) = if cfg.dist.overlap {
+            let (earlier, rest) = grads.split_at_mut(my_micro.len() - streamed);
+            let last = match rest.first_mut() {
+                Some(grad) => {
+                    let k = my_micro.end - 1;
+                    let t0 = Instant::now();
+                    train_set.gather(pieces[k], &mut x, &mut y);
+                    sec.data += t0.elapsed().as_secs_f64();
+                    Some(LastMicrobatch {
+                        x: &x,
+                        y: &y,
+                        n: pieces[k].len(),
+                        scale,
+                        grad,
+                    })
+                }
+                None => None,
+            };
+            let earlier: Vec<&[f32]> = earlier.iter().map(|g| g.as_slice()).collect();
+            let o = sync
+                .sync_overlapped(
+                    comm,
+                    &model,
+                    &earlier,
+                    &losses,
+                    last,
+                    n_micro,
+                    &mut total_grad,
+                )
+                .map_err(sync_error)?;
+            sec.forward += o.forward;
+            sec.backward += o.backward;
+            (o.loss, o.timing)
+        } else {
+            let grad_refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
+            sync.sync(comm, &grad_refs, &losses, n_micro, &mut total_grad)
+                .map_err(|e| sync_error(SyncError::Exact(e)))?
+        };
+        if slowdown > 1.0 {
+            // An injected straggler: its computation takes `slowdown` times as long.
+            let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
+            std::thread::sleep(std::time::Duration::from_secs_f64(extra));
+            sec.backward += extra;
+        }
         sec.waiting = timing.waiting;
         sec.communication = timing.communication;
+        sec.overlapped_communication = timing.overlapped_communication;
 
         let t0 = Instant::now();
         let lr = schedule.lr(step);
         optimizer.step(&mut params, &total_grad, lr);
         model.set_params_flat(&params)?;
         sec.optimizer = t0.elapsed().as_secs_f64();
+        let every = cfg.checkpoint.every;
+        if rank == 0 && every > 0 && (step + 1) % every == 0 {
+            let c = Checkpoint {
+                step: step + 1,
+                params: params.clone(),
+                optimizer_state: optimizer.state().iter().map(|v| v.to_vec()).collect(),
+                optimizer_steps: optimizer.steps_taken(),
+                identity: identity.clone(),
+            };
+            let path = checkpoint::save(&ckpt_dir, &c, cfg.checkpoint.keep)?;
+            // (the metrics flush below is collective, so it runs on every rank)
+            if faults::corrupts_checkpoint(faults, step + 1) {
+                damage(&path)?;
+                on_event(Event::Notice(format!(
+                    "injected fault: damaged checkpoint {}",
+                    path.display()
+                )));
+            }
+        }
 
-        let eval = if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) || step + 1 == total_steps {
-            let e = evaluate(comm, &model, &test_set)?;
-            evals.push((step + 1, e));
-            Some(e)
-        } else {
-            None
-        };
+        let eval =
+            if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) || step + 1 == total_steps {
+                let e = evaluate(comm, &model, &test_set)?;
+                evals.push((step + 1, e));
+                Some(e)
+            } else {
+                None
+            };
         let step_seconds = step_start.elapsed().as_secs_f64();
         last_loss = loss;
         records.push(StepRecord {
@@ -174,30 +341,49 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             bytes_sent: comm.stats().bytes_sent - bytes_before,
             eval,
         });
+        if every > 0 && (step + 1) % every == 0 {
+            metrics.flush(comm, &records, out_dir, start_step)?;
+        }
+        if rank == 0 {
+            on_event(Event::StepDone(step + 1));
+        }
         if rank == 0 && ((step + 1) % t.log_every == 0 || step + 1 == total_steps) {
             let elapsed = started.elapsed().as_secs_f64();
-            let done = (step + 1) as f64;
-            on_progress(Progress {
+            let done = (step + 1 - start_step) as f64;
+            on_event(Event::Progress(Progress {
                 step: step + 1,
                 total_steps,
                 loss,
                 samples_per_sec: done * t.global_batch as f64 / elapsed,
-                eta_seconds: elapsed / done * (total_steps as f64 - done),
-            });
+                eta_seconds: elapsed / done * (total_steps - step - 1) as f64,
+            }));
         }
     }
 
     let hash = param_hash(&params);
     check_same_hash(comm, &hash)?;
-    let all_records = gather_records(comm, &records)?;
+    metrics.flush(comm, &records, out_dir, start_step)?;
+    let all_records = metrics.gathered;
     let hosts = gather_strings(comm, &host)?;
     let wall_seconds = started.elapsed().as_secs_f64();
 
     let ranks = rank_summaries(&all_records, &hosts);
     let (imb, straggler) = imbalance(&ranks);
+    if let (Some(r), 0) = (straggler, rank) {
+        on_event(Event::Notice(format!(
+            "straggler: rank {r} ({}) computed {imb:.2}× the mean per-rank compute time",
+            ranks[r].host
+        )));
+    }
     let step_total: f64 = all_records.iter().map(|r| r.step_seconds).sum();
-    let comm_total: f64 = all_records.iter().map(|r| r.seconds.communication + r.seconds.waiting).sum();
-    let (test_loss, test_accuracy) = evals.last().map(|(_, e)| (e.test_loss, e.test_accuracy)).unwrap_or((f64::NAN, f64::NAN));
+    let comm_total: f64 = all_records
+        .iter()
+        .map(|r| r.seconds.communication + r.seconds.waiting)
+        .sum();
+    let (test_loss, test_accuracy) = evals
+        .last()
+        .map(|(_, e)| (e.test_loss, e.test_accuracy))
+        .unwrap_or((f64::NAN, f64::NAN));
     let summary = Summary {
         world_size: world,
         steps: total_steps,
@@ -211,16 +397,20 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         param_hash: hash,
         config_hash: cfg.hash_hex(),
         wall_seconds,
-        samples_per_sec: (total_steps as f64 * t.global_batch as f64) / wall_seconds,
+        samples_per_sec: ((total_steps - start_step) as f64 * t.global_batch as f64) / wall_seconds,
         imbalance: imb,
         straggler,
         bytes_sent_total: ranks.iter().map(|r| r.bytes_sent).sum(),
-        communication_fraction: if step_total > 0.0 { comm_total / step_total } else { 0.0 },
+        communication_fraction: if step_total > 0.0 {
+            comm_total / step_total
+        } else {
+            0.0
+        },
         evals,
         ranks,
     };
     if rank == 0 {
-        write_outputs(out_dir, cfg, &all_records, &summary)?;
+        write_outputs(out_dir, cfg, &summary)?;
     }
     Ok(summary)
 }
@@ -239,7 +429,10 @@ fn evaluate(comm: &mut Communicator, model: &Model, test: &Dataset) -> Result<Ev
     }
     comm.all_reduce(&mut sums, ReduceOp::Sum)?;
     let n = test.len().max(1) as f64;
-    Ok(Eval { test_loss: sums[0] / n, test_accuracy: sums[1] / n })
+    Ok(Eval {
+        test_loss: sums[0] / n,
+        test_accuracy: sums[1] / n,
+    })
 }
 
 fn check_same_structure(comm: &mut Communicator, model: &Model) -> Result<(), TrainError> {
@@ -249,7 +442,11 @@ fn check_same_structure(comm: &mut Communicator, model: &Model) -> Result<(), Tr
     let ours = hex::encode(&all[..32]);
     for (rank, h) in all.chunks(32).enumerate() {
         if h != &all[..32] {
-            return Err(TrainError::ModelMismatch { rank, theirs: hex::encode(h), ours });
+            return Err(TrainError::ModelMismatch {
+                rank,
+                theirs: hex::encode(h),
+                ours,
+            });
         }
     }
     Ok(())
@@ -259,7 +456,11 @@ fn check_same_hash(comm: &mut Communicator, hash_hex: &str) -> Result<(), TrainE
     let hashes = gather_strings(comm, hash_hex)?;
     for (rank, h) in hashes.iter().enumerate() {
         if h != &hashes[0] {
-            return Err(TrainError::Diverged { rank, theirs: h.clone(), ours: hashes[0].clone() });
+            return Err(TrainError::Diverged {
+                rank,
+                theirs: h.clone(),
+                ours: hashes[0].clone(),
+            });
         }
     }
     Ok(())
@@ -275,7 +476,9 @@ fn gather_bytes(comm: &mut Communicator, mine: &[u8]) -> Result<Vec<Vec<u8>>, Tr
     padded.resize(max, 0);
     let mut all = vec![0u8; max * n];
     comm.all_gather(&padded, &mut all)?;
-    Ok((0..n).map(|r| all[r * max..r * max + lens[r] as usize].to_vec()).collect())
+    Ok((0..n)
+        .map(|r| all[r * max..r * max + lens[r] as usize].to_vec())
+        .collect())
 }
 
 fn gather_strings(comm: &mut Communicator, mine: &str) -> Result<Vec<String>, TrainError> {
@@ -285,26 +488,84 @@ fn gather_strings(comm: &mut Communicator, mine: &str) -> Result<Vec<String>, Tr
         .collect())
 }
 
-fn gather_records(comm: &mut Communicator, mine: &[StepRecord]) -> Result<Vec<StepRecord>, TrainError> {
+fn gather_records(
+    comm: &mut Communicator,
+    mine: &[StepRecord],
+) -> Result<Vec<StepRecord>, TrainError> {
     let bytes = serde_json::to_vec(mine).expect("records serialise");
     let mut all = Vec::new();
     for b in gather_bytes(comm, &bytes)? {
-        let recs: Vec<StepRecord> = serde_json::from_slice(&b).expect("records from our own ranks parse");
+        let recs: Vec<StepRecord> =
+            serde_json::from_slice(&b).expect("records from our own ranks parse");
         all.extend(recs);
     }
     all.sort_by_key(|r| (r.step, r.rank));
     Ok(all)
 }
 
-fn write_outputs(dir: &Path, cfg: &TrainConfig, records: &[StepRecord], summary: &Summary) -> Result<(), TrainError> {
-    std::fs::create_dir_all(dir).map_err(|source| TrainError::Io { path: dir.display().to_string(), source })?;
-    write_atomic(&dir.join("config.toml"), cfg.to_toml().as_bytes())?;
-    let mut lines = Vec::new();
-    for r in records {
-        serde_json::to_writer(&mut lines, r).expect("record serialises");
-        lines.push(b'\n');
+/// `metrics.jsonl`, written incrementally.
+struct MetricsLog {
+    /// All ranks' records of this attempt gathered so far, by (step, rank).
+    gathered: Vec<StepRecord>,
+    /// How many of this rank's records were already gathered.
+    flushed: usize,
+    /// Whether this attempt has rewritten the file yet.
+    started: bool,
+}
+
+impl MetricsLog {
+    /// Collective: gather every rank's new records; rank 0 appends them to metrics.jsonl. The
+    /// first flush of an attempt rewrites the file keeping only the earlier attempts' lines for
+    /// steps before `start_step`, so the file stays one continuous curve across restarts.
+    fn flush(
+        &mut self,
+        comm: &mut Communicator,
+        mine: &[StepRecord],
+        dir: &Path,
+        start_step: u64,
+    ) -> Result<(), TrainError> {
+        let new = gather_records(comm, &mine[self.flushed..])?;
+        self.flushed = mine.len();
+        if comm.rank() == 0 {
+            let path = dir.join("metrics.jsonl");
+            let io = |source| TrainError::Io {
+                path: path.display().to_string(),
+                cause: source,
+            };
+            std::fs::create_dir_all(dir).map_err(io)?;
+            let mut lines = Vec::new();
+            if !self.started {
+                if start_step > 0 {
+                    for line in std::fs::read_to_string(&path).unwrap_or_default().lines() {
+                        if serde_json::from_str::<StepRecord>(line)
+                            .is_ok_and(|r| r.step < start_step)
+                        {
+                            lines.extend_from_slice(line.as_bytes());
+                            lines.push(b'\n');
+                        }
+                    }
+                }
+            } else {
+                lines = std::fs::read(&path).map_err(io)?;
+            }
+            for r in &new {
+                serde_json::to_writer(&mut lines, r).expect("record serialises");
+                lines.push(b'\n');
+            }
+            write_atomic(&path, &lines)?;
+        }
+        self.started = true;
+        self.gathered.extend(new);
+        Ok(())
     }
-    write_atomic(&dir.join("metrics.jsonl"), &lines)?;
+}
+
+fn write_outputs(dir: &Path, cfg: &TrainConfig, summary: &Summary) -> Result<(), TrainError> {
+    std::fs::create_dir_all(dir).map_err(|source| TrainError::Io {
+        path: dir.display().to_string(),
+        cause: source,
+    })?;
+    write_atomic(&dir.join("config.toml"), cfg.to_toml().as_bytes())?;
     let mut s = serde_json::to_vec_pretty(summary).expect("summary serialises");
     s.push(b'\n');
     write_atomic(&dir.join("summary.json"), &s)?;
@@ -314,11 +575,96 @@ fn write_outputs(dir: &Path, cfg: &TrainConfig, records: &[StepRecord], summary:
 /// Write to a temporary file in the same directory, fsync, rename: readers see the old file or the
 /// complete new one, never a torn one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
-    let io = |source| TrainError::Io { path: path.display().to_string(), source };
+    let io = |source| TrainError::Io {
+        path: path.display().to_string(),
+        cause: source,
+    };
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     let mut f = std::fs::File::create(&tmp).map_err(io)?;
     f.write_all(bytes).map_err(io)?;
     f.sync_all().map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)?;
     Ok(())
+}
+
+/// Where checkpoints live: `checkpoint.dir`, or `<run dir>/checkpoints`.
+pub fn checkpoint_dir(cfg: &TrainConfig, out_dir: &Path) -> std::path::PathBuf {
+    if cfg.checkpoint.dir.is_empty() {
+        out_dir.join("checkpoints")
+    } else {
+        std::path::PathBuf::from(&cfg.checkpoint.dir)
+    }
+}
+
+/// Rank 0 loads the newest good checkpoint and broadcasts it; returns the step to continue
+/// from (0 when there is none). Only rank 0 reads files, so node 0's disk is enough.
+fn resume_from_checkpoint(
+    comm: &mut Communicator,
+    dir: &Path,
+    identity: &Identity,
+    params: &mut [f32],
+    optimizer: &mut Optimizer,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<u64, TrainError> {
+    // status: 0 = nothing to resume from, 1 = found, 2 = rank 0 failed.
+    let mut header = [0i64; 3];
+    let mut loaded = Ok(None);
+    if comm.rank() == 0 {
+        loaded = checkpoint::load_latest(dir, identity).map(|(c, skipped)| {
+            for (path, why) in skipped {
+                on_event(Event::Notice(format!(
+                    "skipping damaged checkpoint {}: {why}",
+                    path.display()
+                )));
+            }
+            c
+        });
+        header = match &loaded {
+            Ok(Some(c)) => [1, c.step as i64, c.optimizer_steps as i64],
+            Ok(None) => [0, 0, 0],
+            Err(_) => [2, 0, 0],
+        };
+    }
+    comm.broadcast(&mut header, 0)?;
+    match header[0] {
+        0 => return Ok(0),
+        2 => {
+            return Err(loaded
+                .err()
+                .map(TrainError::Checkpoint)
+                .unwrap_or(TrainError::ResumeFailed))
+        }
+        _ => {}
+    }
+    if let Ok(Some(c)) = &loaded {
+        if c.params.len() != params.len() || c.optimizer_state.len() != optimizer.state().len() {
+            return Err(CheckpointError::Mismatch {
+                path: dir.display().to_string(),
+                what: "parameter or optimizer-state sizes differ".into(),
+            }
+            .into());
+        }
+        params.copy_from_slice(&c.params);
+        for (dst, src) in optimizer.state_mut().into_iter().zip(&c.optimizer_state) {
+            dst.copy_from_slice(src);
+        }
+    }
+    comm.broadcast(params, 0)?;
+    for v in optimizer.state_mut() {
+        comm.broadcast(v, 0)?;
+    }
+    optimizer.set_steps_taken(header[2] as u64);
+    Ok(header[1] as u64)
+}
+
+/// Flip one byte in the middle of a file (the `corrupt-checkpoint` fault).
+fn damage(path: &Path) -> Result<(), TrainError> {
+    let io = |source| TrainError::Io {
+        path: path.display().to_string(),
+        cause: source,
+    };
+    let mut bytes = std::fs::read(path).map_err(io)?;
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(path, bytes).map_err(io)
 }

@@ -13,7 +13,11 @@ const GLOBAL: usize = 64;
 const MICRO: usize = 8;
 
 fn spec() -> ModelSpec {
-    ModelSpec::Mlp { input: 64, hidden: vec![32], classes: 10 }
+    ModelSpec::Mlp {
+        input: 64,
+        hidden: vec![32],
+        classes: 10,
+    }
 }
 
 /// Run GradSync for step 0 on `world` threads; returns (gradient, loss) as seen by rank 0, and
@@ -38,13 +42,19 @@ fn synced_gradient(world: usize, reproducible: bool) -> (Vec<f32>, f64) {
                     for k in mine {
                         data.gather(pieces[k], &mut x, &mut y);
                         let mut g = vec![0f32; model.num_params()];
-                        losses.push(model.loss_and_grad(&x, &y, pieces[k].len(), 1.0 / GLOBAL as f32, &mut g).unwrap());
+                        losses.push(
+                            model
+                                .loss_and_grad(&x, &y, pieces[k].len(), 1.0 / GLOBAL as f32, &mut g)
+                                .unwrap(),
+                        );
                         grads.push(g);
                     }
                     let refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
                     let mut out = vec![0f32; model.num_params()];
                     let mut sync = GradSync::new(reproducible, 1000);
-                    let (loss, _) = sync.sync(&mut comm, &refs, &losses, pieces.len(), &mut out).unwrap();
+                    let (loss, _) = sync
+                        .sync(&mut comm, &refs, &losses, pieces.len(), &mut out)
+                        .unwrap();
                     (out, loss)
                 })
             })
@@ -53,7 +63,11 @@ fn synced_gradient(world: usize, reproducible: bool) -> (Vec<f32>, f64) {
     });
     for (r, res) in results.iter().enumerate() {
         assert_eq!(res.0, results[0].0, "rank {r} got a different gradient");
-        assert_eq!(res.1.to_bits(), results[0].1.to_bits(), "rank {r} got a different loss");
+        assert_eq!(
+            res.1.to_bits(),
+            results[0].1.to_bits(),
+            "rank {r} got a different loss"
+        );
     }
     results.into_iter().next().unwrap()
 }
@@ -66,19 +80,28 @@ fn synced_gradient_matches_single_process_full_batch() {
     let (mut x, mut y) = (Vec::new(), Vec::new());
     data.gather(&batch, &mut x, &mut y);
     let mut reference = vec![0f32; model.num_params()];
-    let ref_loss = model.loss_and_grad(&x, &y, GLOBAL, 1.0 / GLOBAL as f32, &mut reference).unwrap();
+    let ref_loss = model
+        .loss_and_grad(&x, &y, GLOBAL, 1.0 / GLOBAL as f32, &mut reference)
+        .unwrap();
     let gmax = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
     assert!(gmax > 0.0);
 
     for world in [1, 2, 3, 5, 8] {
         for reproducible in [true, false] {
             let (g, loss) = synced_gradient(world, reproducible);
-            let worst = g.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let worst = g
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(
                 worst <= 1e-5 * gmax,
                 "world {world} reproducible={reproducible}: max |Δg| {worst} vs max |g| {gmax}"
             );
-            assert!((loss - ref_loss as f64).abs() < 1e-5, "loss {loss} vs {ref_loss}");
+            assert!(
+                (loss - ref_loss as f64).abs() < 1e-5,
+                "loss {loss} vs {ref_loss}"
+            );
         }
     }
 }

@@ -9,8 +9,8 @@ use std::os::fd::RawFd;
 use std::time::Instant;
 
 use crate::error::LinkFailure;
-use crate::wire::{self, PREFIX_LEN};
 use crate::transport::Tag;
+use crate::wire::{self, PREFIX_LEN};
 
 const HEADER_LEN: usize = PREFIX_LEN + 2 + 8 + 8;
 

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use crate::auth::JobSecret;
 use crate::error::{CommError, Result};
-use crate::wire::{self, Service, PREFIX_LEN};
 use crate::store::StoreClient;
+use crate::wire::{self, Service, PREFIX_LEN};
 
 /// Identity message: prefix · rank u32 · world u32; the acceptor's answer adds a verdict byte.
 const HELLO_LEN: usize = PREFIX_LEN + 8;

@@ -1,0 +1,118 @@
+//! `--inject`: deliberate faults for tests and demonstrations.
+//!
+//! - `kill:rank=R,step=S` — rank R kills itself (SIGKILL) when it reaches step S;
+//! - `lose:rank=R,step=S` — as kill, and the slot cannot come back (a dead host): an elastic
+//!   job (`--nproc MIN:MAX`) goes on with fewer workers;
+//! - `hang:rank=R,step=S` — rank R stops making progress at step S (sleeps forever);
+//! - `slow:rank=R,factor=F` — rank R's computation takes F times as long (a straggler);
+//! - `corrupt-checkpoint:step=S` — the checkpoint written at step S is damaged after writing.
+//!
+//! Kill, lose, hang and corrupt-checkpoint fire on the first attempt only, so the restarted group runs
+//! clean. Several faults are separated by `;`.
+
+use anyhow::{bail, Context, Result};
+use lockstep_train::faults::Fault;
+
+pub fn parse(spec: &str) -> Result<Vec<Fault>> {
+    spec.split(';')
+        .filter(|s| !s.trim().is_empty())
+        .map(parse_one)
+        .collect()
+}
+
+fn parse_one(spec: &str) -> Result<Fault> {
+    let (kind, args) = spec.trim().split_once(':').unwrap_or((spec.trim(), ""));
+    let mut rank = None;
+    let mut step = None;
+    let mut factor = None;
+    for kv in args.split(',').filter(|s| !s.is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("--inject {spec}: `{kv}` is not key=value"))?;
+        match k.trim() {
+            "rank" => {
+                rank = Some(
+                    v.trim()
+                        .parse::<usize>()
+                        .with_context(|| format!("--inject {spec}: rank `{v}`"))?,
+                )
+            }
+            "step" => {
+                step = Some(
+                    v.trim()
+                        .parse::<u64>()
+                        .with_context(|| format!("--inject {spec}: step `{v}`"))?,
+                )
+            }
+            "factor" => {
+                let f: f64 = v
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("--inject {spec}: factor `{v}`"))?;
+                if !(f.is_finite() && f >= 1.0) {
+                    bail!("--inject {spec}: factor must be a number ≥ 1");
+                }
+                factor = Some(f);
+            }
+            other => bail!("--inject {spec}: unknown key `{other}` (rank, step, factor)"),
+        }
+    }
+    let need =
+        |what: &str, v: Option<u64>| v.with_context(|| format!("--inject {spec}: needs {what}="));
+    Ok(match kind {
+        "kill" => Fault::Kill {
+            rank: rank.context("--inject kill needs rank=")?,
+            step: need("step", step)?,
+        },
+        "lose" => Fault::Lose {
+            rank: rank.context("--inject lose needs rank=")?,
+            step: need("step", step)?,
+        },
+        "hang" => Fault::Hang {
+            rank: rank.context("--inject hang needs rank=")?,
+            step: need("step", step)?,
+        },
+        "slow" => Fault::Slow {
+            rank: rank.context("--inject slow needs rank=")?,
+            factor: factor.context("--inject slow needs factor=")?,
+        },
+        "corrupt-checkpoint" => Fault::CorruptCheckpoint {
+            step: need("step", step)?,
+        },
+        other => {
+            bail!("--inject: unknown fault `{other}` (kill, lose, hang, slow, corrupt-checkpoint)")
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_kind_and_rejects_nonsense() {
+        let f = parse("kill:rank=1,step=30; slow:rank=2,factor=3;corrupt-checkpoint:step=20;hang:rank=0,step=5").unwrap();
+        assert_eq!(
+            f,
+            vec![
+                Fault::Kill { rank: 1, step: 30 },
+                Fault::Slow {
+                    rank: 2,
+                    factor: 3.0
+                },
+                Fault::CorruptCheckpoint { step: 20 },
+                Fault::Hang { rank: 0, step: 5 }
+            ]
+        );
+        for bad in [
+            "explode:rank=1",
+            "kill:rank=1",
+            "kill:step=3",
+            "slow:rank=1,factor=0.5",
+            "kill:rank=x,step=1",
+            "kill:rank=1,step=2,color=red",
+        ] {
+            assert!(parse(bad).is_err(), "{bad} should be refused");
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! Fault tolerance end to end: injected crashes, hangs, lost workers and damaged checkpoints are
+//! survived, and the final parameters are bit-identical to the fault-free run's.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+const STEPS: &str = "train.steps=40";
+const EVERY: u64 = 10;
+
+fn lockstep(args: &[&str]) -> Output {
+    let mut c = Command::new(BIN);
+    c.args(args).stdin(Stdio::null());
+    for k in [
+        "RANK",
+        "WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "LOCKSTEP_RANK",
+    ] {
+        c.env_remove(k);
+    }
+    c.output().expect("spawn lockstep")
+}
+
+fn train(out: &Path, nproc: &str, extra: &[&str]) -> Output {
+    let every = format!("checkpoint.every={EVERY}");
+    let mut args = vec![
+        "train",
+        "--nproc",
+        nproc,
+        "--out",
+        out.to_str().unwrap(),
+        "--set",
+        STEPS,
+        "--set",
+        &every,
+    ];
+    args.extend_from_slice(extra);
+    lockstep(&args)
+}
+
+fn ok(o: &Output) -> &Output {
+    assert!(
+        o.status.success(),
+        "lockstep failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+fn reference_hash(tmp: &Path) -> String {
+    let dir = tmp.join("reference");
+    ok(&train(&dir, "1", &[]));
+    summary(&dir)["param_hash"].as_str().unwrap().to_string()
+}
+
+/// 20 runs, each losing one random worker at a random step (SIGKILL): all finish with the
+/// fault-free parameters, recomputing at most one checkpoint interval.
+#[test]
+fn chaos_twenty_random_kills_all_recover_bit_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = reference_hash(tmp.path());
+    let mut seed: u64 = 0x5eed;
+    let mut next = |n: u64| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) % n
+    };
+    for run in 0..20 {
+        let (rank, step) = (next(3), 1 + next(38));
+        let dir = tmp.path().join(format!("chaos-{run}"));
+        let spec = format!("kill:rank={rank},step={step}");
+        let o = train(&dir, "3", &["--inject", &spec]);
+        assert!(
+            o.status.success(),
+            "run {run} ({spec}) did not recover:\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let s = summary(&dir);
+        assert_eq!(
+            s["param_hash"].as_str().unwrap(),
+            want,
+            "run {run} ({spec})"
+        );
+        assert_eq!(s["restarts"], 1, "run {run}");
+        let f = &s["failures"][0];
+        assert_eq!(f["rank"], rank, "run {run}: {f}");
+        assert!(f["what"].as_str().unwrap().contains("SIGKILL"), "{f}");
+        let recomputed = f["steps_recomputed"].as_u64().unwrap();
+        assert!(
+            recomputed <= EVERY,
+            "run {run} ({spec}): {recomputed} steps recomputed > interval {EVERY}"
+        );
+        assert_eq!(
+            f["resumed_from"].as_u64().unwrap(),
+            step / EVERY * EVERY,
+            "run {run} ({spec})"
+        );
+    }
+}
+
+#[test]
+fn elastic_job_loses_a_worker_for_good_and_finishes_on_three_with_the_same_result() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = reference_hash(tmp.path());
+    let dir = tmp.path().join("elastic");
+    let o = ok(&train(&dir, "3:4", &["--inject", "lose:rank=3,step=25"])).clone();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("continuing elastically with 3 workers"),
+        "{err}"
+    );
+    let s = summary(&dir);
+    assert_eq!(s["world_size"], 3);
+    assert_eq!(s["param_hash"].as_str().unwrap(), want);
+    assert_eq!(s["failures"][0]["world_size"], 4);
+}
+
+#[test]
+fn a_hung_worker_is_detected_within_twice_the_timeout_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = reference_hash(tmp.path());
+    let dir = tmp.path().join("hang");
+    let o = ok(&train(
+        &dir,
+        "3",
+        &[
+            "--inject",
+            "hang:rank=1,step=23",
+            "--set",
+            "dist.timeout_secs=3",
+        ],
+    ))
+    .clone();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("worker rank 1 failed: stopped making progress"),
+        "{err}"
+    );
+    let s = summary(&dir);
+    assert_eq!(s["param_hash"].as_str().unwrap(), want);
+    let f = &s["failures"][0];
+    assert_eq!(f["rank"], 1);
+    let detection = f["detection_seconds"].as_f64().unwrap();
+    assert!(
+        detection < 6.0,
+        "detection took {detection} s, more than 2× the 3 s timeout"
+    );
+}
+
+#[test]
+fn a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = reference_hash(tmp.path());
+    let dir = tmp.path().join("corrupt");
+    let o = ok(&train(
+        &dir,
+        "2",
+        &["--inject", "corrupt-checkpoint:step=20;kill:rank=1,step=25"],
+    ))
+    .clone();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("skipping damaged checkpoint") && err.contains("checksum"),
+        "{err}"
+    );
+    let s = summary(&dir);
+    assert_eq!(s["param_hash"].as_str().unwrap(), want);
+    assert_eq!(s["failures"][0]["resumed_from"], 10);
+    assert_eq!(s["steps_recomputed"], 15);
+}
+
+#[test]
+fn resume_continues_a_stopped_run_on_a_different_world_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = reference_hash(tmp.path());
+    let dir = tmp.path().join("stopped");
+    // 4 workers, no restarts allowed: the job fails at step 27 …
+    let o = train(
+        &dir,
+        "4",
+        &["--inject", "kill:rank=2,step=27", "--max-restarts", "0"],
+    );
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("giving up after 0 restart(s)"));
+    // … and continues on 2 workers from its step-20 checkpoint, to the same bits.
+    let o = ok(&lockstep(&[
+        "train",
+        "--nproc",
+        "2",
+        "--resume",
+        dir.to_str().unwrap(),
+    ]))
+    .clone();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("resumed from the checkpoint of step 20"));
+    let s = summary(&dir);
+    assert_eq!(s["world_size"], 2);
+    assert_eq!(s["param_hash"].as_str().unwrap(), want);
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let steps: std::collections::BTreeSet<u64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        steps.len(),
+        40,
+        "metrics.jsonl keeps one continuous curve over both attempts"
+    );
+}
+
+#[test]
+fn a_checkpoint_of_another_run_is_refused_without_restarts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    ok(&train(&a, "2", &[]));
+    let b = tmp.path().join("b");
+    let o = train(
+        &b,
+        "2",
+        &[
+            "--set",
+            "train.lr=0.05",
+            "--inject",
+            "kill:rank=0,step=15",
+            "--max-restarts",
+            "0",
+        ],
+    );
+    assert!(!o.status.success());
+    // Plant run A's checkpoints in run B's directory, then resume B.
+    let ckpts = b.join("checkpoints");
+    std::fs::remove_dir_all(&ckpts).unwrap();
+    std::fs::create_dir_all(&ckpts).unwrap();
+    for e in std::fs::read_dir(a.join("checkpoints")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, ckpts.join(p.file_name().unwrap())).unwrap();
+    }
+    let o = lockstep(&["train", "--nproc", "2", "--resume", b.to_str().unwrap()]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("belongs to another run") && err.contains("config identity"),
+        "{err}"
+    );
+    assert!(
+        err.contains("not restarting"),
+        "bad input must not be retried: {err}"
+    );
+}
+
+#[test]
+fn a_straggler_is_named_in_the_log_and_the_summary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("slow");
+    let o = ok(&train(&dir, "2", &["--inject", "slow:rank=1,factor=4"])).clone();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("straggler: rank 1"));
+    let s = summary(&dir);
+    assert_eq!(s["straggler"], 1);
+    assert_eq!(s["restarts"], 0);
+}

@@ -1,0 +1,356 @@
+//! Crash-safe, world-size-independent checkpoints.
+//!
+//! File layout (`step-<N>.ckpt`, little-endian):
+//! ```text
+//! magic "LKSTCKPT" | version u32 | header length u32 | header (JSON) | payload | SHA-256 of all before
+//! ```
+//! The header names the config identity hash, the model structure hash, the step, the parameter
+//! count and the optimizer state vectors; the payload is the parameters then each state vector, as
+//! f32. Nothing in it depends on the world size: parameters and optimizer state are identical on
+//! every rank, the sampler position *is* the step (batches are a pure function of seed and step),
+//! and so are the learning-rate schedule position and every random choice. A run saved by 4
+//! workers resumes on 2 or 3 with the same bits.
+//!
+//! Writes are atomic: temporary file in the same directory, fsync, rename, fsync of the directory,
+//! so a crash leaves the previous checkpoints intact and never a torn file under a real name. The
+//! newest `keep` files are kept. Loading verifies length, magic, version, checksum and identity; a
+//! damaged newest file is reported and the previous good one used.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+const MAGIC: &[u8; 8] = b"LKSTCKPT";
+const VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {what}")]
+    Io { path: String, what: String },
+    #[error("{path}: not a lockstep checkpoint (bad magic)")]
+    BadMagic { path: String },
+    #[error("{path}: checkpoint format version {found}, this build reads version {VERSION}")]
+    Version { path: String, found: u32 },
+    #[error("{path}: truncated or corrupt: {what}")]
+    Corrupt { path: String, what: String },
+    #[error("{path}: checkpoint belongs to another run: {what}")]
+    Mismatch { path: String, what: String },
+}
+
+/// Everything a resumed run needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// Optimizer steps completed.
+    pub step: u64,
+    pub params: Vec<f32>,
+    /// Optimizer state vectors in `Optimizer::state()` order.
+    pub optimizer_state: Vec<Vec<f32>>,
+    pub optimizer_steps: u64,
+    pub identity: Identity,
+}
+
+/// What a checkpoint must agree on with the run that loads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// Hash of the settings that determine the trajectory (see `TrainConfig::identity_hash`).
+    pub config: String,
+    /// Hex SHA-256 of the model's parameter names and shapes.
+    pub model: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    identity: Identity,
+    step: u64,
+    num_params: u64,
+    optimizer_steps: u64,
+    state_lens: Vec<u64>,
+}
+
+pub fn file_name(step: u64) -> String {
+    format!("step-{step:09}.ckpt")
+}
+
+fn encode(c: &Checkpoint) -> Vec<u8> {
+    let header = Header {
+        identity: c.identity.clone(),
+        step: c.step,
+        num_params: c.params.len() as u64,
+        optimizer_steps: c.optimizer_steps,
+        state_lens: c.optimizer_state.iter().map(|s| s.len() as u64).collect(),
+    };
+    let header = serde_json::to_vec(&header).expect("header serialises");
+    let floats = c.params.len() + c.optimizer_state.iter().map(Vec::len).sum::<usize>();
+    let mut out = Vec::with_capacity(16 + header.len() + 4 * floats + 32);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    for v in std::iter::once(&c.params).chain(&c.optimizer_state) {
+        out.extend_from_slice(bytemuck::cast_slice(v));
+    }
+    let digest = Sha256::digest(&out);
+    out.extend_from_slice(&digest);
+    out
+}
+
+fn decode(bytes: &[u8], path: &str) -> Result<Checkpoint, CheckpointError> {
+    let corrupt = |what: String| CheckpointError::Corrupt {
+        path: path.to_string(),
+        what,
+    };
+    if bytes.len() < 8 + 4 + 4 + 32 {
+        if bytes.len() >= 8 && &bytes[..8] != MAGIC {
+            return Err(CheckpointError::BadMagic { path: path.into() });
+        }
+        return Err(corrupt(format!(
+            "{} bytes is shorter than any checkpoint",
+            bytes.len()
+        )));
+    }
+    if &bytes[..8] != MAGIC {
+        return Err(CheckpointError::BadMagic { path: path.into() });
+    }
+    let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
+    if version != VERSION {
+        return Err(CheckpointError::Version {
+            path: path.into(),
+            found: version,
+        });
+    }
+    let (body, digest) = bytes.split_at(bytes.len() - 32);
+    if Sha256::digest(body).as_slice() != digest {
+        return Err(corrupt(
+            "SHA-256 checksum does not match the contents".into(),
+        ));
+    }
+    let hlen = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    let header_end = 16usize
+        .checked_add(hlen)
+        .filter(|&e| e <= body.len())
+        .ok_or_else(|| corrupt("header length past the end".into()))?;
+    let header: Header = serde_json::from_slice(&body[16..header_end])
+        .map_err(|e| corrupt(format!("unreadable header: {e}")))?;
+    let payload = &body[header_end..];
+    let lens: Vec<usize> = std::iter::once(header.num_params)
+        .chain(header.state_lens.iter().copied())
+        .map(|l| l as usize)
+        .collect();
+    let want: usize = lens.iter().sum::<usize>() * 4;
+    if payload.len() != want {
+        return Err(corrupt(format!(
+            "payload has {} bytes, header describes {want}",
+            payload.len()
+        )));
+    }
+    let mut vecs = Vec::new();
+    let mut off = 0;
+    for l in lens {
+        let v: Vec<f32> = payload[off..off + 4 * l]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        vecs.push(v);
+        off += 4 * l;
+    }
+    let params = vecs.remove(0);
+    Ok(Checkpoint {
+        step: header.step,
+        params,
+        optimizer_state: vecs,
+        optimizer_steps: header.optimizer_steps,
+        identity: header.identity,
+    })
+}
+
+fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
+    CheckpointError::Io {
+        path: path.display().to_string(),
+        what: e.to_string(),
+    }
+}
+
+/// Write `c` atomically into `dir` and prune all but the newest `keep` checkpoints.
+pub fn save(dir: &Path, c: &Checkpoint, keep: usize) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+    let path = dir.join(file_name(c.step));
+    let tmp = dir.join(format!(".{}.tmp.{}", file_name(c.step), std::process::id()));
+    let bytes = encode(c);
+    let mut f = std::fs::File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
+    f.write_all(&bytes).map_err(|e| io_err(&tmp, e))?;
+    f.sync_all().map_err(|e| io_err(&tmp, e))?;
+    drop(f);
+    std::fs::rename(&tmp, &path).map_err(|e| io_err(&path, e))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io_err(dir, e))?;
+    let all = list(dir)?;
+    if all.len() > keep.max(1) {
+        for (_, old) in &all[..all.len() - keep.max(1)] {
+            let _ = std::fs::remove_file(old);
+        }
+    }
+    Ok(path)
+}
+
+/// Checkpoint files in `dir`, oldest first.
+pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    let mut v = Vec::new();
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(v),
+        Err(e) => return Err(io_err(dir, e)),
+    };
+    for entry in rd.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(step) = name
+            .strip_prefix("step-")
+            .and_then(|s| s.strip_suffix(".ckpt"))
+            .and_then(|s| s.parse().ok())
+        {
+            v.push((step, entry.path()));
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+/// Read and verify one file; `expect` is the loading run's identity.
+pub fn load(path: &Path, expect: &Identity) -> Result<Checkpoint, CheckpointError> {
+    let bytes = std::fs::read(path).map_err(|e| io_err(path, e))?;
+    let c = decode(&bytes, &path.display().to_string())?;
+    if c.identity.model != expect.model {
+        return Err(CheckpointError::Mismatch {
+            path: path.display().to_string(),
+            what: format!(
+                "model structure {} ≠ this run's {}",
+                c.identity.model, expect.model
+            ),
+        });
+    }
+    if c.identity.config != expect.config {
+        return Err(CheckpointError::Mismatch {
+            path: path.display().to_string(),
+            what: format!("config identity {} ≠ this run's {} (model, data, training or optimizer settings differ)", c.identity.config, expect.config),
+        });
+    }
+    Ok(c)
+}
+
+/// The newest checkpoint in `dir` that verifies. Damaged files are skipped and reported in the
+/// returned list (path, reason); a checkpoint of *another run* is an error, never skipped.
+pub fn load_latest(
+    dir: &Path,
+    expect: &Identity,
+) -> Result<(Option<Checkpoint>, Vec<(PathBuf, String)>), CheckpointError> {
+    let mut skipped = Vec::new();
+    for (_, path) in list(dir)?.into_iter().rev() {
+        match load(&path, expect) {
+            Ok(c) => return Ok((Some(c), skipped)),
+            Err(e @ CheckpointError::Mismatch { .. }) => return Err(e),
+            Err(e) => skipped.push((path, e.to_string())),
+        }
+    }
+    Ok((None, skipped))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(step: u64) -> Checkpoint {
+        Checkpoint {
+            step,
+            params: (0..1000).map(|i| i as f32 * 0.25 - step as f32).collect(),
+            optimizer_state: vec![(0..1000).map(|i| -(i as f32)).collect()],
+            optimizer_steps: step,
+            identity: Identity {
+                config: "cfg".into(),
+                model: "model".into(),
+            },
+        }
+    }
+
+    #[test]
+    fn round_trip_keep_and_latest() {
+        let dir = tempfile::tempdir().unwrap();
+        for s in [10, 20, 30, 40] {
+            save(dir.path(), &sample(s), 3).unwrap();
+        }
+        let steps: Vec<u64> = list(dir.path())
+            .unwrap()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(steps, vec![20, 30, 40]);
+        let (c, skipped) = load_latest(dir.path(), &sample(0).identity).unwrap();
+        assert_eq!(c.unwrap(), sample(40));
+        assert!(skipped.is_empty());
+        // No temporary files left behind.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
+    }
+
+    #[test]
+    fn corrupt_or_truncated_newest_falls_back_to_the_previous() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &sample(10), 3).unwrap();
+        let newest = save(dir.path(), &sample(20), 3).unwrap();
+        let mut bytes = std::fs::read(&newest).unwrap();
+        bytes[100] ^= 0x40;
+        std::fs::write(&newest, &bytes).unwrap();
+        let (c, skipped) = load_latest(dir.path(), &sample(0).identity).unwrap();
+        assert_eq!(c.unwrap().step, 10);
+        assert_eq!(skipped.len(), 1);
+        assert!(skipped[0].1.contains("checksum"), "{}", skipped[0].1);
+        bytes.truncate(50);
+        std::fs::write(&newest, &bytes).unwrap();
+        let (c, skipped) = load_latest(dir.path(), &sample(0).identity).unwrap();
+        assert_eq!(c.unwrap().step, 10);
+        assert!(
+            skipped[0].1.contains("truncated or corrupt"),
+            "{}",
+            skipped[0].1
+        );
+    }
+
+    #[test]
+    fn other_runs_and_foreign_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = save(dir.path(), &sample(10), 3).unwrap();
+        let other = Identity {
+            config: "different".into(),
+            model: "model".into(),
+        };
+        let e = load_latest(dir.path(), &other).unwrap_err().to_string();
+        assert!(
+            e.contains("another run") && e.contains("config identity"),
+            "{e}"
+        );
+        let other = Identity {
+            config: "cfg".into(),
+            model: "bigger".into(),
+        };
+        assert!(load(&p, &other)
+            .unwrap_err()
+            .to_string()
+            .contains("model structure"));
+        std::fs::write(
+            &p,
+            b"GIF89a this is not a checkpoint at all, but long enough to read",
+        )
+        .unwrap();
+        assert!(matches!(
+            load(&p, &sample(0).identity),
+            Err(CheckpointError::BadMagic { .. })
+        ));
+        let mut bytes = encode(&sample(1));
+        bytes[8] = 9;
+        std::fs::write(&p, &bytes).unwrap();
+        assert!(matches!(
+            load(&p, &sample(0).identity),
+            Err(CheckpointError::Version { found: 9, .. })
+        ));
+    }
+}

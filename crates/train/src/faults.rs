@@ -1,0 +1,63 @@
+//! Injected faults (see `lockstep train --inject`): deliberate failures that let tests and
+//! demonstrations exercise recovery. The CLI parses them; the trainer fires them.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Fault {
+    /// `rank` SIGKILLs itself when it reaches `step`.
+    Kill { rank: usize, step: u64 },
+    /// Like `Kill`, and the worker's slot cannot come back (a dead host): an elastic job shrinks.
+    Lose { rank: usize, step: u64 },
+    /// `rank` stops making progress at `step`.
+    Hang { rank: usize, step: u64 },
+    /// `rank` computes `factor` times slower (a straggler).
+    Slow { rank: usize, factor: f64 },
+    /// The checkpoint written at `step` is damaged after it was written.
+    CorruptCheckpoint { step: u64 },
+}
+
+/// Faults that fire only on the first attempt, so a restarted group runs clean.
+pub fn first_attempt_only(f: &Fault) -> bool {
+    !matches!(f, Fault::Slow { .. })
+}
+
+/// Fire kill/lose/hang faults due for `rank` at `step`.
+pub fn at_step(faults: &[Fault], rank: usize, step: u64) {
+    for f in faults {
+        match *f {
+            Fault::Kill { rank: r, step: s } | Fault::Lose { rank: r, step: s }
+                if r == rank && s == step =>
+            {
+                eprintln!("injected fault: rank {rank} kills itself at step {step}");
+                // SAFETY: raising a signal on our own process.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            Fault::Hang { rank: r, step: s } if r == rank && s == step => {
+                eprintln!("injected fault: rank {rank} hangs at step {step}");
+                loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Slow-down factor for `rank` (1.0 when none).
+pub fn slowdown(faults: &[Fault], rank: usize) -> f64 {
+    faults
+        .iter()
+        .filter_map(|f| match *f {
+            Fault::Slow { rank: r, factor } if r == rank => Some(factor),
+            _ => None,
+        })
+        .fold(1.0, f64::max)
+}
+
+/// Should the checkpoint of `step` be damaged?
+pub fn corrupts_checkpoint(faults: &[Fault], step: u64) -> bool {
+    faults
+        .iter()
+        .any(|f| matches!(*f, Fault::CorruptCheckpoint { step: s } if s == step))
+}
