@@ -69,15 +69,19 @@ fn exponent_bound(v: f32) -> i32 {
 }
 
 /// Max exponent bound of a slice, or `NON_FINITE`.
+///
+/// For non-negative floats the bit patterns order like the values, so one branch-free integer max
+/// over `|v|`'s bits (which the compiler vectorises) finds the largest magnitude; infinities and
+/// NaNs have the largest patterns of all, so they show up in the same pass.
 pub fn max_exponent(values: &[f32]) -> i32 {
-    let mut e = ALL_ZERO;
-    for &v in values {
-        if !v.is_finite() {
-            return NON_FINITE;
-        }
-        e = e.max(exponent_bound(v));
+    let max_abs_bits = values
+        .iter()
+        .fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    if max_abs_bits >= 0x7f80_0000 {
+        NON_FINITE
+    } else {
+        exponent_bound(f32::from_bits(max_abs_bits))
     }
-    e
 }
 
 /// Bits reserved so that the sum of `terms` values, each below 2^62 in magnitude, stays below 2^63.
@@ -85,9 +89,13 @@ pub fn headroom_bits(terms: usize) -> i32 {
     (usize::BITS - terms.max(1).saturating_sub(1).leading_zeros()) as i32 + 1
 }
 
+/// Scaled values stay below 2^`MAX_SCALED_BITS`, so [`accumulate_fixed`] can round with the
+/// 1.5·2^52 bit trick; that keeps 51 bits below the bucket's largest value, far more than f32's 24.
+const MAX_SCALED_BITS: i32 = 51;
+
 /// The fixed-point shift for a bucket whose values are all below 2^`e_max`.
 pub fn shift_for(e_max: i32, terms: usize) -> i32 {
-    62 - headroom_bits(terms) - e_max
+    (62 - headroom_bits(terms)).min(MAX_SCALED_BITS) - e_max
 }
 
 /// 2^k as f64 for any k in the f64 exponent range (exact).
@@ -106,24 +114,19 @@ pub fn accumulate_fixed(acc: &mut [i64], values: &[f32], shift: i32) {
     let (s1, s2) = split_shift(shift);
     let (m1, m2) = (pow2(s1), pow2(s2));
     for (a, &v) in acc.iter_mut().zip(values) {
-        let scaled = (v as f64) * m1 * m2;
-        *a += round_half_even(scaled) as i64;
+        *a += round_to_i64((v as f64) * m1 * m2);
     }
 }
 
-/// `x.round_ties_even()` without a library call (baseline x86-64 has no rounding instruction, and
-/// this loop is the bulk of an exact reduction's CPU time). Adding ±2^52 moves the fraction bits
-/// out of the mantissa, so the hardware's default rounding (to nearest, ties to even) rounds; the
-/// subtraction is then exact. From 2^52 on every f64 is an integer already.
+/// Round to nearest, ties to even, for |x| < 2^51 — branch-free and without a library call
+/// (baseline x86-64 has neither a rounding instruction nor a packed f64→i64 conversion, and this
+/// loop is the bulk of an exact reduction's CPU time). Adding 1.5·2^52 pushes the fraction bits out
+/// of the mantissa, so the hardware's default rounding rounds, and the integer is then the low
+/// mantissa bits: subtracting the constant's bit pattern reads it out.
 #[inline]
-fn round_half_even(x: f64) -> f64 {
-    const TWO_52: f64 = 4_503_599_627_370_496.0;
-    if x.abs() < TWO_52 {
-        let s = TWO_52.copysign(x);
-        (x + s) - s
-    } else {
-        x
-    }
+fn round_to_i64(x: f64) -> i64 {
+    const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52
+    (x + MAGIC).to_bits() as i64 - MAGIC.to_bits() as i64
 }
 
 /// Convert exact sums back: `out = f32(f64(acc) · 2^−shift)`.
@@ -132,8 +135,19 @@ pub fn finish_fixed(acc: &[i64], shift: i32, out: &mut [f32]) {
     let (s1, s2) = split_shift(-shift);
     let (m1, m2) = (pow2(s1), pow2(s2));
     for (o, &a) in out.iter_mut().zip(acc) {
-        *o = ((a as f64) * m1 * m2) as f32;
+        *o = (i64_to_f64(a) * m1 * m2) as f32;
     }
+}
+
+/// `a as f64` (correctly rounded) in operations the compiler can vectorise on baseline x86-64,
+/// which has no packed i64→f64 conversion: the high half converts exactly as an i32 scaled by
+/// 2^32, the low half exactly through the 2^52 bit trick, and their one addition rounds once.
+#[inline]
+fn i64_to_f64(a: i64) -> f64 {
+    const TWO_52: f64 = 4_503_599_627_370_496.0;
+    let hi = ((a >> 32) as i32 as f64) * 4_294_967_296.0;
+    let lo = f64::from_bits(TWO_52.to_bits() | (a as u64 & 0xffff_ffff)) - TWO_52;
+    hi + lo
 }
 
 fn split_shift(shift: i32) -> (i32, i32) {
@@ -323,8 +337,8 @@ mod tests {
     }
 
     #[test]
-    fn round_half_even_matches_the_library() {
-        let two52 = 4_503_599_627_370_496.0f64;
+    fn round_to_i64_matches_the_library_below_2_pow_51() {
+        let two51 = 2_251_799_813_685_248.0f64;
         let mut cases = vec![
             0.0,
             -0.0,
@@ -336,35 +350,66 @@ mod tests {
             -2.5,
             0.49999999999999994,
             1e-300,
+            -1e-300,
         ];
         cases.extend([
-            two52 - 0.5,
-            two52 - 1.5,
-            two52,
-            two52 + 1.0,
-            -(two52 - 0.5),
-            2f64.powi(62),
-            -2f64.powi(62),
-        ]);
-        cases.extend([
-            two52 / 2.0 + 0.5,
-            two52 / 2.0 + 1.5,
-            f64::MAX,
-            f64::MIN_POSITIVE,
+            two51 - 0.5,
+            two51 - 1.5,
+            two51 - 1.0,
+            -(two51 - 0.5),
+            -(two51 - 1.0),
+            two51 / 2.0 + 0.5,
         ]);
         // A sweep over magnitudes with fractional parts, both signs.
         let mut x = 0.123_456_789f64;
-        for _ in 0..4000 {
+        while x < two51 {
             x = x * 1.013 + 0.37;
-            cases.extend([x, -x, x.floor() + 0.5, -(x.floor() + 0.5)]);
+            if x < two51 {
+                cases.extend([x, -x, x.floor() + 0.5, -(x.floor() + 0.5)]);
+            }
         }
-        // Equal as numbers (the sign of a zero may differ) and, what `accumulate_fixed` uses, as i64.
         for v in cases {
-            let (ours, lib) = (round_half_even(v), v.round_ties_even());
-            assert!(
-                ours == lib && ours as i64 == lib as i64,
-                "{v:e}: {ours:e} vs {lib:e}"
-            );
+            assert_eq!(round_to_i64(v), v.round_ties_even() as i64, "{v:e}");
+        }
+    }
+
+    #[test]
+    fn i64_to_f64_is_correctly_rounded() {
+        let mut cases = vec![
+            0i64,
+            1,
+            -1,
+            i64::MAX,
+            i64::MIN,
+            i64::MIN + 1,
+            1 << 53,
+            (1 << 53) + 1,
+            -(1 << 53) - 1,
+        ];
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..100_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            cases.push(x as i64);
+            cases.push((x >> (x % 63)) as i64);
+        }
+        for a in cases {
+            assert_eq!(i64_to_f64(a).to_bits(), (a as f64).to_bits(), "{a}");
+        }
+    }
+
+    #[test]
+    fn scaled_values_stay_in_the_fast_rounding_range() {
+        for terms in [1, 2, 3, 4, 64, 1000, 4096] {
+            for e in [-140, -20, 0, 7, 128] {
+                let s = shift_for(e, terms);
+                assert!(e + s <= MAX_SCALED_BITS, "terms {terms}, e {e}");
+                assert!(
+                    e + s + headroom_bits(terms) <= 62,
+                    "terms {terms}, e {e}: the sum could overflow"
+                );
+            }
         }
     }
 

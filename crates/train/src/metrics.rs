@@ -10,7 +10,8 @@ pub struct PhaseSeconds {
     pub data: f64,
     pub forward: f64,
     pub backward: f64,
-    /// Moving and reducing gradients, after the slowest rank arrived.
+    /// Exposed communication: moving and reducing gradients after the slowest rank arrived and,
+    /// with `dist.overlap`, after backward ended (the part the step actually waited for).
     pub communication: f64,
     /// Blocked in the first collective of the step, waiting for slower ranks (load imbalance).
     pub waiting: f64,

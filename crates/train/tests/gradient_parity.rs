@@ -26,14 +26,16 @@ fn synced_gradient(world: usize, reproducible: bool) -> (Vec<f32>, f64) {
     let data = load_digits_embedded().unwrap();
     let batch = Sampler::new(data.len(), GLOBAL, 1).unwrap().global_batch(0);
     let pieces = microbatches(&batch, MICRO);
-    let model = Model::new(&spec(), 3).unwrap();
     let results: Vec<(Vec<f32>, f64)> = std::thread::scope(|s| {
         let handles: Vec<_> = in_process_group(world)
             .into_iter()
             .enumerate()
             .map(|(rank, t)| {
-                let (data, pieces, model) = (&data, &pieces, &model);
+                let (data, pieces) = (&data, &pieces);
                 s.spawn(move || {
+                    // One model per rank thread, as in real workers: burn's autodiff graph is not
+                    // meant to be driven from several threads at once (it can deadlock).
+                    let model = Model::new(&spec(), 3).unwrap();
                     let mut comm = Communicator::new(Arc::new(t), Duration::from_secs(10));
                     let mine = assign(pieces.len(), world, rank);
                     let (mut x, mut y) = (Vec::new(), Vec::new());
