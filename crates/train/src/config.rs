@@ -8,10 +8,10 @@ use serde::{Deserialize, Serialize};
 /// Errors in a configuration file or override; each names the field (or file) at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
+    #[error("cannot read config file {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{origin}: {message}")]
     Parse { origin: String, message: String },
@@ -226,9 +226,9 @@ impl TrainConfig {
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
         let (text, origin) = match path {
             Some(p) => (
-                std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                std::fs::read_to_string(p).map_err(|cause| ConfigError::Read {
                     path: p.to_path_buf(),
-                    source,
+                    cause,
                 })?,
                 p.display().to_string(),
             ),
