@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two simulated hosts on this machine: network namespaces lsA (10.77.0.1) and lsB (10.77.0.2) joined
-# by a veth pair. Runs the same digits job split over both "hosts" (TCP between them, since each
+# by a veth pair. (1) Runs the same digits job split over both "hosts" (TCP between them, since each
 # namespace is its own host to lockstep) and checks that its param_hash equals a one-host run's.
+# (2) Cuts the link mid-run and checks every worker fails within 2× the timeout, naming a rank.
 # Needs root. Usage: scripts/netns-two-hosts.sh path/to/lockstep [rate]   (rate e.g. 1gbit: tbf shaping)
 # Traffic stays between these two namespaces; nothing else is addressed.
 set -euo pipefail
@@ -59,4 +60,38 @@ echo "netns: two hosts × 2 workers ($t2): $h2"
 echo "netns: one host  × 1 worker       : $h1"
 [[ "$t2" == tcp ]] || { echo "netns: expected the tcp transport between hosts, got $t2"; exit 1; }
 [[ "$h1" == "$h2" ]] || { echo "netns: FAILED: param_hash differs between one host and two hosts"; exit 1; }
-echo "netns: 1 passed, 0 failed"
+echo "netns: ok: same param_hash on one host and on two hosts"
+
+# Cut the link between the hosts mid-run: every worker must fail within 2× the collective timeout,
+# naming the rank it waited for; nothing may hang.
+timeout_secs=3
+cut_sets=(--set train.steps=1000000 --set "dist.timeout_secs=$timeout_secs" --set checkpoint.every=0)
+port=29612
+LOCKSTEP_SECRET="$secret" ip netns exec "$A" "$bin" train --nproc 2 --nnodes 2 --node-rank 0 \
+    --rdzv "10.77.0.1:$port" --out "$work/cut-a" "${cut_sets[@]}" >"$work/cut-a.log" 2>&1 &
+pa=$!
+LOCKSTEP_SECRET="$secret" ip netns exec "$B" "$bin" train --nproc 2 --nnodes 2 --node-rank 1 \
+    --rdzv "10.77.0.1:$port" --out "$work/cut-b" "${cut_sets[@]}" >"$work/cut-b.log" 2>&1 &
+pb=$!
+for _ in $(seq 100); do grep -q "step 50/" "$work/cut-a.log" 2>/dev/null && break; sleep 0.1; done
+grep -q "step 50/" "$work/cut-a.log" || { echo "netns: the cut-link job never got going"; cat "$work/cut-a.log" "$work/cut-b.log"; exit 1; }
+cut_at=$(date +%s.%N)
+ip -n "$A" link set "vA$$" down
+deadline=$(( $(date +%s) + 2 * timeout_secs + 5 ))
+for p in $pa $pb; do
+    while kill -0 "$p" 2>/dev/null && (( $(date +%s) < deadline )); do sleep 0.1; done
+    if kill -0 "$p" 2>/dev/null; then
+        echo "netns: FAILED: a launcher still runs $((2 * timeout_secs + 5)) s after the link was cut"
+        kill -9 $pa $pb 2>/dev/null; cat "$work/cut-a.log" "$work/cut-b.log"; exit 1
+    fi
+done
+elapsed=$(python3 -c "import time,sys; print(f'{time.time()-float(sys.argv[1]):.1f}')" "$cut_at")
+wait $pa && { echo "netns: FAILED: host A's job succeeded despite the cut"; exit 1; }
+wait $pb && { echo "netns: FAILED: host B's job succeeded despite the cut"; exit 1; }
+for log in "$work/cut-a.log" "$work/cut-b.log"; do
+    grep -Eq "timed out after [0-9.]+s waiting for rank [0-9]+ \(" "$log" || {
+        echo "netns: FAILED: $log does not name the rank a worker timed out on"; cat "$log"; exit 1; }
+done
+echo "netns: ok: link cut detected on both hosts within ${elapsed}s (timeout ${timeout_secs}s), ranks named:"
+grep -hEo "timed out after [0-9.]+s waiting for rank [0-9]+ \([^)]*\)" "$work/cut-a.log" "$work/cut-b.log" | sort -u | head -4
+echo "netns: 2 passed, 0 failed"
