@@ -2,27 +2,16 @@
 //! survived, and the final parameters are bit-identical to the fault-free run's.
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
-const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
+mod common;
+use common::{assert_ok, lockstep, summary};
+
 const STEPS: &str = "train.steps=40";
 const EVERY: u64 = 10;
 
-fn lockstep(args: &[&str]) -> Output {
-    let mut c = Command::new(BIN);
-    c.args(args).stdin(Stdio::null());
-    for k in [
-        "RANK",
-        "WORLD_SIZE",
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "LOCKSTEP_RANK",
-    ] {
-        c.env_remove(k);
-    }
-    c.output().expect("spawn lockstep")
+fn run(args: &[&str]) -> Output {
+    lockstep(args).output().expect("spawn lockstep")
 }
 
 fn train(out: &Path, nproc: &str, extra: &[&str]) -> Output {
@@ -39,20 +28,12 @@ fn train(out: &Path, nproc: &str, extra: &[&str]) -> Output {
         &every,
     ];
     args.extend_from_slice(extra);
-    lockstep(&args)
+    run(&args)
 }
 
 fn ok(o: &Output) -> &Output {
-    assert!(
-        o.status.success(),
-        "lockstep failed:\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    assert_ok(o);
     o
-}
-
-fn summary(dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
 fn reference_hash(tmp: &Path) -> String {
@@ -192,7 +173,7 @@ fn resume_continues_a_stopped_run_on_a_different_world_size() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("giving up after 0 restart(s)"));
     // … and continues on 2 workers from its step-20 checkpoint, to the same bits.
-    let o = ok(&lockstep(&[
+    let o = ok(&run(&[
         "train",
         "--nproc",
         "2",
@@ -247,7 +228,7 @@ fn a_checkpoint_of_another_run_is_refused_without_restarts() {
         let p = e.unwrap().path();
         std::fs::copy(&p, ckpts.join(p.file_name().unwrap())).unwrap();
     }
-    let o = lockstep(&["train", "--nproc", "2", "--resume", b.to_str().unwrap()]);
+    let o = run(&["train", "--nproc", "2", "--resume", b.to_str().unwrap()]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(

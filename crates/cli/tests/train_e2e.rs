@@ -4,41 +4,15 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-const BIN: &str = env!("CARGO_BIN_EXE_lockstep");
-const SECRET: &str = "5ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2";
+mod common;
+use common::{assert_ok, lockstep, summary};
 
-fn lockstep(args: &[&str]) -> Command {
-    let mut c = Command::new(BIN);
-    c.args(args).stdin(Stdio::null());
-    for k in [
-        "RANK",
-        "WORLD_SIZE",
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "LOCKSTEP_RANK",
-    ] {
-        c.env_remove(k);
-    }
-    c
-}
+const SECRET: &str = "5ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2e75ec2";
 
 fn run_ok(c: &mut Command) -> Output {
     let out = c.output().expect("spawn lockstep");
-    assert!(
-        out.status.success(),
-        "lockstep failed: {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     out
-}
-
-fn summary(dir: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(dir.join("summary.json")).expect("summary.json written");
-    serde_json::from_str(&text).expect("summary.json is JSON")
 }
 
 fn train(nproc: usize, out: &Path, sets: &[&str]) -> serde_json::Value {
