@@ -336,6 +336,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     })?;
     if a.nodes.node_rank == 0 {
         supervise::annotate_summary(&out, &sup)?;
+        supervise::write_report(&out, &sup)?;
         if sup.restarts > 0 {
             eprintln!(
                 "lockstep: survived {} failure(s) with {} restart(s), {} step(s) recomputed",

@@ -156,3 +156,34 @@ pub fn annotate_summary(out: &Path, sup: &Supervision) -> Result<()> {
     )?;
     Ok(())
 }
+
+/// Write `report.md` and `report.html` next to `summary.json` (node 0, after a successful run).
+pub fn write_report(out: &Path, sup: &Supervision) -> Result<()> {
+    let (summary, records) = crate::scale::load_run(out)?;
+    let recovery = lockstep_train::report::Recovery {
+        restarts: sup.restarts as u64,
+        steps_recomputed: sup.steps_recomputed,
+        failures: sup
+            .failures
+            .iter()
+            .map(|f| {
+                format!(
+                    "attempt {}: rank {} of {} {} at step {}; detected by {} after {:.2}s; resumed from step {}, {} step(s) recomputed",
+                    f.attempt,
+                    f.rank,
+                    f.world_size,
+                    f.what,
+                    f.step.map_or("?".into(), |s| s.to_string()),
+                    f.detected_by,
+                    f.detection_seconds,
+                    f.resumed_from.map_or("?".into(), |s| s.to_string()),
+                    f.steps_recomputed.map_or("?".into(), |s| s.to_string())
+                )
+            })
+            .collect(),
+    };
+    let (md, html) = lockstep_train::report::render(&summary, &records, &recovery);
+    lockstep_train::trainer::write_atomic(&out.join("report.md"), md.as_bytes())?;
+    lockstep_train::trainer::write_atomic(&out.join("report.html"), html.as_bytes())?;
+    Ok(())
+}

@@ -93,6 +93,14 @@ fn param_hash_is_identical_for_1_2_3_4_workers() {
             "metrics seconds lack {key}"
         );
     }
+    let report = std::fs::read_to_string(tmp.path().join("n3/report.md")).unwrap();
+    assert!(
+        report.contains(&format!("`{}`", hash(&runs[2]))),
+        "report.md shows the parameter hash"
+    );
+    assert!(std::fs::read_to_string(tmp.path().join("n3/report.html"))
+        .unwrap()
+        .contains("<svg"));
     let cfg = std::fs::read_to_string(tmp.path().join("n3/config.toml")).unwrap();
     assert!(cfg.contains("steps = 25"), "{cfg}");
 }

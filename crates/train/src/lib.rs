@@ -9,6 +9,7 @@ pub mod datasets;
 pub mod faults;
 pub mod grad_sync;
 pub mod metrics;
+pub mod report;
 pub mod scaling;
 pub mod trainer;
 
