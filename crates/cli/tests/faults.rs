@@ -384,7 +384,9 @@ fn stopped_peer_times_out(transport: &str) {
             p.name
         );
         assert!(
-            line.contains(&format!("timed out after {TIMEOUT_SECS}.00s waiting for rank {VICTIM} (")),
+            // The waited time is printed with two decimals and may read 3.01s on a loaded machine.
+            line.contains(&format!("timed out after {TIMEOUT_SECS}.0"))
+                && line.contains(&format!("s waiting for rank {VICTIM} (")),
             "{}: the error does not say it timed out waiting for the stopped rank {VICTIM}:\n{line}\n{}",
             p.name,
             job.report()

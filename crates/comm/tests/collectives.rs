@@ -672,8 +672,11 @@ fn a_rank_that_never_calls_is_named_in_a_timeout() {
             link: err,
         }
         .to_string();
+        // The message states the time waited: at least the timeout, less than twice it.
+        let said = waited_in_message(&msg);
         assert!(
-            msg.starts_with("all_reduce: timed out after 0.5")
+            msg.starts_with("all_reduce: timed out after ")
+                && (0.49..1.0).contains(&said)
                 && msg.ends_with("rank 1 (inproc:1)"),
             "{msg}"
         );
@@ -734,4 +737,13 @@ fn errors_name_the_public_operation() {
             );
         }
     });
+}
+
+/// The seconds in a "timed out after X.XXs" message.
+fn waited_in_message(msg: &str) -> f64 {
+    let rest =
+        &msg[msg.find("timed out after ").expect("a timeout message") + "timed out after ".len()..];
+    rest[..rest.find('s').expect("seconds")]
+        .parse()
+        .expect("a number of seconds")
 }
