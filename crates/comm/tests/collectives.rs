@@ -1,6 +1,9 @@
 //! Collectives and the Communicator over the in-process transport (one thread per rank), checked
 //! against closed-form answers, plus failure behaviour (dead rank, hung rank, bad arguments).
 
+mod common;
+use common::waited_in_message;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -737,13 +740,4 @@ fn errors_name_the_public_operation() {
             );
         }
     });
-}
-
-/// The seconds in a "timed out after X.XXs" message.
-fn waited_in_message(msg: &str) -> f64 {
-    let rest =
-        &msg[msg.find("timed out after ").expect("a timeout message") + "timed out after ".len()..];
-    rest[..rest.find('s').expect("seconds")]
-        .parse()
-        .expect("a number of seconds")
 }

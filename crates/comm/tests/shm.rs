@@ -5,6 +5,9 @@
 //! `bench_shm_figures` (ignored) prints throughput/latency figures:
 //! `cargo test --release -p lockstep-comm --test shm -- --ignored bench_shm_figures --nocapture`.
 
+mod common;
+use common::waited_in_message;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -933,13 +936,4 @@ fn pingpong() {
             d.as_secs_f64() * 1e6 / ITERS as f64
         );
     }
-}
-
-/// The seconds in a "timed out after X.XXs" message.
-fn waited_in_message(msg: &str) -> f64 {
-    let rest =
-        &msg[msg.find("timed out after ").expect("a timeout message") + "timed out after ".len()..];
-    rest[..rest.find('s').expect("seconds")]
-        .parse()
-        .expect("a number of seconds")
 }

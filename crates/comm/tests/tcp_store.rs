@@ -1,5 +1,8 @@
 //! The authenticated rendezvous store and the TCP transport, over 127.0.0.1 only.
 
+mod common;
+use common::waited_in_message;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -811,13 +814,4 @@ fn throughput_report() {
         "memcpy 64 MiB single thread: {:.2} GB/s",
         640.0 * 1048576.0 / t0.elapsed().as_secs_f64() / 1e9
     );
-}
-
-/// The seconds in a "timed out after X.XXs" message.
-fn waited_in_message(msg: &str) -> f64 {
-    let rest =
-        &msg[msg.find("timed out after ").expect("a timeout message") + "timed out after ".len()..];
-    rest[..rest.find('s').expect("seconds")]
-        .parse()
-        .expect("a number of seconds")
 }
