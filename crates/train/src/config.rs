@@ -41,7 +41,42 @@ pub struct TrainConfig {
     pub train: TrainSection,
     pub optimizer: OptimizerConfig,
     pub dist: DistConfig,
+    pub parallel: ParallelConfig,
     pub checkpoint: CheckpointConfig,
+}
+
+/// How the model and the batch are split over the workers: `dp` data-parallel replicas of a
+/// `pp`-stage pipeline (`dp · pp` = world size).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Data-parallel replicas; 0 = world size / `pp`.
+    pub dp: usize,
+    /// Pipeline stages (1 = no pipeline). More than 1 needs `model.kind = "transformer"`.
+    pub pp: usize,
+    /// Micro-batches per global batch (over all replicas); 0 = `train.global_batch / train.microbatch`.
+    /// Setting it sets the micro-batch size to `global_batch / microbatches`.
+    pub microbatches: usize,
+    /// Pipeline schedule: "gpipe" (all forwards, then all backwards) or "1f1b".
+    pub schedule: String,
+    /// First layer of stages 1..pp (pp − 1 increasing layer indices); empty = balance automatically
+    /// from the measured cost of each layer.
+    pub stage_cuts: Vec<usize>,
+    /// Timed repetitions per layer when balancing automatically.
+    pub profile_reps: usize,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self {
+            dp: 0,
+            pp: 1,
+            microbatches: 0,
+            schedule: "1f1b".into(),
+            stage_cuts: Vec::new(),
+            profile_reps: 3,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -68,7 +103,7 @@ impl Default for CheckpointConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// "mlp" or "cnn".
+    /// "mlp", "cnn" or "transformer" (character-level language model; needs a text dataset).
     pub kind: String,
     /// Hidden layer widths of the MLP.
     pub hidden: Vec<usize>,
@@ -76,12 +111,24 @@ pub struct ModelConfig {
     pub conv: Vec<usize>,
     /// Width of the CNN's fully connected hidden layer.
     pub cnn_hidden: usize,
+    /// Transformer: width of the residual stream.
+    pub d_model: usize,
+    /// Transformer: attention heads per block (must divide `d_model`).
+    pub heads: usize,
+    /// Transformer: number of blocks (attention + MLP). The layer sequence that pipeline stages cut
+    /// is embedding, blocks…, head: `blocks + 2` layers.
+    pub blocks: usize,
+    /// Transformer: context length in characters.
+    pub context: usize,
+    /// Transformer: hidden width of each block's MLP; 0 = 4 · `d_model`.
+    pub d_ff: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// "digits" (embedded), "fashion-mnist" or "mnist" (IDX files under `dir`).
+    /// "digits" (embedded), "fashion-mnist" or "mnist" (IDX files under `dir`), "shakespeare"
+    /// (embedded text, for the transformer).
     pub dataset: String,
     /// Where the files are; empty = the dataset's default location.
     pub dir: String,
@@ -156,6 +203,7 @@ impl Default for TrainConfig {
             train: TrainSection::default(),
             optimizer: OptimizerConfig::default(),
             dist: DistConfig::default(),
+            parallel: ParallelConfig::default(),
             checkpoint: CheckpointConfig::default(),
         }
     }
@@ -167,6 +215,11 @@ impl Default for ModelConfig {
             hidden: vec![128, 64],
             conv: vec![16, 32],
             cnn_hidden: 64,
+            d_model: 128,
+            heads: 4,
+            blocks: 4,
+            context: 64,
+            d_ff: 0,
         }
     }
 }
@@ -251,7 +304,9 @@ impl TrainConfig {
         for o in overrides {
             apply_override(&mut table, o)?;
         }
-        let cfg: TrainConfig =
+        let both_micro = table_has(&table, "train", "microbatch")
+            && table_has(&table, "parallel", "microbatches");
+        let mut cfg: TrainConfig =
             toml::Value::Table(table)
                 .try_into()
                 .map_err(|e: toml::de::Error| {
@@ -265,8 +320,38 @@ impl TrainConfig {
                         message: e.to_string().trim().to_string(),
                     }
                 })?;
+        cfg.resolve_microbatches(both_micro)?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// `parallel.microbatches`, when set, decides the micro-batch size (it must divide the batch;
+    /// an explicit `train.microbatch` must agree with it).
+    fn resolve_microbatches(&mut self, both_given: bool) -> Result<(), ConfigError> {
+        let m = self.parallel.microbatches;
+        if m == 0 {
+            return Ok(());
+        }
+        let b = self.train.global_batch;
+        if b == 0 || b % m != 0 {
+            return Err(invalid(
+                "parallel.microbatches",
+                format!("{m} micro-batches do not divide train.global_batch = {b}"),
+            ));
+        }
+        if both_given && self.train.microbatch != b / m {
+            return Err(invalid(
+                "parallel.microbatches",
+                format!(
+                    "{m} micro-batches of train.global_batch = {b} means micro-batches of {}, \
+                     but train.microbatch = {} (set one of them)",
+                    b / m,
+                    self.train.microbatch
+                ),
+            ));
+        }
+        self.train.microbatch = b / m;
+        Ok(())
     }
 
     /// The resolved configuration as TOML (written into the run directory).
@@ -295,6 +380,9 @@ impl TrainConfig {
             ..DistConfig::default()
         };
         c.checkpoint = CheckpointConfig::default();
+        // The layout (replicas, stages, schedule, cuts) never changes the bits; only the
+        // micro-batch size does, and that is in `train.microbatch`.
+        c.parallel = ParallelConfig::default();
         hex::encode(sha2::Sha256::digest(c.to_toml().as_bytes()))
     }
 
@@ -306,14 +394,29 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let t = &self.train;
         match self.model.kind.as_str() {
-            "mlp" | "cnn" => {}
+            "mlp" | "cnn" | "transformer" => {}
             other => {
                 return Err(invalid(
                     "model.kind",
-                    format!("`{other}` is not one of \"mlp\", \"cnn\""),
+                    format!("`{other}` is not one of \"mlp\", \"cnn\", \"transformer\""),
                 ))
             }
         }
+        let text_data = self.data.dataset == "shakespeare";
+        if (self.model.kind == "transformer") != text_data {
+            return Err(invalid(
+                "model.kind",
+                format!(
+                    "model `{}` cannot train on dataset `{}`: the transformer is a character-level \
+                     language model for \"shakespeare\"; \"mlp\"/\"cnn\" classify images",
+                    self.model.kind, self.data.dataset
+                ),
+            ));
+        }
+        if self.model.kind == "transformer" {
+            self.validate_transformer()?;
+        }
+        self.validate_parallel()?;
         if self.model.kind == "cnn" && self.model.conv.is_empty() {
             return Err(invalid("model.conv", "a CNN needs at least one conv layer"));
         }
@@ -321,11 +424,13 @@ impl TrainConfig {
             return Err(invalid("model.hidden", "layer widths must be ≥ 1"));
         }
         match self.data.dataset.as_str() {
-            "digits" | "fashion-mnist" | "mnist" => {}
+            "digits" | "fashion-mnist" | "mnist" | "shakespeare" => {}
             other => {
                 return Err(invalid(
                     "data.dataset",
-                    format!("`{other}` is not one of \"digits\", \"fashion-mnist\", \"mnist\""),
+                    format!(
+                        "`{other}` is not one of \"digits\", \"fashion-mnist\", \"mnist\", \"shakespeare\""
+                    ),
                 ))
             }
         }
@@ -436,6 +541,103 @@ impl TrainConfig {
         }
         Ok(())
     }
+}
+
+impl TrainConfig {
+    /// Layers the pipeline can cut between: embedding, blocks, head (transformer); 1 otherwise.
+    pub fn pipeline_layers(&self) -> usize {
+        if self.model.kind == "transformer" {
+            self.model.blocks + 2
+        } else {
+            1
+        }
+    }
+
+    fn validate_transformer(&self) -> Result<(), ConfigError> {
+        let m = &self.model;
+        if m.d_model == 0 || m.heads == 0 || m.d_model % m.heads != 0 {
+            return Err(invalid(
+                "model.heads",
+                format!(
+                    "{} heads must be ≥ 1 and divide model.d_model = {}",
+                    m.heads, m.d_model
+                ),
+            ));
+        }
+        if m.blocks == 0 {
+            return Err(invalid("model.blocks", "a transformer needs at least one block"));
+        }
+        if m.context < 2 {
+            return Err(invalid("model.context", format!("{} must be ≥ 2", m.context)));
+        }
+        Ok(())
+    }
+
+    /// Checks of `[parallel]` that need no world size (see [`crate::ParallelDims`] for the rest).
+    fn validate_parallel(&self) -> Result<(), ConfigError> {
+        let p = &self.parallel;
+        match p.schedule.as_str() {
+            "gpipe" | "1f1b" => {}
+            other => {
+                return Err(invalid(
+                    "parallel.schedule",
+                    format!("`{other}` is not one of \"gpipe\", \"1f1b\""),
+                ))
+            }
+        }
+        if p.pp == 0 {
+            return Err(invalid("parallel.pp", "must be ≥ 1"));
+        }
+        if p.pp > 1 && self.model.kind != "transformer" {
+            return Err(invalid(
+                "parallel.pp",
+                format!(
+                    "{} pipeline stages need a layered model: model.kind = \"transformer\" \
+                     (model `{}` runs data-parallel only)",
+                    p.pp, self.model.kind
+                ),
+            ));
+        }
+        let layers = self.pipeline_layers();
+        if p.pp > layers {
+            return Err(invalid(
+                "parallel.pp",
+                format!(
+                    "{} stages but the model has only {layers} layers (embedding + {} blocks + head)",
+                    p.pp, self.model.blocks
+                ),
+            ));
+        }
+        if !p.stage_cuts.is_empty() {
+            let ok = p.stage_cuts.len() == p.pp - 1
+                && p.stage_cuts.windows(2).all(|w| w[0] < w[1])
+                && p.stage_cuts.first().is_some_and(|&c| c >= 1)
+                && p.stage_cuts.last().is_some_and(|&c| c < layers);
+            if !ok {
+                return Err(invalid(
+                    "parallel.stage_cuts",
+                    format!(
+                        "{:?} must be {} increasing layer indices in 1..{layers} (the first layer \
+                         of stages 1..{}), or empty for automatic balancing",
+                        p.stage_cuts,
+                        p.pp - 1,
+                        p.pp
+                    ),
+                ));
+            }
+        }
+        if p.profile_reps == 0 {
+            return Err(invalid("parallel.profile_reps", "must be ≥ 1"));
+        }
+        Ok(())
+    }
+}
+
+fn table_has(table: &toml::Table, section: &str, key: &str) -> bool {
+    table
+        .get(section)
+        .and_then(|s| s.as_table())
+        .is_some_and(|s| s.contains_key(key))
 }
 
 /// Apply `a.b.c=value` to a TOML table. The value is parsed as a TOML value when it is one

@@ -9,10 +9,12 @@ pub mod datasets;
 pub mod faults;
 pub mod grad_sync;
 pub mod metrics;
+pub mod parallel_dims;
 pub mod report;
 pub mod scaling;
 pub mod trainer;
 
 pub use config::{ConfigError, TrainConfig};
 pub use metrics::{StepRecord, Summary};
+pub use parallel_dims::{Coords, ParallelDims};
 pub use trainer::{train, Event, Progress, TrainError, WorkerContext};

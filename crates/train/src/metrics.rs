@@ -54,6 +54,53 @@ pub struct StepRecord {
     /// Test-set evaluation, on the steps where one ran.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub eval: Option<Eval>,
+    /// Pipeline figures (pipeline-parallel runs only).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub pipeline: Option<PipelineStep>,
+}
+
+/// What one pipeline stage did in one step.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct PipelineStep {
+    pub stage: usize,
+    /// Wall time of the schedule: all of this stage's forwards, backwards and point-to-point
+    /// transfers of the step.
+    pub schedule_seconds: f64,
+    /// Seconds inside sends of activations (forward) or input gradients (backward) to neighbours.
+    pub send_seconds: f64,
+    /// Seconds inside receives from neighbours: mostly waiting for them (the bubble).
+    pub recv_seconds: f64,
+    /// Idle time: `schedule_seconds` minus this stage's forward and backward compute.
+    pub bubble_seconds: f64,
+    /// Most micro-batches whose activations this stage held at once (1F1B: ≤ stages, GPipe: all).
+    pub peak_activations: usize,
+    /// Bytes of activations and gradients this stage sent to its neighbours.
+    pub p2p_bytes: u64,
+}
+
+/// The pipeline part of `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PipelineSummary {
+    pub dp: usize,
+    pub pp: usize,
+    /// Micro-batches each replica's pipeline runs per step.
+    pub microbatches_per_replica: usize,
+    /// "gpipe" or "1f1b".
+    pub schedule: String,
+    /// Layer range `[first, end)` of every stage.
+    pub stage_layers: Vec<(usize, usize)>,
+    /// Whether the cuts came from measured layer costs ("auto") or the config ("manual").
+    pub cuts_from: String,
+    /// Measured seconds (forward + backward of one micro-batch) per layer, when balanced automatically.
+    pub layer_seconds: Vec<f64>,
+    /// Mean over stages of bubble / schedule time.
+    pub bubble_fraction: f64,
+    /// The schedule's ideal bubble with balanced stages: (p − 1) / (m + p − 1).
+    pub ideal_bubble_fraction: f64,
+    /// Most micro-batches held at once, per stage (max over replicas and steps).
+    pub peak_activations: Vec<usize>,
+    /// Mean forward + backward seconds per step, per stage (averaged over replicas).
+    pub stage_compute_seconds: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
@@ -77,6 +124,24 @@ pub struct RankSummary {
     pub bytes_sent: u64,
     pub step_seconds_mean: f64,
     pub step_seconds_max: f64,
+    /// Pipeline totals of this rank (pipeline-parallel runs only).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub pipeline: Option<RankPipeline>,
+}
+
+/// Per-rank pipeline totals over the run.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct RankPipeline {
+    pub stage: usize,
+    pub replica: usize,
+    pub send_seconds: f64,
+    pub recv_seconds: f64,
+    pub bubble_seconds: f64,
+    pub schedule_seconds: f64,
+    /// bubble / schedule seconds.
+    pub bubble_fraction: f64,
+    pub peak_activations: usize,
+    pub p2p_bytes: u64,
 }
 
 /// `summary.json`.
@@ -105,6 +170,9 @@ pub struct Summary {
     pub communication_fraction: f64,
     pub evals: Vec<(u64, Eval)>,
     pub ranks: Vec<RankSummary>,
+    /// Pipeline layout and figures (pipeline-parallel runs only).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub pipeline: Option<PipelineSummary>,
 }
 
 /// Build the per-rank totals and the balance figures from every rank's records.
@@ -138,9 +206,36 @@ pub fn rank_summaries(records: &[StepRecord], hosts: &[String]) -> Vec<RankSumma
                     step_sum / mine.len() as f64
                 },
                 step_seconds_max: step_max,
+                pipeline: rank_pipeline(&mine),
             }
         })
         .collect()
+}
+
+/// Sum a rank's per-step pipeline figures (`None` when it ran no pipeline). The replica is filled
+/// in by the caller, which knows the layout.
+fn rank_pipeline(mine: &[&StepRecord]) -> Option<RankPipeline> {
+    let mut total: Option<RankPipeline> = None;
+    for p in mine.iter().filter_map(|s| s.pipeline.as_ref()) {
+        let t = total.get_or_insert(RankPipeline {
+            stage: p.stage,
+            ..Default::default()
+        });
+        t.send_seconds += p.send_seconds;
+        t.recv_seconds += p.recv_seconds;
+        t.bubble_seconds += p.bubble_seconds;
+        t.schedule_seconds += p.schedule_seconds;
+        t.peak_activations = t.peak_activations.max(p.peak_activations);
+        t.p2p_bytes += p.p2p_bytes;
+    }
+    if let Some(t) = total.as_mut() {
+        t.bubble_fraction = if t.schedule_seconds > 0.0 {
+            t.bubble_seconds / t.schedule_seconds
+        } else {
+            0.0
+        };
+    }
+    total
 }
 
 /// `(imbalance, straggler)`: imbalance is max/mean compute seconds (uneven shares count: that is
@@ -186,6 +281,7 @@ mod tests {
             },
             bytes_sent: 10,
             eval: None,
+            pipeline: None,
         }
     }
 

@@ -399,6 +399,7 @@ mod tests {
                     },
                     bytes_sent: 100,
                     eval: None,
+                    pipeline: None,
                 })
             })
             .collect();
@@ -415,6 +416,7 @@ mod tests {
             bytes_sent: 1000,
             step_seconds_mean: 0.01,
             step_seconds_max: 0.012,
+            pipeline: None,
         };
         let summary = Summary {
             world_size: 2,
@@ -442,6 +444,7 @@ mod tests {
                 },
             )],
             ranks: vec![rank(0), rank(1)],
+            pipeline: None,
         };
         let recovery = Recovery {
             restarts: 1,

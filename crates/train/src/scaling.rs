@@ -165,6 +165,7 @@ mod tests {
             },
             bytes_sent: 0,
             eval: None,
+            pipeline: None,
         }
     }
 
@@ -189,6 +190,7 @@ mod tests {
             communication_fraction: 0.0,
             evals: vec![],
             ranks: vec![],
+            pipeline: None,
         }
     }
 

@@ -340,6 +340,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             seconds: sec,
             bytes_sent: comm.stats().bytes_sent - bytes_before,
             eval,
+            pipeline: None,
         });
         if every > 0 && (step + 1) % every == 0 {
             metrics.flush(comm, &records, out_dir, start_step)?;
@@ -408,6 +409,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         },
         evals,
         ranks,
+        pipeline: None,
     };
     if rank == 0 {
         write_outputs(out_dir, cfg, &summary)?;
