@@ -330,6 +330,30 @@ impl Communicator {
         self.run(OP, tag, |g, tag, _| p2p::recv(g, tag, peer, buf))
     }
 
+    /// Send `data` to group rank `to` while receiving `buf.len()` elements from group rank `from`,
+    /// both directions at once, so that two ranks swapping large messages cannot block each other
+    /// (each message is matched with the peer's `send`/`recv`/`send_recv` in per-peer order, like
+    /// [`Communicator::send`] and [`Communicator::recv`]).
+    pub fn send_recv<T: Element>(
+        &mut self,
+        to: usize,
+        data: &[T],
+        from: usize,
+        buf: &mut [T],
+    ) -> Result<()> {
+        const OP: &str = "send_recv";
+        self.check_usable()?;
+        self.check_peer(OP, to)?;
+        self.check_peer(OP, from)?;
+        let send_tag = op_tag(OpKind::PointToPoint, self.group_id, self.p2p_sent[to]);
+        let recv_tag = op_tag(OpKind::PointToPoint, self.group_id, self.p2p_received[from]);
+        self.p2p_sent[to] = self.p2p_sent[to].wrapping_add(1);
+        self.p2p_received[from] = self.p2p_received[from].wrapping_add(1);
+        self.run(OP, send_tag, |g, _, _| {
+            p2p::send_recv(g, to, data, send_tag, from, buf, recv_tag)
+        })
+    }
+
     /// Split the group (collectively): ranks passing the same `color` form a new group, ordered by
     /// `(key, rank in this group)` (MPI_Comm_split). The new communicator shares this one's
     /// transport and inherits its timeout and tuning; its statistics start at zero.

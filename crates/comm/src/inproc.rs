@@ -169,17 +169,19 @@ impl Transport for InProcTransport {
         }
     }
 
-    fn send_recv(
+    fn send_recv_tagged(
         &self,
         to: usize,
         send: &[u8],
+        send_tag: Tag,
         from: usize,
         recv: &mut [u8],
-        tag: Tag,
+        recv_tag: Tag,
         deadline: Instant,
     ) -> Result<(), TransportError> {
-        self.send(to, tag, send, deadline)?;
-        self.recv(from, tag, recv, deadline)
+        // Sends never block in-process, so sending first cannot deadlock.
+        self.send(to, send_tag, send, deadline)?;
+        self.recv(from, recv_tag, recv, deadline)
     }
 
     fn bytes_sent(&self) -> u64 {

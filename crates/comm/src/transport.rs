@@ -45,9 +45,23 @@ pub trait Transport: Send + Sync {
         deadline: Instant,
     ) -> Result<(), TransportError>;
 
-    /// Send `send` to `to` while receiving `recv.len()` bytes from `from`, both tagged `tag`.
-    /// Must not deadlock when `to` does the mirror-image call at the same time, whatever the sizes
-    /// (ring algorithms rely on this).
+    /// Send `send` tagged `send_tag` to `to` while receiving `recv.len()` bytes tagged `recv_tag`
+    /// from `from`. Must not deadlock when `to` does the mirror-image call at the same time,
+    /// whatever the sizes (ring algorithms use one tag for both sides; pipelines, whose two
+    /// directions carry different message streams, use two).
+    #[allow(clippy::too_many_arguments)]
+    fn send_recv_tagged(
+        &self,
+        to: usize,
+        send: &[u8],
+        send_tag: Tag,
+        from: usize,
+        recv: &mut [u8],
+        recv_tag: Tag,
+        deadline: Instant,
+    ) -> Result<(), TransportError>;
+
+    /// [`Transport::send_recv_tagged`] with one tag for both directions.
     fn send_recv(
         &self,
         to: usize,
@@ -56,7 +70,9 @@ pub trait Transport: Send + Sync {
         recv: &mut [u8],
         tag: Tag,
         deadline: Instant,
-    ) -> Result<(), TransportError>;
+    ) -> Result<(), TransportError> {
+        self.send_recv_tagged(to, send, tag, from, recv, tag, deadline)
+    }
 
     /// Total payload bytes this transport has sent so far (for run reports).
     fn bytes_sent(&self) -> u64;

@@ -937,3 +937,49 @@ fn pingpong() {
         );
     }
 }
+
+/// Two pipeline neighbours swap messages far larger than the ring in both directions at once,
+/// after an unequal number of earlier one-way messages (so the two directions' tag counters
+/// differ): `Communicator::send_recv` must neither block nor confuse the streams.
+#[test]
+fn communicator_send_recv_swaps_large_messages_with_independent_counters() {
+    let s = Scratch::new();
+    let ts = group(&s, 2, 64 << 10);
+    std::thread::scope(|sc| {
+        for t in ts {
+            sc.spawn(move || {
+                let me = t.rank();
+                let mut comm = Communicator::new(Arc::new(t), LONG);
+                let big = |seed: u32, n: usize| -> Vec<f32> {
+                    (0..n).map(|i| (i as u32 ^ seed) as f32).collect()
+                };
+                // Warm-up: rank 0 sends three "activations" that rank 1 receives one by one.
+                for k in 0..3u32 {
+                    if me == 0 {
+                        comm.send(1, &big(k, 1000)).unwrap();
+                    } else {
+                        let mut b = vec![0f32; 1000];
+                        comm.recv(0, &mut b).unwrap();
+                        assert_eq!(b, big(k, 1000));
+                    }
+                }
+                // Steady state: activations forward, gradients back, 1 MiB each way (16 rings).
+                for k in 0..4u32 {
+                    let (out, n_in) = if me == 0 {
+                        (big(100 + k, 1 << 18), 3 << 16)
+                    } else {
+                        (big(200 + k, 3 << 16), 1 << 18)
+                    };
+                    let mut inc = vec![0f32; n_in];
+                    comm.send_recv(1 - me, &out, 1 - me, &mut inc).unwrap();
+                    let want = if me == 0 {
+                        big(200 + k, n_in)
+                    } else {
+                        big(100 + k, n_in)
+                    };
+                    assert!(inc == want, "rank {me} round {k}: wrong data");
+                }
+            });
+        }
+    });
+}

@@ -177,6 +177,33 @@ impl<'a> Group<'a> {
             ),
         }
     }
+
+    /// [`Group::exchange`] with a different tag for each direction (pipelines: activations one
+    /// way, gradients the other, each stream with its own message counter).
+    pub(crate) fn exchange_tagged(
+        &self,
+        to: usize,
+        send: &[u8],
+        send_tag: Tag,
+        from: usize,
+        recv: &mut [u8],
+        recv_tag: Tag,
+    ) -> Result<(), TransportError> {
+        match (send.is_empty(), recv.is_empty()) {
+            (true, true) => Ok(()),
+            (false, true) => self.send(to, send, send_tag),
+            (true, false) => self.recv(from, recv, recv_tag),
+            (false, false) => self.transport.send_recv_tagged(
+                self.members[to],
+                send,
+                send_tag,
+                self.members[from],
+                recv,
+                recv_tag,
+                self.deadline,
+            ),
+        }
+    }
 }
 
 /// Reusable receive buffer for reducing algorithms (one segment), kept by the communicator so

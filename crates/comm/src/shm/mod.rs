@@ -677,20 +677,21 @@ impl Transport for ShmTransport {
         self.drive(None, Some(self.incoming(peer, tag, buf)), deadline)
     }
 
-    fn send_recv(
+    fn send_recv_tagged(
         &self,
         to: usize,
         send: &[u8],
+        send_tag: Tag,
         from: usize,
         recv: &mut [u8],
-        tag: Tag,
+        recv_tag: Tag,
         deadline: Instant,
     ) -> Result<(), TransportError> {
         let _gs = self.begin_send(to)?;
         let _gr = self.begin_recv(from)?;
         self.drive(
-            Some(self.outgoing(to, tag, send)),
-            Some(self.incoming(from, tag, recv)),
+            Some(self.outgoing(to, send_tag, send)),
+            Some(self.incoming(from, recv_tag, recv)),
             deadline,
         )
     }

@@ -405,13 +405,14 @@ impl Transport for TcpTransport {
         self.drive(None, Some((peer, link, &mut half, op)), deadline)
     }
 
-    fn send_recv(
+    fn send_recv_tagged(
         &self,
         to: usize,
         send: &[u8],
+        send_tag: Tag,
         from: usize,
         recv: &mut [u8],
-        tag: Tag,
+        recv_tag: Tag,
         deadline: Instant,
     ) -> Result<(), TransportError> {
         let out = self.link(to, false)?;
@@ -420,8 +421,8 @@ impl Transport for TcpTransport {
         let mut out_half = out.send.lock().unwrap_or_else(|e| e.into_inner());
         let mut in_half = inc.recv.lock().unwrap_or_else(|e| e.into_inner());
         self.emulate_latency(deadline);
-        let sop = SendOp::new(tag, send);
-        let rop = RecvOp::new(tag, recv);
+        let sop = SendOp::new(send_tag, send);
+        let rop = RecvOp::new(recv_tag, recv);
         self.drive(
             Some((to, out, &mut out_half, sop)),
             Some((from, inc, &mut in_half, rop)),
