@@ -17,6 +17,7 @@ pub mod partition;
 mod read;
 pub mod rng;
 pub mod sampler;
+pub mod text;
 
 pub use dataset::{split_train_test, Dataset};
 pub use digits::{load_digits, load_digits_embedded, parse_digits, DIGITS_PATH, DIGITS_SHA256};
@@ -26,3 +27,7 @@ pub use idx::{load_idx, load_idx_with_classes, read_idx, IdxArray, IDX_IMAGES_U8
 pub use partition::{assign, microbatches};
 pub use rng::Rng;
 pub use sampler::Sampler;
+pub use text::{
+    load_shakespeare_embedded, parse_char_corpus, CharCorpus, Split, SHAKESPEARE_TRAIN_SHA256,
+    SHAKESPEARE_VAL_SHA256,
+};

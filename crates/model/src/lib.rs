@@ -37,7 +37,9 @@ mod params;
 mod rng;
 mod schedule;
 mod spec;
+mod stage;
 mod streaming;
+mod transformer;
 
 pub use alloc::tune_allocator_for_training;
 pub use error::ModelError;
@@ -46,3 +48,5 @@ pub use optim::{Optimizer, OptimizerSpec};
 pub use params::ParamInfo;
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
+pub use stage::{Stage, StageEval, StageInput, StageOutput};
+pub use transformer::{LayerKind, TransformerSpec};

@@ -11,8 +11,18 @@ pub(crate) fn scaled_cross_entropy(
     scale: f32,
     device: &Device,
 ) -> Tensor<1> {
-    let n = y.len();
     let labels: Vec<i64> = y.iter().map(|&l| l as i64).collect();
+    scaled_cross_entropy_ids(logits, labels, scale, device)
+}
+
+/// [`scaled_cross_entropy`] with class ids as `i64` (one per row of `logits`).
+pub(crate) fn scaled_cross_entropy_ids(
+    logits: Tensor<2>,
+    labels: Vec<i64>,
+    scale: f32,
+    device: &Device,
+) -> Tensor<1> {
+    let n = labels.len();
     let targets = Tensor::<2, Int>::from_data(TensorData::new(labels, [n, 1]), device);
     let picked = log_softmax(logits, 1).gather(1, targets);
     picked.sum().mul_scalar(-scale)

@@ -1,0 +1,526 @@
+//! [`Stage`]: a contiguous range of the transformer's layers behind a flat-parameter interface,
+//! with forward and backward split apart so that a pipeline can run them at different times.
+//!
+//! A forward keeps its autodiff graph under the caller's micro-batch id until the matching
+//! backward. Between stages only plain `f32` vectors travel: the input activations are rebuilt as
+//! a fresh leaf that requires a gradient, and the backward of a non-last stage starts from
+//! `sum(output · grad_output)`, whose gradient with respect to `output` is exactly
+//! `grad_output`. So the parameter gradients of a cut model are bitwise those of the uncut one
+//! (measured in this crate's tests), which is what lets pipeline layouts reproduce the
+//! single-stage run.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::Instant;
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+use crate::loss;
+use crate::params::{self, ParamInfo};
+use crate::transformer::{StageNet, TransformerSpec};
+use crate::ModelError as E;
+
+/// What a stage consumes.
+#[derive(Debug, Clone, Copy)]
+pub enum StageInput<'a> {
+    /// Token ids `[n, context]` (the first stage).
+    Tokens(&'a [i64]),
+    /// The previous stage's output `[n, context, d_model]`.
+    Activations(&'a [f32]),
+}
+
+/// What a training forward produced.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageOutput {
+    /// To be sent to the next stage.
+    Activations(Vec<f32>),
+    /// The scaled loss of the micro-batch (the last stage).
+    Loss(f32),
+}
+
+/// What an evaluation forward produced.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageEval {
+    Activations(Vec<f32>),
+    /// Sum of per-character cross-entropy (f64) and the number of correct next-character guesses.
+    Scores {
+        loss_sum: f64,
+        correct: usize,
+    },
+}
+
+/// A graph kept from forward to backward.
+struct Pending {
+    /// The input leaf (non-first stages), whose gradient goes back to the previous stage.
+    input: Option<Tensor<3>>,
+    /// Activations out (non-last stages) or the loss (last stage).
+    output: PendingOutput,
+}
+
+enum PendingOutput {
+    Activations(Tensor<3>),
+    Loss(Tensor<1>),
+}
+
+/// Layers `layers` of a transformer on burn's flex backend with autodiff.
+pub struct Stage {
+    spec: TransformerSpec,
+    layers: Range<usize>,
+    device: Device,
+    net: StageNet,
+    layout: Vec<ParamInfo>,
+    num_params: usize,
+    pending: HashMap<u64, Pending>,
+}
+
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("layers", &self.layers)
+            .field("num_params", &self.num_params)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stage {
+    /// Layers `layers` of `spec`, initialised from `seed` exactly like the same slice of the
+    /// whole model.
+    pub fn new(spec: &TransformerSpec, layers: Range<usize>, seed: u64) -> Result<Stage, E> {
+        spec.validate()?;
+        if layers.is_empty() || layers.end > spec.num_layers() {
+            return Err(E::InvalidSpec(format!(
+                "stage layers {layers:?} must be a non-empty range within 0..{}",
+                spec.num_layers()
+            )));
+        }
+        let device = Device::flex().autodiff();
+        let net = StageNet::zeros(spec, layers.clone(), &device);
+        let layout = spec.layout(layers.clone());
+        let num_params = layout.iter().map(|p| p.len).sum();
+        let net = params::write(net, &spec.initial_params(layers.clone(), seed), &device);
+        Ok(Stage {
+            spec: spec.clone(),
+            layers,
+            device,
+            net,
+            layout,
+            num_params,
+            pending: HashMap::new(),
+        })
+    }
+
+    pub fn spec(&self) -> &TransformerSpec {
+        &self.spec
+    }
+    pub fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+    pub fn is_first(&self) -> bool {
+        self.layers.start == 0
+    }
+    pub fn is_last(&self) -> bool {
+        self.layers.end == self.spec.num_layers()
+    }
+    pub fn num_params(&self) -> usize {
+        self.num_params
+    }
+    /// Global names, shapes and stage-relative offsets of this stage's parameters.
+    pub fn layout(&self) -> &[ParamInfo] {
+        &self.layout
+    }
+    /// Micro-batches whose forward graphs are held, waiting for their backward.
+    pub fn held(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub fn params_flat(&self) -> Vec<f32> {
+        params::read(&self.net, self.num_params)
+    }
+
+    /// Replace the parameters. Refused while graphs are pending (they reference the old ones).
+    pub fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E> {
+        if p.len() != self.num_params {
+            return Err(E::ParamLength {
+                what: "stage set_params_flat",
+                expected: self.num_params,
+                got: p.len(),
+            });
+        }
+        assert!(
+            self.pending.is_empty(),
+            "parameters replaced with {} forward graphs pending",
+            self.pending.len()
+        );
+        let net = std::mem::replace(&mut self.net, StageNet::empty());
+        self.net = params::write(net, p, &self.device);
+        Ok(())
+    }
+
+    /// Forward of micro-batch `id` (`n` sequences), keeping its graph for [`Stage::backward`].
+    /// The last stage needs `targets` (`n · context` ids) and returns the loss
+    /// `scale · Σ cross-entropy`; other stages return their output activations.
+    pub fn forward(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+    ) -> Result<StageOutput, E> {
+        if self.pending.contains_key(&id) {
+            return Err(E::InvalidSpec(format!(
+                "micro-batch {id} already has a pending forward on this stage"
+            )));
+        }
+        let (input_leaf, x) = self.input_tensor(input, n, true)?;
+        let x = self.net.blocks(x, &self.spec);
+        let (output, result) = if self.is_last() {
+            let targets = self.check_targets(targets, n)?;
+            let logits = self.net.logits(x);
+            let loss =
+                loss::scaled_cross_entropy_ids(logits, targets.to_vec(), scale, &self.device);
+            let value = params::f32_slice(&loss.to_data())[0];
+            if !value.is_finite() {
+                return Err(E::NonFiniteLoss { loss: value, n });
+            }
+            (PendingOutput::Loss(loss), StageOutput::Loss(value))
+        } else {
+            let values = params::f32_slice(&x.to_data()).to_vec();
+            (
+                PendingOutput::Activations(x),
+                StageOutput::Activations(values),
+            )
+        };
+        self.pending.insert(
+            id,
+            Pending {
+                input: input_leaf,
+                output,
+            },
+        );
+        Ok(result)
+    }
+
+    /// Backward of micro-batch `id`: writes d(loss)/d(this stage's parameters) into `grad_params`
+    /// and returns d(loss)/d(input activations) for the previous stage (`None` on the first
+    /// stage). `grad_output` is the next stage's input gradient (`None` on the last stage).
+    pub fn backward(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad_params: &mut [f32],
+    ) -> Result<Option<Vec<f32>>, E> {
+        if grad_params.len() != self.num_params {
+            return Err(E::ParamLength {
+                what: "stage grad_params",
+                expected: self.num_params,
+                got: grad_params.len(),
+            });
+        }
+        let pending = self.pending.remove(&id).ok_or_else(|| {
+            E::InvalidSpec(format!("backward of micro-batch {id} without its forward"))
+        })?;
+        let grads = match (pending.output, grad_output) {
+            (PendingOutput::Loss(loss), None) => loss.backward(),
+            (PendingOutput::Activations(out), Some(g)) => {
+                let dims = out.dims();
+                if g.len() != dims.iter().product::<usize>() {
+                    return Err(E::InputLength {
+                        n: dims[0],
+                        per_sample: dims[1] * dims[2],
+                        expected: dims.iter().product(),
+                        got: g.len(),
+                    });
+                }
+                let g = Tensor::<3>::from_data(TensorData::new(g.to_vec(), dims), &self.device);
+                (out * g).sum().backward()
+            }
+            (PendingOutput::Loss(_), Some(_)) => {
+                return Err(E::InvalidSpec(
+                    "the last stage's backward takes no output gradient".into(),
+                ))
+            }
+            (PendingOutput::Activations(_), None) => {
+                return Err(E::InvalidSpec(
+                    "a non-last stage's backward needs the next stage's input gradient".into(),
+                ))
+            }
+        };
+        let input_grad = pending.input.map(|leaf| {
+            leaf.grad(&grads)
+                .map(|g| params::f32_slice(&g.into_data()).to_vec())
+                .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
+        });
+        params::read_grads(&self.net, grads, grad_params);
+        Ok(input_grad)
+    }
+
+    /// Forward without keeping anything, for evaluation. The last stage needs `targets`.
+    pub fn evaluate(
+        &self,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+    ) -> Result<StageEval, E> {
+        let (_, x) = self.input_tensor(input, n, false)?;
+        let x = self.net.blocks(x, &self.spec);
+        if !self.is_last() {
+            return Ok(StageEval::Activations(
+                params::f32_slice(&x.into_data()).to_vec(),
+            ));
+        }
+        let targets = self.check_targets(targets, n)?;
+        let logits = self.net.logits(x).into_data();
+        let labels: Vec<u8> = targets.iter().map(|&t| t as u8).collect();
+        let (loss_sum, correct) =
+            loss::sum_ce_and_correct(params::f32_slice(&logits), &labels, self.spec.vocab);
+        Ok(StageEval::Scores { loss_sum, correct })
+    }
+
+    /// Seconds for forward + backward of each layer alone on a micro-batch of `n` sequences (the
+    /// median of `reps` timed runs after one warm-up), from synthetic inputs: the cost a pipeline
+    /// balances. Every layer is measured the way a stage runs it.
+    pub fn profile_layers(spec: &TransformerSpec, n: usize, reps: usize) -> Result<Vec<f64>, E> {
+        let tokens: Vec<i64> = (0..n * spec.context)
+            .map(|i| (i * 7 % spec.vocab) as i64)
+            .collect();
+        let acts: Vec<f32> = (0..spec.activation_len(n))
+            .map(|i| ((i % 13) as f32 - 6.0) * 0.1)
+            .collect();
+        let mut out = Vec::with_capacity(spec.num_layers());
+        for l in 0..spec.num_layers() {
+            let mut stage = Stage::new(spec, l..l + 1, 0)?;
+            let mut grads = vec![0f32; stage.num_params()];
+            let mut times = Vec::with_capacity(reps);
+            for rep in 0..=reps {
+                let input = if l == 0 {
+                    StageInput::Tokens(&tokens)
+                } else {
+                    StageInput::Activations(&acts)
+                };
+                let targets = stage.is_last().then_some(&tokens[..]);
+                let start = Instant::now();
+                stage.forward(rep as u64, input, n, targets, 1.0)?;
+                let g = (!stage.is_last()).then_some(&acts[..]);
+                stage.backward(rep as u64, g, &mut grads)?;
+                if rep > 0 {
+                    times.push(start.elapsed().as_secs_f64());
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            out.push(times[times.len() / 2]);
+        }
+        Ok(out)
+    }
+
+    /// The stage input as a tensor: token ids embedded (first stage) or activations as a fresh
+    /// leaf, which requires a gradient when training (its gradient goes back a stage).
+    fn input_tensor(
+        &self,
+        input: StageInput<'_>,
+        n: usize,
+        training: bool,
+    ) -> Result<(Option<Tensor<3>>, Tensor<3>), E> {
+        let (t, d) = (self.spec.context, self.spec.d_model);
+        match (input, self.is_first()) {
+            (StageInput::Tokens(ids), true) => {
+                if ids.len() != n * t || n == 0 {
+                    return Err(E::InputLength {
+                        n,
+                        per_sample: t,
+                        expected: n * t,
+                        got: ids.len(),
+                    });
+                }
+                if let Some(&bad) = ids
+                    .iter()
+                    .find(|&&i| i < 0 || i as usize >= self.spec.vocab)
+                {
+                    return Err(E::InvalidSpec(format!(
+                        "token id {bad} outside the vocabulary of {}",
+                        self.spec.vocab
+                    )));
+                }
+                let tokens = Tensor::<2, Int>::from_data(
+                    TensorData::new(ids.to_vec(), [n, t]),
+                    &self.device,
+                );
+                Ok((None, self.net.embed(tokens)))
+            }
+            (StageInput::Activations(a), false) => {
+                if a.len() != n * t * d || n == 0 {
+                    return Err(E::InputLength {
+                        n,
+                        per_sample: t * d,
+                        expected: n * t * d,
+                        got: a.len(),
+                    });
+                }
+                let x =
+                    Tensor::<3>::from_data(TensorData::new(a.to_vec(), [n, t, d]), &self.device);
+                if training {
+                    let leaf = x.require_grad();
+                    Ok((Some(leaf.clone()), leaf))
+                } else {
+                    Ok((None, x))
+                }
+            }
+            (StageInput::Tokens(_), false) => Err(E::InvalidSpec(
+                "token ids given to a stage without the embedding".into(),
+            )),
+            (StageInput::Activations(_), true) => Err(E::InvalidSpec(
+                "activations given to the first stage (it embeds token ids)".into(),
+            )),
+        }
+    }
+
+    fn check_targets<'t>(&self, targets: Option<&'t [i64]>, n: usize) -> Result<&'t [i64], E> {
+        let t = targets.ok_or_else(|| E::InvalidSpec("the last stage needs targets".into()))?;
+        let want = n * self.spec.context;
+        if t.len() != want {
+            return Err(E::LabelLength {
+                expected: want,
+                got: t.len(),
+            });
+        }
+        if let Some(&bad) = t.iter().find(|&&i| i < 0 || i as usize >= self.spec.vocab) {
+            return Err(E::InvalidSpec(format!(
+                "target id {bad} outside the vocabulary of {}",
+                self.spec.vocab
+            )));
+        }
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> TransformerSpec {
+        TransformerSpec {
+            vocab: 13,
+            context: 8,
+            d_model: 16,
+            heads: 2,
+            blocks: 3,
+            d_ff: 24,
+        }
+    }
+
+    fn batch(n: usize, s: &TransformerSpec) -> (Vec<i64>, Vec<i64>) {
+        let x: Vec<i64> = (0..n * s.context)
+            .map(|i| ((i * 5 + 3) % s.vocab) as i64)
+            .collect();
+        let y: Vec<i64> = (0..n * s.context)
+            .map(|i| ((i * 3 + 1) % s.vocab) as i64)
+            .collect();
+        (x, y)
+    }
+
+    /// Run `cuts` as a chain of stages on one micro-batch; return (loss, whole-model gradient).
+    fn run_cut(cuts: &[usize], s: &TransformerSpec) -> (f32, Vec<f32>) {
+        let bounds: Vec<usize> = std::iter::once(0)
+            .chain(cuts.iter().copied())
+            .chain(std::iter::once(s.num_layers()))
+            .collect();
+        let mut stages: Vec<Stage> = bounds
+            .windows(2)
+            .map(|w| Stage::new(s, w[0]..w[1], 3).unwrap())
+            .collect();
+        let n = 2;
+        let (x, y) = batch(n, s);
+        let mut act = Vec::new();
+        let mut loss = f32::NAN;
+        let last = stages.len() - 1;
+        for (i, st) in stages.iter_mut().enumerate() {
+            let input = if i == 0 {
+                StageInput::Tokens(&x)
+            } else {
+                StageInput::Activations(&act)
+            };
+            match st
+                .forward(9, input, n, (i == last).then_some(&y[..]), 0.25)
+                .unwrap()
+            {
+                StageOutput::Activations(a) => act = a,
+                StageOutput::Loss(l) => loss = l,
+            }
+        }
+        let mut grads: Vec<Vec<f32>> = Vec::new();
+        let mut g: Option<Vec<f32>> = None;
+        for st in stages.iter_mut().rev() {
+            let mut gp = vec![0f32; st.num_params()];
+            g = st.backward(9, g.as_deref(), &mut gp).unwrap();
+            grads.push(gp);
+            assert_eq!(st.held(), 0);
+        }
+        assert!(g.is_none(), "the first stage returns no input gradient");
+        grads.reverse();
+        (loss, grads.concat())
+    }
+
+    #[test]
+    fn cut_models_give_the_uncut_gradients_bit_for_bit() {
+        let s = spec();
+        let (loss, whole) = run_cut(&[], &s);
+        assert!(loss.is_finite() && whole.iter().any(|&g| g != 0.0));
+        for cuts in [vec![1], vec![2], vec![4], vec![1, 3], vec![1, 2, 3, 4]] {
+            let (l, g) = run_cut(&cuts, &s);
+            assert_eq!(l.to_bits(), loss.to_bits(), "loss with cuts {cuts:?}");
+            assert!(
+                g.iter()
+                    .zip(&whole)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "gradients differ with cuts {cuts:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn evaluation_matches_training_loss_and_misuse_is_refused() {
+        let s = spec();
+        let mut st = Stage::new(&s, 0..s.num_layers(), 3).unwrap();
+        let (x, y) = batch(2, &s);
+        let StageOutput::Loss(l) = st
+            .forward(0, StageInput::Tokens(&x), 2, Some(&y), 1.0)
+            .unwrap()
+        else {
+            panic!("last stage returns a loss")
+        };
+        let StageEval::Scores { loss_sum, .. } =
+            st.evaluate(StageInput::Tokens(&x), 2, Some(&y)).unwrap()
+        else {
+            panic!("scores")
+        };
+        assert!(
+            (loss_sum - l as f64).abs() < 1e-3 * loss_sum,
+            "{loss_sum} vs {l}"
+        );
+        // Initial loss near ln(vocab) per character (unit-variance logits add about ½ nat).
+        let per_char = loss_sum / (2 * s.context) as f64;
+        assert!((per_char - (s.vocab as f64).ln()).abs() < 1.0, "{per_char}");
+        assert!(st
+            .forward(0, StageInput::Tokens(&x), 2, Some(&y), 1.0)
+            .is_err());
+        let mut g = vec![0f32; st.num_params()];
+        st.backward(0, None, &mut g).unwrap();
+        assert!(st.backward(0, None, &mut g).is_err());
+        let mut mid = Stage::new(&s, 1..2, 3).unwrap();
+        assert!(mid
+            .forward(1, StageInput::Tokens(&x), 2, None, 1.0)
+            .is_err());
+        assert!(mid
+            .forward(1, StageInput::Activations(&[0.0; 5]), 2, None, 1.0)
+            .is_err());
+        assert!(Stage::new(&s, 2..9, 3).is_err());
+    }
+
+    #[test]
+    fn profiling_gives_a_positive_cost_per_layer() {
+        let s = spec();
+        let costs = Stage::profile_layers(&s, 2, 1).unwrap();
+        assert_eq!(costs.len(), s.num_layers());
+        assert!(costs.iter().all(|&c| c > 0.0));
+    }
+}
