@@ -193,9 +193,39 @@ impl ExactReducer {
         total_parts: usize,
         out: &mut [f32],
     ) -> Result<(), ExactError> {
+        let ranges: Vec<Range<usize>> = self.buckets(out.len()).map(|(s, e)| s..e).collect();
+        self.reduce_with_buckets(comm, local_parts, total_parts, out, &ranges)
+    }
+
+    /// [`ExactReducer::reduce`] with caller-chosen buckets: `buckets` must tile `0..out.len()` in
+    /// order (checked). A pipeline uses buckets that never straddle a layer boundary, so that every
+    /// way of cutting the model into stages shares exponents exactly like the uncut model does, and
+    /// gives the same bits.
+    pub fn reduce_with_buckets(
+        &mut self,
+        comm: &mut Communicator,
+        local_parts: &[&[f32]],
+        total_parts: usize,
+        out: &mut [f32],
+        buckets: &[Range<usize>],
+    ) -> Result<(), ExactError> {
         let len = out.len();
         check_parts(local_parts, total_parts, len)?;
-        let ranges: Vec<(usize, usize)> = self.buckets(len).collect();
+        let mut expected_start = 0;
+        for b in buckets {
+            if b.start != expected_start || b.end <= b.start {
+                return Err(ExactError::Invalid(format!(
+                    "bucket {b:?} does not continue the tiling of 0..{len} at {expected_start}"
+                )));
+            }
+            expected_start = b.end;
+        }
+        if expected_start != len {
+            return Err(ExactError::Invalid(format!(
+                "buckets end at {expected_start}, the vector has {len} values"
+            )));
+        }
+        let ranges: Vec<(usize, usize)> = buckets.iter().map(|b| (b.start, b.end)).collect();
 
         // Step 1: shared exponent per bucket.
         self.exponents.clear();

@@ -565,10 +565,16 @@ impl TrainConfig {
             ));
         }
         if m.blocks == 0 {
-            return Err(invalid("model.blocks", "a transformer needs at least one block"));
+            return Err(invalid(
+                "model.blocks",
+                "a transformer needs at least one block",
+            ));
         }
         if m.context < 2 {
-            return Err(invalid("model.context", format!("{} must be ≥ 2", m.context)));
+            return Err(invalid(
+                "model.context",
+                format!("{} must be ≥ 2", m.context),
+            ));
         }
         Ok(())
     }

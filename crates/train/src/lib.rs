@@ -10,6 +10,7 @@ pub mod faults;
 pub mod grad_sync;
 pub mod metrics;
 pub mod parallel_dims;
+pub mod pipeline;
 pub mod report;
 pub mod scaling;
 pub mod trainer;

@@ -75,7 +75,11 @@ impl ParallelDims {
     }
 
     pub fn coords(&self, rank: usize) -> Coords {
-        assert!(rank < self.world, "rank {rank} outside a world of {}", self.world);
+        assert!(
+            rank < self.world,
+            "rank {rank} outside a world of {}",
+            self.world
+        );
         Coords {
             replica: rank / self.pp,
             stage: rank % self.pp,
@@ -99,13 +103,22 @@ mod tests {
         for r in 0..6 {
             assert_eq!(d.rank_of(d.coords(r)), r);
         }
-        assert_eq!(d.coords(4), Coords { replica: 1, stage: 1 });
+        assert_eq!(
+            d.coords(4),
+            Coords {
+                replica: 1,
+                stage: 1
+            }
+        );
     }
 
     #[test]
     fn bad_products_name_each_factor() {
         let e = ParallelDims::new(4, 2, 3).unwrap_err().to_string();
-        assert!(e.contains("parallel.dp = 2") && e.contains("parallel.pp = 3") && e.contains("4"), "{e}");
+        assert!(
+            e.contains("parallel.dp = 2") && e.contains("parallel.pp = 3") && e.contains("4"),
+            "{e}"
+        );
         let e = ParallelDims::new(5, 0, 2).unwrap_err().to_string();
         assert!(e.contains("parallel.pp = 2") && e.contains("5"), "{e}");
     }
@@ -115,7 +128,10 @@ mod tests {
         let cfg = TrainConfig::from_toml_str(
             "",
             "x",
-            &["train.global_batch=8".into(), "parallel.microbatches=2".into()],
+            &[
+                "train.global_batch=8".into(),
+                "parallel.microbatches=2".into(),
+            ],
         )
         .unwrap();
         assert_eq!(cfg.train.microbatch, 4);

@@ -24,6 +24,8 @@ use crate::metrics::{imbalance, rank_summaries, Eval, PhaseSeconds, StepRecord, 
 pub enum TrainError {
     #[error(transparent)]
     Comm(#[from] CommError),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     #[error("gradient synchronisation at step {step}: {cause}")]
     Sync { step: u64, cause: ExactError },
     #[error(transparent)]
@@ -144,6 +146,20 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         resume,
         faults,
     } = ctx;
+    if cfg.model.kind == "transformer" {
+        // Layered model: the pipeline loop (one stage when parallel.pp = 1).
+        return crate::pipeline::train::train(
+            cfg,
+            WorkerContext {
+                comm,
+                host,
+                out_dir,
+                on_event,
+                resume,
+                faults,
+            },
+        );
+    }
     let started = Instant::now();
     let (rank, world) = (comm.rank(), comm.size());
     let t = &cfg.train;
@@ -437,6 +453,25 @@ fn evaluate(comm: &mut Communicator, model: &Model, test: &Dataset) -> Result<Ev
     })
 }
 
+pub(crate) fn check_same_structure_bytes(
+    comm: &mut Communicator,
+    mine: [u8; 32],
+) -> Result<(), TrainError> {
+    let mut all = vec![0u8; 32 * comm.size()];
+    comm.all_gather(&mine[..], &mut all)?;
+    let ours = hex::encode(&all[..32]);
+    for (rank, h) in all.chunks(32).enumerate() {
+        if h != &all[..32] {
+            return Err(TrainError::ModelMismatch {
+                rank,
+                theirs: hex::encode(h),
+                ours,
+            });
+        }
+    }
+    Ok(())
+}
+
 fn check_same_structure(comm: &mut Communicator, model: &Model) -> Result<(), TrainError> {
     let mine = model.structure_hash();
     let mut all = vec![0u8; 32 * comm.size()];
@@ -469,7 +504,10 @@ fn check_same_hash(comm: &mut Communicator, hash_hex: &str) -> Result<(), TrainE
 }
 
 /// All-gather one variable-length byte string per rank.
-fn gather_bytes(comm: &mut Communicator, mine: &[u8]) -> Result<Vec<Vec<u8>>, TrainError> {
+pub(crate) fn gather_bytes(
+    comm: &mut Communicator,
+    mine: &[u8],
+) -> Result<Vec<Vec<u8>>, TrainError> {
     let n = comm.size();
     let mut lens = vec![0i64; n];
     comm.all_gather(&[mine.len() as i64], &mut lens)?;
@@ -483,7 +521,10 @@ fn gather_bytes(comm: &mut Communicator, mine: &[u8]) -> Result<Vec<Vec<u8>>, Tr
         .collect())
 }
 
-fn gather_strings(comm: &mut Communicator, mine: &str) -> Result<Vec<String>, TrainError> {
+pub(crate) fn gather_strings(
+    comm: &mut Communicator,
+    mine: &str,
+) -> Result<Vec<String>, TrainError> {
     Ok(gather_bytes(comm, mine.as_bytes())?
         .into_iter()
         .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -506,7 +547,7 @@ fn gather_records(
 }
 
 /// `metrics.jsonl`, written incrementally.
-struct MetricsLog {
+pub(crate) struct MetricsLog {
     /// All ranks' records of this attempt gathered so far, by (step, rank).
     gathered: Vec<StepRecord>,
     /// How many of this rank's records were already gathered.
@@ -519,7 +560,20 @@ impl MetricsLog {
     /// Collective: gather every rank's new records; rank 0 appends them to metrics.jsonl. The
     /// first flush of an attempt rewrites the file keeping only the earlier attempts' lines for
     /// steps before `start_step`, so the file stays one continuous curve across restarts.
-    fn flush(
+    pub(crate) fn new() -> Self {
+        MetricsLog {
+            gathered: Vec::new(),
+            flushed: 0,
+            started: false,
+        }
+    }
+
+    /// All ranks' records of this attempt gathered so far.
+    pub(crate) fn gathered(&self) -> &[StepRecord] {
+        &self.gathered
+    }
+
+    pub(crate) fn flush(
         &mut self,
         comm: &mut Communicator,
         mine: &[StepRecord],
@@ -562,7 +616,11 @@ impl MetricsLog {
     }
 }
 
-fn write_outputs(dir: &Path, cfg: &TrainConfig, summary: &Summary) -> Result<(), TrainError> {
+pub(crate) fn write_outputs(
+    dir: &Path,
+    cfg: &TrainConfig,
+    summary: &Summary,
+) -> Result<(), TrainError> {
     std::fs::create_dir_all(dir).map_err(|source| TrainError::Io {
         path: dir.display().to_string(),
         cause: source,
@@ -600,7 +658,7 @@ pub fn checkpoint_dir(cfg: &TrainConfig, out_dir: &Path) -> std::path::PathBuf {
 
 /// Rank 0 loads the newest good checkpoint and broadcasts it; returns the step to continue
 /// from (0 when there is none). Only rank 0 reads files, so node 0's disk is enough.
-fn resume_from_checkpoint(
+pub(crate) fn resume_from_checkpoint(
     comm: &mut Communicator,
     dir: &Path,
     identity: &Identity,
@@ -660,7 +718,7 @@ fn resume_from_checkpoint(
 }
 
 /// Flip one byte in the middle of a file (the `corrupt-checkpoint` fault).
-fn damage(path: &Path) -> Result<(), TrainError> {
+pub(crate) fn damage(path: &Path) -> Result<(), TrainError> {
     let io = |source| TrainError::Io {
         path: path.display().to_string(),
         cause: source,

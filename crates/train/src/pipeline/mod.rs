@@ -1,0 +1,14 @@
+//! Pipeline parallelism: the model's layer sequence cut into stages on neighbouring ranks,
+//! micro-batches flowing through them under a GPipe or 1F1B schedule, combined with data
+//! parallelism across replicas (`dp × pp` ranks, mapped by [`crate::ParallelDims`]).
+//!
+//! - `schedule`: the per-stage operation lists and a rendezvous simulator that proves them
+//!   deadlock-free;
+//! - `balance`: stage cuts from measured per-layer costs;
+//! - `executor`: runs one stage's list for one step over the pipeline communicator, timed;
+//! - `train`: the training loop for the transformer (also used with one stage).
+
+pub mod balance;
+pub mod executor;
+pub mod schedule;
+pub mod train;

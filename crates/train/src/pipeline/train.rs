@@ -1,0 +1,722 @@
+//! The training loop of a layered model (the character-level transformer) on a `dp × pp` layout.
+//!
+//! Per step, on every rank (replica `r`, stage `s`):
+//! 1. the global batch (a function of seed and step only) is cut into the fixed micro-batches;
+//!    replica `r` takes its contiguous share of them;
+//! 2. the stage runs its schedule (GPipe or 1F1B) over those micro-batches with its pipeline
+//!    neighbours, keeping one gradient per micro-batch;
+//! 3. the loss (last stages only) is summed exactly over all ranks; the stage's micro-batch
+//!    gradients are summed exactly over the stage's data-parallel group, in buckets that never
+//!    straddle a layer boundary — so every layout, including one stage on one rank, sums the same
+//!    multiset of per-micro-batch gradients with the same shared exponents, and the parameters
+//!    come out bitwise identical;
+//! 4. the optimizer steps the stage's slice of the flat parameter vector (elementwise, so the
+//!    slices of all stages together make exactly the whole model's update).
+//!
+//! Checkpoints hold the whole model (replica 0's stages send their slices to rank 0), so a run
+//! can resume on any layout; evaluation runs the validation windows forward through each
+//! replica's pipeline.
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use lockstep_comm::exact::{ExactError, ExactReducer};
+use lockstep_comm::{Communicator, ReduceOp};
+use lockstep_data::text::{CharCorpus, Split};
+use lockstep_data::{assign, microbatches, Sampler};
+use lockstep_model::{
+    param_hash, LrSchedule, Optimizer, Stage, StageEval, StageInput, StageOutput, TransformerSpec,
+};
+
+use super::balance::{balance, stage_ranges};
+use super::executor::{run_schedule, StageWork};
+use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
+use crate::checkpoint::{self, Checkpoint, Identity};
+use crate::config::TrainConfig;
+use crate::faults;
+use crate::metrics::{
+    imbalance, rank_summaries, Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord,
+    Summary,
+};
+use crate::parallel_dims::ParallelDims;
+use crate::trainer::{
+    check_same_structure_bytes, checkpoint_dir, damage, gather_strings, optimizer_spec,
+    resume_from_checkpoint, write_outputs, Event, MetricsLog, Progress, TrainError, WorkerContext,
+};
+
+/// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
+const EVAL_WINDOWS: usize = 512;
+
+/// The transformer a config describes, for a corpus with `vocab` characters.
+pub fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
+    let m = &cfg.model;
+    TransformerSpec {
+        vocab,
+        context: m.context,
+        d_model: m.d_model,
+        heads: m.heads,
+        blocks: m.blocks,
+        d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
+    }
+}
+
+/// The corpus of a validated text config: the embedded Shakespeare plays, or, when `data.dir` is
+/// set, that folder's `train.txt` and `val.txt` (plain or gzipped as `.txt.gz`).
+pub fn load_corpus(cfg: &TrainConfig) -> Result<CharCorpus, TrainError> {
+    if cfg.data.dir.is_empty() {
+        return Ok(lockstep_data::text::load_shakespeare_embedded()?);
+    }
+    let dir = PathBuf::from(&cfg.data.dir);
+    let read = |stem: &str| -> Result<Vec<u8>, TrainError> {
+        let gz = dir.join(format!("{stem}.txt.gz"));
+        let path = if gz.exists() {
+            gz
+        } else {
+            dir.join(format!("{stem}.txt"))
+        };
+        std::fs::read(&path).map_err(|cause| {
+            let e = if cause.kind() == std::io::ErrorKind::NotFound {
+                lockstep_data::DataError::NotFound {
+                    path,
+                    hint: "data.dir of a text dataset must hold train.txt and val.txt (or .txt.gz)",
+                }
+            } else {
+                lockstep_data::DataError::Io { path, cause }
+            };
+            TrainError::Data(e)
+        })
+    };
+    let name = dir.display().to_string();
+    Ok(lockstep_data::text::parse_char_corpus(
+        &name,
+        &read("train")?,
+        &read("val")?,
+    )?)
+}
+
+/// Buckets of a stage's flat gradient (`layers` of a model whose layer offsets are `offsets`),
+/// each within one layer: every layer's range cut into `bucket_elems`-value pieces, relative to the
+/// stage's first value.
+pub fn layer_buckets(
+    offsets: &[usize],
+    layers: Range<usize>,
+    bucket_elems: usize,
+) -> Vec<Range<usize>> {
+    let base = offsets[layers.start];
+    let mut out = Vec::new();
+    for l in layers {
+        let (mut s, e) = (offsets[l] - base, offsets[l + 1] - base);
+        while s < e {
+            let end = (s + bucket_elems.max(1)).min(e);
+            out.push(s..end);
+            s = end;
+        }
+    }
+    out
+}
+
+/// The compute of one stage over one step's micro-batches.
+struct LmWork<'a> {
+    stage: &'a mut Stage,
+    corpus: &'a CharCorpus,
+    /// This replica's micro-batches (window indices), by local index.
+    pieces: &'a [&'a [u32]],
+    scale: f32,
+    grads: &'a mut [Vec<f32>],
+    losses: Vec<f32>,
+    data_seconds: f64,
+    x: Vec<i64>,
+    y: Vec<i64>,
+}
+
+impl StageWork for LmWork<'_> {
+    fn forward(
+        &mut self,
+        mb: usize,
+        input: Option<&[f32]>,
+    ) -> Result<Option<Vec<f32>>, TrainError> {
+        let t0 = Instant::now();
+        let context = self.stage.spec().context;
+        let n = self.pieces[mb].len();
+        let needs_tokens = self.stage.is_first() || self.stage.is_last();
+        if needs_tokens {
+            self.corpus.gather_windows(
+                Split::Train,
+                context,
+                self.pieces[mb],
+                &mut self.x,
+                &mut self.y,
+            );
+        }
+        self.data_seconds += t0.elapsed().as_secs_f64();
+        let stage_input = match input {
+            Some(a) => StageInput::Activations(a),
+            None => StageInput::Tokens(&self.x),
+        };
+        let targets = self.stage.is_last().then_some(&self.y[..]);
+        match self
+            .stage
+            .forward(mb as u64, stage_input, n, targets, self.scale)?
+        {
+            StageOutput::Activations(a) => Ok(Some(a)),
+            StageOutput::Loss(l) => {
+                self.losses[mb] = l;
+                Ok(None)
+            }
+        }
+    }
+
+    fn backward(
+        &mut self,
+        mb: usize,
+        grad_output: Option<&[f32]>,
+    ) -> Result<Option<Vec<f32>>, TrainError> {
+        Ok(self
+            .stage
+            .backward(mb as u64, grad_output, &mut self.grads[mb])?)
+    }
+
+    fn message_len(&self, mb: usize) -> usize {
+        self.stage.spec().activation_len(self.pieces[mb].len())
+    }
+
+    fn held(&self) -> usize {
+        self.stage.held()
+    }
+}
+
+/// Train according to `cfg` as one rank of `ctx.comm` (see the module doc).
+pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, TrainError> {
+    let WorkerContext {
+        comm,
+        host,
+        out_dir,
+        on_event,
+        resume,
+        faults,
+    } = ctx;
+    let started = Instant::now();
+    let (rank, world) = (comm.rank(), comm.size());
+    let t = &cfg.train;
+    let dims = ParallelDims::from_config(cfg, world)?;
+    let me = dims.coords(rank);
+
+    let corpus = load_corpus(cfg)?;
+    let spec = transformer_spec(cfg, corpus.vocab_size());
+    spec.validate()?;
+    let windows = corpus.num_windows(Split::Train, spec.context);
+    if windows < t.global_batch {
+        return Err(TrainError::TooSmall {
+            dataset: corpus.name.clone(),
+            have: windows,
+            need: t.global_batch,
+        });
+    }
+    let sampler = Sampler::new(windows, t.global_batch, t.seed)?;
+    let total_steps = if t.steps > 0 {
+        t.steps
+    } else {
+        t.epochs * sampler.steps_per_epoch() as u64
+    };
+    let m_total = cfg.microbatches_per_step();
+
+    check_same_structure_bytes(comm, spec.structure_hash())?;
+    // Stages of one replica talk point to point; each stage's replicas reduce gradients.
+    let mut pp_comm = comm.split(me.replica as u32, me.stage as u32)?;
+    let mut dp_comm = comm.split(me.stage as u32, me.replica as u32)?;
+
+    let (cuts, layer_seconds, cuts_from) = choose_cuts(cfg, &spec, comm, dims.pp)?;
+    let ranges = stage_ranges(&cuts, spec.num_layers());
+    if rank == 0 && dims.pp > 1 {
+        on_event(Event::Notice(format!(
+            "pipeline: {} × {} stages ({}), layers per stage {:?} ({cuts_from} cuts)",
+            dims.dp, dims.pp, cfg.parallel.schedule, ranges
+        )));
+    }
+    let my_layers = ranges[me.stage].clone();
+    let offsets = spec.layer_offsets();
+    let full_len = *offsets.last().expect("offsets");
+    let my_offset = offsets[my_layers.start];
+    let stage_lens: Vec<usize> = ranges
+        .iter()
+        .map(|r| offsets[r.end] - offsets[r.start])
+        .collect();
+    let buckets = layer_buckets(&offsets, my_layers.clone(), cfg.dist.bucket_elems);
+
+    let mut stage = Stage::new(&spec, my_layers.clone(), t.seed)?;
+    let mut params = stage.params_flat();
+    let mut optimizer = Optimizer::new(&optimizer_spec(cfg), params.len());
+    let identity = Identity {
+        config: cfg.identity_hash(),
+        model: hex::encode(spec.structure_hash()),
+    };
+    let ckpt_dir = checkpoint_dir(cfg, out_dir);
+    let start_step = if resume {
+        // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice.
+        let mut full = vec![0f32; full_len];
+        let mut full_opt = Optimizer::new(&optimizer_spec(cfg), full_len);
+        let step = resume_from_checkpoint(
+            comm,
+            &ckpt_dir,
+            &identity,
+            &mut full,
+            &mut full_opt,
+            on_event,
+        )?;
+        if step > 0 {
+            let mine = my_offset..my_offset + params.len();
+            params.copy_from_slice(&full[mine.clone()]);
+            for (dst, src) in optimizer.state_mut().into_iter().zip(full_opt.state()) {
+                dst.copy_from_slice(&src[mine.clone()]);
+            }
+            optimizer.set_steps_taken(full_opt.steps_taken());
+            stage.set_params_flat(&params)?;
+            if rank == 0 {
+                on_event(Event::Resumed(step));
+            }
+        }
+        step
+    } else {
+        0
+    };
+
+    let slowdown = faults::slowdown(faults, rank);
+    let schedule_lr = LrSchedule {
+        base_lr: t.lr,
+        warmup_steps: t.warmup_steps,
+        total_steps,
+        min_lr: t.min_lr,
+    };
+    let kind = ScheduleKind::from_config(&cfg.parallel.schedule);
+    let my_micro = assign(m_total, dims.dp, me.replica);
+    let ops = schedule(kind, dims.pp, me.stage, my_micro.len());
+    let mut grads = vec![vec![0f32; params.len()]; my_micro.len()];
+    let mut total_grad = vec![0f32; params.len()];
+    let mut reducer = ExactReducer::new(cfg.dist.bucket_elems);
+    let mut loss_reducer = ExactReducer::new(1);
+    let scale = 1.0 / (t.global_batch * spec.context) as f32;
+    let is_last = me.stage + 1 == dims.pp;
+    let mut records = Vec::with_capacity(total_steps as usize);
+    let mut metrics = MetricsLog::new();
+    let mut last_loss = f64::NAN;
+    let mut evals = Vec::new();
+
+    for step in start_step..total_steps {
+        faults::at_step(faults, rank, step);
+        let step_start = Instant::now();
+        let bytes_before =
+            comm.stats().bytes_sent + pp_comm.stats().bytes_sent + dp_comm.stats().bytes_sent;
+        let mut sec = PhaseSeconds::default();
+        let batch = sampler.global_batch(step);
+        let pieces = microbatches(&batch, t.microbatch);
+        let mine = &pieces[my_micro.clone()];
+        let mut work = LmWork {
+            stage: &mut stage,
+            corpus: &corpus,
+            pieces: mine,
+            scale,
+            grads: &mut grads,
+            losses: vec![0.0; my_micro.len()],
+            data_seconds: 0.0,
+            x: Vec::new(),
+            y: Vec::new(),
+        };
+        let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
+        let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
+        sec.data = data_seconds;
+        sec.forward = (timing.forward - data_seconds).max(0.0);
+        sec.backward = timing.backward;
+        if slowdown > 1.0 {
+            let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
+            std::thread::sleep(std::time::Duration::from_secs_f64(extra));
+            sec.backward += extra;
+        }
+
+        // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
+        let t0 = Instant::now();
+        let loss_parts: Vec<&[f32]> = if is_last {
+            losses.iter().map(std::slice::from_ref).collect()
+        } else {
+            Vec::new()
+        };
+        let mut loss = [0f32];
+        loss_reducer
+            .reduce(comm, &loss_parts, m_total, &mut loss)
+            .map_err(|e| sync_error(e, step))?;
+        let t1 = Instant::now();
+        // The stage's gradients over its data-parallel group.
+        let parts: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
+        if cfg.dist.reproducible {
+            reducer
+                .reduce_with_buckets(&mut dp_comm, &parts, m_total, &mut total_grad, &buckets)
+                .map_err(|e| sync_error(e, step))?;
+        } else {
+            total_grad.fill(0.0);
+            for p in &parts {
+                for (a, b) in total_grad.iter_mut().zip(p.iter()) {
+                    *a += b;
+                }
+            }
+            dp_comm.all_reduce(&mut total_grad, ReduceOp::Sum)?;
+        }
+        sec.waiting = (t1 - t0).as_secs_f64();
+        sec.communication = t1.elapsed().as_secs_f64();
+
+        let t0 = Instant::now();
+        let lr = schedule_lr.lr(step);
+        optimizer.step(&mut params, &total_grad, lr);
+        stage.set_params_flat(&params)?;
+        sec.optimizer = t0.elapsed().as_secs_f64();
+        let loss = loss[0] as f64;
+
+        let every = cfg.checkpoint.every;
+        if every > 0 && (step + 1) % every == 0 {
+            // Collective within replica 0's pipeline: rank 0 receives the whole model.
+            let full = gather_model(&mut pp_comm, me.replica, &params, &stage_lens)?;
+            let mut full_state = Vec::new();
+            for v in optimizer.state() {
+                full_state.push(gather_model(&mut pp_comm, me.replica, v, &stage_lens)?);
+            }
+            if rank == 0 {
+                let c = Checkpoint {
+                    step: step + 1,
+                    params: full.expect("rank 0 gathers"),
+                    optimizer_state: full_state.into_iter().map(|s| s.expect("rank 0")).collect(),
+                    optimizer_steps: optimizer.steps_taken(),
+                    identity: identity.clone(),
+                };
+                let path = checkpoint::save(&ckpt_dir, &c, cfg.checkpoint.keep)?;
+                if faults::corrupts_checkpoint(faults, step + 1) {
+                    damage(&path)?;
+                    on_event(Event::Notice(format!(
+                        "injected fault: damaged checkpoint {}",
+                        path.display()
+                    )));
+                }
+            }
+        }
+
+        let eval =
+            if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) || step + 1 == total_steps {
+                let e = evaluate(
+                    comm,
+                    &mut pp_comm,
+                    &stage,
+                    &corpus,
+                    dims,
+                    me.replica,
+                    t.microbatch,
+                )?;
+                evals.push((step + 1, e));
+                Some(e)
+            } else {
+                None
+            };
+        let step_seconds = step_start.elapsed().as_secs_f64();
+        last_loss = loss;
+        let bytes_after =
+            comm.stats().bytes_sent + pp_comm.stats().bytes_sent + dp_comm.stats().bytes_sent;
+        records.push(StepRecord {
+            rank,
+            step,
+            loss,
+            lr,
+            samples: mine.iter().map(|p| p.len()).sum(),
+            samples_per_sec: t.global_batch as f64 / step_seconds,
+            step_seconds,
+            seconds: sec,
+            bytes_sent: bytes_after - bytes_before,
+            eval,
+            pipeline: Some(timing.pipeline),
+        });
+        if every > 0 && (step + 1) % every == 0 {
+            metrics.flush(comm, &records, out_dir, start_step)?;
+        }
+        if rank == 0 {
+            on_event(Event::StepDone(step + 1));
+        }
+        if rank == 0 && ((step + 1) % t.log_every == 0 || step + 1 == total_steps) {
+            let elapsed = started.elapsed().as_secs_f64();
+            let done = (step + 1 - start_step) as f64;
+            on_event(Event::Progress(Progress {
+                step: step + 1,
+                total_steps,
+                loss,
+                samples_per_sec: done * t.global_batch as f64 / elapsed,
+                eta_seconds: elapsed / done * (total_steps - step - 1) as f64,
+            }));
+        }
+    }
+
+    // Replicas of a stage must agree; then rank 0 hashes the whole model and tells everyone.
+    let stage_hash = param_hash(&params);
+    let hashes = gather_strings(&mut dp_comm, &stage_hash)?;
+    if let Some(r) = hashes.iter().position(|h| h != &hashes[0]) {
+        return Err(TrainError::Diverged {
+            rank: dims.rank_of(crate::Coords {
+                replica: r,
+                stage: me.stage,
+            }),
+            theirs: hashes[r].clone(),
+            ours: hashes[0].clone(),
+        });
+    }
+    let full = gather_model(&mut pp_comm, me.replica, &params, &stage_lens)?;
+    let mut hash_bytes = [0u8; 64];
+    if let Some(full) = &full {
+        hash_bytes.copy_from_slice(param_hash(full).as_bytes());
+    }
+    comm.broadcast(&mut hash_bytes, 0)?;
+    let hash = String::from_utf8_lossy(&hash_bytes).into_owned();
+
+    metrics.flush(comm, &records, out_dir, start_step)?;
+    let all_records = metrics.gathered().to_vec();
+    let hosts = gather_strings(comm, &host)?;
+    let wall_seconds = started.elapsed().as_secs_f64();
+    let mut ranks = rank_summaries(&all_records, &hosts);
+    for r in &mut ranks {
+        if let Some(p) = r.pipeline.as_mut() {
+            p.replica = dims.coords(r.rank).replica;
+        }
+    }
+    let (imb, straggler) = imbalance(&ranks);
+    if let (Some(r), 0) = (straggler, rank) {
+        on_event(Event::Notice(format!(
+            "straggler: rank {r} ({}) computed {imb:.2}× the mean per-rank compute time",
+            ranks[r].host
+        )));
+    }
+    let pipeline = pipeline_summary(
+        &ranks,
+        dims,
+        kind,
+        ranges,
+        cuts_from,
+        layer_seconds,
+        m_total.div_ceil(dims.dp),
+        (total_steps - start_step).max(1),
+    );
+    let step_total: f64 = all_records.iter().map(|r| r.step_seconds).sum();
+    let comm_total: f64 = all_records
+        .iter()
+        .map(|r| r.seconds.communication + r.seconds.waiting)
+        .sum();
+    let (test_loss, test_accuracy) = evals
+        .last()
+        .map(|(_, e)| (e.test_loss, e.test_accuracy))
+        .unwrap_or((f64::NAN, f64::NAN));
+    let summary = Summary {
+        world_size: world,
+        steps: total_steps,
+        global_batch: t.global_batch,
+        microbatch: t.microbatch,
+        reproducible: cfg.dist.reproducible,
+        transport: comm.transport_name().to_string(),
+        final_loss: last_loss,
+        test_loss,
+        test_accuracy,
+        param_hash: hash,
+        config_hash: cfg.hash_hex(),
+        wall_seconds,
+        samples_per_sec: ((total_steps - start_step) as f64 * t.global_batch as f64) / wall_seconds,
+        imbalance: imb,
+        straggler,
+        bytes_sent_total: ranks.iter().map(|r| r.bytes_sent).sum(),
+        communication_fraction: if step_total > 0.0 {
+            comm_total / step_total
+        } else {
+            0.0
+        },
+        evals,
+        ranks,
+        pipeline: Some(pipeline),
+    };
+    if rank == 0 {
+        write_outputs(out_dir, cfg, &summary)?;
+    }
+    Ok(summary)
+}
+
+fn sync_error(e: ExactError, step: u64) -> TrainError {
+    match e {
+        ExactError::Comm(c) => TrainError::Comm(c),
+        other => TrainError::Sync { step, cause: other },
+    }
+}
+
+/// Stage cuts: from the config, or balanced from layer costs that rank 0 measures and
+/// broadcasts (every rank must cut alike; measurements differ from rank to rank).
+fn choose_cuts(
+    cfg: &TrainConfig,
+    spec: &TransformerSpec,
+    comm: &mut Communicator,
+    stages: usize,
+) -> Result<(Vec<usize>, Vec<f64>, String), TrainError> {
+    if stages == 1 {
+        return Ok((Vec::new(), Vec::new(), "none".into()));
+    }
+    if !cfg.parallel.stage_cuts.is_empty() {
+        return Ok((cfg.parallel.stage_cuts.clone(), Vec::new(), "manual".into()));
+    }
+    let mut costs = vec![0f64; spec.num_layers()];
+    if comm.rank() == 0 {
+        costs = Stage::profile_layers(spec, cfg.train.microbatch, cfg.parallel.profile_reps)?;
+    }
+    comm.broadcast(&mut costs, 0)?;
+    Ok((balance(&costs, stages), costs, "auto".into()))
+}
+
+/// Collective over one replica's pipeline: replica 0's stages send their slices (stage order =
+/// flat order) to stage 0, which returns the whole vector; everyone else gets `None`. Other
+/// replicas hold identical copies and take no part.
+fn gather_model(
+    pp: &mut Communicator,
+    replica: usize,
+    mine: &[f32],
+    stage_lens: &[usize],
+) -> Result<Option<Vec<f32>>, TrainError> {
+    if replica != 0 {
+        return Ok(None);
+    }
+    if pp.rank() != 0 {
+        pp.send(0, mine)?;
+        return Ok(None);
+    }
+    let mut full = mine.to_vec();
+    for (s, &len) in stage_lens.iter().enumerate().skip(1) {
+        let mut buf = vec![0f32; len];
+        pp.recv(s, &mut buf)?;
+        full.extend_from_slice(&buf);
+    }
+    Ok(Some(full))
+}
+
+/// Validation loss (nats per character) and next-character accuracy over `EVAL_WINDOWS` evenly
+/// spaced validation windows, each replica's pipeline taking its share.
+fn evaluate(
+    comm: &mut Communicator,
+    pp: &mut Communicator,
+    stage: &Stage,
+    corpus: &CharCorpus,
+    dims: ParallelDims,
+    replica: usize,
+    chunk: usize,
+) -> Result<Eval, TrainError> {
+    let context = stage.spec().context;
+    let available = corpus.num_windows(Split::Val, context);
+    let k = EVAL_WINDOWS.min(available);
+    let all: Vec<u32> = (0..k).map(|i| (i * available / k) as u32).collect();
+    let share = &all[assign(k, dims.dp, replica)];
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let mut sums = [0f64; 2];
+    let s = pp.rank();
+    for piece in share.chunks(chunk.max(1)) {
+        let n = piece.len();
+        if stage.is_first() || stage.is_last() {
+            corpus.gather_windows(Split::Val, context, piece, &mut x, &mut y);
+        }
+        let mut acts = Vec::new();
+        if !stage.is_first() {
+            acts = vec![0f32; stage.spec().activation_len(n)];
+            pp.recv(s - 1, &mut acts)?;
+        }
+        let input = if stage.is_first() {
+            StageInput::Tokens(&x)
+        } else {
+            StageInput::Activations(&acts)
+        };
+        match stage.evaluate(input, n, stage.is_last().then_some(&y[..]))? {
+            StageEval::Activations(out) => pp.send(s + 1, &out)?,
+            StageEval::Scores { loss_sum, correct } => {
+                sums[0] += loss_sum;
+                sums[1] += correct as f64;
+            }
+        }
+    }
+    comm.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let chars = (k * context).max(1) as f64;
+    Ok(Eval {
+        test_loss: sums[0] / chars,
+        test_accuracy: sums[1] / chars,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pipeline_summary(
+    ranks: &[RankSummary],
+    dims: ParallelDims,
+    kind: ScheduleKind,
+    ranges: Vec<Range<usize>>,
+    cuts_from: String,
+    layer_seconds: Vec<f64>,
+    m_per_replica: usize,
+    steps: u64,
+) -> PipelineSummary {
+    let pipes: Vec<_> = ranks
+        .iter()
+        .filter_map(|r| r.pipeline.map(|p| (r, p)))
+        .collect();
+    let mean_bubble = if pipes.is_empty() {
+        0.0
+    } else {
+        pipes.iter().map(|(_, p)| p.bubble_fraction).sum::<f64>() / pipes.len() as f64
+    };
+    let per_stage = |f: &dyn Fn(&RankSummary, &crate::metrics::RankPipeline) -> f64| -> Vec<f64> {
+        (0..dims.pp)
+            .map(|s| {
+                let v: Vec<f64> = pipes
+                    .iter()
+                    .filter(|(_, p)| p.stage == s)
+                    .map(|(r, p)| f(r, p))
+                    .collect();
+                v.iter().sum::<f64>() / v.len().max(1) as f64
+            })
+            .collect()
+    };
+    PipelineSummary {
+        dp: dims.dp,
+        pp: dims.pp,
+        microbatches_per_replica: m_per_replica,
+        schedule: kind.name().to_string(),
+        stage_layers: ranges.iter().map(|r| (r.start, r.end)).collect(),
+        cuts_from,
+        layer_seconds,
+        bubble_fraction: mean_bubble,
+        ideal_bubble_fraction: ideal_bubble_fraction(dims.pp, m_per_replica),
+        peak_activations: (0..dims.pp)
+            .map(|s| {
+                pipes
+                    .iter()
+                    .filter(|(_, p)| p.stage == s)
+                    .map(|(_, p)| p.peak_activations)
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect(),
+        stage_compute_seconds: per_stage(&|r, _| r.compute_seconds / steps as f64),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_never_straddle_layers_and_agree_across_cuts() {
+        let offsets = [0, 10, 35, 60, 61];
+        let whole = layer_buckets(&offsets, 0..4, 8);
+        assert_eq!(whole.first(), Some(&(0..8)));
+        assert!(whole
+            .iter()
+            .all(|b| offsets.iter().all(|&o| !(b.start < o && o < b.end))));
+        // A stage's buckets are the whole model's buckets of its layers, shifted.
+        let tail = layer_buckets(&offsets, 2..4, 8);
+        let shifted: Vec<Range<usize>> = whole
+            .iter()
+            .filter(|b| b.start >= 35)
+            .map(|b| b.start - 35..b.end - 35)
+            .collect();
+        assert_eq!(tail, shifted);
+    }
+}
