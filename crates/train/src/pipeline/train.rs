@@ -47,6 +47,8 @@ use crate::trainer::{
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
 const EVAL_WINDOWS: usize = 512;
+/// Units per nat when validation losses are summed exactly.
+const EVAL_FIXED_POINT: f64 = (1u64 << 24) as f64;
 
 /// The transformer a config describes, for a corpus with `vocab` characters.
 pub fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
@@ -607,11 +609,14 @@ fn evaluate(
     let available = corpus.num_windows(Split::Val, context);
     let k = EVAL_WINDOWS.min(available);
     let all: Vec<u32> = (0..k).map(|i| (i * available / k) as u32).collect();
-    let share = &all[assign(k, dims.dp, replica)];
+    // Fixed chunks, whatever the layout, so each chunk's loss has the same bits everywhere; the
+    // chunk sums are then added in fixed point (2^-24 nats), exactly, in any order.
+    let chunks: Vec<&[u32]> = all.chunks(chunk.max(1)).collect();
+    let share = &chunks[assign(chunks.len(), dims.dp, replica)];
     let (mut x, mut y) = (Vec::new(), Vec::new());
-    let mut sums = [0f64; 2];
+    let mut sums = [0i64; 2];
     let s = pp.rank();
-    for piece in share.chunks(chunk.max(1)) {
+    for &piece in share {
         let n = piece.len();
         if stage.is_first() || stage.is_last() {
             corpus.gather_windows(Split::Val, context, piece, &mut x, &mut y);
@@ -629,16 +634,16 @@ fn evaluate(
         match stage.evaluate(input, n, stage.is_last().then_some(&y[..]))? {
             StageEval::Activations(out) => pp.send(s + 1, &out)?,
             StageEval::Scores { loss_sum, correct } => {
-                sums[0] += loss_sum;
-                sums[1] += correct as f64;
+                sums[0] += (loss_sum * EVAL_FIXED_POINT).round() as i64;
+                sums[1] += correct as i64;
             }
         }
     }
     comm.all_reduce(&mut sums, ReduceOp::Sum)?;
     let chars = (k * context).max(1) as f64;
     Ok(Eval {
-        test_loss: sums[0] / chars,
-        test_accuracy: sums[1] / chars,
+        test_loss: sums[0] as f64 / EVAL_FIXED_POINT / chars,
+        test_accuracy: sums[1] as f64 / chars,
     })
 }
 

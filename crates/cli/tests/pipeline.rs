@@ -1,0 +1,223 @@
+//! Pipeline parallelism end to end on the character-level transformer (a small one, so that the
+//! whole file runs in seconds): every layout and schedule ends with the parameters of the
+//! one-worker run, bit for bit; the schedules hold what they should; bad layouts are refused
+//! before any worker starts; a pipeline crash recovers, and a checkpoint moves between layouts.
+
+use std::path::Path;
+use std::process::Output;
+
+mod common;
+use common::{assert_ok, lockstep, summary};
+
+/// A 4-layer model (embedding, 2 blocks, head), 4 micro-batches of 2 sequences per step.
+const TINY: &[&str] = &[
+    "model.d_model=32",
+    "model.heads=2",
+    "model.blocks=2",
+    "model.context=16",
+    "model.d_ff=64",
+    "train.global_batch=8",
+    "parallel.microbatches=4",
+    "train.steps=6",
+    "train.eval_every=3",
+    "train.log_every=1",
+    "checkpoint.every=2",
+];
+
+fn train(out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
+    let mut args = vec![
+        "train",
+        "--config",
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/shakespeare.toml"
+        ),
+        "--nproc",
+        nproc,
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    for s in TINY.iter().chain(sets) {
+        args.extend_from_slice(&["--set", s]);
+    }
+    args.extend_from_slice(extra);
+    lockstep(&args).output().expect("spawn lockstep")
+}
+
+fn ok(o: Output) -> Output {
+    assert_ok(&o);
+    o
+}
+
+fn hash(dir: &Path) -> String {
+    summary(dir)["param_hash"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn every_layout_and_schedule_reproduces_the_single_worker_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = tmp.path().join("pp1");
+    ok(train(&one, "1", &["parallel.pp=1"], &[]));
+    let want = hash(&one);
+    let s1 = summary(&one);
+    assert_eq!(s1["pipeline"]["pp"], 1);
+
+    let layouts: &[(&str, &[&str], &str)] = &[
+        (
+            "2",
+            &["parallel.pp=2", "parallel.schedule=gpipe"],
+            "pp2-gpipe",
+        ),
+        (
+            "2",
+            &["parallel.pp=2", "parallel.schedule=1f1b"],
+            "pp2-1f1b",
+        ),
+        (
+            "4",
+            &["parallel.pp=4", "parallel.schedule=1f1b"],
+            "pp4-1f1b",
+        ),
+        ("4", &["parallel.pp=2", "parallel.dp=2"], "dp2xpp2"),
+        ("2", &["parallel.pp=1"], "dp2"),
+    ];
+    for (nproc, sets, name) in layouts {
+        let dir = tmp.path().join(name);
+        ok(train(&dir, nproc, sets, &[]));
+        let s = summary(&dir);
+        assert_eq!(
+            hash(&dir),
+            want,
+            "{name}: parameters differ from the 1-worker run"
+        );
+        // The loss curve is the same step for step (the loss is an exact sum too).
+        assert_eq!(s["final_loss"], s1["final_loss"], "{name}");
+        assert_eq!(s["evals"], s1["evals"], "{name}: validation curve differs");
+        let p = &s["pipeline"];
+        let pp = p["pp"].as_u64().unwrap() as usize;
+        let m = p["microbatches_per_replica"].as_u64().unwrap() as usize;
+        let peaks: Vec<usize> = p["peak_activations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect();
+        assert_eq!(peaks.len(), pp);
+        for (stage, &peak) in peaks.iter().enumerate() {
+            if p["schedule"] == "gpipe" || pp == 1 {
+                assert_eq!(peak, if pp == 1 { 1 } else { m }, "{name} stage {stage}");
+            } else {
+                assert_eq!(peak, (pp - stage).min(m), "{name} stage {stage}");
+                assert!(peak <= pp);
+            }
+        }
+        // Every rank reports its stage's send/receive and bubble time.
+        for r in s["ranks"].as_array().unwrap() {
+            let rp = &r["pipeline"];
+            assert!(rp["schedule_seconds"].as_f64().unwrap() > 0.0, "{name}");
+            if pp > 1 {
+                assert!(rp["p2p_bytes"].as_u64().unwrap() > 0, "{name}");
+            }
+        }
+        let line = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+        assert!(first["pipeline"]["bubble_seconds"].is_number(), "{name}");
+    }
+}
+
+#[test]
+fn bad_layouts_are_refused_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: &[(&str, &[&str], &[&str])] = &[
+        ("3", &["parallel.pp=2"], &["parallel.pp = 2", "3 workers"]),
+        (
+            "4",
+            &["parallel.pp=2", "parallel.dp=3"],
+            &["parallel.dp = 3", "parallel.pp = 2", "6 workers", "has 4"],
+        ),
+        ("5", &["parallel.pp=5"], &["5 stages", "only 4 layers"]),
+        (
+            "2",
+            &["parallel.microbatches=3"],
+            &["parallel.microbatches", "3", "train.global_batch = 8"],
+        ),
+        (
+            "2",
+            &["parallel.stage_cuts=[2,3]"],
+            &["parallel.stage_cuts"],
+        ),
+        (
+            "2",
+            &["parallel.schedule=zigzag"],
+            &["parallel.schedule", "zigzag"],
+        ),
+    ];
+    for (i, (nproc, sets, needles)) in cases.iter().enumerate() {
+        let dir = tmp.path().join(format!("bad{i}"));
+        let o = train(&dir, nproc, sets, &[]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(
+            o.status.code(),
+            Some(3),
+            "case {i}: bad input exits 3\n{err}"
+        );
+        for n in *needles {
+            assert!(err.contains(n), "case {i}: `{n}` missing from\n{err}");
+        }
+        assert!(!err.contains("[rank"), "case {i}: a worker started\n{err}");
+    }
+    // An elastic pipeline cannot shrink.
+    let o = train(&tmp.path().join("elastic"), "2:4", &["parallel.pp=2"], &[]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("elastic"));
+}
+
+#[test]
+fn a_killed_stage_recovers_and_a_checkpoint_moves_between_layouts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference");
+    ok(train(&reference, "1", &["parallel.pp=1"], &[]));
+    let want = hash(&reference);
+
+    // Stage 1 of a 2-stage pipeline dies at step 3; the group restarts from step 2's checkpoint.
+    let dir = tmp.path().join("killed");
+    let o = ok(train(
+        &dir,
+        "2",
+        &["parallel.pp=2"],
+        &["--inject", "kill:rank=1,step=3"],
+    ));
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        err.contains("resumed from the checkpoint of step 2"),
+        "{err}"
+    );
+    assert_eq!(hash(&dir), want);
+    assert_eq!(summary(&dir)["restarts"], 1);
+
+    // A 2×2 run stops at step 5 (no restarts); it continues as a 4-stage pipeline.
+    let dir = tmp.path().join("moved");
+    let o = train(
+        &dir,
+        "4",
+        &["parallel.pp=2"],
+        &["--inject", "kill:rank=3,step=5", "--max-restarts", "0"],
+    );
+    assert!(!o.status.success());
+    ok(lockstep(&[
+        "train",
+        "--resume",
+        dir.to_str().unwrap(),
+        "--nproc",
+        "4",
+        "--set",
+        "parallel.pp=4",
+        "--set",
+        "parallel.dp=0",
+    ])
+    .output()
+    .unwrap());
+    let s = summary(&dir);
+    assert_eq!(s["pipeline"]["pp"], 4);
+    assert_eq!(hash(&dir), want);
+}
