@@ -2,7 +2,8 @@
 # Two simulated hosts on this machine: network namespaces lsA (10.77.0.1) and lsB (10.77.0.2) joined
 # by a veth pair. (1) Runs the same digits job split over both "hosts" (TCP between them, since each
 # namespace is its own host to lockstep) and checks that its param_hash equals a one-host run's.
-# (2) Cuts the link mid-run and checks every worker fails within 2× the timeout, naming a rank.
+# (2) Runs a 4-stage transformer pipeline across both hosts and checks it against one worker.
+# (3) Cuts the link mid-run and checks every worker fails within 2× the timeout, naming a rank.
 # Needs root. Usage: scripts/netns-two-hosts.sh path/to/lockstep [rate]   (rate e.g. 1gbit: tbf shaping)
 # Traffic stays between these two namespaces; nothing else is addressed.
 set -euo pipefail
@@ -62,6 +63,33 @@ echo "netns: one host  × 1 worker       : $h1"
 [[ "$h1" == "$h2" ]] || { echo "netns: FAILED: param_hash differs between one host and two hosts"; exit 1; }
 echo "netns: ok: same param_hash on one host and on two hosts"
 
+# A 4-stage pipeline across the two hosts (stages 0-1 on A, 2-3 on B: activations and gradients
+# cross the link over TCP, 1F1B's combined send/receive included) against one worker.
+pipe_sets=(--config "$(dirname "$0")/../configs/shakespeare.toml" --set model.d_model=32 --set model.heads=2
+    --set model.blocks=2 --set model.context=16 --set model.d_ff=64 --set train.global_batch=8
+    --set parallel.microbatches=4 --set train.steps=6 --set train.eval_every=3 --set dist.timeout_secs=30)
+port=29613
+LOCKSTEP_SECRET="$secret" ip netns exec "$A" "$bin" train --nproc 2 --nnodes 2 --node-rank 0 \
+    --rdzv "10.77.0.1:$port" --out "$work/pipe-a" "${pipe_sets[@]}" --set parallel.pp=4 >"$work/pa.log" 2>&1 &
+pa=$!
+LOCKSTEP_SECRET="$secret" ip netns exec "$B" "$bin" train --nproc 2 --nnodes 2 --node-rank 1 \
+    --rdzv "10.77.0.1:$port" --out "$work/pipe-b" "${pipe_sets[@]}" --set parallel.pp=4 >"$work/pb.log" 2>&1 &
+pb=$!
+status=0
+wait "$pa" || status=$?
+wait "$pb" || status=$?
+if [[ $status -ne 0 ]]; then
+    echo "netns: two-host pipeline failed"; echo "--- host A"; cat "$work/pa.log"; echo "--- host B"; cat "$work/pb.log"
+    exit 1
+fi
+"$bin" train --nproc 1 --out "$work/pipe-one" "${pipe_sets[@]}" --set parallel.pp=1 >"$work/pone.log" 2>&1 || { cat "$work/pone.log"; exit 1; }
+hp="$(hash_of "$work/pipe-a/summary.json")"
+h1p="$(hash_of "$work/pipe-one/summary.json")"
+echo "netns: 4-stage pipeline on two hosts: $hp"
+echo "netns: one worker, no pipeline        : $h1p"
+[[ "$hp" == "$h1p" ]] || { echo "netns: FAILED: the two-host pipeline's param_hash differs"; exit 1; }
+echo "netns: ok: a pipeline across hosts gives the one-worker bits"
+
 # Cut the link between the hosts mid-run: every worker must fail within 2× the collective timeout,
 # naming the rank it waited for; nothing may hang.
 timeout_secs=3
@@ -94,4 +122,4 @@ for log in "$work/cut-a.log" "$work/cut-b.log"; do
 done
 echo "netns: ok: link cut detected on both hosts within ${elapsed}s (timeout ${timeout_secs}s), ranks named:"
 grep -hEo "timed out after [0-9.]+s waiting for rank [0-9]+ \([^)]*\)" "$work/cut-a.log" "$work/cut-b.log" | sort -u | head -4
-echo "netns: 2 passed, 0 failed"
+echo "netns: 3 passed, 0 failed"
