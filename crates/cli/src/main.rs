@@ -4,6 +4,7 @@ mod bench;
 mod cluster_env;
 mod inject;
 mod launch;
+mod plan;
 mod scale;
 mod supervise;
 mod worker;
@@ -45,6 +46,9 @@ enum Command {
     Scale(ScaleArgs),
     /// Print a fresh job secret (64 hex digits) for multi-node jobs or external launchers.
     Secret,
+    /// Predict step time, speedup and efficiency of layouts on a described cluster, calibrated
+    /// from a finished run (see docs/plan.md).
+    Plan(PlanArgs),
     /// Internal: the worker process started by the launcher.
     #[command(hide = true)]
     Worker {
@@ -92,13 +96,18 @@ struct ScaleArgs {
     /// Worker counts to compare, the first being the baseline, e.g. 1,2,4.
     #[arg(long, default_value = "1,2")]
     nproc: String,
+    /// Layouts to run: `dp` (data parallel at each --nproc size; the default), `pp` (one
+    /// pipeline with as many stages as workers, at each size), `dpAxppB` such as dp2xpp2
+    /// (A replicas × B stages, run once), comma-separated.
+    #[arg(long, value_name = "LIST")]
+    layouts: Option<String>,
     /// Compute threads per worker, the same for every size (default 1, so that a larger world
     /// size is more compute, not the same cores split differently).
     #[arg(long, default_value_t = 1)]
     threads_per_worker: usize,
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
-    /// Directory for the runs (nproc-N/) and scale.json.
+    /// Directory for the runs (dp-N/, pp-N/, dpAxppB/), scale.json and scale_report.{md,html}.
     #[arg(long)]
     out: PathBuf,
 }
@@ -136,6 +145,63 @@ struct BenchArgs {
     segment_bytes: Option<usize>,
     /// Write {memcpy_gbps, rows} here.
     #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args, Clone)]
+struct PlanArgs {
+    /// Finished run to calibrate from (its config.toml, summary.json and metrics.jsonl).
+    #[arg(long, value_name = "RUN_DIR")]
+    from: PathBuf,
+    /// Cluster description: TOML with the keys of the flags below (e.g. `link_gbps = 10`); flags
+    /// override it.
+    #[arg(long, value_name = "FILE")]
+    cluster: Option<PathBuf>,
+    /// Nodes (hosts) [default: 1].
+    #[arg(long)]
+    nodes: Option<usize>,
+    /// Workers per node.
+    #[arg(long)]
+    workers_per_node: Option<usize>,
+    /// Line rate between nodes, Gbit/s (needed with more than one node).
+    #[arg(long)]
+    link_gbps: Option<f64>,
+    /// One-way latency between nodes, µs [default: 50].
+    #[arg(long)]
+    link_latency_us: Option<f64>,
+    /// Token bucket of a shaped link between nodes (tc tbf burst), KiB [default: 0 = not shaped].
+    #[arg(long)]
+    link_burst_kib: Option<f64>,
+    /// Payload share of the line rate [default: 0.94, TCP/IP/Ethernet headers and ACKs].
+    #[arg(long)]
+    link_efficiency: Option<f64>,
+    /// TCP between workers of one node in a multi-node job, GB/s [default: 4].
+    #[arg(long)]
+    intra_gbytes_per_s: Option<f64>,
+    /// ... and its latency, µs [default: 12].
+    #[arg(long)]
+    intra_latency_us: Option<f64>,
+    /// Shared memory in a one-node job, GB/s [default: 5].
+    #[arg(long)]
+    shm_gbytes_per_s: Option<f64>,
+    /// ... and its latency, µs [default: 3].
+    #[arg(long)]
+    shm_latency_us: Option<f64>,
+    /// Per-worker compute speed relative to the calibration run [default: 1].
+    #[arg(long)]
+    compute_scale: Option<f64>,
+    /// The calibration run's own links, GB/s [default: this machine's shm or loopback TCP].
+    #[arg(long)]
+    calib_gbytes_per_s: Option<f64>,
+    /// ... and their latency, µs.
+    #[arg(long)]
+    calib_latency_us: Option<f64>,
+    /// Layouts to compare, DPxPP or DP: e.g. "1,2,4" or "4x1,2x2" [default: 1 worker, powers of
+    /// two and whole nodes, every pipeline depth the model allows].
+    #[arg(long, value_name = "LIST")]
+    layouts: Option<String>,
+    /// Write the plan (cluster, calibration, predictions, recommendation) as JSON.
+    #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
 }
 
@@ -193,6 +259,7 @@ fn main() {
         Some(Command::Secret) => JobSecret::generate()
             .map(|s| println!("{}", s.to_hex()))
             .map_err(Into::into),
+        Some(Command::Plan(a)) => plan::run(&a),
         Some(Command::Worker { role }) => cmd_worker(role),
     };
     if let Err(e) = result {
@@ -205,6 +272,34 @@ fn main() {
     }
 }
 
+/// Refuse a layout that cannot work before any worker starts: `dp · pp` must be the world size
+/// (the world a cluster engine announces, when there is one), every replica needs a micro-batch,
+/// and a pipeline cannot shrink elastically (a lost worker takes a stage out of its replica).
+fn check_layout(
+    cfg: &TrainConfig,
+    env: &HashMap<String, String>,
+    launched_world: usize,
+    elastic: bool,
+) -> Result<()> {
+    let world = match cluster_env::detect(env)? {
+        Some(w) if w.engine != cluster_env::Engine::Launcher => w.world_size,
+        _ => launched_world,
+    };
+    lockstep_train::ParallelDims::from_config(cfg, world)?;
+    if elastic && cfg.parallel.pp > 1 {
+        return Err(lockstep_train::ConfigError::Invalid {
+            field: "parallel.pp",
+            message: format!(
+                "an elastic world (--nproc MIN:MAX) needs parallel.pp = 1: with {} stages a lost \
+                 worker leaves its replica without a stage",
+                cfg.parallel.pp
+            ),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// Errors that a restart cannot cure: the input itself is wrong.
 fn is_bad_input(e: &anyhow::Error) -> bool {
     use lockstep_train::checkpoint::CheckpointError;
@@ -215,6 +310,7 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
                 c.downcast_ref::<TrainError>(),
                 Some(
                     TrainError::Data(_)
+                        | TrainError::Config(_)
                         | TrainError::Model(_)
                         | TrainError::ModelMismatch { .. }
                         | TrainError::TooSmall { .. }
@@ -261,6 +357,12 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     };
     let cfg = TrainConfig::load(config_path.as_deref(), &a.sets)?;
     let (min_world, max_world) = parse_nproc(&a.nproc)?;
+    check_layout(
+        &cfg,
+        &env,
+        max_world * a.nodes.nnodes,
+        min_world != max_world,
+    )?;
     let faults = match &a.inject {
         Some(spec) => inject::parse(spec)?,
         None => Vec::new(),
@@ -455,42 +557,56 @@ fn launch_spec(
 
 fn cmd_scale(a: ScaleArgs) -> Result<()> {
     let sizes = scale::parse_nprocs(&a.nproc)?;
-    TrainConfig::load(a.config.as_deref(), &a.sets)?; // fail on a bad config before the first run
+    // Every layout is checked against the config before the first run starts.
+    let plan = scale::plan(a.layouts.as_deref(), &sizes, a.config.as_deref(), &a.sets)?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let names: Vec<&str> = plan.iter().map(|l| l.name.as_str()).collect();
+    eprintln!(
+        "lockstep scale: {} run(s): {} (baseline {})",
+        plan.len(),
+        names.join(", "),
+        names[0]
+    );
+    let started = std::time::Instant::now();
     let mut runs = Vec::new();
-    for (i, &n) in sizes.iter().enumerate() {
+    for (i, layout) in plan.iter().enumerate() {
         eprintln!(
-            "lockstep scale: run {}/{}: {n} worker(s)",
+            "lockstep scale: run {}/{}: {} ({}), {:.0}s into the sweep",
             i + 1,
-            sizes.len()
+            plan.len(),
+            layout.name,
+            layout.describe(),
+            started.elapsed().as_secs_f64()
         );
-        let dir = scale::run_dir(&a.out, n);
+        let dir = scale::run_dir(&a.out, layout);
         cmd_train(TrainArgs {
             config: a.config.clone(),
-            nproc: n.to_string(),
+            nproc: layout.world().to_string(),
             resume: None,
             max_restarts: 0,
             inject: None,
             threads_per_worker: Some(a.threads_per_worker),
             out: Some(dir.clone()),
-            sets: a.sets.clone(),
+            sets: scale::layout_sets(layout, &a.sets),
             nodes: NodeArgs {
                 nnodes: 1,
                 node_rank: 0,
                 rdzv: None,
             },
         })
-        .with_context(|| format!("the {n}-worker run"))?;
-        runs.push(scale::load_run(&dir)?);
+        .with_context(|| format!("the {} run ({})", layout.name, layout.describe()))?;
+        let (summary, records) = scale::load_run(&dir)?;
+        runs.push(lockstep_train::scaling::Run {
+            layout: layout.clone(),
+            summary,
+            records,
+        });
     }
     let report = lockstep_train::scaling::compare(&runs);
     print!("{}", scale::format_table(&report));
-    let path = a.out.join("scale.json");
-    lockstep_train::trainer::write_atomic(
-        &path,
-        (serde_json::to_string_pretty(&report)? + "\n").as_bytes(),
-    )?;
-    eprintln!("lockstep scale: wrote {}", path.display());
+    for path in scale::write_outputs(&a.out, &report, &runs)? {
+        eprintln!("lockstep scale: wrote {}", path.display());
+    }
     Ok(())
 }
 

@@ -1,10 +1,12 @@
-//! `lockstep scale`: run the same training at several world sizes and say whether scaling helped.
+//! `lockstep scale`: run the same training at several world sizes and layouts, and say whether
+//! scaling helped (`scale.json`, `scale_report.md`, `scale_report.html` in the output directory,
+//! one run directory per layout).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use lockstep_train::scaling::ScaleReport;
-use lockstep_train::{StepRecord, Summary};
+use lockstep_train::scaling::{self, Layout, LayoutSpec, Run, ScaleReport};
+use lockstep_train::{StepRecord, Summary, TrainConfig};
 
 /// Parse "1,2,4".
 pub fn parse_nprocs(spec: &str) -> Result<Vec<usize>> {
@@ -22,8 +24,37 @@ pub fn parse_nprocs(spec: &str) -> Result<Vec<usize>> {
     Ok(v)
 }
 
-pub fn run_dir(out: &Path, nproc: usize) -> PathBuf {
-    out.join(format!("nproc-{nproc}"))
+/// The sweep's runs, in order, each checked against the config (with the user's `--set`s and the
+/// layout's own overrides) before anything runs: a bad layout or a pipeline the model cannot
+/// have fails here, not after an hour of earlier runs.
+pub fn plan(
+    layouts: Option<&str>,
+    sizes: &[usize],
+    config: Option<&Path>,
+    sets: &[String],
+) -> Result<Vec<Layout>> {
+    let specs = match layouts {
+        Some(l) => scaling::parse_layouts(l).context("--layouts")?,
+        None => vec![LayoutSpec::Dp],
+    };
+    let plan = scaling::expand(&specs, sizes);
+    for layout in &plan {
+        let cfg = TrainConfig::load(config, &layout_sets(layout, sets))
+            .with_context(|| format!("layout {} ({})", layout.name, layout.describe()))?;
+        layout
+            .check(&cfg)
+            .with_context(|| format!("layout {} ({})", layout.name, layout.describe()))?;
+    }
+    Ok(plan)
+}
+
+/// The user's overrides, then the layout's (which win).
+pub fn layout_sets(layout: &Layout, sets: &[String]) -> Vec<String> {
+    sets.iter().cloned().chain(layout.overrides()).collect()
+}
+
+pub fn run_dir(out: &Path, layout: &Layout) -> PathBuf {
+    out.join(&layout.name)
 }
 
 /// Read one finished run's summary and per-step records.
@@ -45,9 +76,34 @@ pub fn load_run(dir: &Path) -> Result<(Summary, Vec<StepRecord>)> {
     Ok((summary, records))
 }
 
+/// Write `scale.json`, `scale_report.md` and `scale_report.html` into `out`; returns their paths.
+pub fn write_outputs(out: &Path, report: &ScaleReport, runs: &[Run]) -> Result<Vec<PathBuf>> {
+    let (md, html) = lockstep_train::scale_report::render(report, runs);
+    let files = [
+        ("scale.json", serde_json::to_string_pretty(report)? + "\n"),
+        ("scale_report.md", md),
+        ("scale_report.html", html),
+    ];
+    let mut paths = Vec::new();
+    for (name, text) in files {
+        let path = out.join(name);
+        lockstep_train::trainer::write_atomic(&path, text.as_bytes())?;
+        paths.push(path);
+    }
+    Ok(paths)
+}
+
 pub fn format_table(r: &ScaleReport) -> String {
+    let label_w = r
+        .points
+        .iter()
+        .map(|p| p.label.len())
+        .max()
+        .unwrap_or(0)
+        .max(6);
     let mut s = format!(
-        "{:>7} {:>10} {:>11} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7} {:>10} {:>8}\n",
+        "{:<label_w$} {:>7} {:>10} {:>11} {:>8} {:>7} {:>9} {:>9} {:>9} {:>7} {:>9} {:>10} {:>8}\n",
+        "layout",
         "workers",
         "step_ms",
         "samples/s",
@@ -57,12 +113,14 @@ pub fn format_table(r: &ScaleReport) -> String {
         "bwd_ms",
         "comm_ms",
         "comm%",
+        "bubble_ms",
         "test_acc",
         "hash"
     );
     for p in &r.points {
         s += &format!(
-            "{:>7} {:>10.2} {:>11.0} {:>7.2}× {:>6.0}% {:>9.2} {:>9.2} {:>9.2} {:>6.0}% {:>10.4} {:>8}\n",
+            "{:<label_w$} {:>7} {:>10.2} {:>11.0} {:>7.2}× {:>6.0}% {:>9.2} {:>9.2} {:>9.2} {:>6.0}% {:>9.2} {:>10.4} {:>8}\n",
+            p.label,
             p.world_size,
             p.median_step_seconds * 1e3,
             p.samples_per_sec,
@@ -72,6 +130,7 @@ pub fn format_table(r: &ScaleReport) -> String {
             p.backward * 1e3,
             (p.communication + p.waiting) * 1e3,
             p.communication_fraction * 100.0,
+            p.bubble * 1e3,
             p.test_accuracy,
             &p.param_hash[..8.min(p.param_hash.len())]
         );
@@ -79,5 +138,71 @@ pub fn format_table(r: &ScaleReport) -> String {
     for v in &r.verdict {
         s += &format!("{v}\n");
     }
+    s += &format!("{}\n", r.headline);
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(p: &[Layout]) -> Vec<&str> {
+        p.iter().map(|l| l.name.as_str()).collect()
+    }
+
+    #[test]
+    fn the_plan_defaults_to_data_parallel_and_names_run_directories() {
+        let p = plan(None, &[1, 2], None, &[]).unwrap();
+        assert_eq!(names(&p), ["dp-1", "dp-2"]);
+        assert_eq!(run_dir(Path::new("out"), &p[1]), Path::new("out/dp-2"));
+        let sets = layout_sets(&p[1], &["train.steps=5".into(), "parallel.pp=3".into()]);
+        assert_eq!(
+            sets,
+            [
+                "train.steps=5",
+                "parallel.pp=3",
+                "parallel.dp=2",
+                "parallel.pp=1"
+            ],
+            "the layout's overrides come last and win"
+        );
+        assert_eq!(
+            TrainConfig::load(None, &sets).unwrap().parallel.pp,
+            1,
+            "the resolved config has the layout's values"
+        );
+    }
+
+    #[test]
+    fn bad_layouts_fail_before_any_run() {
+        let e = format!("{:#}", plan(Some("dp,tp"), &[1, 2], None, &[]).unwrap_err());
+        assert!(e.starts_with("--layouts: layout `tp`"), "{e}");
+        // A pipeline of the default MLP: the config's own validation error, naming the layout.
+        let e = plan(Some("dp,pp"), &[1, 2], None, &[]).unwrap_err();
+        let text = format!("{e:#}");
+        assert!(
+            text.contains("layout pp-2 (2 workers: 1 replica(s) × 2 stages)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("parallel.pp") && text.contains("transformer"),
+            "{text}"
+        );
+        assert!(
+            e.chain().any(|c| c.is::<lockstep_train::ConfigError>()),
+            "a bad-input error (exit status 3)"
+        );
+        // Too many workers for the micro-batches of a step, at the last size of the sweep.
+        let e = format!("{:#}", plan(None, &[1, 2, 8], None, &[]).unwrap_err());
+        assert!(e.starts_with("layout dp-8 (8 workers)"), "{e}");
+        // A bad --set is reported too, before any run.
+        assert!(plan(None, &[1], None, &["train.steps=x".into()]).is_err());
+    }
+
+    #[test]
+    fn worker_counts_parse() {
+        assert_eq!(parse_nprocs("1, 2,4").unwrap(), [1, 2, 4]);
+        assert!(parse_nprocs("1,0").is_err());
+        assert!(parse_nprocs("1,x").is_err());
+    }
 }

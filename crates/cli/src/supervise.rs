@@ -182,7 +182,20 @@ pub fn write_report(out: &Path, sup: &Supervision) -> Result<()> {
             })
             .collect(),
     };
-    let (md, html) = lockstep_train::report::render(&summary, &records, &recovery);
+    let marks: Vec<lockstep_train::report::FailureMark> = sup
+        .failures
+        .iter()
+        .map(|f| lockstep_train::report::FailureMark {
+            attempt: f.attempt,
+            rank: f.rank,
+            world_size: f.world_size,
+            what: f.what.clone(),
+            step: f.step,
+            resumed_from: f.resumed_from,
+        })
+        .collect();
+    let (md, html) =
+        lockstep_train::report::render_with_failures(&summary, &records, &recovery, &marks);
     lockstep_train::trainer::write_atomic(&out.join("report.md"), md.as_bytes())?;
     lockstep_train::trainer::write_atomic(&out.join("report.html"), html.as_bytes())?;
     Ok(())

@@ -11,8 +11,11 @@ pub mod grad_sync;
 pub mod metrics;
 pub mod parallel_dims;
 pub mod pipeline;
+pub mod plan;
 pub mod report;
+pub mod scale_report;
 pub mod scaling;
+pub mod svg;
 pub mod trainer;
 
 pub use config::{ConfigError, TrainConfig};

@@ -1,15 +1,20 @@
-//! The run report: `report.md` and a self-contained `report.html` (inline SVG, no external assets)
-//! written next to `summary.json`, from the same numbers.
+//! The run report: `report.md` and a self-contained `report.html` (inline SVG, no external assets,
+//! no scripts) written next to `summary.json`, from the same numbers.
 //!
-//! Sections: headline figures, loss curve (and test accuracy), throughput over time, per-rank time
-//! breakdown as stacked bars, load balance and straggler, communication volume, reproducibility
-//! (the parameter hash), failures and recoveries.
+//! Sections: headline figures; loss curve and test accuracy (taken from `metrics.jsonl`, which is
+//! one continuous record across restarts, so the curves span every attempt); evaluations;
+//! throughput over time; per-rank time by phase as stacked bars (with the pipeline bubble for
+//! pipeline runs), load balance and straggler; the pipeline (stages, their layers, compute,
+//! send/receive, measured vs ideal bubble, peak activations) when the run had one; failures and
+//! recoveries on a step timeline. Every table is built once and written to both files, so the
+//! Markdown and the HTML cannot disagree.
 
 use std::fmt::Write as _;
 
-use crate::metrics::{StepRecord, Summary};
+use crate::metrics::{Eval, PipelineSummary, StepRecord, Summary};
+use crate::svg::{esc, LineChart, Series, Span, StackedBars, Timeline, PALETTE};
 
-/// Extra facts the launcher knows (restarts and failures), as JSON values from summary.json.
+/// Extra facts the launcher knows (restarts and failures).
 #[derive(Debug, Default, Clone)]
 pub struct Recovery {
     pub restarts: u64,
@@ -18,204 +23,212 @@ pub struct Recovery {
     pub failures: Vec<String>,
 }
 
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+/// One failure as placed on the timeline (the launcher's failure record, reduced to what the plot
+/// needs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailureMark {
+    pub attempt: usize,
+    pub rank: usize,
+    /// World size of the attempt that failed.
+    pub world_size: usize,
+    /// What happened, e.g. "killed by signal 9 (SIGKILL)".
+    pub what: String,
+    /// Last step the attempt completed (None: it failed before completing one).
+    pub step: Option<u64>,
+    /// Step the next attempt resumed from (None: not restarted).
+    pub resumed_from: Option<u64>,
 }
 
-/// A polyline chart of `(x, y)` series, each with a colour and a label.
-fn line_chart(title: &str, x_label: &str, series: &[(&str, &str, Vec<(f64, f64)>)]) -> String {
-    let (w, h, pad) = (640.0, 260.0, 48.0);
-    let pts: Vec<&(f64, f64)> = series
-        .iter()
-        .flat_map(|s| s.2.iter())
-        .filter(|p| p.0.is_finite() && p.1.is_finite())
-        .collect();
-    let mut svg = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" aria-label="{}">"#,
-        esc(title)
-    );
-    let _ = write!(
-        svg,
-        r#"<text x="{}" y="16" font-size="13" text-anchor="middle">{}</text>"#,
-        w / 2.0,
-        esc(title)
-    );
-    if pts.is_empty() {
-        svg += r#"<text x="20" y="60" font-size="12">no data</text></svg>"#;
-        return svg;
-    }
-    let (x0, x1) = pts
-        .iter()
-        .fold((f64::MAX, f64::MIN), |a, p| (a.0.min(p.0), a.1.max(p.0)));
-    let (y0, y1) = pts
-        .iter()
-        .fold((f64::MAX, f64::MIN), |a, p| (a.0.min(p.1), a.1.max(p.1)));
-    let (y0, y1) = if y1 > y0 {
-        (y0.min(0.0), y1)
-    } else {
-        (y0 - 1.0, y1 + 1.0)
-    };
-    let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
-    let sx = |x: f64| pad + (x - x0) / (x1 - x0) * (w - 2.0 * pad);
-    let sy = |y: f64| h - pad - (y - y0) / (y1 - y0) * (h - 2.0 * pad);
-    let _ = write!(
-        svg,
-        r##"<line x1="{pad}" y1="{}" x2="{}" y2="{}" stroke="#444"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{}" stroke="#444"/>"##,
-        h - pad,
-        w - pad,
-        h - pad,
-        h - pad
-    );
-    let _ = write!(
-        svg,
-        r#"<text x="{}" y="{}" font-size="11" text-anchor="middle">{}</text>"#,
-        w / 2.0,
-        h - 10.0,
-        esc(x_label)
-    );
-    for (v, y) in [(y0, sy(y0)), (y1, sy(y1))] {
-        let _ = write!(
-            svg,
-            r#"<text x="{}" y="{}" font-size="10" text-anchor="end">{v:.3}</text>"#,
-            pad - 4.0,
-            y + 3.0
-        );
-    }
-    for (v, x) in [(x0, sx(x0)), (x1, sx(x1))] {
-        let _ = write!(
-            svg,
-            r#"<text x="{x}" y="{}" font-size="10" text-anchor="middle">{v:.0}</text>"#,
-            h - pad + 14.0
-        );
-    }
-    for (i, (label, colour, data)) in series.iter().enumerate() {
-        let path: Vec<String> = data
-            .iter()
-            .filter(|p| p.0.is_finite() && p.1.is_finite())
-            .map(|p| format!("{:.1},{:.1}", sx(p.0), sy(p.1)))
-            .collect();
-        let _ = write!(
-            svg,
-            r#"<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{}"/>"#,
-            path.join(" ")
-        );
-        let _ = write!(
-            svg,
-            r#"<text x="{}" y="{}" font-size="11" fill="{colour}">{}</text>"#,
-            w - pad - 150.0,
-            pad + 14.0 * i as f64,
-            esc(label)
-        );
-    }
-    svg + "</svg>"
+/// A table written identically to Markdown and HTML. A cell wrapped in backticks is code.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Table {
+    head: Vec<String>,
+    rows: Vec<Vec<String>>,
 }
 
-/// Stacked horizontal bars: one per rank, segments per phase.
-fn stacked_bars(title: &str, rows: &[(String, Vec<f64>)], phases: &[(&str, &str)]) -> String {
-    let (w, bar, pad_l) = (640.0, 22.0, 80.0);
-    let h = 40.0 + rows.len() as f64 * (bar + 8.0) + 24.0;
-    let max: f64 = rows
-        .iter()
-        .map(|r| r.1.iter().sum::<f64>())
-        .fold(0.0, f64::max)
-        .max(1e-12);
-    let mut svg = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" aria-label="{}">"#,
-        esc(title)
-    );
-    let _ = write!(
-        svg,
-        r#"<text x="{}" y="16" font-size="13" text-anchor="middle">{}</text>"#,
-        w / 2.0,
-        esc(title)
-    );
-    for (i, (name, vals)) in rows.iter().enumerate() {
-        let y = 30.0 + i as f64 * (bar + 8.0);
-        let _ = write!(
-            svg,
-            r#"<text x="{}" y="{}" font-size="11" text-anchor="end">{}</text>"#,
-            pad_l - 6.0,
-            y + 15.0,
-            esc(name)
-        );
-        let mut x = pad_l;
-        for (v, (_, colour)) in vals.iter().zip(phases) {
-            let width = v / max * (w - pad_l - 20.0);
-            let _ = write!(
-                svg,
-                r#"<rect x="{x:.1}" y="{y}" width="{width:.1}" height="{bar}" fill="{colour}"/>"#
-            );
-            x += width;
+impl Table {
+    pub(crate) fn new(head: &[&str]) -> Self {
+        Self {
+            head: head.iter().map(|h| h.to_string()).collect(),
+            rows: Vec::new(),
         }
-        let _ = write!(
-            svg,
-            r#"<text x="{:.1}" y="{}" font-size="10">{:.2}s</text>"#,
-            x + 4.0,
-            y + 15.0,
-            vals.iter().sum::<f64>()
-        );
     }
-    let ly = h - 10.0;
-    for (i, (label, colour)) in phases.iter().enumerate() {
-        let x = pad_l + i as f64 * 95.0;
-        let _ = write!(
-            svg,
-            r#"<rect x="{x}" y="{}" width="10" height="10" fill="{colour}"/><text x="{}" y="{ly}" font-size="10">{label}</text>"#,
-            ly - 9.0,
-            x + 14.0
-        );
+
+    pub(crate) fn row(&mut self, cells: Vec<String>) {
+        debug_assert_eq!(cells.len(), self.head.len(), "row width");
+        self.rows.push(cells);
     }
-    svg + "</svg>"
+
+    pub(crate) fn md(&self) -> String {
+        let line = |cells: &[String]| format!("| {} |\n", cells.join(" | "));
+        let mut s = line(&self.head);
+        s += &format!("|{}\n", "---|".repeat(self.head.len()));
+        for r in &self.rows {
+            s += &line(r);
+        }
+        s
+    }
+
+    pub(crate) fn html(&self) -> String {
+        let cell = |tag: &str, c: &str| match c.strip_prefix('`').and_then(|c| c.strip_suffix('`'))
+        {
+            Some(code) => format!("<{tag}><code>{}</code></{tag}>", esc(code)),
+            None => format!("<{tag}>{}</{tag}>", esc(c)),
+        };
+        let mut s = String::from("<table><thead><tr>");
+        for h in &self.head {
+            s += &cell("th", h);
+        }
+        s += "</tr></thead><tbody>";
+        for r in &self.rows {
+            s += "<tr>";
+            for c in r {
+                s += &cell("td", c);
+            }
+            s += "</tr>";
+        }
+        s + "</tbody></table>"
+    }
 }
 
-const PHASES: [(&str, &str); 6] = [
-    ("data", "#9e9e9e"),
-    ("forward", "#42a5f5"),
-    ("backward", "#1565c0"),
-    ("optimizer", "#66bb6a"),
-    ("communication", "#ef6c00"),
-    ("waiting", "#e53935"),
+/// A report being written to Markdown and HTML at once.
+#[derive(Debug, Default)]
+pub(crate) struct Doc {
+    pub(crate) md: String,
+    pub(crate) html: String,
+}
+
+impl Doc {
+    /// Start a section: `## heading` in Markdown, `<section id><h2>` in HTML.
+    pub(crate) fn section(&mut self, id: &str, heading: &str) {
+        if !self.html.is_empty() {
+            self.html += "</section>";
+        }
+        let _ = write!(self.md, "\n## {heading}\n\n");
+        let _ = write!(
+            self.html,
+            "<section id=\"{}\"><h2>{}</h2>",
+            esc(id),
+            esc(heading)
+        );
+    }
+
+    /// A paragraph in both.
+    pub(crate) fn para(&mut self, text: &str) {
+        let _ = writeln!(self.md, "{text}\n");
+        let _ = write!(self.html, "<p>{}</p>", esc(text));
+    }
+
+    /// A bulleted list in both.
+    pub(crate) fn list(&mut self, items: &[String]) {
+        self.html += "<ul>";
+        for i in items {
+            let _ = writeln!(self.md, "- {i}");
+            let _ = write!(self.html, "<li>{}</li>", esc(i));
+        }
+        self.html += "</ul>";
+        self.md += "\n";
+    }
+
+    /// A table in both; in HTML a long one is folded (a `<details>` element: no script needed).
+    pub(crate) fn table(&mut self, t: &Table) {
+        self.md += &t.md();
+        self.md += "\n";
+        if t.rows.len() > 12 {
+            let _ = write!(
+                self.html,
+                "<details><summary>{} rows</summary>{}</details>",
+                t.rows.len(),
+                t.html()
+            );
+        } else {
+            self.html += &t.html();
+        }
+    }
+
+    /// A chart: HTML only (the Markdown carries the numbers in its tables).
+    pub(crate) fn figure(&mut self, svg: String) {
+        let _ = write!(self.html, "<figure>{svg}</figure>");
+    }
+
+    /// The finished `(markdown, html)` with `title` as the top heading and page title.
+    pub(crate) fn finish(self, title: &str, intro_md: &str, intro_html: &str) -> (String, String) {
+        let md = format!("# {title}\n\n{intro_md}{}", self.md);
+        let mut html = format!(
+            "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{0}</title><style>{STYLE}</style></head><body><h1>{0}</h1>{intro_html}",
+            esc(title)
+        );
+        html += &self.html;
+        if !self.html.is_empty() {
+            html += "</section>";
+        }
+        html += "</body></html>\n";
+        (md, html)
+    }
+}
+
+const STYLE: &str = "body{font-family:sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}\
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 9px;text-align:left}\
+th{background:#f3f3f3}summary{cursor:pointer;color:#0072b2}section{margin:2em 0}figure{margin:1em 0}code{font-size:90%;word-break:break-all}\
+h2{border-bottom:1px solid #ddd;padding-bottom:.2em}";
+
+/// Per-rank phases of the stacked bars, with their colours.
+const PHASES: [(&str, &str); 7] = [
+    ("data", "#999999"),
+    ("forward", "#56b4e9"),
+    ("backward", "#0072b2"),
+    ("optimizer", "#009e73"),
+    ("communication", "#e69f00"),
+    ("waiting", "#d55e00"),
+    ("pipeline bubble", "#cc79a7"),
 ];
 
-/// `(markdown, html)` for a finished run.
+/// Test evaluations of the whole run, `(step, eval)` in step order: from the `eval` field of the
+/// records (continuous across restarts), falling back to the summary's (final attempt only) for
+/// records written without it.
+pub fn evaluations(summary: &Summary, records: &[StepRecord]) -> Vec<(u64, Eval)> {
+    let mut by_step = std::collections::BTreeMap::new();
+    for r in records {
+        if let Some(e) = r.eval {
+            by_step.entry(r.step + 1).or_insert(e);
+        }
+    }
+    if by_step.is_empty() {
+        return summary.evals.clone();
+    }
+    by_step.into_iter().collect()
+}
+
+/// `(step + 1, value)` of one record per step (the lowest rank's), in step order.
+pub(crate) fn per_step(records: &[StepRecord], f: impl Fn(&StepRecord) -> f64) -> Vec<(f64, f64)> {
+    let mut by_step: std::collections::BTreeMap<u64, &StepRecord> = Default::default();
+    for r in records {
+        let e = by_step.entry(r.step).or_insert(r);
+        if r.rank < e.rank {
+            *e = r;
+        }
+    }
+    by_step
+        .into_iter()
+        .map(|(s, r)| (s as f64 + 1.0, f(r)))
+        .collect()
+}
+
+/// `(markdown, html)` for a finished run (no failure timeline: see [`render_with_failures`]).
 pub fn render(summary: &Summary, records: &[StepRecord], recovery: &Recovery) -> (String, String) {
+    render_with_failures(summary, records, recovery, &[])
+}
+
+/// `(markdown, html)` for a finished run; `failures` places each failure and restart on a step
+/// timeline.
+pub fn render_with_failures(
+    summary: &Summary,
+    records: &[StepRecord],
+    recovery: &Recovery,
+    failures: &[FailureMark],
+) -> (String, String) {
     let s = summary;
-    let rank0: Vec<&StepRecord> = records.iter().filter(|r| r.rank == 0).collect();
-    let loss: Vec<(f64, f64)> = rank0
-        .iter()
-        .map(|r| (r.step as f64 + 1.0, r.loss))
-        .collect();
-    let acc: Vec<(f64, f64)> = s
-        .evals
-        .iter()
-        .map(|(step, e)| (*step as f64, e.test_accuracy))
-        .collect();
-    let thr: Vec<(f64, f64)> = rank0
-        .iter()
-        .map(|r| (r.step as f64 + 1.0, r.samples_per_sec))
-        .collect();
-    let per_rank: Vec<(String, Vec<f64>)> = s
-        .ranks
-        .iter()
-        .map(|r| {
-            let fwd_bwd: Vec<&StepRecord> = records.iter().filter(|x| x.rank == r.rank).collect();
-            let f: f64 = fwd_bwd.iter().map(|x| x.seconds.forward).sum();
-            let b: f64 = fwd_bwd.iter().map(|x| x.seconds.backward).sum();
-            (
-                format!("rank {}", r.rank),
-                vec![
-                    r.data_seconds,
-                    f,
-                    b,
-                    r.optimizer_seconds,
-                    r.communication_seconds,
-                    r.waiting_seconds,
-                ],
-            )
-        })
-        .collect();
+    let evals = evaluations(s, records);
     let bandwidth = if s.wall_seconds > 0.0 {
         s.bytes_sent_total as f64 / s.wall_seconds / 1e9
     } else {
@@ -226,9 +239,7 @@ pub fn render(summary: &Summary, records: &[StepRecord], recovery: &Recovery) ->
         None => "no straggler".to_string(),
     };
 
-    let mut md = String::new();
-    let _ = writeln!(md, "# lockstep run report\n");
-    let _ = writeln!(md, "| figure | value |\n|---|---|");
+    let mut head = Table::new(&["figure", "value"]);
     for (k, v) in [
         ("world size", s.world_size.to_string()),
         ("transport", s.transport.clone()),
@@ -261,129 +272,360 @@ pub fn render(summary: &Summary, records: &[StepRecord], recovery: &Recovery) ->
         ("restarts", recovery.restarts.to_string()),
         ("steps recomputed", recovery.steps_recomputed.to_string()),
     ] {
-        let _ = writeln!(md, "| {k} | {v} |");
+        head.row(vec![k.to_string(), v]);
     }
-    let _ = writeln!(md, "\n## Per rank\n\n| rank | host | samples | compute s | communication s | waiting s | data s | optimizer s | bytes sent | mean step s | max step s |\n|---|---|---|---|---|---|---|---|---|---|---|");
-    for r in &s.ranks {
-        let _ = writeln!(
-            md,
-            "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.5} | {:.5} |",
-            r.rank,
-            r.host,
-            r.samples,
-            r.compute_seconds,
-            r.communication_seconds,
-            r.waiting_seconds,
-            r.data_seconds,
-            r.optimizer_seconds,
-            r.bytes_sent,
-            r.step_seconds_mean,
-            r.step_seconds_max
-        );
+    let mut doc = Doc::default();
+
+    // Loss and accuracy, over every attempt.
+    let loss = per_step(records, |r| r.loss);
+    let restarts: Vec<(f64, String)> = failures
+        .iter()
+        .filter_map(|f| {
+            f.resumed_from
+                .map(|from| (from as f64, format!("restart {}", f.attempt + 1)))
+        })
+        .collect();
+    doc.section("loss", "Loss and accuracy");
+    doc.para(&match (loss.first(), loss.last()) {
+        (Some(a), Some(b)) => format!(
+            "Training loss (mean over the global batch) went from {:.4} at step {} to {:.4} at step {}; {} test evaluation(s).",
+            a.1, a.0, b.1, b.0, evals.len()
+        ),
+        _ => "No steps recorded.".to_string(),
+    });
+    let mut loss_chart = LineChart::new("training loss (global batch mean)", "step", "loss")
+        .series(Series::new("training loss", PALETTE[0], loss));
+    loss_chart.x_marks = restarts.clone();
+    doc.figure(loss_chart.render());
+    let acc: Vec<(f64, f64)> = evals
+        .iter()
+        .map(|(step, e)| (*step as f64, e.test_accuracy))
+        .collect();
+    let mut acc_chart = LineChart::new("test accuracy", "step", "accuracy")
+        .series(Series::new("test accuracy", PALETTE[2], acc).with_markers(Vec::new()));
+    acc_chart.x_marks = restarts;
+    doc.figure(acc_chart.render());
+
+    doc.section("evals", "Evaluations");
+    let mut ev = Table::new(&["step", "test loss", "test accuracy"]);
+    for (step, e) in &evals {
+        ev.row(vec![
+            step.to_string(),
+            format!("{:.6}", e.test_loss),
+            format!("{:.4}", e.test_accuracy),
+        ]);
     }
-    let _ = writeln!(
-        md,
-        "\n## Evaluations\n\n| step | test loss | test accuracy |\n|---|---|---|"
+    doc.table(&ev);
+
+    doc.section("throughput", "Throughput");
+    let thr = per_step(records, |r| r.samples_per_sec);
+    let mut sorted: Vec<f64> = thr.iter().map(|p| p.1).collect();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    if let Some(m) = sorted.get(sorted.len() / 2) {
+        doc.para(&format!(
+            "Median {m:.0} samples per second per step (global batch / step wall time); {:.1} over the whole run.",
+            s.samples_per_sec
+        ));
+    }
+    doc.figure(
+        LineChart::new("throughput per step", "step", "samples per second")
+            .series(Series::new("samples/s", PALETTE[1], thr))
+            .y_from_zero()
+            .render(),
     );
-    for (step, e) in &s.evals {
-        let _ = writeln!(
-            md,
-            "| {step} | {:.6} | {:.4} |",
-            e.test_loss, e.test_accuracy
-        );
+
+    doc.section("ranks", "Per rank");
+    let mut ranks = Table::new(&[
+        "rank",
+        "host",
+        "samples",
+        "compute s",
+        "communication s",
+        "waiting s",
+        "data s",
+        "optimizer s",
+        "bytes sent",
+        "mean step s",
+        "max step s",
+    ]);
+    for r in &s.ranks {
+        ranks.row(vec![
+            r.rank.to_string(),
+            r.host.clone(),
+            r.samples.to_string(),
+            format!("{:.3}", r.compute_seconds),
+            format!("{:.3}", r.communication_seconds),
+            format!("{:.3}", r.waiting_seconds),
+            format!("{:.3}", r.data_seconds),
+            format!("{:.3}", r.optimizer_seconds),
+            r.bytes_sent.to_string(),
+            format!("{:.5}", r.step_seconds_mean),
+            format!("{:.5}", r.step_seconds_max),
+        ]);
     }
-    let _ = writeln!(md, "\n## Failures and recoveries\n");
-    if recovery.failures.is_empty() {
-        let _ = writeln!(md, "None.");
-    }
-    for f in &recovery.failures {
-        let _ = writeln!(md, "- {f}");
+    doc.table(&ranks);
+    let pipelined = s.ranks.iter().any(|r| r.pipeline.is_some());
+    let phases = &PHASES[..if pipelined { 7 } else { 6 }];
+    let bars = StackedBars {
+        title: "time per rank by phase (whole run)".into(),
+        x_label: "seconds".into(),
+        segments: phases
+            .iter()
+            .map(|(n, c)| (n.to_string(), c.to_string()))
+            .collect(),
+        rows: s
+            .ranks
+            .iter()
+            .map(|r| {
+                let mine = records.iter().filter(|x| x.rank == r.rank);
+                let (f, b) = mine.fold((0.0, 0.0), |a, x| {
+                    (a.0 + x.seconds.forward, a.1 + x.seconds.backward)
+                });
+                let mut v = vec![
+                    r.data_seconds,
+                    f,
+                    b,
+                    r.optimizer_seconds,
+                    r.communication_seconds,
+                    r.waiting_seconds,
+                ];
+                if pipelined {
+                    v.push(r.pipeline.map_or(0.0, |p| p.bubble_seconds));
+                }
+                (format!("rank {}", r.rank), v)
+            })
+            .collect(),
+        unit_scale: 1.0,
+        unit: " s".into(),
+        reference: None,
+    };
+    doc.figure(bars.render());
+    doc.para(&format!(
+        "Imbalance {:.3} (max / mean compute seconds; 1.000 = balanced); {straggler}.",
+        s.imbalance
+    ));
+
+    if let Some(p) = &s.pipeline {
+        pipeline_section(&mut doc, s, p);
     }
 
-    let mut html = String::from("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>lockstep run report</title><style>body{font-family:sans-serif;max-width:900px;margin:2em auto}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}section{margin:1.5em 0}</style></head><body>");
-    html += "<h1>lockstep run report</h1>";
-    html += &markdown_table_to_html(&md);
-    let _ = write!(
-        html,
-        "<section id=\"loss\"><h2>Loss and accuracy</h2>{}{}</section>",
-        line_chart(
-            "training loss (global batch mean)",
-            "step",
-            &[("loss", "#1565c0", loss)]
-        ),
-        line_chart("test accuracy", "step", &[("accuracy", "#2e7d32", acc)])
-    );
-    let _ = write!(
-        html,
-        "<section id=\"throughput\"><h2>Throughput</h2>{}</section>",
-        line_chart(
-            "samples per second",
-            "step",
-            &[("samples/s", "#ef6c00", thr)]
-        )
-    );
-    let _ = write!(
-        html,
-        "<section id=\"ranks\"><h2>Time per rank</h2>{}<p>Imbalance {:.3}; {}.</p></section>",
-        stacked_bars("seconds by phase", &per_rank, &PHASES),
-        s.imbalance,
-        esc(&straggler)
-    );
-    let _ = write!(html, "<section id=\"failures\"><h2>Failures and recoveries</h2><p>{} restart(s), {} step(s) recomputed.</p><ul>{}</ul></section>", recovery.restarts, recovery.steps_recomputed, recovery.failures.iter().map(|f| format!("<li>{}</li>", esc(f))).collect::<String>());
-    html += "</body></html>\n";
-    (md, html)
+    failures_section(&mut doc, s, recovery, failures);
+
+    doc.finish(
+        "lockstep run report",
+        &head.md(),
+        &format!("<section id=\"headline\">{}</section>", head.html()),
+    )
 }
 
-/// The markdown tables of `md` as HTML tables (headings as h2).
-fn markdown_table_to_html(md: &str) -> String {
-    let mut out = String::new();
-    let mut in_table = false;
-    for line in md.lines() {
-        if let Some(h) = line.strip_prefix("## ") {
-            if in_table {
-                out += "</table>";
-                in_table = false;
-            }
-            let _ = write!(out, "<h2>{}</h2>", esc(h));
-        } else if line.starts_with('|') {
-            if line.starts_with("|---") {
-                continue;
-            }
-            if !in_table {
-                out += "<table>";
-                in_table = true;
-            }
-            let cells: Vec<String> = line
-                .trim_matches('|')
-                .split(" | ")
-                .map(|c| format!("<td>{}</td>", esc(c.trim().trim_matches('`'))))
-                .collect();
-            let _ = write!(out, "<tr>{}</tr>", cells.concat());
-        } else if in_table {
-            out += "</table>";
-            in_table = false;
-        } else if let Some(item) = line.strip_prefix("- ") {
-            let _ = write!(out, "<p>{}</p>", esc(item));
-        } else if line == "None." {
-            out += "<p>None.</p>";
+/// Stages, their layers and costs, measured vs ideal bubble, per-rank pipeline totals.
+fn pipeline_section(doc: &mut Doc, s: &Summary, p: &PipelineSummary) {
+    doc.section("pipeline", "Pipeline");
+    let (pp, m) = (p.pp, p.microbatches_per_replica);
+    doc.para(&format!(
+        "{} data-parallel replica(s) × {pp} pipeline stage(s), schedule {}, {m} micro-batch(es) per replica per step; stage cuts {}.",
+        p.dp, p.schedule, p.cuts_from
+    ));
+    doc.para(&format!(
+        "Bubble (idle share of the schedule): measured {:.1}%, ideal for balanced stages (p − 1) / (m + p − 1) = ({pp} − 1) / ({m} + {pp} − 1) = {:.1}%.",
+        p.bubble_fraction * 100.0,
+        p.ideal_bubble_fraction * 100.0
+    ));
+    let stage_ranks = |stage: usize| -> Vec<(usize, crate::metrics::RankPipeline)> {
+        s.ranks
+            .iter()
+            .filter_map(|r| r.pipeline.map(|rp| (r.rank, rp)))
+            .filter(|(_, rp)| rp.stage == stage)
+            .collect()
+    };
+    let mut stages = Table::new(&[
+        "stage",
+        "layers [first..end)",
+        "ranks",
+        "compute s/step",
+        "bubble fraction",
+        "peak activations",
+    ]);
+    let mut bubble_rows = Vec::new();
+    for stage in 0..pp {
+        let ranks = stage_ranks(stage);
+        let bubble = if ranks.is_empty() {
+            f64::NAN
+        } else {
+            ranks.iter().map(|(_, rp)| rp.bubble_fraction).sum::<f64>() / ranks.len() as f64
+        };
+        let layers = p
+            .stage_layers
+            .get(stage)
+            .map_or("?".into(), |(a, b)| format!("{a}..{b}"));
+        stages.row(vec![
+            stage.to_string(),
+            layers.clone(),
+            ranks
+                .iter()
+                .map(|(r, _)| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            p.stage_compute_seconds
+                .get(stage)
+                .map_or("?".into(), |v| format!("{v:.5}")),
+            format!("{bubble:.3}"),
+            p.peak_activations
+                .get(stage)
+                .map_or("?".into(), |v| v.to_string()),
+        ]);
+        bubble_rows.push((format!("stage {stage} ({layers})"), vec![bubble]));
+    }
+    doc.table(&stages);
+    doc.figure(
+        StackedBars {
+            title: "pipeline bubble per stage: measured vs ideal".into(),
+            x_label: "share of the schedule spent idle (%)".into(),
+            segments: vec![("measured bubble".into(), PHASES[6].1.into())],
+            rows: bubble_rows,
+            unit_scale: 100.0,
+            unit: "%".into(),
+            reference: Some((
+                p.ideal_bubble_fraction,
+                format!("ideal {:.1}%", p.ideal_bubble_fraction * 100.0),
+            )),
+        }
+        .render(),
+    );
+    if !p.layer_seconds.is_empty() {
+        doc.para(&format!(
+            "Measured cost per layer (forward + backward of one micro-batch, ms): {}.",
+            p.layer_seconds
+                .iter()
+                .map(|v| format!("{:.3}", v * 1e3))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    let mut per_rank = Table::new(&[
+        "rank",
+        "replica",
+        "stage",
+        "send s",
+        "recv s",
+        "bubble s",
+        "schedule s",
+        "bubble fraction",
+        "peak activations",
+        "p2p bytes",
+    ]);
+    for r in &s.ranks {
+        if let Some(rp) = r.pipeline {
+            per_rank.row(vec![
+                r.rank.to_string(),
+                rp.replica.to_string(),
+                rp.stage.to_string(),
+                format!("{:.4}", rp.send_seconds),
+                format!("{:.4}", rp.recv_seconds),
+                format!("{:.4}", rp.bubble_seconds),
+                format!("{:.4}", rp.schedule_seconds),
+                format!("{:.3}", rp.bubble_fraction),
+                rp.peak_activations.to_string(),
+                rp.p2p_bytes.to_string(),
+            ]);
         }
     }
-    if in_table {
-        out += "</table>";
+    doc.table(&per_rank);
+}
+
+/// Restarts, the failure list and (with failure marks) the timeline of attempts.
+fn failures_section(doc: &mut Doc, s: &Summary, recovery: &Recovery, failures: &[FailureMark]) {
+    doc.section("failures", "Failures and recoveries");
+    if recovery.failures.is_empty() && failures.is_empty() {
+        doc.para("None.");
+        return;
     }
-    out
+    doc.para(&format!(
+        "{} restart(s), {} step(s) recomputed.",
+        recovery.restarts, recovery.steps_recomputed
+    ));
+    doc.list(&recovery.failures);
+    if failures.is_empty() {
+        return;
+    }
+    let spans = attempt_spans(s, failures);
+    doc.para("Steps covered by each attempt:");
+    doc.list(
+        &spans
+            .iter()
+            .map(|sp| {
+                format!(
+                    "{}: steps {}–{}{}",
+                    sp.label,
+                    sp.start,
+                    sp.end,
+                    sp.failure
+                        .as_ref()
+                        .map_or(String::new(), |f| format!(", then {f}"))
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    doc.figure(
+        Timeline {
+            title: "attempts: steps covered, failures (×) and where each restart resumed".into(),
+            x_label: "step".into(),
+            x_max: s.steps as f64,
+            spans,
+        }
+        .render(),
+    );
+}
+
+/// The steps each attempt covered: attempt 0 from step 0, each later one from the step its
+/// predecessor's restart resumed from; each failed attempt ends at the last step it completed.
+fn attempt_spans(s: &Summary, failures: &[FailureMark]) -> Vec<Span> {
+    let mut marks = failures.to_vec();
+    marks.sort_by_key(|f| f.attempt);
+    let mut spans = Vec::new();
+    let mut start = 0u64;
+    for f in &marks {
+        let end = f.step.unwrap_or(start).max(start);
+        spans.push(Span {
+            label: format!("attempt {} ({} workers)", f.attempt, f.world_size),
+            start: start as f64,
+            end: end as f64,
+            colour: PALETTE[spans.len() % 2 * 5].into(),
+            failure: Some(format!(
+                "rank {} {} at step {end}",
+                f.rank,
+                f.what.split(" (").next().unwrap_or(&f.what)
+            )),
+        });
+        match f.resumed_from {
+            Some(from) => start = from,
+            None => return spans,
+        }
+    }
+    spans.push(Span {
+        label: format!(
+            "attempt {} ({} workers)",
+            marks.last().map_or(0, |f| f.attempt + 1),
+            s.world_size
+        ),
+        start: start as f64,
+        end: s.steps as f64,
+        colour: PALETTE[2].into(),
+        failure: None,
+    });
+    spans
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{Eval, PhaseSeconds, RankSummary};
+    use crate::metrics::{Eval, PhaseSeconds, PipelineStep, RankPipeline, RankSummary, StepRecord};
+    use crate::svg::well_formed;
 
-    #[test]
-    fn every_section_is_present_and_numbers_match_the_summary() {
-        let records: Vec<StepRecord> = (0..10)
+    fn records(world: usize, steps: u64) -> Vec<StepRecord> {
+        (0..steps)
             .flat_map(|step| {
-                (0..2).map(move |rank| StepRecord {
+                (0..world).map(move |rank| StepRecord {
                     rank,
                     step,
                     loss: 2.0 / (step + 1) as f64,
@@ -398,12 +640,19 @@ mod tests {
                         ..Default::default()
                     },
                     bytes_sent: 100,
-                    eval: None,
+                    // Evaluations every 5 steps, as the trainer records them on every rank.
+                    eval: ((step + 1) % 5 == 0).then(|| Eval {
+                        test_loss: 1.0 / (step + 1) as f64,
+                        test_accuracy: 0.5 + step as f64 / 100.0,
+                    }),
                     pipeline: None,
                 })
             })
-            .collect();
-        let rank = |r: usize| RankSummary {
+            .collect()
+    }
+
+    fn rank(r: usize) -> RankSummary {
+        RankSummary {
             rank: r,
             host: "h<1>".into(),
             samples: 80,
@@ -417,8 +666,11 @@ mod tests {
             step_seconds_mean: 0.01,
             step_seconds_max: 0.012,
             pipeline: None,
-        };
-        let summary = Summary {
+        }
+    }
+
+    fn summary() -> Summary {
+        Summary {
             world_size: 2,
             steps: 10,
             global_batch: 16,
@@ -426,8 +678,8 @@ mod tests {
             reproducible: true,
             transport: "shm".into(),
             final_loss: 0.2,
-            test_loss: 0.3,
-            test_accuracy: 0.9125,
+            test_loss: 0.1,
+            test_accuracy: 0.59,
             param_hash: "abc123".into(),
             config_hash: "c".into(),
             wall_seconds: 0.5,
@@ -436,44 +688,77 @@ mod tests {
             straggler: None,
             bytes_sent_total: 2000,
             communication_fraction: 0.2,
+            // The final attempt only (it resumed at step 6): the report must not rely on it.
             evals: vec![(
                 10,
                 Eval {
-                    test_loss: 0.3,
-                    test_accuracy: 0.9125,
+                    test_loss: 0.1,
+                    test_accuracy: 0.59,
                 },
             )],
             ranks: vec![rank(0), rank(1)],
             pipeline: None,
-        };
+        }
+    }
+
+    #[test]
+    fn every_section_is_present_and_numbers_match_the_summary() {
+        let summary = summary();
         let recovery = Recovery {
             restarts: 1,
             steps_recomputed: 4,
             failures: vec!["attempt 0: rank 1 killed".into()],
         };
-        let (md, html) = render(&summary, &records, &recovery);
+        let marks = [FailureMark {
+            attempt: 0,
+            rank: 1,
+            world_size: 2,
+            what: "killed by signal 9 (SIGKILL)".into(),
+            step: Some(8),
+            resumed_from: Some(4),
+        }];
+        let (md, html) = render_with_failures(&summary, &records(2, 10), &recovery, &marks);
         for needle in [
-            "| test accuracy | 0.9125 |",
+            "| test accuracy | 0.5900 |",
+            "| test loss | 0.100000 |",
+            "| final training loss | 0.200000 |",
+            "| samples per second | 320.0 |",
+            "| world size | 2 |",
             "| parameter hash (SHA-256) | `abc123` |",
             "| restarts | 1 |",
             "| steps recomputed | 4 |",
+            "| 0 | h<1> | 80 | 0.070 | 0.020 | 0.000 | 0.000 | 0.001 | 1000 | 0.01000 | 0.01200 |",
             "## Per rank",
             "## Evaluations",
             "## Failures and recoveries",
             "attempt 0: rank 1 killed",
-            "| 10 | 0.300000 | 0.9125 |",
+            // Evaluations of both attempts, from the records; the last equals summary.json's.
+            "| 5 | 0.200000 | 0.5400 |",
+            "| 10 | 0.100000 | 0.5900 |",
+            "1 restart(s), 4 step(s) recomputed.",
+            "- attempt 0 (2 workers): steps 0–8, then rank 1 killed by signal 9 at step 8",
+            "- attempt 1 (2 workers): steps 4–10",
         ] {
             assert!(md.contains(needle), "report.md lacks {needle:?}:\n{md}");
         }
+        assert!(
+            !md.contains("## Pipeline"),
+            "no pipeline section without a pipeline"
+        );
         for id in [
+            "id=\"headline\"",
             "id=\"loss\"",
+            "id=\"evals\"",
             "id=\"throughput\"",
             "id=\"ranks\"",
             "id=\"failures\"",
             "<polyline",
             "<rect",
-            "abc123",
-            "0.9125",
+            "<code>abc123</code>",
+            "<td>0.5900</td>",
+            "<td>0.5400</td>",
+            "resumed from 4",
+            "restart 1",
         ] {
             assert!(html.contains(id), "report.html lacks {id:?}");
         }
@@ -481,9 +766,132 @@ mod tests {
             html.contains("h&lt;1&gt;") && !html.contains("h<1>"),
             "text is escaped"
         );
-        assert!(
-            !html.contains("http://") || !html.contains("src="),
-            "no external assets"
+        well_formed(&html).unwrap();
+        // The accuracy curve has one dot per evaluation of every attempt (steps 5 and 10).
+        let acc = html
+            .split("<svg")
+            .find(|svg| svg.contains("aria-label=\"test accuracy\""))
+            .expect("accuracy chart");
+        assert_eq!(acc.matches("<circle").count(), 2, "{acc}");
+    }
+
+    #[test]
+    fn without_failures_the_section_says_none_and_evals_fall_back_to_the_summary() {
+        let mut recs = records(1, 10);
+        for r in &mut recs {
+            r.eval = None; // metrics.jsonl written before evaluations were recorded per step
+        }
+        let mut s = summary();
+        s.ranks.truncate(1);
+        let (md, html) = render(&s, &recs, &Recovery::default());
+        assert!(md.contains("## Failures and recoveries\n\nNone."), "{md}");
+        assert!(md.contains("| 10 | 0.100000 | 0.5900 |"), "{md}");
+        assert!(!md.contains("| 5 |"), "{md}");
+        well_formed(&html).unwrap();
+    }
+
+    #[test]
+    fn the_pipeline_section_shows_stages_bubble_and_per_rank_totals() {
+        let mut s = summary();
+        s.world_size = 4;
+        let rp = |stage: usize, replica: usize, bubble: f64| RankPipeline {
+            stage,
+            replica,
+            send_seconds: 0.01 * (stage + 1) as f64,
+            recv_seconds: 0.02,
+            bubble_seconds: bubble,
+            schedule_seconds: 1.0,
+            bubble_fraction: bubble,
+            peak_activations: 2 - stage,
+            p2p_bytes: 4096,
+        };
+        s.ranks = (0..4)
+            .map(|r| {
+                let mut x = rank(r);
+                x.pipeline = Some(rp(r % 2, r / 2, 0.2 + 0.1 * r as f64));
+                x
+            })
+            .collect();
+        s.pipeline = Some(PipelineSummary {
+            dp: 2,
+            pp: 2,
+            microbatches_per_replica: 4,
+            schedule: "1f1b".into(),
+            stage_layers: vec![(0, 3), (3, 6)],
+            cuts_from: "auto".into(),
+            layer_seconds: vec![0.001, 0.002, 0.0015, 0.001, 0.002, 0.0005],
+            bubble_fraction: 0.35,
+            ideal_bubble_fraction: 0.2,
+            peak_activations: vec![2, 1],
+            stage_compute_seconds: vec![0.0123, 0.0111],
+        });
+        let mut recs = records(4, 10);
+        for r in &mut recs {
+            r.pipeline = Some(PipelineStep {
+                stage: r.rank % 2,
+                ..Default::default()
+            });
+        }
+        let (md, html) = render(&s, &recs, &Recovery::default());
+        for needle in [
+            "## Pipeline",
+            "2 data-parallel replica(s) × 2 pipeline stage(s), schedule 1f1b, 4 micro-batch(es) per replica per step; stage cuts auto.",
+            "measured 35.0%, ideal for balanced stages (p − 1) / (m + p − 1) = (2 − 1) / (4 + 2 − 1) = 20.0%",
+            // Stage 0 is ranks 0 and 2 (bubble 0.2 and 0.4: mean 0.3).
+            "| 0 | 0..3 | 0, 2 | 0.01230 | 0.300 | 2 |",
+            "| 1 | 3..6 | 1, 3 | 0.01110 | 0.400 | 1 |",
+            "| 3 | 1 | 1 | 0.0200 | 0.0200 | 0.5000 | 1.0000 | 0.500 | 1 | 4096 |",
+            "1.000, 2.000, 1.500, 1.000, 2.000, 0.500",
+        ] {
+            assert!(md.contains(needle), "report.md lacks {needle:?}:\n{md}");
+        }
+        for needle in [
+            "id=\"pipeline\"",
+            "pipeline bubble",
+            "ideal 20.0%",
+            "stage 1 (3..6)",
+        ] {
+            assert!(html.contains(needle), "report.html lacks {needle:?}");
+        }
+        well_formed(&html).unwrap();
+    }
+
+    #[test]
+    fn attempts_chain_from_each_resume_point() {
+        let mut s = summary();
+        s.steps = 200;
+        s.world_size = 3;
+        let mark = |attempt, world_size, step, from| FailureMark {
+            attempt,
+            rank: 1,
+            world_size,
+            what: "killed".into(),
+            step,
+            resumed_from: from,
+        };
+        let spans = attempt_spans(
+            &s,
+            &[
+                mark(1, 4, Some(150), Some(150)),
+                mark(0, 4, Some(120), Some(100)),
+            ],
         );
+        let got: Vec<(f64, f64, bool)> = spans
+            .iter()
+            .map(|sp| (sp.start, sp.end, sp.failure.is_some()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0.0, 120.0, true),
+                (100.0, 150.0, true),
+                (150.0, 200.0, false)
+            ]
+        );
+        assert_eq!(spans[2].label, "attempt 2 (3 workers)");
+        // A failure that was not restarted ends the timeline.
+        let spans = attempt_spans(&s, &[mark(0, 4, None, None)]);
+        assert_eq!(spans.len(), 1);
+        assert_eq!((spans[0].start, spans[0].end), (0.0, 0.0));
     }
 }

@@ -1,18 +1,150 @@
-//! "Did scaling help?": compare runs of the same config at different world sizes.
+//! "Did scaling help?": compare runs of the same config at different world sizes and layouts.
+//!
+//! Layouts (`--layouts` of `lockstep scale`): `dp` is pure data parallelism at each world size,
+//! `pp` one pipeline with as many stages as workers, `dpAxppB` exactly A replicas × B stages (one
+//! run of A·B workers). [`parse_layouts`] reads the list, [`expand`] turns it and the world sizes
+//! into the runs to make, in order, without duplicates.
 //!
 //! Step time is the **median over steady-state steps of the slowest rank's step time** (a
 //! synchronous step finishes when its slowest rank does); the first steps (allocator and cache
-//! warm-up) are skipped. Speedup and efficiency are relative to the first run given (normally 1
+//! warm-up) are skipped. Speedup and efficiency are relative to the first run (normally 1
 //! worker): speedup = t₀ / tₙ, efficiency = speedup · n₀ / n.
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::{ConfigError, TrainConfig};
 use crate::metrics::{StepRecord, Summary};
+use crate::parallel_dims::ParallelDims;
 
-/// One world size's figures.
+/// One entry of a layout list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayoutSpec {
+    /// Pure data parallelism at each world size.
+    Dp,
+    /// One pipeline with as many stages as workers, at each world size.
+    Pp,
+    /// `dp` replicas of a `pp`-stage pipeline: one run of `dp · pp` workers.
+    Fixed { dp: usize, pp: usize },
+}
+
+/// A layout to run: its name (also its run directory) and its factors.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    /// `dp-N`, `pp-N` or `dpAxppB`.
+    pub name: String,
+    pub dp: usize,
+    pub pp: usize,
+}
+
+impl Layout {
+    pub fn world(&self) -> usize {
+        self.dp * self.pp
+    }
+
+    /// The config overrides that select this layout (applied after the user's `--set`s).
+    pub fn overrides(&self) -> Vec<String> {
+        vec![
+            format!("parallel.dp={}", self.dp),
+            format!("parallel.pp={}", self.pp),
+        ]
+    }
+
+    /// Check the layout against `cfg` (loaded with [`Layout::overrides`]) as `lockstep train`
+    /// will: the factors multiply to the world size and every replica gets a micro-batch. A
+    /// pipeline of a model without layers was already refused by the config's own validation.
+    pub fn check(&self, cfg: &TrainConfig) -> Result<ParallelDims, ConfigError> {
+        ParallelDims::from_config(cfg, self.world())
+    }
+
+    /// "2 workers" / "4 workers: 2 replicas × 2 stages".
+    pub fn describe(&self) -> String {
+        let workers = if self.world() == 1 {
+            "1 worker".to_string()
+        } else {
+            format!("{} workers", self.world())
+        };
+        if self.pp > 1 {
+            format!("{workers}: {} replica(s) × {} stages", self.dp, self.pp)
+        } else {
+            workers
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutError {
+    #[error("layout `{spec}`: {reason} (a layout is dp, pp or dpAxppB such as dp2xpp2)")]
+    Syntax { spec: String, reason: String },
+    #[error("no layouts given (a comma-separated list of dp, pp or dpAxppB such as dp2xpp2)")]
+    Empty,
+}
+
+/// Parse `"dp,pp,dp2xpp2"`.
+pub fn parse_layouts(spec: &str) -> Result<Vec<LayoutSpec>, LayoutError> {
+    let mut out = Vec::new();
+    for part in spec.split(',') {
+        let p = part.trim();
+        let bad = |reason: &str| LayoutError::Syntax {
+            spec: p.to_string(),
+            reason: reason.to_string(),
+        };
+        let l = match p {
+            "" if spec.trim().is_empty() => return Err(LayoutError::Empty),
+            "" => return Err(bad("empty entry")),
+            "dp" => LayoutSpec::Dp,
+            "pp" => LayoutSpec::Pp,
+            _ => {
+                let (a, b) = p
+                    .strip_prefix("dp")
+                    .and_then(|r| r.split_once("xpp"))
+                    .ok_or_else(|| bad("not dp, pp or dpAxppB"))?;
+                let factor = |s: &str, what: &str| {
+                    s.parse::<usize>()
+                        .ok()
+                        .filter(|&v| v >= 1)
+                        .ok_or_else(|| bad(&format!("{what} `{s}` is not a whole number ≥ 1")))
+                };
+                LayoutSpec::Fixed {
+                    dp: factor(a, "replica count")?,
+                    pp: factor(b, "stage count")?,
+                }
+            }
+        };
+        out.push(l);
+    }
+    Ok(out)
+}
+
+/// The runs of a sweep, in order: each layout at each world size (a fixed layout once), skipping
+/// any `(dp, pp)` already listed (e.g. `pp` at 1 worker is `dp` at 1 worker).
+pub fn expand(specs: &[LayoutSpec], sizes: &[usize]) -> Vec<Layout> {
+    let mut out: Vec<Layout> = Vec::new();
+    let mut push = |name: String, dp: usize, pp: usize| {
+        if !out.iter().any(|l| (l.dp, l.pp) == (dp, pp)) {
+            out.push(Layout { name, dp, pp });
+        }
+    };
+    for s in specs {
+        match *s {
+            LayoutSpec::Dp => sizes.iter().for_each(|&n| push(format!("dp-{n}"), n, 1)),
+            LayoutSpec::Pp => sizes.iter().for_each(|&n| push(format!("pp-{n}"), 1, n)),
+            LayoutSpec::Fixed { dp, pp } => push(format!("dp{dp}xpp{pp}"), dp, pp),
+        }
+    }
+    out
+}
+
+/// One run's figures.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ScalePoint {
+    /// The layout's name (also its run directory).
+    #[serde(default)]
+    pub label: String,
     pub world_size: usize,
+    #[serde(default)]
+    pub dp: usize,
+    #[serde(default)]
+    pub pp: usize,
     pub median_step_seconds: f64,
     pub samples_per_sec: f64,
     pub speedup: f64,
@@ -24,12 +156,27 @@ pub struct ScalePoint {
     pub waiting: f64,
     pub optimizer: f64,
     pub data: f64,
+    /// Pipeline bubble (idle time inside the schedule; 0 without a pipeline).
+    #[serde(default)]
+    pub bubble: f64,
     /// (communication + waiting) / step time.
     pub communication_fraction: f64,
     pub final_loss: f64,
+    #[serde(default)]
+    pub test_loss: f64,
     pub test_accuracy: f64,
+    /// Wall seconds of the whole run (summary.json).
+    #[serde(default)]
+    pub wall_seconds: f64,
     pub param_hash: String,
     pub same_result_as_first: bool,
+}
+
+impl ScalePoint {
+    /// Forward + backward + optimizer.
+    pub fn compute(&self) -> f64 {
+        self.forward + self.backward + self.optimizer
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -37,8 +184,19 @@ pub struct ScaleReport {
     pub points: Vec<ScalePoint>,
     /// Every run ended with the first run's parameter hash.
     pub hashes_agree: bool,
-    /// One plain-language line per world size.
+    /// One plain-language line per run (the first: the baseline).
     pub verdict: Vec<String>,
+    /// One sentence: the fastest run against the baseline, and whether the results agree.
+    #[serde(default)]
+    pub headline: String,
+}
+
+/// One finished run of a sweep.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub layout: Layout,
+    pub summary: Summary,
+    pub records: Vec<StepRecord>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -73,17 +231,25 @@ fn slowest_per_step(records: &[StepRecord]) -> Vec<&StepRecord> {
     by_step.into_values().collect()
 }
 
-/// Build the comparison from `(summary, records)` of each run, first run = baseline.
-pub fn compare(runs: &[(Summary, Vec<StepRecord>)]) -> ScaleReport {
+fn percent(f: f64) -> String {
+    format!("{:.0}%", f * 100.0)
+}
+
+/// Build the comparison, the first run being the baseline.
+pub fn compare(runs: &[Run]) -> ScaleReport {
     let mut points: Vec<ScalePoint> = Vec::new();
-    for (summary, records) in runs {
+    for run in runs {
+        let (summary, records) = (&run.summary, &run.records);
         let slow = slowest_per_step(records);
         let m = |f: &dyn Fn(&StepRecord) -> f64| median(slow.iter().map(|r| f(r)).collect());
         let step = m(&|r| r.step_seconds);
         let comm = m(&|r| r.seconds.communication);
         let wait = m(&|r| r.seconds.waiting);
         points.push(ScalePoint {
+            label: run.layout.name.clone(),
             world_size: summary.world_size,
+            dp: run.layout.dp,
+            pp: run.layout.pp,
             median_step_seconds: step,
             samples_per_sec: summary.global_batch as f64 / step,
             speedup: 1.0,
@@ -94,13 +260,16 @@ pub fn compare(runs: &[(Summary, Vec<StepRecord>)]) -> ScaleReport {
             waiting: wait,
             optimizer: m(&|r| r.seconds.optimizer),
             data: m(&|r| r.seconds.data),
+            bubble: m(&|r| r.pipeline.map_or(0.0, |p| p.bubble_seconds)),
             communication_fraction: if step > 0.0 {
                 (comm + wait) / step
             } else {
                 0.0
             },
             final_loss: summary.final_loss,
+            test_loss: summary.test_loss,
             test_accuracy: summary.test_accuracy,
+            wall_seconds: summary.wall_seconds,
             param_hash: summary.param_hash.clone(),
             same_result_as_first: true,
         });
@@ -114,40 +283,98 @@ pub fn compare(runs: &[(Summary, Vec<StepRecord>)]) -> ScaleReport {
     }
     let verdict = points
         .iter()
-        .skip(1)
-        .map(|p| {
-            format!(
-                "{} workers: {:.2}× {} than {}, {:.0}% efficient, communication {:.0}% of step, {}",
-                p.world_size,
-                if p.speedup >= 1.0 {
-                    p.speedup
-                } else {
-                    1.0 / p.speedup
-                },
-                if p.speedup >= 1.0 { "faster" } else { "slower" },
-                points[0].world_size,
-                p.efficiency * 100.0,
-                p.communication_fraction * 100.0,
-                if p.same_result_as_first {
-                    "same result (identical parameter hash)".to_string()
-                } else {
-                    "DIFFERENT result (parameter hash differs)".to_string()
-                }
-            )
-        })
+        .zip(runs)
+        .enumerate()
+        .map(|(i, (p, run))| verdict_line(i, p, &points[0], &run.layout))
         .collect();
     let hashes_agree = points.iter().all(|p| p.same_result_as_first);
+    let headline = headline(&points, hashes_agree);
     ScaleReport {
         points,
         hashes_agree,
         verdict,
+        headline,
+    }
+}
+
+fn verdict_line(i: usize, p: &ScalePoint, base: &ScalePoint, layout: &Layout) -> String {
+    let who = format!("{} ({})", p.label, layout.describe());
+    let bubble = if p.pp > 1 && p.median_step_seconds > 0.0 {
+        format!(
+            ", pipeline bubble {} of step",
+            percent(p.bubble / p.median_step_seconds)
+        )
+    } else {
+        String::new()
+    };
+    if i == 0 {
+        return format!(
+            "{who}: baseline, {:.2} ms per step, {:.0} samples/s, communication {} of step{bubble}",
+            p.median_step_seconds * 1e3,
+            p.samples_per_sec,
+            percent(p.communication_fraction)
+        );
+    }
+    let (factor, word) = if p.speedup >= 1.0 {
+        (p.speedup, "faster")
+    } else {
+        (1.0 / p.speedup, "slower")
+    };
+    format!(
+        "{who}: {factor:.2}× {word} than {}, {} efficient, communication {} of step{bubble}, {}",
+        base.label,
+        percent(p.efficiency),
+        percent(p.communication_fraction),
+        if p.same_result_as_first {
+            "same result (identical parameter hash)"
+        } else {
+            "DIFFERENT result (parameter hash differs)"
+        }
+    )
+}
+
+fn headline(points: &[ScalePoint], hashes_agree: bool) -> String {
+    let Some(base) = points.first() else {
+        return "No runs.".into();
+    };
+    let result = if hashes_agree {
+        "every run ended with the same parameter hash".to_string()
+    } else {
+        let differ: Vec<&str> = points
+            .iter()
+            .filter(|p| !p.same_result_as_first)
+            .map(|p| p.label.as_str())
+            .collect();
+        format!(
+            "the parameter hashes DIFFER ({} ≠ {})",
+            differ.join(", "),
+            base.label
+        )
+    };
+    let best = points
+        .iter()
+        .skip(1)
+        .max_by(|a, b| a.speedup.total_cmp(&b.speedup));
+    match best {
+        None => format!("Only the baseline {} ran; {result}.", base.label),
+        Some(b) if b.speedup > 1.0 => format!(
+            "Scaling helped: {} is {:.2}× as fast as {} ({} efficient); {result}.",
+            b.label,
+            b.speedup,
+            base.label,
+            percent(b.efficiency)
+        ),
+        Some(b) => format!(
+            "Scaling did not help: no run beat {} (best: {} at {:.2}×); {result}.",
+            base.label, b.label, b.speedup
+        ),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::PhaseSeconds;
+    use crate::metrics::{PhaseSeconds, PipelineStep};
 
     fn rec(rank: usize, step: u64, secs: f64, comm: f64) -> StepRecord {
         StepRecord {
@@ -169,7 +396,7 @@ mod tests {
         }
     }
 
-    fn summary(world: usize, hash: &str) -> Summary {
+    pub(crate) fn summary(world: usize, hash: &str) -> Summary {
         Summary {
             world_size: world,
             steps: 20,
@@ -178,11 +405,11 @@ mod tests {
             reproducible: true,
             transport: "shm".into(),
             final_loss: 0.5,
-            test_loss: 0.5,
+            test_loss: 0.25,
             test_accuracy: 0.9,
             param_hash: hash.into(),
             config_hash: "c".into(),
-            wall_seconds: 1.0,
+            wall_seconds: 1.5,
             samples_per_sec: 1.0,
             imbalance: 1.0,
             straggler: None,
@@ -191,6 +418,18 @@ mod tests {
             evals: vec![],
             ranks: vec![],
             pipeline: None,
+        }
+    }
+
+    fn run(name: &str, dp: usize, pp: usize, hash: &str, records: Vec<StepRecord>) -> Run {
+        Run {
+            layout: Layout {
+                name: name.into(),
+                dp,
+                pp,
+            },
+            summary: summary(dp * pp, hash),
+            records,
         }
     }
 
@@ -209,21 +448,149 @@ mod tests {
                 ]
             })
             .collect();
-        let r = compare(&[(summary(1, "h"), one), (summary(2, "h"), two)]);
+        let r = compare(&[run("dp-1", 1, 1, "h", one), run("dp-2", 2, 1, "h", two)]);
         let p = &r.points[1];
         assert!((p.median_step_seconds - 0.6).abs() < 1e-12);
         assert!((p.speedup - 1.0 / 0.6).abs() < 1e-9);
         assert!((p.efficiency - 1.0 / 1.2).abs() < 1e-9);
         assert!((p.communication_fraction - 0.25).abs() < 1e-9);
+        assert_eq!((p.label.as_str(), p.dp, p.pp), ("dp-2", 2, 1));
+        assert_eq!((p.test_loss, p.wall_seconds), (0.25, 1.5));
         assert!(r.hashes_agree);
-        assert!(r.verdict[0].starts_with("2 workers: 1.67× faster than 1, 83% efficient, communication 25% of step, same result"), "{}", r.verdict[0]);
+        assert_eq!(r.verdict.len(), 2);
+        assert_eq!(
+            r.verdict[0],
+            "dp-1 (1 worker): baseline, 1000.00 ms per step, 100 samples/s, communication 0% of step"
+        );
+        assert_eq!(r.verdict[1], "dp-2 (2 workers): 1.67× faster than dp-1, 83% efficient, communication 25% of step, same result (identical parameter hash)");
+        assert_eq!(r.headline, "Scaling helped: dp-2 is 1.67× as fast as dp-1 (83% efficient); every run ended with the same parameter hash.");
     }
 
     #[test]
-    fn a_different_hash_is_called_out() {
-        let recs = |w: usize| (0..10).map(|s| rec(w - 1, s, 1.0, 0.0)).collect::<Vec<_>>();
-        let r = compare(&[(summary(1, "a"), recs(1)), (summary(2, "b"), recs(2))]);
+    fn a_different_hash_and_a_slowdown_are_called_out() {
+        let recs = |w: usize, secs: f64| {
+            (0..10)
+                .map(|s| rec(w - 1, s, secs, 0.0))
+                .collect::<Vec<_>>()
+        };
+        let r = compare(&[
+            run("dp-1", 1, 1, "a", recs(1, 1.0)),
+            run("dp-2", 2, 1, "b", recs(2, 2.0)),
+        ]);
         assert!(!r.hashes_agree);
-        assert!(r.verdict[0].contains("DIFFERENT result"));
+        assert!(!r.points[1].same_result_as_first);
+        assert!(
+            r.verdict[1].contains("2.00× slower than dp-1, 25% efficient"),
+            "{}",
+            r.verdict[1]
+        );
+        assert!(r.verdict[1].ends_with("DIFFERENT result (parameter hash differs)"));
+        assert_eq!(r.headline, "Scaling did not help: no run beat dp-1 (best: dp-2 at 0.50×); the parameter hashes DIFFER (dp-2 ≠ dp-1).");
+    }
+
+    #[test]
+    fn a_pipeline_reports_its_bubble() {
+        let recs: Vec<StepRecord> = (0..10)
+            .flat_map(|s| {
+                (0..2).map(move |rank| {
+                    let mut r = rec(rank, s, 1.0, 0.0);
+                    r.pipeline = Some(PipelineStep {
+                        stage: rank,
+                        bubble_seconds: 0.25,
+                        ..Default::default()
+                    });
+                    r
+                })
+            })
+            .collect();
+        let r = compare(&[run("pp-2", 1, 2, "h", recs)]);
+        assert_eq!(r.points[0].bubble, 0.25);
+        assert!(
+            r.verdict[0].starts_with("pp-2 (2 workers: 1 replica(s) × 2 stages): baseline"),
+            "{}",
+            r.verdict[0]
+        );
+        assert!(
+            r.verdict[0].ends_with("pipeline bubble 25% of step"),
+            "{}",
+            r.verdict[0]
+        );
+    }
+
+    #[test]
+    fn layouts_parse_and_expand_without_duplicates() {
+        assert_eq!(
+            parse_layouts("dp, pp,dp2xpp2").unwrap(),
+            vec![
+                LayoutSpec::Dp,
+                LayoutSpec::Pp,
+                LayoutSpec::Fixed { dp: 2, pp: 2 }
+            ]
+        );
+        let runs = expand(&parse_layouts("dp,pp,dp2xpp2,dp4xpp1").unwrap(), &[1, 2, 4]);
+        let got: Vec<(&str, usize, usize)> =
+            runs.iter().map(|l| (l.name.as_str(), l.dp, l.pp)).collect();
+        // pp-1 is dp-1, and dp4xpp1 is dp-4: each runs once, under its first name.
+        assert_eq!(
+            got,
+            vec![
+                ("dp-1", 1, 1),
+                ("dp-2", 2, 1),
+                ("dp-4", 4, 1),
+                ("pp-2", 1, 2),
+                ("pp-4", 1, 4),
+                ("dp2xpp2", 2, 2),
+            ]
+        );
+        assert_eq!(runs[5].world(), 4);
+        assert_eq!(runs[3].overrides(), vec!["parallel.dp=1", "parallel.pp=2"]);
+        assert_eq!(runs[5].describe(), "4 workers: 2 replica(s) × 2 stages");
+    }
+
+    #[test]
+    fn bad_layouts_are_refused_with_the_reason() {
+        for (spec, needle) in [
+            ("tp", "layout `tp`: not dp, pp or dpAxppB"),
+            ("dp2pp2", "layout `dp2pp2`: not dp, pp or dpAxppB"),
+            ("dp0xpp2", "replica count `0` is not a whole number ≥ 1"),
+            ("dp2xpp", "stage count `` is not a whole number ≥ 1"),
+            ("dpxpp2", "replica count `` is not a whole number ≥ 1"),
+            ("dp,,pp", "layout ``: empty entry"),
+            ("dp2xpp-1", "stage count `-1`"),
+        ] {
+            let e = parse_layouts(spec).unwrap_err().to_string();
+            assert!(e.contains(needle), "{spec}: {e}");
+            assert!(e.contains("dp2xpp2"), "the error shows the syntax: {e}");
+        }
+        assert_eq!(parse_layouts(" ").unwrap_err(), LayoutError::Empty);
+    }
+
+    #[test]
+    fn layouts_are_checked_against_the_config() {
+        let pp2 = Layout {
+            name: "pp-2".into(),
+            dp: 1,
+            pp: 2,
+        };
+        // The default config is an MLP: its own validation refuses a pipeline.
+        let e = TrainConfig::from_toml_str("", "built-in defaults", &pp2.overrides())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("parallel.pp") && e.contains("transformer"),
+            "{e}"
+        );
+        // Pure data parallelism at any size passes.
+        let dp3 = &expand(&[LayoutSpec::Dp], &[3])[0];
+        let cfg = TrainConfig::from_toml_str("", "x", &dp3.overrides()).unwrap();
+        assert_eq!(dp3.check(&cfg).unwrap().world, 3);
+        // … as long as every replica gets a micro-batch (the default has 64 / 16 = 4).
+        let dp8 = &expand(&[LayoutSpec::Dp], &[8])[0];
+        let cfg = TrainConfig::from_toml_str("", "x", &dp8.overrides()).unwrap();
+        let e = dp8.check(&cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("parallel.microbatches") && e.contains("8"),
+            "{e}"
+        );
     }
 }

@@ -1,0 +1,176 @@
+//! `lockstep plan`: predicted step time, speedup and efficiency of layouts on a described cluster,
+//! calibrated from a finished run. The model is `lockstep_train::plan` (equations and validation:
+//! docs/plan.md); this file reads the run directory and the cluster description and prints.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use lockstep_train::plan::{self, ClusterSpec, Plan, Workload};
+use lockstep_train::TrainConfig;
+
+use crate::PlanArgs;
+
+pub fn run(a: &PlanArgs) -> Result<()> {
+    let cfg = TrainConfig::load(Some(&a.from.join("config.toml")), &[])
+        .with_context(|| format!("reading the config of run {}", a.from.display()))?;
+    let (summary, records) = crate::scale::load_run(&a.from)?;
+    let layers = plan::model_layers(&cfg)
+        .with_context(|| format!("building the model of run {}", a.from.display()))?;
+    let workload = Workload::from_config(&cfg, layers);
+    let cluster = cluster_spec(a)?.resolve()?;
+    let link =
+        plan::calibration_link(&summary.transport, a.calib_gbytes_per_s, a.calib_latency_us)?;
+    let cal = plan::calibrate(&summary, &records, &workload, &link)
+        .with_context(|| format!("calibrating from run {}", a.from.display()))?;
+    let layouts = a
+        .layouts
+        .as_deref()
+        .map(plan::parse_layouts)
+        .transpose()
+        .context("--layouts")?;
+    let p = plan::plan(&cluster, &workload, &cal, layouts.as_deref());
+    print!("{}", format_plan(&p, &a.from));
+    if let Some(path) = &a.json {
+        lockstep_train::trainer::write_atomic(
+            path,
+            (serde_json::to_string_pretty(&p)? + "\n").as_bytes(),
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("lockstep plan: wrote {}", path.display());
+    }
+    if p.recommendation.is_none() {
+        bail!("no layout fits this cluster and config (see the skipped lines above)");
+    }
+    Ok(())
+}
+
+/// The cluster file, if any, with the flags over it.
+fn cluster_spec(a: &PlanArgs) -> Result<ClusterSpec> {
+    let file = match &a.cluster {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading cluster file {}", path.display()))?;
+            ClusterSpec::from_toml_str(&text, &path.display().to_string())?
+        }
+        None => ClusterSpec::default(),
+    };
+    let flags = ClusterSpec {
+        nodes: a.nodes,
+        workers_per_node: a.workers_per_node,
+        link_gbps: a.link_gbps,
+        link_latency_us: a.link_latency_us,
+        link_burst_kib: a.link_burst_kib,
+        link_efficiency: a.link_efficiency,
+        intra_gbytes_per_s: a.intra_gbytes_per_s,
+        intra_latency_us: a.intra_latency_us,
+        shm_gbytes_per_s: a.shm_gbytes_per_s,
+        shm_latency_us: a.shm_latency_us,
+        compute_scale: a.compute_scale,
+    };
+    Ok(flags.or(file))
+}
+
+fn ms(s: f64) -> String {
+    format!("{:.2}", s * 1e3)
+}
+
+/// The calibration, the cluster, one row per layout, the skipped layouts and the recommendation.
+pub fn format_plan(p: &Plan, from: &Path) -> String {
+    let c = &p.calibration;
+    let mut s = format!(
+        "calibration: {} ({} worker(s), dp {} × pp {}, {}), {} steady steps, measured step {} ms\n",
+        from.display(),
+        c.world,
+        c.dp,
+        c.pp,
+        c.transport,
+        c.steps_used,
+        ms(c.measured_step_s)
+    );
+    s += &format!(
+        "  compute {:.4} ms/sample; optimizer {} ms; other {} ms; gradient sync {} ms = CPU {} ms + its links {} ms (modelled: {:.2} GB/s, {:.0} µs)\n",
+        c.work_per_sample_s * 1e3,
+        ms(c.optimizer_per_param_s * p.workload.params as f64),
+        ms(c.overhead_s),
+        ms(c.measured_sync_s),
+        ms((c.measured_sync_s - c.modelled_network_s).max(0.0)),
+        ms(c.modelled_network_s),
+        c.link.bytes_per_s / 1e9,
+        c.link.latency_s * 1e6
+    );
+    let (mb, rb) = (
+        c.modelled_bytes_per_rank_step,
+        c.measured_bytes_per_rank_step,
+    );
+    let agree = if rb > 0.0 && ((mb - rb) / rb).abs() <= 0.01 {
+        "agree".to_string()
+    } else if rb > 0.0 {
+        format!("differ by {:+.1}%", 100.0 * (mb / rb - 1.0))
+    } else {
+        "the run sent nothing".to_string()
+    };
+    s += &format!(
+        "  bytes sent per rank per step: model {:.0}, run {:.0} ({agree}); {} parameters; layer costs: {}\n",
+        mb, rb, p.workload.params, c.layer_shares_from
+    );
+    for n in &c.notes {
+        s += &format!("  note: {n}\n");
+    }
+    let k = &p.cluster;
+    let link = |l: &plan::Link| {
+        format!(
+            "{:.3} GB/s, {:.0} µs",
+            l.bytes_per_s / 1e9,
+            l.latency_s * 1e6
+        )
+    };
+    s += &format!(
+        "cluster: {} node(s) × {} worker(s); between nodes {}{}; inside a node: tcp {}, shm {}; compute ×{}\n",
+        k.nodes,
+        k.workers_per_node,
+        link(&k.inter),
+        if k.inter.burst_bytes > 0.0 {
+            format!(", bucket {:.0} KiB", k.inter.burst_bytes / 1024.0)
+        } else {
+            String::new()
+        },
+        link(&k.intra),
+        link(&k.shm),
+        k.compute_scale
+    );
+    s += &format!(
+        "{:<14} {:>7} {:>5} {:>5} {:>9} {:>10} {:>9} {:>7} {:>8} {:>7}\n",
+        "layout",
+        "workers",
+        "nodes",
+        "via",
+        "step_ms",
+        "compute_ms",
+        "comm_ms",
+        "bubble",
+        "speedup",
+        "effic."
+    );
+    for x in &p.predictions {
+        s += &format!(
+            "{:<14} {:>7} {:>5} {:>5} {:>9} {:>10} {:>9} {:>6.0}% {:>7.2}× {:>6.0}%\n",
+            x.layout.to_string(),
+            x.workers,
+            x.nodes_used,
+            if x.workers == 1 { "-" } else { &x.transport },
+            ms(x.step_s),
+            ms(x.compute_s),
+            ms(x.communication_s()),
+            x.bubble_fraction * 100.0,
+            x.speedup,
+            x.efficiency * 100.0
+        );
+    }
+    for x in &p.skipped {
+        s += &format!("skipped {}: {}\n", x.layout, x.reason);
+    }
+    if let Some(r) = &p.recommendation {
+        s += &format!("recommendation: {}\n", r.why);
+    }
+    s
+}
