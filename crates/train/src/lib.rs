@@ -13,6 +13,7 @@ pub mod parallel_dims;
 pub mod pipeline;
 pub mod plan;
 pub mod report;
+mod run_end;
 pub mod scale_report;
 pub mod scaling;
 pub mod svg;

@@ -18,7 +18,8 @@ use crate::checkpoint::{self, Checkpoint, CheckpointError, Identity};
 use crate::config::TrainConfig;
 use crate::faults::{self, Fault};
 use crate::grad_sync::{GradSync, LastMicrobatch, SyncError};
-use crate::metrics::{imbalance, rank_summaries, Eval, PhaseSeconds, StepRecord, Summary};
+use crate::metrics::{Eval, PhaseSeconds, StepRecord, Summary};
+use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -227,11 +228,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let mut records = Vec::with_capacity(total_steps as usize);
     // Every rank's records, gathered at each checkpoint (and at the end) and appended to
     // metrics.jsonl by rank 0, so a crash loses only steps that will be recomputed anyway.
-    let mut metrics = MetricsLog {
-        gathered: Vec::new(),
-        flushed: 0,
-        started: false,
-    };
+    let mut metrics = MetricsLog::new();
     let mut last_loss = f64::NAN;
     let mut evals = Vec::new();
 
@@ -361,72 +358,29 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         if every > 0 && (step + 1) % every == 0 {
             metrics.flush(comm, &records, out_dir, start_step)?;
         }
-        if rank == 0 {
-            on_event(Event::StepDone(step + 1));
-        }
-        if rank == 0 && ((step + 1) % t.log_every == 0 || step + 1 == total_steps) {
-            let elapsed = started.elapsed().as_secs_f64();
-            let done = (step + 1 - start_step) as f64;
-            on_event(Event::Progress(Progress {
-                step: step + 1,
-                total_steps,
-                loss,
-                samples_per_sec: done * t.global_batch as f64 / elapsed,
-                eta_seconds: elapsed / done * (total_steps - step - 1) as f64,
-            }));
-        }
+        let point = StepPoint {
+            done: step + 1,
+            total_steps,
+            start_step,
+            started,
+            loss,
+        };
+        emit_progress(cfg, rank, &point, on_event);
     }
 
     let hash = param_hash(&params);
     check_same_hash(comm, &hash)?;
-    metrics.flush(comm, &records, out_dir, start_step)?;
-    let all_records = metrics.gathered;
-    let hosts = gather_strings(comm, &host)?;
-    let wall_seconds = started.elapsed().as_secs_f64();
-
-    let ranks = rank_summaries(&all_records, &hosts);
-    let (imb, straggler) = imbalance(&ranks);
-    if let (Some(r), 0) = (straggler, rank) {
-        on_event(Event::Notice(format!(
-            "straggler: rank {r} ({}) computed {imb:.2}× the mean per-rank compute time",
-            ranks[r].host
-        )));
-    }
-    let step_total: f64 = all_records.iter().map(|r| r.step_seconds).sum();
-    let comm_total: f64 = all_records
-        .iter()
-        .map(|r| r.seconds.communication + r.seconds.waiting)
-        .sum();
-    let (test_loss, test_accuracy) = evals
-        .last()
-        .map(|(_, e)| (e.test_loss, e.test_accuracy))
-        .unwrap_or((f64::NAN, f64::NAN));
-    let summary = Summary {
-        world_size: world,
-        steps: total_steps,
-        global_batch: t.global_batch,
-        microbatch: t.microbatch,
-        reproducible: cfg.dist.reproducible,
-        transport: comm.transport_name().to_string(),
-        final_loss: last_loss,
-        test_loss,
-        test_accuracy,
-        param_hash: hash,
-        config_hash: cfg.hash_hex(),
-        wall_seconds,
-        samples_per_sec: ((total_steps - start_step) as f64 * t.global_batch as f64) / wall_seconds,
-        imbalance: imb,
-        straggler,
-        bytes_sent_total: ranks.iter().map(|r| r.bytes_sent).sum(),
-        communication_fraction: if step_total > 0.0 {
-            comm_total / step_total
-        } else {
-            0.0
-        },
+    let (all_records, ranks) =
+        gather_run(comm, &mut metrics, &records, out_dir, start_step, &host)?;
+    let end = RunEnd {
+        started,
+        start_step,
+        total_steps,
+        last_loss,
         evals,
-        ranks,
-        pipeline: None,
+        param_hash: hash,
     };
+    let summary = build_summary(cfg, comm, end, &all_records, ranks, None, on_event);
     if rank == 0 {
         write_outputs(out_dir, cfg, &summary)?;
     }
@@ -473,20 +427,7 @@ pub(crate) fn check_same_structure_bytes(
 }
 
 fn check_same_structure(comm: &mut Communicator, model: &Model) -> Result<(), TrainError> {
-    let mine = model.structure_hash();
-    let mut all = vec![0u8; 32 * comm.size()];
-    comm.all_gather(&mine[..], &mut all)?;
-    let ours = hex::encode(&all[..32]);
-    for (rank, h) in all.chunks(32).enumerate() {
-        if h != &all[..32] {
-            return Err(TrainError::ModelMismatch {
-                rank,
-                theirs: hex::encode(h),
-                ours,
-            });
-        }
-    }
-    Ok(())
+    check_same_structure_bytes(comm, model.structure_hash())
 }
 
 fn check_same_hash(comm: &mut Communicator, hash_hex: &str) -> Result<(), TrainError> {

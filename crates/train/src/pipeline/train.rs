@@ -35,14 +35,12 @@ use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
 use crate::checkpoint::{self, Checkpoint, Identity};
 use crate::config::TrainConfig;
 use crate::faults;
-use crate::metrics::{
-    imbalance, rank_summaries, Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord,
-    Summary,
-};
+use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary};
 use crate::parallel_dims::ParallelDims;
+use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use crate::trainer::{
     check_same_structure_bytes, checkpoint_dir, damage, gather_strings, optimizer_spec,
-    resume_from_checkpoint, write_outputs, Event, MetricsLog, Progress, TrainError, WorkerContext,
+    resume_from_checkpoint, write_outputs, Event, MetricsLog, TrainError, WorkerContext,
 };
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
@@ -435,20 +433,14 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         if every > 0 && (step + 1) % every == 0 {
             metrics.flush(comm, &records, out_dir, start_step)?;
         }
-        if rank == 0 {
-            on_event(Event::StepDone(step + 1));
-        }
-        if rank == 0 && ((step + 1) % t.log_every == 0 || step + 1 == total_steps) {
-            let elapsed = started.elapsed().as_secs_f64();
-            let done = (step + 1 - start_step) as f64;
-            on_event(Event::Progress(Progress {
-                step: step + 1,
-                total_steps,
-                loss,
-                samples_per_sec: done * t.global_batch as f64 / elapsed,
-                eta_seconds: elapsed / done * (total_steps - step - 1) as f64,
-            }));
-        }
+        let point = StepPoint {
+            done: step + 1,
+            total_steps,
+            start_step,
+            started,
+            loss,
+        };
+        emit_progress(cfg, rank, &point, on_event);
     }
 
     // Replicas of a stage must agree; then rank 0 hashes the whole model and tells everyone.
@@ -472,22 +464,12 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     comm.broadcast(&mut hash_bytes, 0)?;
     let hash = String::from_utf8_lossy(&hash_bytes).into_owned();
 
-    metrics.flush(comm, &records, out_dir, start_step)?;
-    let all_records = metrics.gathered().to_vec();
-    let hosts = gather_strings(comm, &host)?;
-    let wall_seconds = started.elapsed().as_secs_f64();
-    let mut ranks = rank_summaries(&all_records, &hosts);
+    let (all_records, mut ranks) =
+        gather_run(comm, &mut metrics, &records, out_dir, start_step, &host)?;
     for r in &mut ranks {
         if let Some(p) = r.pipeline.as_mut() {
             p.replica = dims.coords(r.rank).replica;
         }
-    }
-    let (imb, straggler) = imbalance(&ranks);
-    if let (Some(r), 0) = (straggler, rank) {
-        on_event(Event::Notice(format!(
-            "straggler: rank {r} ({}) computed {imb:.2}× the mean per-rank compute time",
-            ranks[r].host
-        )));
     }
     let pipeline = pipeline_summary(
         &ranks,
@@ -499,41 +481,23 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         m_total.div_ceil(dims.dp),
         (total_steps - start_step).max(1),
     );
-    let step_total: f64 = all_records.iter().map(|r| r.step_seconds).sum();
-    let comm_total: f64 = all_records
-        .iter()
-        .map(|r| r.seconds.communication + r.seconds.waiting)
-        .sum();
-    let (test_loss, test_accuracy) = evals
-        .last()
-        .map(|(_, e)| (e.test_loss, e.test_accuracy))
-        .unwrap_or((f64::NAN, f64::NAN));
-    let summary = Summary {
-        world_size: world,
-        steps: total_steps,
-        global_batch: t.global_batch,
-        microbatch: t.microbatch,
-        reproducible: cfg.dist.reproducible,
-        transport: comm.transport_name().to_string(),
-        final_loss: last_loss,
-        test_loss,
-        test_accuracy,
-        param_hash: hash,
-        config_hash: cfg.hash_hex(),
-        wall_seconds,
-        samples_per_sec: ((total_steps - start_step) as f64 * t.global_batch as f64) / wall_seconds,
-        imbalance: imb,
-        straggler,
-        bytes_sent_total: ranks.iter().map(|r| r.bytes_sent).sum(),
-        communication_fraction: if step_total > 0.0 {
-            comm_total / step_total
-        } else {
-            0.0
-        },
+    let end = RunEnd {
+        started,
+        start_step,
+        total_steps,
+        last_loss,
         evals,
-        ranks,
-        pipeline: Some(pipeline),
+        param_hash: hash,
     };
+    let summary = build_summary(
+        cfg,
+        comm,
+        end,
+        &all_records,
+        ranks,
+        Some(pipeline),
+        on_event,
+    );
     if rank == 0 {
         write_outputs(out_dir, cfg, &summary)?;
     }

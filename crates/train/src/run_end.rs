@@ -1,0 +1,134 @@
+//! What every training loop (data-parallel and pipeline) does per step for the terminal and once
+//! at the end for the run's outputs: progress events, gathering all ranks' records, per-rank
+//! totals, balance and straggler, and the [`Summary`].
+
+use std::path::Path;
+use std::time::Instant;
+
+use lockstep_comm::Communicator;
+
+use crate::config::TrainConfig;
+use crate::metrics::{
+    imbalance, rank_summaries, Eval, PipelineSummary, RankSummary, StepRecord, Summary,
+};
+use crate::trainer::{gather_strings, Event, MetricsLog, Progress, TrainError};
+
+/// Where the run stands after a step, for [`emit_progress`].
+pub(crate) struct StepPoint {
+    /// Steps completed (counting from 1).
+    pub done: u64,
+    pub total_steps: u64,
+    pub start_step: u64,
+    pub started: Instant,
+    pub loss: f64,
+}
+
+/// Rank 0: a `StepDone` event every step and a `Progress` event every `train.log_every` steps
+/// (and at the last one).
+pub(crate) fn emit_progress(
+    cfg: &TrainConfig,
+    rank: usize,
+    p: &StepPoint,
+    on_event: &mut dyn FnMut(Event),
+) {
+    if rank != 0 {
+        return;
+    }
+    on_event(Event::StepDone(p.done));
+    if p.done % cfg.train.log_every == 0 || p.done == p.total_steps {
+        let elapsed = p.started.elapsed().as_secs_f64();
+        let done = (p.done - p.start_step) as f64;
+        on_event(Event::Progress(Progress {
+            step: p.done,
+            total_steps: p.total_steps,
+            loss: p.loss,
+            samples_per_sec: done * cfg.train.global_batch as f64 / elapsed,
+            eta_seconds: elapsed / done * (p.total_steps - p.done) as f64,
+        }));
+    }
+}
+
+/// Collective: flush the last records to metrics.jsonl and gather every rank's records and host;
+/// returns all records of this attempt and the per-rank totals.
+pub(crate) fn gather_run(
+    comm: &mut Communicator,
+    metrics: &mut MetricsLog,
+    records: &[StepRecord],
+    out_dir: &Path,
+    start_step: u64,
+    host: &str,
+) -> Result<(Vec<StepRecord>, Vec<RankSummary>), TrainError> {
+    metrics.flush(comm, records, out_dir, start_step)?;
+    let all = metrics.gathered().to_vec();
+    let hosts = gather_strings(comm, host)?;
+    let ranks = rank_summaries(&all, &hosts);
+    Ok((all, ranks))
+}
+
+/// The facts of a finished attempt that the summary needs besides the records.
+pub(crate) struct RunEnd {
+    pub started: Instant,
+    pub start_step: u64,
+    pub total_steps: u64,
+    pub last_loss: f64,
+    pub evals: Vec<(u64, Eval)>,
+    pub param_hash: String,
+}
+
+/// Build the summary (same on every rank); rank 0 also announces a straggler.
+pub(crate) fn build_summary(
+    cfg: &TrainConfig,
+    comm: &Communicator,
+    end: RunEnd,
+    all_records: &[StepRecord],
+    ranks: Vec<RankSummary>,
+    pipeline: Option<PipelineSummary>,
+    on_event: &mut dyn FnMut(Event),
+) -> Summary {
+    let t = &cfg.train;
+    let (imb, straggler) = imbalance(&ranks);
+    if let (Some(r), 0) = (straggler, comm.rank()) {
+        on_event(Event::Notice(format!(
+            "straggler: rank {r} ({}) computed {imb:.2}× the mean per-rank compute time",
+            ranks[r].host
+        )));
+    }
+    let wall_seconds = end.started.elapsed().as_secs_f64();
+    let step_total: f64 = all_records.iter().map(|r| r.step_seconds).sum();
+    let comm_total: f64 = all_records
+        .iter()
+        .map(|r| r.seconds.communication + r.seconds.waiting)
+        .sum();
+    let (test_loss, test_accuracy) = end
+        .evals
+        .last()
+        .map(|(_, e)| (e.test_loss, e.test_accuracy))
+        .unwrap_or((f64::NAN, f64::NAN));
+    let steps_run = (end.total_steps - end.start_step) as f64;
+    Summary {
+        world_size: comm.size(),
+        steps: end.total_steps,
+        global_batch: t.global_batch,
+        microbatch: t.microbatch,
+        reproducible: cfg.dist.reproducible,
+        transport: comm.transport_name().to_string(),
+        final_loss: end.last_loss,
+        test_loss,
+        test_accuracy,
+        param_hash: end.param_hash,
+        config_hash: cfg.hash_hex(),
+        wall_seconds,
+        samples_per_sec: steps_run * t.global_batch as f64 / wall_seconds,
+        imbalance: imb,
+        straggler,
+        bytes_sent_total: ranks.iter().map(|r| r.bytes_sent).sum(),
+        communication_fraction: if step_total > 0.0 {
+            comm_total / step_total
+        } else {
+            0.0
+        },
+        evals: end.evals,
+        ranks,
+        pipeline,
+    }
+}
