@@ -1,0 +1,89 @@
+//! Pipeline stages: the contiguous cut of a model's layers that balances their measured cost,
+//! and each stage's data-parallel group and parameter count.
+
+use super::{Layout, Workload};
+
+/// Contiguous cut of `shares` into `parts` stages minimising the largest stage sum (exact dynamic
+/// programme; ties go to the earliest cut). Returns `[start, end)` per stage.
+pub fn balanced_stages(shares: &[f64], parts: usize) -> Vec<(usize, usize)> {
+    let n = shares.len();
+    assert!(parts >= 1 && parts <= n, "{parts} stages of {n} layers");
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(shares.iter().scan(0.0, |s, &x| {
+            *s += x;
+            Some(*s)
+        }))
+        .collect();
+    let sum = |a: usize, b: usize| prefix[b] - prefix[a];
+    // best[k][i]: smallest max-stage over the first i layers in k stages; cut[k][i]: last start.
+    let mut best = vec![vec![f64::INFINITY; n + 1]; parts + 1];
+    let mut cut = vec![vec![0usize; n + 1]; parts + 1];
+    best[0][0] = 0.0;
+    for k in 1..=parts {
+        for i in k..=n {
+            for j in (k - 1)..i {
+                let v = best[k - 1][j].max(sum(j, i));
+                if v < best[k][i] - 1e-15 {
+                    best[k][i] = v;
+                    cut[k][i] = j;
+                }
+            }
+        }
+    }
+    let mut stages = Vec::with_capacity(parts);
+    let mut end = n;
+    for k in (1..=parts).rev() {
+        let start = cut[k][end];
+        stages.push((start, end));
+        end = start;
+    }
+    stages.reverse();
+    stages
+}
+
+/// Equal compute shares for `n` layers (one layer when `n` is 0).
+pub(super) fn even(n: usize) -> Vec<f64> {
+    vec![1.0 / n.max(1) as f64; n.max(1)]
+}
+
+/// The largest stage's parameter count and every stage's data-parallel group (global ranks).
+pub(super) fn stage_groups(
+    w: &Workload,
+    layout: Layout,
+    shares: &[f64],
+) -> (usize, Vec<Vec<usize>>) {
+    let groups = (0..layout.pp)
+        .map(|s| (0..layout.dp).map(|r| r * layout.pp + s).collect())
+        .collect();
+    if layout.pp == 1 {
+        return (w.params, groups);
+    }
+    let stages = balanced_stages(shares, layout.pp);
+    let largest = stages
+        .iter()
+        .map(|&(a, b)| w.layers[a..b].iter().map(|l| l.params).sum::<usize>())
+        .max()
+        .unwrap_or(w.params);
+    (largest, groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_are_balanced_by_measured_layer_cost() {
+        assert_eq!(
+            balanced_stages(&[1.0, 1.0, 1.0, 1.0, 4.0], 2),
+            vec![(0, 4), (4, 5)]
+        );
+        assert_eq!(
+            balanced_stages(&[3.0, 1.0, 1.0, 1.0], 2),
+            vec![(0, 1), (1, 4)]
+        );
+        assert_eq!(
+            balanced_stages(&[1.0, 2.0, 3.0], 3),
+            vec![(0, 1), (1, 2), (2, 3)]
+        );
+    }
+}

@@ -1,0 +1,41 @@
+//! Fixtures shared by the plan tests: a relative float comparison and small workloads.
+
+use super::{Layer, Workload};
+
+pub(super) fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * b.abs().max(1e-12)
+}
+
+pub(super) fn workload(params: usize) -> Workload {
+    Workload {
+        params,
+        microbatches: 4,
+        microbatch: 64,
+        reproducible: true,
+        overlap: false,
+        bucket_elems: 1 << 16,
+        algorithm: "auto".into(),
+        small_message_threshold: 256 * 1024,
+        segment_bytes: 512 * 1024,
+        layers: vec![Layer {
+            name: "mlp".into(),
+            params,
+            activation_bytes_per_sample: 0,
+        }],
+    }
+}
+
+pub(super) fn pipeline_workload(layers: usize, act: usize) -> Workload {
+    Workload {
+        microbatches: 8,
+        microbatch: 4,
+        layers: (0..layers)
+            .map(|i| Layer {
+                name: format!("l{i}"),
+                params: 1000,
+                activation_bytes_per_sample: if i + 1 == layers { 0 } else { act },
+            })
+            .collect(),
+        ..workload(1000 * layers)
+    }
+}

@@ -1,0 +1,107 @@
+//! The workload: what one training step computes and moves, from the config (micro-batches,
+//! reproducible mode, buckets, collective algorithm) and the model's layers (parameters and
+//! activation bytes per sample), which [`model_layers`] reads from the model the trainer builds.
+
+use std::fmt;
+
+use lockstep_comm::collectives::DEFAULT_SEGMENT_BYTES;
+use lockstep_comm::communicator::DEFAULT_SMALL_MESSAGE_THRESHOLD;
+use lockstep_comm::Algorithm;
+use serde::{Deserialize, Serialize};
+
+use super::PlanError;
+use crate::config::TrainConfig;
+
+/// One layer a pipeline may cut after.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Layer {
+    pub name: String,
+    pub params: usize,
+    /// Bytes this layer's output carries per sample to the next layer (0 for the last).
+    pub activation_bytes_per_sample: usize,
+}
+
+/// What one training step moves and computes, from the config and the model's shape.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Workload {
+    pub params: usize,
+    /// Micro-batches per step (all replicas together).
+    pub microbatches: usize,
+    /// Samples per micro-batch.
+    pub microbatch: usize,
+    pub reproducible: bool,
+    pub overlap: bool,
+    pub bucket_elems: usize,
+    /// "auto", "ring" or "recursive-doubling" (`dist.algorithm`).
+    pub algorithm: String,
+    pub small_message_threshold: usize,
+    pub segment_bytes: usize,
+    /// Layers in order; more than one only for models the trainer can pipeline.
+    pub layers: Vec<Layer>,
+}
+
+impl Workload {
+    pub fn from_config(cfg: &TrainConfig, layers: Vec<Layer>) -> Self {
+        Self {
+            params: layers.iter().map(|l| l.params).sum(),
+            microbatches: cfg.microbatches_per_step(),
+            microbatch: cfg.train.microbatch,
+            reproducible: cfg.dist.reproducible,
+            overlap: cfg.dist.overlap,
+            bucket_elems: cfg.dist.bucket_elems.max(1),
+            algorithm: cfg.dist.algorithm.clone(),
+            small_message_threshold: DEFAULT_SMALL_MESSAGE_THRESHOLD,
+            segment_bytes: DEFAULT_SEGMENT_BYTES,
+            layers,
+        }
+    }
+
+    pub(super) fn algorithm(&self) -> Algorithm {
+        self.algorithm.parse().unwrap_or_default()
+    }
+}
+
+/// The layers of `cfg`'s model as the trainer builds it. Not pure: it reads the dataset for the
+/// input shape and classes (MLP, CNN) or the vocabulary (transformer).
+pub fn model_layers(cfg: &TrainConfig) -> Result<Vec<Layer>, PlanError> {
+    let model_err = |e: &dyn fmt::Display| PlanError::Model(e.to_string());
+    if cfg.model.kind == "transformer" {
+        let corpus = lockstep_data::load_shakespeare_embedded().map_err(|e| model_err(&e))?;
+        let m = &cfg.model;
+        let spec = lockstep_model::TransformerSpec {
+            vocab: corpus.vocab.len(),
+            context: m.context,
+            d_model: m.d_model,
+            heads: m.heads,
+            blocks: m.blocks,
+            d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
+        };
+        let counts = spec.layer_param_counts();
+        let last = counts.len() - 1;
+        return Ok(counts
+            .into_iter()
+            .enumerate()
+            .map(|(i, params)| Layer {
+                name: match spec.layer_kind(i) {
+                    lockstep_model::LayerKind::Embedding => "embedding".into(),
+                    lockstep_model::LayerKind::Block(b) => format!("block {b}"),
+                    lockstep_model::LayerKind::Head => "head".into(),
+                },
+                params,
+                activation_bytes_per_sample: if i == last {
+                    0
+                } else {
+                    m.context * m.d_model * 4
+                },
+            })
+            .collect());
+    }
+    let (train, _) = crate::datasets::load(&cfg.data, cfg.train.seed).map_err(|e| model_err(&e))?;
+    let spec = crate::trainer::model_spec(cfg, &train);
+    let model = lockstep_model::Model::new(&spec, cfg.train.seed).map_err(|e| model_err(&e))?;
+    Ok(vec![Layer {
+        name: cfg.model.kind.clone(),
+        params: model.num_params(),
+        activation_bytes_per_sample: 0,
+    }])
+}
