@@ -56,7 +56,7 @@ impl TransformerSpec {
         if self.context < 2 {
             return bad(format!("context {} must be ≥ 2", self.context));
         }
-        if self.d_model == 0 || self.heads == 0 || self.d_model % self.heads != 0 {
+        if self.d_model == 0 || self.heads == 0 || !self.d_model.is_multiple_of(self.heads) {
             return bad(format!(
                 "{} heads must be ≥ 1 and divide d_model = {}",
                 self.heads, self.d_model
@@ -335,7 +335,7 @@ impl StageNet {
             .expect("embed() on a stage without the embedding");
         let [_, t] = tokens.dims();
         let x = embedding(e.tok.val(), tokens);
-        let pos: Tensor<3> = e.pos.val().slice([0..t]).unsqueeze();
+        let pos: Tensor<3> = e.pos.val().narrow(0, 0, t).unsqueeze();
         x + pos
     }
 

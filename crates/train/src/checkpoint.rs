@@ -239,12 +239,15 @@ pub fn load(path: &Path, expect: &Identity) -> Result<Checkpoint, CheckpointErro
     Ok(c)
 }
 
+/// Checkpoint files passed over while looking for a good one: (path, why).
+pub type Skipped = Vec<(PathBuf, String)>;
+
 /// The newest checkpoint in `dir` that verifies. Damaged files are skipped and reported in the
 /// returned list (path, reason); a checkpoint of *another run* is an error, never skipped.
 pub fn load_latest(
     dir: &Path,
     expect: &Identity,
-) -> Result<(Option<Checkpoint>, Vec<(PathBuf, String)>), CheckpointError> {
+) -> Result<(Option<Checkpoint>, Skipped), CheckpointError> {
     let mut skipped = Vec::new();
     for (_, path) in list(dir)?.into_iter().rev() {
         match load(&path, expect) {

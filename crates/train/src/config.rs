@@ -35,6 +35,7 @@ fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
+#[derive(Default)]
 pub struct TrainConfig {
     pub model: ModelConfig,
     pub data: DataConfig,
@@ -195,19 +196,6 @@ pub struct DistConfig {
     pub algorithm: String,
 }
 
-impl Default for TrainConfig {
-    fn default() -> Self {
-        Self {
-            model: ModelConfig::default(),
-            data: DataConfig::default(),
-            train: TrainSection::default(),
-            optimizer: OptimizerConfig::default(),
-            dist: DistConfig::default(),
-            parallel: ParallelConfig::default(),
-            checkpoint: CheckpointConfig::default(),
-        }
-    }
-}
 impl Default for ModelConfig {
     fn default() -> Self {
         Self {
@@ -333,7 +321,7 @@ impl TrainConfig {
             return Ok(());
         }
         let b = self.train.global_batch;
-        if b == 0 || b % m != 0 {
+        if b == 0 || !b.is_multiple_of(m) {
             return Err(invalid(
                 "parallel.microbatches",
                 format!("{m} micro-batches do not divide train.global_batch = {b}"),
@@ -420,7 +408,7 @@ impl TrainConfig {
         if self.model.kind == "cnn" && self.model.conv.is_empty() {
             return Err(invalid("model.conv", "a CNN needs at least one conv layer"));
         }
-        if self.model.hidden.iter().any(|&h| h == 0) {
+        if self.model.hidden.contains(&0) {
             return Err(invalid("model.hidden", "layer widths must be ≥ 1"));
         }
         match self.data.dataset.as_str() {
@@ -455,7 +443,9 @@ impl TrainConfig {
         if t.global_batch == 0 {
             return Err(invalid("train.global_batch", "must be ≥ 1"));
         }
-        if t.microbatch == 0 || t.microbatch > t.global_batch || t.global_batch % t.microbatch != 0
+        if t.microbatch == 0
+            || t.microbatch > t.global_batch
+            || !t.global_batch.is_multiple_of(t.microbatch)
         {
             return Err(invalid(
                 "train.microbatch",
@@ -502,9 +492,12 @@ impl TrainConfig {
                 "beta1 and beta2 must be in [0, 1)",
             ));
         }
+        // Written as negations so that NaN fails the check too.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !(o.eps > 0.0) {
             return Err(invalid("optimizer.eps", "must be > 0"));
         }
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !(o.weight_decay >= 0.0) {
             return Err(invalid("optimizer.weight_decay", "must be ≥ 0"));
         }
@@ -555,7 +548,7 @@ impl TrainConfig {
 
     fn validate_transformer(&self) -> Result<(), ConfigError> {
         let m = &self.model;
-        if m.d_model == 0 || m.heads == 0 || m.d_model % m.heads != 0 {
+        if m.d_model == 0 || m.heads == 0 || !m.d_model.is_multiple_of(m.heads) {
             return Err(invalid(
                 "model.heads",
                 format!(

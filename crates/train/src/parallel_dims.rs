@@ -36,7 +36,7 @@ impl ParallelDims {
             )));
         }
         let dp = if dp == 0 {
-            if world % pp != 0 {
+            if !world.is_multiple_of(pp) {
                 return Err(bad(format!(
                     "parallel.pp = {pp} stages do not divide the world of {world} workers \
                      (parallel.dp = world / pp must be a whole number)"

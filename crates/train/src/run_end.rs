@@ -35,7 +35,7 @@ pub(crate) fn emit_progress(
         return;
     }
     on_event(Event::StepDone(p.done));
-    if p.done % cfg.train.log_every == 0 || p.done == p.total_steps {
+    if p.done.is_multiple_of(cfg.train.log_every) || p.done == p.total_steps {
         let elapsed = p.started.elapsed().as_secs_f64();
         let done = (p.done - p.start_step) as f64;
         on_event(Event::Progress(Progress {
