@@ -47,7 +47,7 @@ pub fn parse_digits(bytes: &[u8], origin: impl AsRef<Path>) -> Result<Dataset, D
 
 /// Parses decompressed CSV bytes; `origin` names the source in errors.
 fn parse_csv(text: &[u8], origin: &Path) -> Result<Dataset, DataError> {
-    let csv_err = |line: usize, problem: String| DataError::Csv {
+    let csv_err = |line: usize, problem: String| DataError::BadLine {
         path: origin.to_path_buf(),
         line,
         problem,

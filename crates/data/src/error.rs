@@ -20,9 +20,9 @@ pub enum DataError {
         cause: std::io::Error,
     },
 
-    /// A malformed line of a CSV file; `line` is 1-based.
+    /// A malformed line of a CSV or text file; `line` is 1-based.
     #[error("{} line {line}: {problem}", .path.display())]
-    Csv {
+    BadLine {
         path: PathBuf,
         line: usize,
         problem: String,

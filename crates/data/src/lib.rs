@@ -2,6 +2,7 @@
 //!
 //! - [`dataset`]: the in-memory [`Dataset`] and the seeded train/test split.
 //! - [`digits`] (committed, embedded) and [`idx`] / [`fashion`] (MNIST-style files): loaders.
+//! - [`text`]: character corpora (the embedded Shakespeare plays) as token ids in fixed windows.
 //! - [`sampler`]: the global batch of each step, from `(seed, step)` alone.
 //! - [`partition`]: fixed micro-batches and which rank computes which.
 //! - [`rng`]: the project's own PRNG, so no dependency upgrade can change a sequence.

@@ -135,8 +135,8 @@ fn allowed(b: u8) -> bool {
 /// An error about the byte at `offset` of `text`, reported with its 1-based line.
 fn line_error(origin: &str, text: &[u8], offset: usize, problem: String) -> DataError {
     let line = 1 + text[..offset].iter().filter(|&&b| b == b'\n').count();
-    // The crate's line-oriented variant: its message reads "<origin> line <n>: <problem>".
-    DataError::Csv {
+    // Its message reads "<origin> line <n>: <problem>".
+    DataError::BadLine {
         path: PathBuf::from(origin),
         line,
         problem,
