@@ -34,9 +34,9 @@ limit=20
 
 work="$(mktemp -d)"
 A=lpA$$ B=lpB$$ VA=lvA$$ VB=lvB$$
+source "$root/scripts/lib/netns-pair.sh"
 cleanup() {
-    ip netns del "$A" 2>/dev/null || true
-    ip netns del "$B" 2>/dev/null || true
+    netns_unpair "$A" "$B"
     if [[ -n "${PLAN_VALIDATE_KEEP:-}" ]]; then
         mkdir -p "$PLAN_VALIDATE_KEEP" && cp -r "$work"/. "$PLAN_VALIDATE_KEEP"/
     fi
@@ -44,16 +44,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ip netns add "$A"
-ip netns add "$B"
-ip link add "$VA" type veth peer name "$VB"
-ip link set "$VA" netns "$A"
-ip link set "$VB" netns "$B"
-ip -n "$A" addr add 10.78.0.1/24 dev "$VA"
-ip -n "$B" addr add 10.78.0.2/24 dev "$VB"
-for ns in "$A" "$B"; do ip -n "$ns" link set lo up; done
-ip -n "$A" link set "$VA" up
-ip -n "$B" link set "$VB" up
+netns_pair "$A" "$B" "$VA" "$VB" 10.78.0
 
 shape() { # RATE_GBIT
     ip netns exec "$A" tc qdisc replace dev "$VA" root tbf rate "${1}gbit" burst "${burst_kib}kb" latency 200ms

@@ -11,23 +11,14 @@ bin="$(realpath "${1:?usage: $0 path/to/lockstep [rate]}")"
 rate="${2:-}"
 work="$(mktemp -d)"
 A=lsA$$ B=lsB$$
+source "$(dirname "$0")/lib/netns-pair.sh"
 cleanup() {
-    ip netns del "$A" 2>/dev/null || true
-    ip netns del "$B" 2>/dev/null || true
+    netns_unpair "$A" "$B"
     rm -rf "$work"
 }
 trap cleanup EXIT
 
-ip netns add "$A"
-ip netns add "$B"
-ip link add "vA$$" type veth peer name "vB$$"
-ip link set "vA$$" netns "$A"
-ip link set "vB$$" netns "$B"
-ip -n "$A" addr add 10.77.0.1/24 dev "vA$$"
-ip -n "$B" addr add 10.77.0.2/24 dev "vB$$"
-for ns in "$A" "$B"; do ip -n "$ns" link set lo up; done
-ip -n "$A" link set "vA$$" up
-ip -n "$B" link set "vB$$" up
+netns_pair "$A" "$B" "vA$$" "vB$$" 10.77.0
 if [[ -n "$rate" ]]; then
     ip netns exec "$A" tc qdisc add dev "vA$$" root tbf rate "$rate" burst 256kb latency 50ms
     ip netns exec "$B" tc qdisc add dev "vB$$" root tbf rate "$rate" burst 256kb latency 50ms
