@@ -229,7 +229,11 @@ fn a_plain_sum_pipeline_repeats_its_bits_at_a_fixed_layout() {
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     ok(train(&a, "4", &sets, &[]));
     ok(train(&b, "4", &sets, &[]));
-    assert_eq!(hash(&a), hash(&b), "plain f32 sums are deterministic at a fixed layout");
+    assert_eq!(
+        hash(&a),
+        hash(&b),
+        "plain f32 sums are deterministic at a fixed layout"
+    );
     assert_eq!(summary(&a)["reproducible"], false);
     assert!(summary(&a)["final_loss"].as_f64().unwrap().is_finite());
 }

@@ -175,6 +175,20 @@ pub struct Summary {
     pub pipeline: Option<PipelineSummary>,
 }
 
+/// The median (mean of the two middle values for an even count); NaN for no values.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 /// Build the per-rank totals and the balance figures from every rank's records.
 pub fn rank_summaries(records: &[StepRecord], hosts: &[String]) -> Vec<RankSummary> {
     let world = hosts.len();

@@ -10,6 +10,7 @@
 //! warm-up) are skipped. Speedup and efficiency are relative to the first run (normally 1
 //! worker): speedup = t₀ / tₙ, efficiency = speedup · n₀ / n.
 
+use crate::metrics::median;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{ConfigError, TrainConfig};
@@ -197,19 +198,6 @@ pub struct Run {
     pub layout: Layout,
     pub summary: Summary,
     pub records: Vec<StepRecord>,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 /// Steps skipped as warm-up: 10% of the run, at most 5.

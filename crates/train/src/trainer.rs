@@ -321,15 +321,8 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
                 optimizer_steps: optimizer.steps_taken(),
                 identity: identity.clone(),
             };
-            let path = checkpoint::save(&ckpt_dir, &c, cfg.checkpoint.keep)?;
             // (the metrics flush below is collective, so it runs on every rank)
-            if faults::corrupts_checkpoint(faults, step + 1) {
-                damage(&path)?;
-                on_event(Event::Notice(format!(
-                    "injected fault: damaged checkpoint {}",
-                    path.display()
-                )));
-            }
+            save_checkpoint(cfg, &ckpt_dir, &c, faults, on_event)?;
         }
 
         let eval =
@@ -658,8 +651,28 @@ pub(crate) fn resume_from_checkpoint(
     Ok(header[1] as u64)
 }
 
+/// Rank 0: write checkpoint `c` atomically (keeping the newest `checkpoint.keep`), then damage it
+/// if a `corrupt-checkpoint` fault is injected for its step.
+pub(crate) fn save_checkpoint(
+    cfg: &TrainConfig,
+    dir: &Path,
+    c: &Checkpoint,
+    faults: &[Fault],
+    on_event: &mut dyn FnMut(Event),
+) -> Result<(), TrainError> {
+    let path = checkpoint::save(dir, c, cfg.checkpoint.keep)?;
+    if faults::corrupts_checkpoint(faults, c.step) {
+        damage(&path)?;
+        on_event(Event::Notice(format!(
+            "injected fault: damaged checkpoint {}",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Flip one byte in the middle of a file (the `corrupt-checkpoint` fault).
-pub(crate) fn damage(path: &Path) -> Result<(), TrainError> {
+fn damage(path: &Path) -> Result<(), TrainError> {
     let io = |source| TrainError::Io {
         path: path.display().to_string(),
         cause: source,

@@ -32,15 +32,16 @@ use lockstep_model::{
 use super::balance::{balance, stage_ranges};
 use super::executor::{run_schedule, StageWork};
 use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
-use crate::checkpoint::{self, Checkpoint, Identity};
+use crate::checkpoint::{Checkpoint, Identity};
 use crate::config::TrainConfig;
 use crate::faults;
 use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary};
 use crate::parallel_dims::ParallelDims;
 use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use crate::trainer::{
-    check_same_structure_bytes, checkpoint_dir, damage, gather_strings, optimizer_spec,
-    resume_from_checkpoint, write_outputs, Event, MetricsLog, TrainError, WorkerContext,
+    check_same_structure_bytes, checkpoint_dir, gather_strings, optimizer_spec,
+    resume_from_checkpoint, save_checkpoint, write_outputs, Event, MetricsLog, TrainError,
+    WorkerContext,
 };
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
@@ -386,14 +387,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
                     optimizer_steps: optimizer.steps_taken(),
                     identity: identity.clone(),
                 };
-                let path = checkpoint::save(&ckpt_dir, &c, cfg.checkpoint.keep)?;
-                if faults::corrupts_checkpoint(faults, step + 1) {
-                    damage(&path)?;
-                    on_event(Event::Notice(format!(
-                        "injected fault: damaged checkpoint {}",
-                        path.display()
-                    )));
-                }
+                save_checkpoint(cfg, &ckpt_dir, &c, faults, on_event)?;
             }
         }
 

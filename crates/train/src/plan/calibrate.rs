@@ -2,6 +2,7 @@
 //! per-step overhead as medians over its steady steps, and the CPU cost of the synchronisation
 //! left once the model of the run's own links has taken the network's share.
 
+use crate::metrics::median;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -46,19 +47,6 @@ pub struct Calibration {
     pub modelled_bytes_per_rank_step: f64,
     /// Things the user should know about this calibration.
     pub notes: Vec<String>,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 /// Calibrate from a finished run (`summary.json` + `metrics.jsonl` records) of `workload`, whose
