@@ -161,7 +161,8 @@ pub struct Summary {
     pub config_hash: String,
     pub wall_seconds: f64,
     pub samples_per_sec: f64,
-    /// max / mean of per-rank compute seconds (1.0 = perfectly balanced).
+    /// max / mean of per-rank compute seconds (1.0 = perfectly balanced); for a pipeline, among
+    /// the replicas of each stage (the worst stage), since stages hold different layers.
     pub imbalance: f64,
     /// Rank with the most compute time, when imbalance is notable (> 1.10).
     pub straggler: Option<usize>,
@@ -274,6 +275,35 @@ pub fn imbalance(ranks: &[RankSummary]) -> (f64, Option<usize>) {
     (ratio, straggler)
 }
 
+/// [`imbalance`] among ranks that do the same work: for a pipeline, the replicas of each stage
+/// (stages hold different layers, so comparing them is stage balance, not a straggler — see
+/// [`PipelineSummary::stage_compute_seconds`]). Returns the worst group's ratio and its straggler.
+pub fn imbalance_within_stages(ranks: &[RankSummary]) -> (f64, Option<usize>) {
+    let stages: std::collections::BTreeSet<usize> = ranks
+        .iter()
+        .map(|r| r.pipeline.map_or(0, |p| p.stage))
+        .collect();
+    let mut worst = (1.0, None);
+    for s in stages {
+        let group: Vec<RankSummary> = ranks
+            .iter()
+            .filter(|r| r.pipeline.map_or(0, |p| p.stage) == s)
+            .cloned()
+            .collect();
+        let candidate = imbalance(&group);
+        // A group with a straggler beats one without; then the larger ratio.
+        let beats = match (candidate.1.is_some(), worst.1.is_some()) {
+            (true, false) => true,
+            (false, true) => false,
+            _ => candidate.0 > worst.0,
+        };
+        if beats {
+            worst = candidate;
+        }
+    }
+    worst
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,5 +355,41 @@ mod tests {
         let (ratio, straggler) = imbalance(&ranks);
         assert!(ratio > 1.4);
         assert_eq!(straggler, None);
+    }
+
+    #[test]
+    fn pipeline_stages_are_compared_only_with_their_replicas() {
+        let staged = |rank: usize, stage: usize, compute: f64| {
+            let mut r = rec(rank, compute);
+            r.pipeline = Some(PipelineStep {
+                stage,
+                ..Default::default()
+            });
+            r
+        };
+        let hosts = vec!["h".to_string(); 4];
+        // Stage 1 does twice the work of stage 0 in both replicas: balanced replicas, no straggler.
+        let even = [
+            staged(0, 0, 1.0),
+            staged(1, 1, 2.0),
+            staged(2, 0, 1.0),
+            staged(3, 1, 2.0),
+        ];
+        let ranks = rank_summaries(&even, &hosts);
+        assert!(
+            imbalance(&ranks).1.is_some(),
+            "compared across stages, a stage-1 rank would be blamed"
+        );
+        assert_eq!(imbalance_within_stages(&ranks), (1.0, None));
+        // Rank 3 (stage 1, replica 1) is slow compared with rank 1, its stage's other replica.
+        let slow = [
+            staged(0, 0, 1.0),
+            staged(1, 1, 2.0),
+            staged(2, 0, 1.0),
+            staged(3, 1, 4.0),
+        ];
+        let (ratio, straggler) = imbalance_within_stages(&rank_summaries(&slow, &hosts));
+        assert_eq!(straggler, Some(3));
+        assert!((ratio - 4.0 / 3.0).abs() < 1e-12);
     }
 }

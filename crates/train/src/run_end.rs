@@ -9,7 +9,8 @@ use lockstep_comm::Communicator;
 
 use crate::config::TrainConfig;
 use crate::metrics::{
-    imbalance, rank_summaries, Eval, PipelineSummary, RankSummary, StepRecord, Summary,
+    imbalance, imbalance_within_stages, rank_summaries, Eval, PipelineSummary, RankSummary,
+    StepRecord, Summary,
 };
 use crate::trainer::{gather_strings, Event, MetricsLog, Progress, TrainError};
 
@@ -86,7 +87,12 @@ pub(crate) fn build_summary(
     on_event: &mut dyn FnMut(Event),
 ) -> Summary {
     let t = &cfg.train;
-    let (imb, straggler) = imbalance(&ranks);
+    // Pipeline stages do different work: only replicas of one stage are comparable.
+    let (imb, straggler) = if pipeline.is_some() {
+        imbalance_within_stages(&ranks)
+    } else {
+        imbalance(&ranks)
+    };
     if let (Some(r), 0) = (straggler, comm.rank()) {
         on_event(Event::Notice(format!(
             "straggler: rank {r} ({}) computed {imb:.2}× the mean per-rank compute time",

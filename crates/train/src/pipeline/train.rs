@@ -235,6 +235,13 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             dims.dp, dims.pp, cfg.parallel.schedule, ranges
         )));
     }
+    if rank == 0 && cfg.dist.overlap {
+        on_event(Event::Notice(
+            "dist.overlap is not used by the transformer loop: its gradients are reduced after \
+             the pipeline schedule (same bits either way)"
+                .into(),
+        ));
+    }
     let my_layers = ranges[me.stage].clone();
     let offsets = spec.layer_offsets();
     let full_len = *offsets.last().expect("offsets");
