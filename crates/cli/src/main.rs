@@ -767,12 +767,20 @@ fn run_train_worker(
     )
     .with_context(|| format!("rank {rank}"))?;
     if rank == 0 {
+        // A language model's test figures are validation nats per character and next-character
+        // accuracy; a classifier's, its test accuracy.
+        let test = if summary.pipeline.is_some() {
+            format!(
+                "validation loss {:.4} nats/char, next-char accuracy {:.2}%",
+                summary.test_loss,
+                summary.test_accuracy * 100.0
+            )
+        } else {
+            format!("test accuracy {:.2}%", summary.test_accuracy * 100.0)
+        };
         eprintln!(
-            "final loss {:.4}, test accuracy {:.2}%, {:.0} samples/s, param_hash {}",
-            summary.final_loss,
-            summary.test_accuracy * 100.0,
-            summary.samples_per_sec,
-            summary.param_hash
+            "final loss {:.4}, {test}, {:.0} samples/s, param_hash {}",
+            summary.final_loss, summary.samples_per_sec, summary.param_hash
         );
     }
     Ok(())
