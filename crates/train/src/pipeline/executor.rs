@@ -221,7 +221,7 @@ mod tests {
     fn messages_arrive_in_order_and_the_bubble_matches_theory() {
         let (stages, m) = (2, 4);
         for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
-            let out = run(kind, stages, m, 20);
+            let out = run(kind, stages, m, 40);
             // Every micro-batch passed through both stages: mb·100 + 1 + 2.
             let want: Vec<f32> = (0..m).map(|i| i as f32 * 100.0 + 3.0).collect();
             assert_eq!(out[stages - 1].1, want, "{kind:?}");
