@@ -360,7 +360,7 @@ fn headline(points: &[ScalePoint], hashes_agree: bool) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::metrics::{PhaseSeconds, PipelineStep};
 
@@ -384,6 +384,8 @@ mod tests {
         }
     }
 
+    /// A neutral summary for tests (also the base of other modules' fixtures, which override the
+    /// fields they check).
     pub(crate) fn summary(world: usize, hash: &str) -> Summary {
         Summary {
             world_size: world,

@@ -182,7 +182,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let n_micro = cfg.microbatches_per_step();
 
     let mut model = Model::new(&model_spec(cfg, &train_set), t.seed)?;
-    check_same_structure(comm, &model)?;
+    check_same_structure(comm, model.structure_hash())?;
     let mut params = model.params_flat();
     comm.broadcast(&mut params, 0)?;
     model.set_params_flat(&params)?;
@@ -400,7 +400,8 @@ fn evaluate(comm: &mut Communicator, model: &Model, test: &Dataset) -> Result<Ev
     })
 }
 
-pub(crate) fn check_same_structure_bytes(
+/// All ranks must build the same model: compare everyone's structure hash with rank 0's.
+pub(crate) fn check_same_structure(
     comm: &mut Communicator,
     mine: [u8; 32],
 ) -> Result<(), TrainError> {
@@ -417,10 +418,6 @@ pub(crate) fn check_same_structure_bytes(
         }
     }
     Ok(())
-}
-
-fn check_same_structure(comm: &mut Communicator, model: &Model) -> Result<(), TrainError> {
-    check_same_structure_bytes(comm, model.structure_hash())
 }
 
 fn check_same_hash(comm: &mut Communicator, hash_hex: &str) -> Result<(), TrainError> {

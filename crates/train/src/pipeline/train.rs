@@ -39,9 +39,8 @@ use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecor
 use crate::parallel_dims::ParallelDims;
 use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use crate::trainer::{
-    check_same_structure_bytes, checkpoint_dir, gather_strings, optimizer_spec,
-    resume_from_checkpoint, save_checkpoint, write_outputs, Event, MetricsLog, TrainError,
-    WorkerContext,
+    check_same_structure, checkpoint_dir, gather_strings, optimizer_spec, resume_from_checkpoint,
+    save_checkpoint, write_outputs, Event, MetricsLog, TrainError, WorkerContext,
 };
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
@@ -222,7 +221,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     };
     let m_total = cfg.microbatches_per_step();
 
-    check_same_structure_bytes(comm, spec.structure_hash())?;
+    check_same_structure(comm, spec.structure_hash())?;
     // Stages of one replica talk point to point; each stage's replicas reduce gradients.
     let mut pp_comm = comm.split(me.replica as u32, me.stage as u32)?;
     let mut dp_comm = comm.split(me.stage as u32, me.replica as u32)?;

@@ -261,26 +261,15 @@ mod tests {
 
     fn summary(world: usize, transport: &str) -> Summary {
         Summary {
-            world_size: world,
-            steps: 20,
             global_batch: 256,
             microbatch: 64,
-            reproducible: true,
             transport: transport.into(),
             final_loss: 1.0,
             test_loss: 1.0,
             test_accuracy: 0.5,
-            param_hash: "00".into(),
             config_hash: "00".into(),
             wall_seconds: 1.0,
-            samples_per_sec: 1.0,
-            imbalance: 1.0,
-            straggler: None,
-            bytes_sent_total: 0,
-            communication_fraction: 0.0,
-            evals: vec![],
-            ranks: vec![],
-            pipeline: None,
+            ..crate::scaling::tests::summary(world, "00")
         }
     }
 
