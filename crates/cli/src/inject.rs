@@ -85,6 +85,37 @@ fn parse_one(spec: &str) -> Result<Fault> {
     })
 }
 
+/// Refuse faults that could never fire in this job: a rank outside the world, a step after the
+/// last one, a corrupted checkpoint that is never written. (Silently ignoring them would make a
+/// recovery test pass without any failure.) `steps` is 0 when the length is given in epochs and
+/// only known to the workers.
+pub fn validate(faults: &[Fault], world: usize, steps: u64, checkpoint_every: u64) -> Result<()> {
+    for f in faults {
+        let (rank, step) = match *f {
+            Fault::Kill { rank, step } | Fault::Lose { rank, step } | Fault::Hang { rank, step } => {
+                (Some(rank), Some(step))
+            }
+            Fault::Slow { rank, .. } => (Some(rank), None),
+            Fault::CorruptCheckpoint { step } => {
+                if checkpoint_every == 0 || step == 0 || step % checkpoint_every != 0 {
+                    bail!(
+                        "--inject corrupt-checkpoint:step={step}: no checkpoint is written at step \
+                         {step} (checkpoint.every = {checkpoint_every})"
+                    );
+                }
+                (None, Some(step))
+            }
+        };
+        if let Some(rank) = rank.filter(|&r| r >= world) {
+            bail!("--inject {f:?}: rank {rank} does not exist in a world of {world} workers");
+        }
+        if let Some(step) = step.filter(|&s| steps > 0 && s >= steps) {
+            bail!("--inject {f:?}: step {step} is never reached (the run has steps 0..{steps})");
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +144,24 @@ mod tests {
             "kill:rank=1,step=2,color=red",
         ] {
             assert!(parse(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn faults_that_could_never_fire_are_refused() {
+        let ok = parse("kill:rank=1,step=30;slow:rank=0,factor=2;corrupt-checkpoint:step=20").unwrap();
+        validate(&ok, 2, 100, 10).unwrap();
+        for (spec, world, steps, every, want) in [
+            ("kill:rank=9,step=3", 2, 100, 10, "rank 9 does not exist in a world of 2"),
+            ("slow:rank=2,factor=2", 2, 100, 10, "rank 2 does not exist"),
+            ("hang:rank=0,step=100", 2, 100, 10, "step 100 is never reached"),
+            ("corrupt-checkpoint:step=15", 2, 100, 10, "no checkpoint is written at step 15"),
+            ("corrupt-checkpoint:step=10", 2, 100, 0, "checkpoint.every = 0"),
+        ] {
+            let e = validate(&parse(spec).unwrap(), world, steps, every)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{spec}: {e}");
         }
     }
 }

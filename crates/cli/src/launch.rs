@@ -214,9 +214,18 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         eprintln!();
     }
     if let Some((rank, what)) = blame(&failures, &last_lines) {
+        // Bad input or a full disk (exit status 3) and running out of memory (the allocator
+        // aborts with this message) recur on every attempt: not worth a restart.
+        let out_of_memory = |rank: usize| {
+            last_lines[rank % world]
+                .iter()
+                .any(|l| l.contains("memory allocation of") && l.contains("failed"))
+        };
+        // Judged on the root cause: its peers fail only because it left.
         let status_permanent = failures
             .iter()
-            .all(|(_, s)| s.code() == Some(EXIT_PERMANENT));
+            .find(|(r, _)| *r == rank)
+            .is_some_and(|(r, s)| s.code() == Some(EXIT_PERMANENT) || out_of_memory(*r));
         let tail = last_lines[rank % world].join("\n    ");
         let others: Vec<String> = failures
             .iter()

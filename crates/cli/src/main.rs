@@ -4,12 +4,16 @@ mod bench;
 mod cluster_env;
 mod inject;
 mod launch;
+mod orphan;
 mod plan;
+mod request;
+mod run_dir;
 mod scale;
 mod supervise;
 mod worker;
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -85,6 +89,10 @@ struct TrainArgs {
     /// Override a config value, e.g. --set train.steps=20 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
+    /// Replace the run already in --out (its config, metrics, summary, report and checkpoints).
+    /// Without it, a directory holding a run is refused.
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     #[command(flatten)]
     nodes: NodeArgs,
 }
@@ -247,6 +255,7 @@ fn main() {
             threads_per_worker: None,
             out: None,
             sets: Vec::new(),
+            overwrite: false,
             nodes: NodeArgs {
                 nnodes: 1,
                 node_rank: 0,
@@ -263,7 +272,10 @@ fn main() {
         Some(Command::Worker { role }) => cmd_worker(role),
     };
     if let Err(e) = result {
-        eprintln!("lockstep: error: {e:#}");
+        // Not eprintln!: an orphaned worker's stderr may be a closed pipe, and a panic here
+        // would replace the real exit status with 101.
+        orphan::exit_if_orphaned("");
+        let _ = writeln!(std::io::stderr(), "lockstep: error: {e:#}");
         std::process::exit(if is_bad_input(&e) {
             launch::EXIT_PERMANENT
         } else {
@@ -300,24 +312,17 @@ fn check_layout(
     Ok(())
 }
 
-/// Errors that a restart cannot cure: the input itself is wrong.
+/// Errors that a restart cannot cure: the input itself is wrong, or the disk is full.
 fn is_bad_input(e: &anyhow::Error) -> bool {
-    use lockstep_train::checkpoint::CheckpointError;
-    use lockstep_train::TrainError;
     e.chain().any(|c| {
         c.is::<lockstep_train::ConfigError>()
-            || matches!(
-                c.downcast_ref::<TrainError>(),
-                Some(
-                    TrainError::Data(_)
-                        | TrainError::Config(_)
-                        | TrainError::Model(_)
-                        | TrainError::ModelMismatch { .. }
-                        | TrainError::TooSmall { .. }
-                        | TrainError::Checkpoint(CheckpointError::Mismatch { .. })
-                        | TrainError::ResumeFailed
-                )
-            )
+            || c.is::<run_dir::RunDirError>()
+            || c.is::<request::BadRequest>()
+            || c.is::<supervise::PermanentFailure>()
+            || c.downcast_ref::<lockstep_train::TrainError>()
+                .is_some_and(|t| t.is_permanent())
+            || c.downcast_ref::<lockstep_train::checkpoint::CheckpointError>()
+                .is_some_and(|e| matches!(e, lockstep_train::checkpoint::CheckpointError::NoSpace { .. }))
     })
 }
 
@@ -355,31 +360,54 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             a.out.clone().unwrap_or_else(launch::default_out_dir),
         ),
     };
+    // Everything is validated before anything is written or spawned.
     let cfg = TrainConfig::load(config_path.as_deref(), &a.sets)?;
     let (min_world, max_world) = parse_nproc(&a.nproc)?;
-    check_layout(
-        &cfg,
-        &env,
-        max_world * a.nodes.nnodes,
-        min_world != max_world,
-    )?;
+    let engine = cluster_env::detect(&env)?.filter(|w| w.engine != cluster_env::Engine::Launcher);
+    let world = engine.as_ref().map_or(max_world * a.nodes.nnodes, |w| w.world_size);
+    check_layout(&cfg, &env, max_world * a.nodes.nnodes, min_world != max_world)?;
+    if engine.is_none() {
+        request::check_world(&cfg, max_world, a.nodes.nnodes)?;
+    }
     let faults = match &a.inject {
-        Some(spec) => inject::parse(spec)?,
+        Some(spec) => inject::parse(spec)
+            .and_then(|f| {
+                inject::validate(&f, world, cfg.train.steps, cfg.checkpoint.every)?;
+                Ok(f)
+            })
+            .map_err(|e| request::BadRequest(format!("{e:#}")))?,
         None => Vec::new(),
     };
+    if a.resume.is_some() {
+        if let run_dir::Resume::Finished { steps, param_hash } =
+            run_dir::check_resume(&out, &cfg)?
+        {
+            eprintln!(
+                "lockstep: {} is a finished run ({steps} steps, param_hash {param_hash}); nothing \
+                 to do and nothing changed. To train it longer: --resume {} --set train.steps=N \
+                 with N > {steps}",
+                out.display(),
+                out.display()
+            );
+            return Ok(());
+        }
+    } else {
+        run_dir::prepare_fresh(&out, &cfg, a.overwrite)?;
+    }
+    if cfg.checkpoint.every > 0 && (engine.as_ref().is_none_or(|w| w.rank == 0)) {
+        run_dir::check_writable(&lockstep_train::trainer::checkpoint_dir(&cfg, &out))?;
+    }
 
     // Started by Slurm / mpirun / torchrun: this process is one worker.
-    if let Some(w) = cluster_env::detect(&env)? {
-        if w.engine != cluster_env::Engine::Launcher {
-            eprintln!(
-                "lockstep: rank {} of {} (local rank {}, started by {})",
-                w.rank,
-                w.world_size,
-                w.local_rank,
-                w.engine.name()
-            );
-            return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
-        }
+    if let Some(w) = engine {
+        eprintln!(
+            "lockstep: rank {} of {} (local rank {}, started by {})",
+            w.rank,
+            w.world_size,
+            w.local_rank,
+            w.engine.name()
+        );
+        return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
     }
 
     std::fs::create_dir_all(&out)
@@ -456,11 +484,11 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
 }
 
 /// "N" or "MIN:MAX".
-fn parse_nproc(s: &str) -> Result<(usize, usize)> {
+fn parse_nproc(s: &str) -> Result<(usize, usize), request::BadRequest> {
     let parse = |v: &str| {
         v.trim()
             .parse::<usize>()
-            .with_context(|| format!("--nproc {s}: `{v}` is not a worker count"))
+            .map_err(|_| request::BadRequest(format!("--nproc {s}: `{v}` is not a worker count")))
     };
     let (lo, hi) = match s.split_once(':') {
         Some((a, b)) => (parse(a)?, parse(b)?),
@@ -470,7 +498,9 @@ fn parse_nproc(s: &str) -> Result<(usize, usize)> {
         }
     };
     if lo == 0 || lo > hi {
-        bail!("--nproc {s}: need 1 ≤ MIN ≤ MAX");
+        return Err(request::BadRequest(format!(
+            "--nproc {s}: need 1 ≤ MIN ≤ MAX"
+        )));
     }
     Ok((lo, hi))
 }
@@ -559,6 +589,11 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
     let sizes = scale::parse_nprocs(&a.nproc)?;
     // Every layout is checked against the config before the first run starts.
     let plan = scale::plan(a.layouts.as_deref(), &sizes, a.config.as_deref(), &a.sets)?;
+    // A sweep never replaces earlier runs: every run directory is checked before the first run.
+    let base = TrainConfig::load(a.config.as_deref(), &a.sets)?;
+    for layout in &plan {
+        run_dir::prepare_fresh(&scale::run_dir(&a.out, layout), &base, false)?;
+    }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let names: Vec<&str> = plan.iter().map(|l| l.name.as_str()).collect();
     eprintln!(
@@ -588,6 +623,7 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
             threads_per_worker: Some(a.threads_per_worker),
             out: Some(dir.clone()),
             sets: scale::layout_sets(layout, &a.sets),
+            overwrite: false,
             nodes: NodeArgs {
                 nnodes: 1,
                 node_rank: 0,
@@ -733,25 +769,39 @@ fn run_train_worker(
     worker
         .comm
         .set_algorithm(parse_algorithm(&cfg.dist.algorithm)?);
-    let mut on_event = |e: Event| {
-        match e {
-        Event::Progress(p) if under_launcher => println!(
-            "{PROGRESS_PREFIX}{{\"step\":{},\"total_steps\":{},\"loss\":{},\"samples_per_sec\":{},\"eta_seconds\":{}}}",
-            p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds
-        ),
-        Event::Progress(p) => {
-            eprintln!("step {}/{} loss {:.4} {:.0} samples/s ETA {:.0}s", p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds)
+    if under_launcher {
+        orphan::watch_launcher(rank);
+    }
+    let mut on_event = |e: Event| match e {
+        Event::Progress(p) if under_launcher => {
+            let line = serde_json::json!({
+                "step": p.step,
+                "total_steps": p.total_steps,
+                "loss": p.loss,
+                "samples_per_sec": p.samples_per_sec,
+                "eta_seconds": p.eta_seconds,
+            });
+            orphan::emit(rank, true, &format!("{PROGRESS_PREFIX}{line}"));
         }
-        Event::StepDone(step) if under_launcher => println!("{STEP_PREFIX}{step}"),
+        Event::Progress(p) => orphan::emit(
+            rank,
+            false,
+            &format!(
+                "step {}/{} loss {:.4} {:.0} samples/s ETA {:.0}s",
+                p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds
+            ),
+        ),
+        Event::StepDone(step) if under_launcher => {
+            orphan::emit(rank, true, &format!("{STEP_PREFIX}{step}"))
+        }
         Event::Resumed(step) => {
             if under_launcher {
-                println!("{RESUMED_PREFIX}{step}");
+                orphan::emit(rank, true, &format!("{RESUMED_PREFIX}{step}"));
             }
-            eprintln!("resumed from the checkpoint of step {step}");
+            orphan::emit(rank, false, &format!("resumed from the checkpoint of step {step}"));
         }
-        Event::Notice(text) => eprintln!("{text}"),
+        Event::Notice(text) => orphan::emit(rank, false, &text),
         Event::StepDone(_) => {}
-    }
     };
     let host = worker.host.clone();
     let summary = lockstep_train::train(
@@ -778,9 +828,13 @@ fn run_train_worker(
         } else {
             format!("test accuracy {:.2}%", summary.test_accuracy * 100.0)
         };
-        eprintln!(
+        orphan::emit(
+            rank,
+            false,
+            &format!(
             "final loss {:.4}, {test}, {:.0} samples/s, param_hash {}",
             summary.final_loss, summary.samples_per_sec, summary.param_hash
+        ),
         );
     }
     Ok(())

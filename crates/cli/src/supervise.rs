@@ -49,6 +49,12 @@ pub struct Policy {
     pub faults: Vec<Fault>,
 }
 
+/// A worker failed in a way a restart cannot cure (bad input, a full disk, out of memory): the
+/// launcher ends with exit status 3 too.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} (bad input: not restarting)")]
+pub struct PermanentFailure(pub String);
+
 fn detected_by(f: &WorkerFailure) -> String {
     if f.what.starts_with("killed by signal") {
         "worker process died (the launcher saw it exit)".into()
@@ -101,7 +107,7 @@ pub fn run(
             steps_recomputed: None,
         });
         if failure.permanent {
-            bail!("{} (bad input: not restarting)", failure.message);
+            return Err(PermanentFailure(failure.message).into());
         }
         if sup.restarts >= policy.max_restarts {
             bail!(

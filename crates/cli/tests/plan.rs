@@ -68,21 +68,40 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
         cal["modelled_bytes_per_rank_step"],
         cal["measured_bytes_per_rank_step"]
     );
-    // Predicting the calibration run's own layout (2 workers on one node, shared memory, whose
-    // links the calibration assumed) gives back about its measured step.
-    let own = p["predictions"]
+    // Not the calibration run's own layout (that would be nearly circular): predict one worker
+    // from the 2-worker calibration and compare with a real 1-worker run of the same job. The
+    // model keeps the calibration's per-sample compute, which two workers sharing two cores
+    // measure 10–40% slower than one worker alone: the bound allows for that contention.
+    let single = tmp.path().join("single");
+    let out = lockstep(&[
+        "train",
+        "--nproc",
+        "1",
+        "--threads-per-worker",
+        "1",
+        "--out",
+        single.to_str().unwrap(),
+        "--set",
+        "train.steps=20",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "checkpoint.every=0",
+    ])
+    .output()
+    .unwrap();
+    assert_ok(&out);
+    let measured_single = median_step(&single);
+    let one = p["predictions"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|x| x["layout"]["dp"] == 2 && x["layout"]["pp"] == 1)
-        .expect("dp=2 predicted");
-    let (pred, meas) = (
-        own["step_s"].as_f64().unwrap(),
-        cal["measured_step_s"].as_f64().unwrap(),
-    );
+        .find(|x| x["layout"]["dp"] == 1 && x["layout"]["pp"] == 1)
+        .expect("dp=1 predicted");
+    let pred = one["step_s"].as_f64().unwrap();
     assert!(
-        (pred / meas - 1.0).abs() < 0.3,
-        "dp=2 predicted {pred} s vs measured {meas} s"
+        (pred / measured_single - 1.0).abs() < 0.6,
+        "dp=1 predicted {pred} s from the 2-worker calibration vs measured {measured_single} s"
     );
     assert!(p["recommendation"]["why"]
         .as_str()
@@ -111,6 +130,19 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
     std::fs::write(&file, "nodes = 2\nworkers_per_node = 2\nlink_gbit = 10\n").unwrap();
     let e = stderr(&plan(&run, &["--cluster", file.to_str().unwrap()]));
     assert!(e.contains("cluster.toml") && e.contains("link_gbit"), "{e}");
+}
+
+/// Median step seconds of a run's rank 0 (warm-up steps skipped).
+fn median_step(run: &Path) -> f64 {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let mut steps: Vec<f64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["rank"] == 0 && r["step"].as_u64().unwrap() >= 3)
+        .map(|r| r["step_seconds"].as_f64().unwrap())
+        .collect();
+    steps.sort_by(f64::total_cmp);
+    steps[steps.len() / 2]
 }
 
 #[test]

@@ -37,6 +37,9 @@ pub enum CheckpointError {
     Corrupt { path: String, what: String },
     #[error("{path}: checkpoint belongs to another run: {what}")]
     Mismatch { path: String, what: String },
+    /// The disk (or the user's quota) is full: retrying cannot help, freeing space can.
+    #[error("{path}: no space left for the checkpoint ({what}); free space or set checkpoint.dir")]
+    NoSpace { path: String, what: String },
 }
 
 /// Everything a resumed run needs.
@@ -165,10 +168,12 @@ fn decode(bytes: &[u8], path: &str) -> Result<Checkpoint, CheckpointError> {
     })
 }
 
-fn io_err(path: &Path, e: impl std::fmt::Display) -> CheckpointError {
-    CheckpointError::Io {
-        path: path.display().to_string(),
-        what: e.to_string(),
+fn io_err(path: &Path, e: std::io::Error) -> CheckpointError {
+    let (path, what) = (path.display().to_string(), e.to_string());
+    if crate::files::is_no_space(&e) {
+        CheckpointError::NoSpace { path, what }
+    } else {
+        CheckpointError::Io { path, what }
     }
 }
 
@@ -178,11 +183,20 @@ pub fn save(dir: &Path, c: &Checkpoint, keep: usize) -> Result<PathBuf, Checkpoi
     let path = dir.join(file_name(c.step));
     let tmp = dir.join(format!(".{}.tmp.{}", file_name(c.step), std::process::id()));
     let bytes = encode(c);
-    let mut f = std::fs::File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
-    f.write_all(&bytes).map_err(|e| io_err(&tmp, e))?;
-    f.sync_all().map_err(|e| io_err(&tmp, e))?;
-    drop(f);
-    std::fs::rename(&tmp, &path).map_err(|e| io_err(&path, e))?;
+    // A partial temporary file must not eat the space that is left: remove it on any failure.
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err(&tmp, e));
+    }
+    if let Err(e) = std::fs::rename(&tmp, &path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err(&path, e));
+    }
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| io_err(dir, e))?;

@@ -353,15 +353,27 @@ impl TrainConfig {
         hex::encode(sha2::Sha256::digest(self.to_toml().as_bytes()))
     }
 
-    /// SHA-256 of the settings that determine the training trajectory: model, data, training,
-    /// optimizer, and the gradient-sum mode and buckets (which fix the bits in reproducible mode).
-    /// Logging, evaluation, timeouts, transport, overlap and checkpoint settings are left out, so a
-    /// run can resume with those changed; a checkpoint whose identity differs is refused.
+    /// SHA-256 of the settings that determine the training trajectory (see
+    /// [`TrainConfig::identity_config`]); a checkpoint whose identity differs is refused.
     pub fn identity_hash(&self) -> String {
         use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(
+            self.identity_config().to_toml().as_bytes(),
+        ))
+    }
+
+    /// The settings that determine the training trajectory: model, data, training (except its
+    /// length), optimizer, and the gradient-sum mode and buckets (which fix the bits in
+    /// reproducible mode). Logging, evaluation, timeouts, transport, overlap, checkpoint settings
+    /// and the layout are reset to their defaults, so a run can resume with those changed.
+    pub fn identity_config(&self) -> TrainConfig {
         let mut c = self.clone();
         c.train.eval_every = 0;
         c.train.log_every = 1;
+        // A run may be extended (`--resume DIR --set train.steps=…`): its length is not its
+        // identity. (The learning-rate schedule then spans the new length from the resumed step.)
+        c.train.steps = 0;
+        c.train.epochs = 0;
         c.dist = DistConfig {
             reproducible: self.dist.reproducible,
             bucket_elems: self.dist.bucket_elems,
@@ -371,7 +383,40 @@ impl TrainConfig {
         // The layout (replicas, stages, schedule, cuts) never changes the bits; only the
         // micro-batch size does, and that is in `train.microbatch`.
         c.parallel = ParallelConfig::default();
-        hex::encode(sha2::Sha256::digest(c.to_toml().as_bytes()))
+        c
+    }
+
+    /// The identity settings in which `other` differs from `self`, as "key: ours → theirs".
+    pub fn identity_differences(&self, other: &TrainConfig) -> Vec<String> {
+        fn flatten(prefix: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
+            match v {
+                toml::Value::Table(t) => {
+                    for (k, v) in t {
+                        let key = if prefix.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{prefix}.{k}")
+                        };
+                        flatten(&key, v, out);
+                    }
+                }
+                other => out.push((prefix.to_string(), other.to_string())),
+            }
+        }
+        let table = |c: &TrainConfig| {
+            let mut out = Vec::new();
+            // Through the TOML text, so an f32 reads as written (0.2, not 0.20000000298…).
+            let text = c.identity_config().to_toml();
+            let v: toml::Value = toml::Value::Table(text.parse().expect("our TOML parses"));
+            flatten("", &v, &mut out);
+            out
+        };
+        let (ours, theirs) = (table(self), table(other));
+        ours.iter()
+            .zip(&theirs)
+            .filter(|(a, b)| a != b)
+            .map(|((key, a), (_, b))| format!("{key}: {a} → {b}"))
+            .collect()
     }
 
     /// Number of micro-batches in each global batch.
@@ -532,7 +577,7 @@ impl TrainConfig {
                 ))
             }
         }
-        Ok(())
+        crate::limits::check(self, crate::limits::host_memory_bytes())
     }
 }
 

@@ -5,7 +5,6 @@
 //! micro-batch gradients; every rank applies the same optimizer update to the same parameters, so
 //! replicas never drift (checked at the end by comparing parameter hashes across ranks).
 
-use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
 
@@ -55,12 +54,42 @@ pub enum TrainError {
         have: usize,
         need: usize,
     },
+    #[error(
+        "dataset `{dataset}`: the validation text has {chars} characters, too short for one \
+         window of model.context = {context} characters (it needs at least {})",
+        context + 1
+    )]
+    ValidationTooShort {
+        dataset: String,
+        chars: usize,
+        context: usize,
+    },
     #[error("writing {path}: {cause}")]
     Io { path: String, cause: std::io::Error },
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
     #[error("rank 0 could not load the checkpoint to resume from (see its error)")]
     ResumeFailed,
+}
+
+impl TrainError {
+    /// Failures that a restart cannot cure: the input is wrong (config, data, model, a checkpoint
+    /// of another run) or the disk is full. The launcher ends the job instead of retrying.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            TrainError::Data(_)
+            | TrainError::Config(_)
+            | TrainError::Model(_)
+            | TrainError::ModelMismatch { .. }
+            | TrainError::TooSmall { .. }
+            | TrainError::ValidationTooShort { .. }
+            | TrainError::ResumeFailed
+            | TrainError::Checkpoint(CheckpointError::Mismatch { .. })
+            | TrainError::Checkpoint(CheckpointError::NoSpace { .. }) => true,
+            TrainError::Io { cause, .. } => crate::files::is_no_space(cause),
+            _ => false,
+        }
+    }
 }
 
 /// A progress report for the terminal (rank 0 only).
@@ -136,6 +165,39 @@ pub fn optimizer_spec(cfg: &TrainConfig) -> OptimizerSpec {
     }
 }
 
+/// Step records reserved up front (more are added as the run goes; a run's length is no reason
+/// to allocate its records before the first step).
+pub(crate) const RECORDS_RESERVED: usize = 4096;
+
+/// Steps of the run: `train.steps`, or `train.epochs` passes over a dataset the sampler covers —
+/// refused, naming `train.epochs`, when that is more than [`crate::limits::MAX_STEPS`].
+pub(crate) fn total_steps(cfg: &TrainConfig, sampler: &Sampler) -> Result<u64, TrainError> {
+    let t = &cfg.train;
+    if t.steps > 0 {
+        return Ok(t.steps);
+    }
+    let per_epoch = sampler.steps_per_epoch() as u64;
+    match t.epochs.checked_mul(per_epoch) {
+        Some(n) if n <= crate::limits::MAX_STEPS => Ok(n),
+        _ => Err(crate::config::ConfigError::Invalid {
+            field: "train.epochs",
+            message: format!(
+                "{} epochs of {per_epoch} steps exceed the limit of {} steps",
+                t.epochs,
+                crate::limits::MAX_STEPS
+            ),
+        }
+        .into()),
+    }
+}
+
+/// Is a checkpoint written after `step` (counting from 0)? Every `checkpoint.every` steps, and
+/// after the last step, so that a finished run can be extended from where it ended.
+pub(crate) fn checkpoint_due(cfg: &TrainConfig, step: u64, total_steps: u64) -> bool {
+    let every = cfg.checkpoint.every;
+    every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps)
+}
+
 /// Train according to `cfg` as one rank of `ctx.comm`. Returns the summary (complete on rank 0;
 /// other ranks return it too, with the same global figures).
 pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, TrainError> {
@@ -174,11 +236,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         });
     }
     let sampler = Sampler::new(train_set.len(), t.global_batch, t.seed)?;
-    let total_steps = if t.steps > 0 {
-        t.steps
-    } else {
-        t.epochs * sampler.steps_per_epoch() as u64
-    };
+    let total_steps = total_steps(cfg, &sampler)?;
     let n_micro = cfg.microbatches_per_step();
 
     let mut model = Model::new(&model_spec(cfg, &train_set), t.seed)?;
@@ -225,7 +283,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let mut total_grad = vec![0f32; params.len()];
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let scale = 1.0 / t.global_batch as f32;
-    let mut records = Vec::with_capacity(total_steps as usize);
+    let mut records = Vec::with_capacity(RECORDS_RESERVED);
     // Every rank's records, gathered at each checkpoint (and at the end) and appended to
     // metrics.jsonl by rank 0, so a crash loses only steps that will be recomputed anyway.
     let mut metrics = MetricsLog::new();
@@ -312,8 +370,8 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         optimizer.step(&mut params, &total_grad, lr);
         model.set_params_flat(&params)?;
         sec.optimizer = t0.elapsed().as_secs_f64();
-        let every = cfg.checkpoint.every;
-        if rank == 0 && every > 0 && (step + 1) % every == 0 {
+        let checkpoint_now = checkpoint_due(cfg, step, total_steps);
+        if rank == 0 && checkpoint_now {
             let c = Checkpoint {
                 step: step + 1,
                 params: params.clone(),
@@ -348,7 +406,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             eval,
             pipeline: None,
         });
-        if every > 0 && (step + 1) % every == 0 {
+        if checkpoint_now {
             metrics.flush(comm, &records, out_dir, start_step)?;
         }
         let point = StepPoint {
@@ -563,20 +621,7 @@ pub(crate) fn write_outputs(
     Ok(())
 }
 
-/// Write to a temporary file in the same directory, fsync, rename: readers see the old file or the
-/// complete new one, never a torn one.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
-    let io = |source| TrainError::Io {
-        path: path.display().to_string(),
-        cause: source,
-    };
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
-    f.write_all(bytes).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)?;
-    Ok(())
-}
+pub use crate::files::write_atomic;
 
 /// Where checkpoints live: `checkpoint.dir`, or `<run dir>/checkpoints`.
 pub fn checkpoint_dir(cfg: &TrainConfig, out_dir: &Path) -> std::path::PathBuf {

@@ -40,7 +40,8 @@ use crate::parallel_dims::ParallelDims;
 use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use crate::trainer::{
     check_same_structure, checkpoint_dir, gather_strings, optimizer_spec, resume_from_checkpoint,
-    save_checkpoint, write_outputs, Event, MetricsLog, TrainError, WorkerContext,
+    checkpoint_due, save_checkpoint, total_steps, write_outputs, Event, MetricsLog, TrainError, WorkerContext,
+    RECORDS_RESERVED,
 };
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
@@ -205,6 +206,13 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let corpus = load_corpus(cfg)?;
     let spec = transformer_spec(cfg, corpus.vocab_size());
     spec.validate()?;
+    if corpus.num_windows(Split::Val, spec.context) == 0 {
+        return Err(TrainError::ValidationTooShort {
+            dataset: corpus.name.clone(),
+            chars: corpus.tokens(Split::Val).len(),
+            context: spec.context,
+        });
+    }
     let windows = corpus.num_windows(Split::Train, spec.context);
     if windows < t.global_batch {
         return Err(TrainError::TooSmall {
@@ -214,11 +222,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         });
     }
     let sampler = Sampler::new(windows, t.global_batch, t.seed)?;
-    let total_steps = if t.steps > 0 {
-        t.steps
-    } else {
-        t.epochs * sampler.steps_per_epoch() as u64
-    };
+    let total_steps = total_steps(cfg, &sampler)?;
     let m_total = cfg.microbatches_per_step();
 
     check_same_structure(comm, spec.structure_hash())?;
@@ -304,7 +308,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let mut loss_reducer = ExactReducer::new(1);
     let scale = 1.0 / (t.global_batch * spec.context) as f32;
     let is_last = me.stage + 1 == dims.pp;
-    let mut records = Vec::with_capacity(total_steps as usize);
+    let mut records = Vec::with_capacity(RECORDS_RESERVED);
     let mut metrics = MetricsLog::new();
     let mut last_loss = f64::NAN;
     let mut evals = Vec::new();
@@ -377,8 +381,8 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         sec.optimizer = t0.elapsed().as_secs_f64();
         let loss = loss[0] as f64;
 
-        let every = cfg.checkpoint.every;
-        if every > 0 && (step + 1) % every == 0 {
+        let checkpoint_now = checkpoint_due(cfg, step, total_steps);
+        if checkpoint_now {
             // Collective within replica 0's pipeline: rank 0 receives the whole model.
             let full = gather_model(&mut pp_comm, me.replica, &params, &stage_lens)?;
             let mut full_state = Vec::new();
@@ -430,7 +434,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             eval,
             pipeline: Some(timing.pipeline),
         });
-        if every > 0 && (step + 1) % every == 0 {
+        if checkpoint_now {
             metrics.flush(comm, &records, out_dir, start_step)?;
         }
         let point = StepPoint {

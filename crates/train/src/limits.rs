@@ -1,0 +1,326 @@
+//! Resource limits of a configuration, checked before anything starts.
+//!
+//! A value that parses is not yet a value that can run: `dist.timeout_secs = 1e300` overflows a
+//! `Duration`, `train.steps = 10000000000` asks for terabytes of step records, a layer of 2^62
+//! units overflows the allocator's size computation. Each such value is refused here, naming the
+//! field, what it would need and what the machine or the types can hold — so it ends as bad input
+//! (exit status 3, never restarted) instead of a panic or an abort in every worker.
+//!
+//! Memory is estimated per worker, from the parameter count (parameters, the summed gradient, one
+//! gradient per local micro-batch, optimizer state and burn's own copies) and the activations of
+//! one micro-batch, against the host's physical memory (`/proc/meminfo`). The estimate is an
+//! upper bound of the right order, not an exact figure: it refuses what cannot fit, not what is
+//! merely large.
+
+use crate::config::{ConfigError, TrainConfig};
+
+/// Longest wait a collective may be given: a week. `Duration`/`Instant` arithmetic and the
+/// store's longest wait stay finite.
+pub const MAX_TIMEOUT_SECS: f64 = 7.0 * 24.0 * 3600.0;
+/// Most optimizer steps of one run. Every rank keeps a record (≈ 300 bytes) per step, and rank 0
+/// gathers all of them for the summary.
+pub const MAX_STEPS: u64 = 10_000_000;
+/// Largest batch / micro-batch (samples).
+pub const MAX_BATCH: usize = 1 << 24;
+/// Largest width of any layer (units, channels, d_model, d_ff, context).
+pub const MAX_WIDTH: usize = 1 << 24;
+/// Most layers (hidden layers, conv blocks, transformer blocks).
+pub const MAX_LAYERS: usize = 4096;
+/// Largest gradient bucket (values).
+pub const MAX_BUCKET: usize = 1 << 28;
+/// Most checkpoints kept, and timed repetitions per layer when profiling.
+pub const MAX_KEEP: usize = 100_000;
+pub const MAX_PROFILE_REPS: usize = 10_000;
+/// Most pipeline stages or data-parallel replicas a config may name.
+pub const MAX_PARALLEL: usize = 1 << 16;
+/// Assumed when `/proc/meminfo` cannot be read.
+const FALLBACK_MEMORY: u128 = 8 << 30;
+
+fn invalid(field: &'static str, message: String) -> ConfigError {
+    ConfigError::Invalid { field, message }
+}
+
+/// This host's physical memory in bytes.
+pub fn host_memory_bytes() -> u128 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+            let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(FALLBACK_MEMORY)
+}
+
+/// Check every numeric field against what the types and `memory` bytes per worker can hold.
+pub fn check(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
+    let t = &cfg.train;
+    if t.steps > MAX_STEPS {
+        return Err(invalid(
+            "train.steps",
+            format!(
+                "{} steps exceed the limit of {MAX_STEPS} (every rank keeps a record per step)",
+                t.steps
+            ),
+        ));
+    }
+    if t.steps == 0 && t.epochs > MAX_STEPS {
+        return Err(invalid(
+            "train.epochs",
+            format!(
+                "{} epochs exceed the limit of {MAX_STEPS} steps whatever the dataset",
+                t.epochs
+            ),
+        ));
+    }
+    for (field, v) in [
+        ("train.global_batch", t.global_batch),
+        ("train.microbatch", t.microbatch),
+    ] {
+        if v > MAX_BATCH {
+            return Err(invalid(
+                field,
+                format!("{v} samples exceed the limit of {MAX_BATCH}"),
+            ));
+        }
+    }
+    let d = &cfg.dist;
+    // NaN and infinity are refused by config validation; here the finite but absurd.
+    if d.timeout_secs > MAX_TIMEOUT_SECS {
+        return Err(invalid(
+            "dist.timeout_secs",
+            format!(
+                "{} s is longer than the longest wait allowed, {MAX_TIMEOUT_SECS} s (a week)",
+                d.timeout_secs
+            ),
+        ));
+    }
+    if d.bucket_elems > MAX_BUCKET {
+        return Err(invalid(
+            "dist.bucket_elems",
+            format!(
+                "{} values exceed the limit of {MAX_BUCKET}",
+                d.bucket_elems
+            ),
+        ));
+    }
+    if cfg.checkpoint.keep > MAX_KEEP {
+        return Err(invalid(
+            "checkpoint.keep",
+            format!(
+                "{} checkpoints exceed the limit of {MAX_KEEP}",
+                cfg.checkpoint.keep
+            ),
+        ));
+    }
+    let p = &cfg.parallel;
+    if p.profile_reps > MAX_PROFILE_REPS {
+        return Err(invalid(
+            "parallel.profile_reps",
+            format!(
+                "{} repetitions exceed the limit of {MAX_PROFILE_REPS}",
+                p.profile_reps
+            ),
+        ));
+    }
+    for (field, v) in [("parallel.pp", p.pp), ("parallel.dp", p.dp)] {
+        if v > MAX_PARALLEL {
+            return Err(invalid(
+                field,
+                format!("{v} exceeds the limit of {MAX_PARALLEL}"),
+            ));
+        }
+    }
+    check_model(cfg, memory)
+}
+
+/// Widths and counts of the model's layers, then its memory against `memory`.
+fn check_model(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
+    let m = &cfg.model;
+    let widths: &[(&'static str, &[usize])] = &[
+        ("model.hidden", &m.hidden),
+        ("model.conv", &m.conv),
+        ("model.cnn_hidden", std::slice::from_ref(&m.cnn_hidden)),
+        ("model.d_model", std::slice::from_ref(&m.d_model)),
+        ("model.d_ff", std::slice::from_ref(&m.d_ff)),
+        ("model.context", std::slice::from_ref(&m.context)),
+        ("model.heads", std::slice::from_ref(&m.heads)),
+    ];
+    for (field, values) in widths {
+        if values.len() > MAX_LAYERS {
+            return Err(invalid(
+                field,
+                format!(
+                    "{} layers exceed the limit of {MAX_LAYERS}",
+                    values.len()
+                ),
+            ));
+        }
+        if let Some(w) = values.iter().find(|&&w| w > MAX_WIDTH) {
+            return Err(invalid(
+                field,
+                format!("a width of {w} exceeds the limit of {MAX_WIDTH}"),
+            ));
+        }
+    }
+    if m.blocks > MAX_LAYERS {
+        return Err(invalid(
+            "model.blocks",
+            format!("{} blocks exceed the limit of {MAX_LAYERS}", m.blocks),
+        ));
+    }
+    let need = memory_estimate(cfg);
+    if need > memory {
+        let field = match m.kind.as_str() {
+            "transformer" => "model.d_model",
+            "cnn" => "model.conv",
+            _ => "model.hidden",
+        };
+        return Err(invalid(
+            field,
+            format!(
+                "the model needs about {} per worker ({} parameters, {} of activations per \
+                 micro-batch) but this host has {} of memory",
+                gib(need),
+                param_count(cfg),
+                gib(activation_bytes(cfg)),
+                gib(memory)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn gib(bytes: u128) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u128 << 30) as f64)
+}
+
+/// Features per sample and classes of a built-in dataset (the largest the dataset can have).
+fn input_shape(cfg: &TrainConfig) -> ([u128; 3], u128) {
+    match cfg.data.dataset.as_str() {
+        "digits" => ([1, 8, 8], 10),
+        _ => ([1, 28, 28], 10),
+    }
+}
+
+/// Parameters of the configured model (u128: no width the limits admit can overflow it).
+pub fn param_count(cfg: &TrainConfig) -> u128 {
+    let m = &cfg.model;
+    let ([c, h, w], classes) = input_shape(cfg);
+    let dense = |widths: &[u128]| -> u128 { widths.windows(2).map(|p| p[0] * p[1] + p[1]).sum() };
+    match m.kind.as_str() {
+        "transformer" => {
+            let (d, vocab, ctx) = (m.d_model as u128, 256u128, m.context as u128);
+            let ff = if m.d_ff == 0 { 4 * d } else { m.d_ff as u128 };
+            let block = 4 * d * d + 4 * d + 2 * d * ff + ff + d + 4 * d;
+            vocab * d + ctx * d + m.blocks as u128 * block + 2 * d + d * vocab + vocab
+        }
+        "cnn" => {
+            let mut params = 0u128;
+            let (mut ch, mut hh, mut ww) = (c, h, w);
+            for &out in &m.conv {
+                params += ch * out as u128 * 9 + out as u128;
+                ch = out as u128;
+                hh /= 2;
+                ww /= 2;
+            }
+            params + dense(&[ch * hh * ww, m.cnn_hidden as u128, classes])
+        }
+        _ => {
+            let widths: Vec<u128> = std::iter::once(c * h * w)
+                .chain(m.hidden.iter().map(|&x| x as u128))
+                .chain(std::iter::once(classes))
+                .collect();
+            dense(&widths)
+        }
+    }
+}
+
+/// Activation bytes of one micro-batch's forward and backward (a generous multiple of the
+/// values the layers produce).
+pub fn activation_bytes(cfg: &TrainConfig) -> u128 {
+    let m = &cfg.model;
+    let n = cfg.train.microbatch as u128;
+    let ([c, h, w], classes) = input_shape(cfg);
+    let values: u128 = match m.kind.as_str() {
+        "transformer" => {
+            let (d, ctx, heads) = (m.d_model as u128, m.context as u128, m.heads as u128);
+            let ff = if m.d_ff == 0 { 4 * d } else { m.d_ff as u128 };
+            n * ctx * (m.blocks as u128 * (8 * d + 2 * ff + 3 * heads * ctx) + 3 * 256)
+        }
+        "cnn" => {
+            let (mut hh, mut ww, mut sum) = (h, w, c * h * w);
+            for &out in &m.conv {
+                sum += 3 * out as u128 * hh * ww;
+                hh /= 2;
+                ww /= 2;
+            }
+            n * (sum + 2 * m.cnn_hidden as u128 + classes)
+        }
+        _ => n * (c * h * w + m.hidden.iter().map(|&x| 2 * x as u128).sum::<u128>() + classes),
+    };
+    values * 4 * 4
+}
+
+/// Bytes one worker needs at most: parameter-sized vectors (parameters, summed gradient, one
+/// gradient per micro-batch — all of them on a single worker —, optimizer state, burn's parameter,
+/// gradient and autodiff copies) plus activations.
+pub fn memory_estimate(cfg: &TrainConfig) -> u128 {
+    let microbatches = (cfg.train.global_batch / cfg.train.microbatch.max(1)) as u128;
+    let copies = microbatches + 8;
+    param_count(cfg) * 4 * copies + activation_bytes(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(sets: &[&str]) -> Result<TrainConfig, ConfigError> {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        TrainConfig::from_toml_str("", "test", &sets)
+    }
+
+    fn field_of(e: ConfigError) -> &'static str {
+        match e {
+            ConfigError::Invalid { field, .. } => field,
+            other => panic!("not a field error: {other}"),
+        }
+    }
+
+    #[test]
+    fn absurd_values_are_refused_naming_the_field() {
+        for (set, field) in [
+            ("dist.timeout_secs=1e19", "dist.timeout_secs"),
+            ("dist.timeout_secs=1e300", "dist.timeout_secs"),
+            ("train.steps=10000000000", "train.steps"),
+            ("train.epochs=1000000000000", "train.epochs"),
+            ("model.hidden=[1000000000]", "model.hidden"),
+            ("model.hidden=[4611686018427387904]", "model.hidden"),
+            ("model.hidden=[100000, 100000]", "model.hidden"),
+            ("dist.bucket_elems=1000000000000", "dist.bucket_elems"),
+            ("checkpoint.keep=1000000000", "checkpoint.keep"),
+        ] {
+            let steps0 = if set.starts_with("train.epochs") {
+                vec![set, "train.steps=0"]
+            } else {
+                vec![set]
+            };
+            let e = with(&steps0).expect_err(set);
+            assert_eq!(field_of(e), field, "{set}");
+        }
+    }
+
+    #[test]
+    fn shipped_sizes_fit_and_the_estimate_grows_with_the_model() {
+        let small = with(&[]).unwrap();
+        let big = with(&["model.hidden=[4096, 4096]"]).unwrap();
+        assert!(memory_estimate(&big) > 100 * memory_estimate(&small));
+        assert!(memory_estimate(&small) < 64 << 20);
+        // A model that fits 24 GiB is refused on a 1 GiB host.
+        let e = check(&big, 1 << 30).unwrap_err().to_string();
+        assert!(
+            e.contains("model.hidden") && e.contains("GiB of memory"),
+            "{e}"
+        );
+    }
+}
