@@ -119,6 +119,8 @@ fn split_is_deterministic_and_partitions_the_data() {
 mod fuzz {
     use proptest::prelude::*;
 
+    use super::common::fuzz_cases;
+
     use super::common::gzip;
     use lockstep_data::{parse_digits, DataError};
 
@@ -187,7 +189,7 @@ mod fuzz {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig::with_cases(fuzz_cases(256)))]
 
         #[test]
         fn valid_files_round_trip(

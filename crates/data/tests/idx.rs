@@ -102,6 +102,8 @@ mod fuzz {
 
     use proptest::prelude::*;
 
+    use super::common::fuzz_cases;
+
     use super::common::{gzip, idx_bytes};
     use lockstep_data::{parse_idx, DataError, IDX_IMAGES_U8, IDX_LABELS_U8};
 
@@ -257,7 +259,7 @@ mod fuzz {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig::with_cases(fuzz_cases(512)))]
 
         /// What was written is what is read, raw and gzipped.
         #[test]

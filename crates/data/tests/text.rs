@@ -282,6 +282,8 @@ fn encode_names_the_unknown_character() {
 mod fuzz {
     use proptest::prelude::*;
 
+    use super::common::fuzz_cases;
+
     use super::common::gzip;
     use lockstep_data::{parse_char_corpus, DataError, Split};
 
@@ -307,7 +309,7 @@ mod fuzz {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig::with_cases(fuzz_cases(512)))]
 
         /// Ids decode to the texts, the vocabulary is exactly the sorted set of their bytes.
         #[test]
