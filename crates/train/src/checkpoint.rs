@@ -535,8 +535,11 @@ mod tests {
                 bytes.truncate(cut % (n + 1));
             }
             bytes.extend_from_slice(&extra);
-            prop_assume!(bytes != good);
-            prop_assert!(decode_checked(&bytes).is_err());
+            // Edits that cancel out (no flips, a cut at the end, no extra) leave a good file;
+            // skipped here rather than rejected, which long runs would hit too often.
+            if bytes != good {
+                prop_assert!(decode_checked(&bytes).is_err());
+            }
         }
 
         /// Forged headers with a valid checksum: any claimed lengths, any payload size. Decoded
