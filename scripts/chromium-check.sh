@@ -6,7 +6,8 @@
 #       DOM holds the expected sections and inline SVG charts;
 #   (b) a 1200×3000 screenshot is produced and is not blank (a PNG decoder below counts colours
 #       and non-white pixels).
-# A deliberately broken page is checked first, so the checks are known to catch what they claim.
+# Control pages are checked first, one per check, each failing exactly that check and a good one
+# passing them all, so the checks are known to catch what they claim.
 # Usage: scripts/chromium-check.sh path/to/lockstep [screenshot-dir]
 # Offline: the pages are local files and Chromium's background networking is off.
 set -euo pipefail
@@ -134,16 +135,49 @@ if len(colours) < 16 or inked < 0.02:
 EOF
 }
 
-# 0. The checks must be able to fail: a page with a script error, one with an external image.
+# 0. Every check must be able to fail: one control page per check, each passing all the checks
+# before its own, and each must fail with that check's reason (a control failing for another
+# reason would prove nothing about its check). Chromium failing to start and a missing
+# screenshot are failures of the environment, not of a page, and have no control page.
 page='<!DOCTYPE html><html><body><section id="x"><svg xmlns="http://www.w3.org/2000/svg"></svg></section>'
-echo "$page<script>undefinedFunction();</script></body></html>" >"$work/script-error.html"
-echo "$page<img src=\"missing.png\"></body></html>" >"$work/external.html"
-for control in script-error external; do
-    if check "$control" "$work/$control.html" 1 x 2>/dev/null; then
-        echo "chromium-check: the control page $control.html passed: the checks do not work here" >&2
+# Fills the screenshot with many colours, so that only the check under test can fail.
+ink='<svg xmlns="http://www.w3.org/2000/svg" width="1200" height="2000">'
+for i in $(seq 0 31); do
+    ink+="<rect x=\"0\" y=\"$((i * 60))\" width=\"1200\" height=\"60\" fill=\"rgb($((i * 8)),$((255 - i * 8)),128)\"/>"
+done
+ink+='</svg>'
+echo "$page$ink<script>undefinedFunction();</script></body></html>" >"$work/script-error.html"
+# An anchor loads nothing, so this control fails only the external-reference check.
+echo "$page$ink<a href=\"https://example.invalid/\">elsewhere</a></body></html>" >"$work/external.html"
+echo "<!DOCTYPE html><html><body><section id=\"x\">no chart</section></body></html>" >"$work/no-svg.html"
+echo "$page$ink</body></html>" >"$work/no-section.html"
+echo "$page</body></html>" >"$work/blank.html"
+# control NAME REASON SECTION: check NAME's page (at least 1 SVG, section SECTION) must fail with
+# a message matching REASON.
+control() {
+    local name="$1" reason="$2" section="$3"
+    if check "$name" "$work/$name.html" 1 "$section" 2>"$work/$name.control"; then
+        echo "chromium-check: the control page $name.html passed: the check for \"$reason\" does not work here" >&2
         exit 1
     fi
-done
+    if ! grep -qE "$reason" "$work/$name.control"; then
+        echo "chromium-check: the control page $name.html failed, but not with \"$reason\":" >&2
+        cat "$work/$name.control" >&2
+        exit 1
+    fi
+}
+control script-error "script-error: console messages" x
+control external "external: external references" x
+control no-svg "no-svg: 0 inline SVG chart" x
+control no-section 'no-section: section "missing-id" missing' missing-id
+control blank "blank: the screenshot looks blank" x
+# And the controls' common part passes every check, so the failures above are the checks' doing.
+echo "$page$ink</body></html>" >"$work/good.html"
+if ! check good "$work/good.html" 1 x >"$work/good.control" 2>&1; then
+    echo "chromium-check: the well-formed control page good.html failed:" >&2
+    cat "$work/good.control" >&2
+    exit 1
+fi
 
 # 1. A real run with a failure and a restart, and a real sweep.
 "$bin" train --nproc 2 --out "$work/run" --set train.steps=40 --set train.eval_every=10 \

@@ -66,21 +66,27 @@ for f in "${fashion_files[@]}"; do
         die "$fashion_dir/$f is missing after installing dataset-fashion-mnist"
 done
 
-# Checksums of Debian bookworm's dataset-fashion-mnist 0.0~git20200523.55506a9-1. Another package
-# version may recompress the same images, so a mismatch is a warning, not an error: it means runs on
-# this machine may not be comparable bit for bit with runs on machines that have the pinned files.
+# Checksums of Debian bookworm's dataset-fashion-mnist 0.0~git20200523.55506a9-1. A mismatch is an
+# error: runs are meant to be comparable bit for bit across machines, and a recompressed or damaged
+# file would silently break that (or fail later, mid-run, with a less helpful message). Every file is
+# checked before failing, so one run names all the mismatches.
 fashion_sha256=(
     b0564c3eedabfbf835052cff8503ea422014ce006caf5b757f851416ee8300c7
     0ae29f65d86684f32d1b9c85147786c547b9c6aebcaf235f0400a0cce308b056
     cc1d090a38ace84dfa1aa66e3ada7c336ef481a96936906477e6dd344da56eaa
     8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05
 )
+mismatches=0
 for i in "${!fashion_files[@]}"; do
     f="$fashion_dir/${fashion_files[$i]}"
     actual="$(sha256sum "$f" | cut -d' ' -f1)"
     if [[ "$actual" != "${fashion_sha256[$i]}" ]]; then
-        echo "setup.sh: warning: $f has sha256 $actual, expected ${fashion_sha256[$i]}" \
-            "(different package version?)" >&2
+        echo "setup.sh: error: $f has sha256 $actual, expected ${fashion_sha256[$i]}" \
+            "(a different dataset-fashion-mnist version, or a damaged file: reinstall with" \
+            "apt-get install --reinstall dataset-fashion-mnist)" >&2
+        mismatches=$((mismatches + 1))
     fi
 done
+[[ "$mismatches" -eq 0 ]] ||
+    die "$mismatches Fashion-MNIST file(s) in $fashion_dir do not match the pinned checksums"
 echo "setup.sh: Fashion-MNIST ok ($fashion_dir)"

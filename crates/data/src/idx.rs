@@ -4,11 +4,14 @@
 //! dimensions), then NN big-endian u32 sizes, then the elements in row-major order. Images are
 //! `0x00000803` (count × rows × cols, u8 pixels) and labels `0x00000801` (count, u8).
 
+use std::io::Read;
 use std::path::Path;
+
+use flate2::read::MultiGzDecoder;
 
 use crate::dataset::Dataset;
 use crate::error::DataError;
-use crate::read::read_maybe_gz;
+use crate::read::{is_gzip, read_file};
 
 /// Magic of an IDX file of u8 images (3 dimensions).
 pub const IDX_IMAGES_U8: u32 = 0x0000_0803;
@@ -35,32 +38,86 @@ pub fn read_idx(
     expected_magic: u32,
     what: &'static str,
 ) -> Result<IdxArray, DataError> {
-    let bytes = read_maybe_gz(path, NOT_FOUND_HINT)?;
-    parse_idx(&bytes, path, expected_magic, what)
+    let raw = read_file(path, NOT_FOUND_HINT)?;
+    parse_idx(&raw, path, expected_magic, what)
 }
 
-fn parse_idx(
-    bytes: &[u8],
-    path: &Path,
+/// Parses IDX bytes in memory, gzipped or raw (detected by content); `origin` names them in
+/// errors.
+///
+/// Memory is bounded by the input, whatever the header claims: the header is read and checked
+/// first, and at most the payload it announces is kept (a gzip stream is decompressed only that
+/// far; the excess of an over-long one is counted, not stored). So a header claiming
+/// 2^31 × 2^31 images in a small file is refused after reading the file, not after allocating
+/// for the claim, and a small gzip that inflates far beyond its header is not inflated into
+/// memory.
+pub fn parse_idx(
+    raw: &[u8],
+    origin: impl AsRef<Path>,
+    expected_magic: u32,
+    what: &'static str,
+) -> Result<IdxArray, DataError> {
+    let origin = origin.as_ref();
+    if is_gzip(raw) {
+        parse_stream(
+            &mut MultiGzDecoder::new(raw),
+            raw.len(),
+            origin,
+            expected_magic,
+            what,
+        )
+    } else {
+        parse_stream(&mut &raw[..], raw.len(), origin, expected_magic, what)
+    }
+}
+
+/// Reads up to `n` bytes (fewer only at the end of the stream) into `buf`.
+fn read_up_to(
+    r: &mut dyn Read,
+    n: usize,
+    buf: &mut Vec<u8>,
+    origin: &Path,
+) -> Result<(), DataError> {
+    r.take(n as u64)
+        .read_to_end(buf)
+        .map(drop)
+        .map_err(|cause| gzip_err(origin, cause))
+}
+
+fn gzip_err(origin: &Path, cause: std::io::Error) -> DataError {
+    // Reading from memory fails only in the gzip decoder.
+    DataError::Gzip {
+        path: origin.to_path_buf(),
+        cause,
+    }
+}
+
+/// `r` yields the IDX bytes (decompressed); `raw_len` is the size of the input, which bounds
+/// what is allocated before the data has arrived.
+fn parse_stream(
+    r: &mut dyn Read,
+    raw_len: usize,
+    origin: &Path,
     expected_magic: u32,
     what: &'static str,
 ) -> Result<IdxArray, DataError> {
     let length_err = |problem: String| DataError::IdxLength {
-        path: path.to_path_buf(),
+        path: origin.to_path_buf(),
         problem,
     };
-    let be_u32 = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
-
-    if bytes.len() < 4 {
+    let mut head = Vec::with_capacity(4);
+    read_up_to(r, 4, &mut head, origin)?;
+    if head.len() < 4 {
         return Err(length_err(format!(
             "truncated: {} bytes, too short for the 4-byte IDX magic",
-            bytes.len()
+            head.len()
         )));
     }
-    let magic = be_u32(0);
+    let be_u32 = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+    let magic = be_u32(&head);
     if magic != expected_magic {
         return Err(DataError::IdxMagic {
-            path: path.to_path_buf(),
+            path: origin.to_path_buf(),
             found: magic,
             expected: expected_magic,
             what,
@@ -68,13 +125,17 @@ fn parse_idx(
     }
     let ndims = (magic & 0xff) as usize;
     let header = 4 + 4 * ndims;
-    if bytes.len() < header {
+    read_up_to(r, header - 4, &mut head, origin)?;
+    if head.len() < header {
         return Err(length_err(format!(
             "truncated: the header of {ndims} dimension(s) takes {header} bytes, file has {}",
-            bytes.len()
+            head.len()
         )));
     }
-    let dims: Vec<usize> = (0..ndims).map(|d| be_u32(4 + 4 * d) as usize).collect();
+    let dims: Vec<usize> = head[4..]
+        .chunks_exact(4)
+        .map(|b| be_u32(b) as usize)
+        .collect();
     let dims_text = dims
         .iter()
         .map(usize::to_string)
@@ -86,9 +147,15 @@ fn parse_idx(
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| length_err(format!("header dimensions {dims_text} overflow")))?;
-    let payload = bytes.len() - header;
-    if payload != expected {
-        let state = if payload < expected {
+    // Reserve what the header announces only as far as the input can hold it (raw data is the
+    // input; gzip of these files inflates a few times, and the vector grows if it is more).
+    let mut data = Vec::with_capacity(expected.min(raw_len));
+    read_up_to(r, expected, &mut data, origin)?;
+    // Whatever follows the announced payload is only counted.
+    let extra = std::io::copy(r, &mut std::io::sink()).map_err(|cause| gzip_err(origin, cause))?;
+    let payload = data.len() as u64 + extra;
+    if payload != expected as u64 {
+        let state = if (data.len()) < expected {
             "truncated"
         } else {
             "trailing bytes"
@@ -97,10 +164,7 @@ fn parse_idx(
             "{state}: header says {dims_text} = {expected} bytes of {what}, file has {payload}"
         )));
     }
-    Ok(IdxArray {
-        dims,
-        data: bytes[header..].to_vec(),
-    })
+    Ok(IdxArray { dims, data })
 }
 
 /// Loads an image IDX file and its label IDX file (MNIST, Fashion-MNIST; 10 classes) as one

@@ -24,7 +24,9 @@ pub use dataset::{split_train_test, Dataset};
 pub use digits::{load_digits, load_digits_embedded, parse_digits, DIGITS_PATH, DIGITS_SHA256};
 pub use error::DataError;
 pub use fashion::{load_fashion_mnist, FASHION_MNIST_DIR};
-pub use idx::{load_idx, load_idx_with_classes, read_idx, IdxArray, IDX_IMAGES_U8, IDX_LABELS_U8};
+pub use idx::{
+    load_idx, load_idx_with_classes, parse_idx, read_idx, IdxArray, IDX_IMAGES_U8, IDX_LABELS_U8,
+};
 pub use partition::{assign, microbatches};
 pub use rng::Rng;
 pub use sampler::Sampler;

@@ -15,7 +15,12 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// Returns the file's bytes, gunzipped if they start with the gzip magic. `hint` tells the user
 /// where the file should come from when it does not exist.
 pub(crate) fn read_maybe_gz(path: &Path, hint: &'static str) -> Result<Vec<u8>, DataError> {
-    let raw = std::fs::read(path).map_err(|source| match source.kind() {
+    decode(&read_file(path, hint)?, path)
+}
+
+/// The file's bytes as stored; `hint` as for [`read_maybe_gz`].
+pub(crate) fn read_file(path: &Path, hint: &'static str) -> Result<Vec<u8>, DataError> {
+    std::fs::read(path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => DataError::NotFound {
             path: path.to_path_buf(),
             hint,
@@ -24,13 +29,17 @@ pub(crate) fn read_maybe_gz(path: &Path, hint: &'static str) -> Result<Vec<u8>, 
             path: path.to_path_buf(),
             cause: source,
         },
-    })?;
-    decode(&raw, path)
+    })
+}
+
+/// Whether `raw` starts with gzip's magic bytes.
+pub(crate) fn is_gzip(raw: &[u8]) -> bool {
+    raw.starts_with(&GZIP_MAGIC)
 }
 
 /// Gunzips `raw` if it is gzip, else returns it unchanged; `origin` only names it in errors.
 pub(crate) fn decode(raw: &[u8], origin: &Path) -> Result<Vec<u8>, DataError> {
-    if !raw.starts_with(&GZIP_MAGIC) {
+    if !is_gzip(raw) {
         return Ok(raw.to_vec());
     }
     // Multi-member aware: concatenated gzip files are valid gzip and some tools write them.

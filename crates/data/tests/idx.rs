@@ -92,3 +92,278 @@ fn other_class_counts() {
     // With the default 10 classes, label 25 is rejected.
     assert!(load_idx(&ip, &lp, "letters").is_err());
 }
+
+// ---- Fuzzing: arbitrary and mutated files never panic, never allocate for what a header only
+// claims, and errors name the file; valid files round-trip. ----
+
+mod fuzz {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    use proptest::prelude::*;
+
+    use super::common::fuzz_cases;
+
+    use super::common::{gzip, idx_bytes};
+    use lockstep_data::{parse_idx, DataError, IDX_IMAGES_U8, IDX_LABELS_U8};
+
+    /// Counts the bytes live on each thread, so a test can measure the peak of one call.
+    struct Counting;
+
+    thread_local! {
+        static LIVE: Cell<isize> = const { Cell::new(0) };
+        static PEAK: Cell<isize> = const { Cell::new(0) };
+    }
+
+    fn note(delta: isize) {
+        // try_with: the thread-locals may be gone while a thread is torn down.
+        let _ = LIVE.try_with(|live| {
+            let v = live.get() + delta;
+            live.set(v);
+            let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
+        });
+    }
+
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            let p = unsafe { System.alloc(layout) };
+            if !p.is_null() {
+                note(layout.size() as isize);
+            }
+            p
+        }
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            let p = unsafe { System.alloc_zeroed(layout) };
+            if !p.is_null() {
+                note(layout.size() as isize);
+            }
+            p
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            unsafe { System.dealloc(ptr, layout) };
+            note(-(layout.size() as isize));
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            let p = unsafe { System.realloc(ptr, layout, new_size) };
+            if !p.is_null() {
+                note(new_size as isize - layout.size() as isize);
+            }
+            p
+        }
+    }
+
+    #[global_allocator]
+    static ALLOC: Counting = Counting;
+
+    /// The result of `f` and the most bytes it had allocated at once on this thread.
+    fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
+        let base = LIVE.with(Cell::get);
+        PEAK.with(|p| p.set(base));
+        let out = f();
+        (out, (PEAK.with(Cell::get) - base).max(0) as usize)
+    }
+
+    const ORIGIN: &str = "fuzz/train-images-idx3-ubyte";
+
+    /// Parses `bytes` as images, checking the properties every input must have: no panic (a
+    /// panic fails the test), memory within a constant and twice the input (the decoded file
+    /// plus the header vector; gzip input is checked against its decompressed size by the
+    /// caller), and an error that names the file.
+    fn parse_checked(
+        bytes: &[u8],
+        magic: u32,
+        budget: usize,
+    ) -> Result<(Vec<usize>, Vec<u8>), String> {
+        let (result, peak) = peak_of(|| parse_idx(bytes, ORIGIN, magic, "u8 images"));
+        assert!(
+            peak <= budget,
+            "{} input bytes made the parser hold {peak} bytes at once (budget {budget})",
+            bytes.len()
+        );
+        match result {
+            Ok(a) => Ok((a.dims, a.data)),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.starts_with(ORIGIN),
+                    "error does not name the file: {msg}"
+                );
+                assert!(
+                    matches!(
+                        e,
+                        DataError::IdxMagic { .. }
+                            | DataError::IdxLength { .. }
+                            | DataError::Gzip { .. }
+                    ),
+                    "unexpected error kind: {e:?}"
+                );
+                Err(msg)
+            }
+        }
+    }
+
+    /// Scratch the decoder may need whatever the input (gzip state, error text).
+    const SLACK: usize = 256 << 10;
+
+    fn budget(input: usize) -> usize {
+        2 * input + SLACK
+    }
+
+    /// Dims of a small image file and its pixels.
+    fn images() -> impl Strategy<Value = (Vec<u32>, Vec<u8>)> {
+        (0u32..6, 0u32..5, 0u32..5).prop_flat_map(|(n, r, c)| {
+            (
+                Just(vec![n, r, c]),
+                proptest::collection::vec(any::<u8>(), (n * r * c) as usize),
+            )
+        })
+    }
+
+    /// A byte-level edit of a file.
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        FlipBit(usize, u8),
+        SetByte(usize, u8),
+        Truncate(usize),
+        Append(Vec<u8>),
+        /// Overwrite dimension `d` (0-based) of the header with a value, big-endian.
+        SetDim(usize, u32),
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        prop_oneof![
+            (any::<usize>(), 0u8..8).prop_map(|(i, b)| Mutation::FlipBit(i, b)),
+            (any::<usize>(), any::<u8>()).prop_map(|(i, v)| Mutation::SetByte(i, v)),
+            any::<usize>().prop_map(Mutation::Truncate),
+            proptest::collection::vec(any::<u8>(), 1..40).prop_map(Mutation::Append),
+            (
+                0usize..3,
+                prop_oneof![Just(u32::MAX), Just(1 << 31), Just(1 << 16), any::<u32>()]
+            )
+                .prop_map(|(d, v)| Mutation::SetDim(d, v)),
+        ]
+    }
+
+    fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
+        let len = bytes.len();
+        match *m {
+            Mutation::FlipBit(i, b) if len > 0 => bytes[i % len] ^= 1 << b,
+            Mutation::SetByte(i, v) if len > 0 => bytes[i % len] = v,
+            Mutation::Truncate(n) => bytes.truncate(n % (len + 1)),
+            Mutation::Append(ref extra) => bytes.extend_from_slice(extra),
+            Mutation::SetDim(d, v) if len >= 8 + 4 * d => {
+                bytes[4 + 4 * d..8 + 4 * d].copy_from_slice(&v.to_be_bytes())
+            }
+            _ => {}
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(fuzz_cases(512)))]
+
+        /// What was written is what is read, raw and gzipped.
+        #[test]
+        fn valid_files_round_trip((dims, pixels) in images()) {
+            let raw = idx_bytes(IDX_IMAGES_U8, &dims, &pixels);
+            let want: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+            for input in [raw.clone(), gzip(&raw)] {
+                let got = parse_checked(&input, IDX_IMAGES_U8, budget(raw.len())).unwrap();
+                prop_assert_eq!(&got.0, &want);
+                prop_assert_eq!(&got.1, &pixels);
+            }
+        }
+
+        /// Random bytes (with the magic in front half of the time, so the header is reached).
+        #[test]
+        fn arbitrary_bytes_never_panic(
+            with_magic in any::<bool>(),
+            tail in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut bytes = if with_magic { IDX_IMAGES_U8.to_be_bytes().to_vec() } else { Vec::new() };
+            bytes.extend_from_slice(&tail);
+            let _ = parse_checked(&bytes, IDX_IMAGES_U8, budget(bytes.len()));
+        }
+
+        /// Edits of a valid file, raw (the edits hit the header) or of its gzip (the edits hit
+        /// the compressed stream and its CRC/size trailer).
+        #[test]
+        fn mutated_files_never_panic(
+            (dims, pixels) in images(),
+            edits in proptest::collection::vec(mutation(), 1..4),
+            gzipped in any::<bool>(),
+        ) {
+            let mut bytes = idx_bytes(IDX_IMAGES_U8, &dims, &pixels);
+            if gzipped {
+                let raw_len = bytes.len();
+                bytes = gzip(&bytes);
+                for m in &edits {
+                    apply(&mut bytes, m);
+                }
+                // A damaged deflate stream can inflate to more than the original, up to deflate's
+                // ratio limit (258 bytes from a 2-bit code, ~1032:1); the header caps what is kept.
+                let _ = parse_checked(&bytes, IDX_IMAGES_U8, budget(raw_len + 1032 * bytes.len()));
+            } else {
+                for m in &edits {
+                    apply(&mut bytes, m);
+                }
+                let _ = parse_checked(&bytes, IDX_IMAGES_U8, budget(bytes.len()));
+            }
+        }
+
+        /// Headers claiming far more than the file holds are refused without allocating for the
+        /// claim, and the message says truncated (or overflow) with the header's numbers.
+        #[test]
+        fn huge_header_claims_are_refused_before_allocating(
+            dims in proptest::collection::vec(prop_oneof![Just(u32::MAX), Just(1u32 << 31), 1u32..1 << 20], 3),
+            payload in proptest::collection::vec(any::<u8>(), 0..32),
+            gzipped in any::<bool>(),
+        ) {
+            let claim: u128 = dims.iter().map(|&d| u128::from(d)).product();
+            prop_assume!(claim > payload.len() as u128);
+            let raw = idx_bytes(IDX_IMAGES_U8, &dims, &payload);
+            let input = if gzipped { gzip(&raw) } else { raw.clone() };
+            let err = parse_checked(&input, IDX_IMAGES_U8, budget(raw.len())).unwrap_err();
+            let text = dims.iter().map(u32::to_string).collect::<Vec<_>>().join("×");
+            prop_assert!(err.contains(&text), "{}", err);
+            prop_assert!(err.contains("truncated") || err.contains("overflow"), "{}", err);
+        }
+    }
+
+    /// Regression (found while writing this harness, by reading the decoder; the allocation
+    /// budget of `parse_checked` fails on the old code): a tiny gzip whose 1×1×1 header is
+    /// followed by 64 MiB of zeros used to be inflated into memory whole before the length check
+    /// refused it.
+    #[test]
+    fn gzip_bomb_behind_a_small_header_is_refused_without_inflating_it() {
+        let mut raw = idx_bytes(IDX_IMAGES_U8, &[1, 1, 1], &[7]);
+        raw.resize(raw.len() + (64 << 20), 0);
+        let bomb = gzip(&raw);
+        assert!(bomb.len() < 256 << 10, "{} bytes", bomb.len());
+        let err = parse_checked(&bomb, IDX_IMAGES_U8, budget(bomb.len())).unwrap_err();
+        assert!(
+            err.ends_with(&format!(
+                "trailing bytes: header says 1×1×1 = 1 bytes of u8 images, file has {}",
+                1 + (64 << 20)
+            )),
+            "{err}"
+        );
+    }
+
+    /// Regression: 2^31 × 2^31 × 2^31 overflows usize and is named as such, not wrapped.
+    #[test]
+    fn header_product_overflow_is_named() {
+        let raw = idx_bytes(IDX_IMAGES_U8, &[1 << 31, 1 << 31, 1 << 31], &[]);
+        let err = parse_checked(&raw, IDX_IMAGES_U8, budget(raw.len())).unwrap_err();
+        assert!(
+            err.ends_with("header dimensions 2147483648×2147483648×2147483648 overflow"),
+            "{err}"
+        );
+        // Labels: one dimension, so a claim of 2^32 - 1 is merely truncated.
+        let raw = idx_bytes(IDX_LABELS_U8, &[u32::MAX], &[1, 2]);
+        let err = parse_checked(&raw, IDX_LABELS_U8, budget(raw.len())).unwrap_err();
+        assert!(
+            err.contains("truncated: header says 4294967295 = 4294967295 bytes"),
+            "{err}"
+        );
+    }
+}

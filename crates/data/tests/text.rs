@@ -275,3 +275,130 @@ fn encode_names_the_unknown_character() {
          vocabulary (9 characters)"
     );
 }
+
+// ---- Fuzzing the corpus reader and the windows: valid texts round-trip, a bad byte is named by
+// text, line and offset, arbitrary bytes never panic, windows tile the text. ----
+
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::common::fuzz_cases;
+
+    use super::common::gzip;
+    use lockstep_data::{parse_char_corpus, DataError, Split};
+
+    /// Non-empty text of the accepted bytes: printable ASCII, \n and \t.
+    fn text() -> impl Strategy<Value = Vec<u8>> {
+        proptest::collection::vec(
+            prop_oneof![8 => 0x20u8..=0x7e, 1 => Just(b'\n'), 1 => Just(b'\t')],
+            1..200,
+        )
+    }
+
+    /// A byte the reader refuses.
+    fn bad_byte() -> impl Strategy<Value = u8> {
+        prop_oneof![0u8..=0x08, 0x0bu8..=0x1f, Just(0x7f), 0x80u8..=0xff]
+    }
+
+    fn maybe_gzip(bytes: &[u8], gz: bool) -> Vec<u8> {
+        if gz {
+            gzip(bytes)
+        } else {
+            bytes.to_vec()
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(fuzz_cases(512)))]
+
+        /// Ids decode to the texts, the vocabulary is exactly the sorted set of their bytes.
+        #[test]
+        fn valid_texts_round_trip(train in text(), val in text(), gz in any::<(bool, bool)>()) {
+            let c = parse_char_corpus("f", &maybe_gzip(&train, gz.0), &maybe_gzip(&val, gz.1)).unwrap();
+            prop_assert_eq!(c.decode(&c.train).into_bytes(), train.clone());
+            prop_assert_eq!(c.decode(&c.val).into_bytes(), val.clone());
+            let mut vocab: Vec<u8> = train.iter().chain(&val).copied().collect();
+            vocab.sort_unstable();
+            vocab.dedup();
+            prop_assert_eq!(&c.vocab, &vocab);
+            let s = String::from_utf8(train.clone()).unwrap();
+            prop_assert_eq!(c.encode(&s).unwrap(), c.train.clone());
+        }
+
+        /// One refused byte at `at`: the error names the text, its line, the byte and the offset.
+        #[test]
+        fn a_bad_byte_is_named_by_text_line_and_offset(
+            mut train in text(),
+            val in text(),
+            at in any::<usize>(),
+            bad in bad_byte(),
+            in_val in any::<bool>(),
+            gz in any::<bool>(),
+        ) {
+            let (mut target, which) = if in_val { (val.clone(), "validation") } else { (train.clone(), "train") };
+            let offset = at % (target.len() + 1);
+            target.insert(offset, bad);
+            let line = 1 + target[..offset].iter().filter(|&&b| b == b'\n').count();
+            let target = maybe_gzip(&target, gz);
+            let e = if in_val {
+                parse_char_corpus("f", &train, &target)
+            } else {
+                train = target;
+                parse_char_corpus("f", &train, &val)
+            }
+            .unwrap_err();
+            prop_assert!(matches!(e, DataError::BadLine { .. }), "{:?}", e);
+            let want = format!("f {which} text line {line}: byte 0x{bad:02x} at offset {offset} ");
+            prop_assert!(e.to_string().starts_with(&want), "{} (expected {})", e, want);
+        }
+
+        /// Arbitrary bytes (sometimes behind the gzip magic): a corpus or an error naming the
+        /// text, never a panic.
+        #[test]
+        fn arbitrary_bytes_never_panic(
+            mut train in proptest::collection::vec(any::<u8>(), 0..200),
+            val in proptest::collection::vec(any::<u8>(), 0..50),
+            gz_magic in any::<bool>(),
+        ) {
+            if gz_magic {
+                train.splice(0..0, [0x1f, 0x8b]);
+            }
+            if let Err(e) = parse_char_corpus("f", &train, &val) {
+                let msg = e.to_string();
+                prop_assert!(msg.starts_with("f train text") || msg.starts_with("f validation text"), "{}", msg);
+            }
+        }
+
+        /// Edits of a gzipped text: corrupt streams are gzip errors naming the text.
+        #[test]
+        fn mutated_gzip_never_panics(
+            t in text(),
+            edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4),
+        ) {
+            let mut bytes = gzip(&t);
+            for (i, v) in edits {
+                let n = bytes.len();
+                bytes[i % n] = v;
+            }
+            if let Err(e) = parse_char_corpus("f", &bytes, b"x") {
+                prop_assert!(e.to_string().starts_with("f train text"), "{}", e);
+            }
+        }
+
+        /// Windows of every context: (len - 1) / context of them, inputs are the tokens in
+        /// order, targets the same shifted by one, so over a pass every token but the first and
+        /// the dropped tail is a target exactly once.
+        #[test]
+        fn windows_tile_the_text(t in text(), context in 1usize..40) {
+            let c = parse_char_corpus("f", &t, b"x").unwrap();
+            let n = c.num_windows(Split::Train, context);
+            prop_assert_eq!(n, (t.len() - 1) / context);
+            let all: Vec<u32> = (0..n as u32).collect();
+            let (mut x, mut y) = (Vec::new(), Vec::new());
+            c.gather_windows(Split::Train, context, &all, &mut x, &mut y);
+            let tokens: Vec<i64> = c.train.iter().map(|&v| i64::from(v)).collect();
+            prop_assert_eq!(&x[..], &tokens[..n * context]);
+            prop_assert_eq!(&y[..], &tokens[1..n * context + 1]);
+        }
+    }
+}

@@ -136,3 +136,104 @@ impl Drop for DoneOnDrop {
         let _ = self.0.send(Msg::Done);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::ParamTap;
+    use crate::{Model, ModelSpec};
+    use std::sync::mpsc::channel;
+
+    /// Probe messages carry this plus the index of the parameter they ride along with.
+    const PROBE: usize = 1000;
+
+    /// The real taps plus, on every parameter, a probe: a zero side branch `grad_tap(Z, anchor)`
+    /// added to the parameter (its gradient is unchanged: an addition passes the same gradient
+    /// to both terms). The probe of layer k's parameters is anchored on layer k's input, so it
+    /// fires only after everything above that input in the graph, layer k's own backward
+    /// included: "probe k arrived" means "layer k's backward has run". With `anchored = false`
+    /// the real taps are anchored on a leaf of their own instead, which is what taps without the
+    /// depth anchor were: the control that must show the late delivery.
+    struct ProbeTap {
+        real: StreamTap,
+        anchored: bool,
+    }
+
+    impl ParamTap for ProbeTap {
+        fn tap<const D: usize, const A: usize>(
+            &self,
+            index: usize,
+            param: Tensor<D>,
+            anchor: &Tensor<A>,
+        ) -> Tensor<D> {
+            let probe = self
+                .real
+                .tap(PROBE + index, param.zeros_like().require_grad(), anchor);
+            let tapped = if self.anchored {
+                self.real.tap(index, param, anchor)
+            } else {
+                let leaf = param.zeros_like().require_grad();
+                self.real.tap(index, param, &leaf)
+            };
+            tapped + probe
+        }
+    }
+
+    /// Indices in the order the backward pass sent them (one thread, so exactly its order).
+    fn delivery_order(anchored: bool) -> Vec<usize> {
+        let spec = ModelSpec::Mlp {
+            input: 8,
+            hidden: vec![6, 5],
+            classes: 3,
+        };
+        let m = Model::new(&spec, 1).unwrap();
+        let n = 4;
+        let x: Vec<f32> = (0..n * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+        let y = [0u8, 1, 2, 1];
+        let (tx, rx) = channel();
+        let tap = ProbeTap {
+            real: StreamTap { tx },
+            anchored,
+        };
+        let loss = m.scaled_loss(&x, &y, n, 1.0, &tap).unwrap();
+        let _grads = loss.backward();
+        drop(tap);
+        rx.try_iter()
+            .filter_map(|msg| match msg {
+                Msg::Grad(index, _) => Some(index),
+                Msg::Done => None,
+            })
+            .collect()
+    }
+
+    /// The point of streaming: the output layer's gradient is out while the layers below are
+    /// still in backward. Layers 0, 1, 2 hold parameters (2k, 2k + 1); the output layer's weight
+    /// (index 4) must be delivered before layer 1's backward has run (its probe, PROBE + 2). The
+    /// control without the depth anchor delivers it after, so the test can fail. Deterministic:
+    /// it checks the order of backward's steps, not how long they took.
+    #[test]
+    fn output_gradient_is_delivered_before_the_layers_below_run_backward() {
+        let pos = |order: &[usize], i: usize| {
+            order
+                .iter()
+                .position(|&x| x == i)
+                .unwrap_or_else(|| panic!("{i} never delivered: {order:?}"))
+        };
+        let order = delivery_order(true);
+        assert_eq!(order.len(), 12, "6 parameters and 6 probes: {order:?}");
+        assert!(
+            pos(&order, 4) < pos(&order, PROBE + 2),
+            "with the anchor: {order:?}"
+        );
+        // The same holds one layer down: layer 1's weight before layer 0's backward.
+        assert!(
+            pos(&order, 2) < pos(&order, PROBE),
+            "with the anchor: {order:?}"
+        );
+        let control = delivery_order(false);
+        assert!(
+            pos(&control, 4) > pos(&control, PROBE + 2),
+            "the control (no anchor) should deliver late: {control:?}"
+        );
+    }
+}

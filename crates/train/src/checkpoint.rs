@@ -54,6 +54,32 @@ pub struct Checkpoint {
     pub identity: Identity,
 }
 
+impl Checkpoint {
+    /// Checks that the vectors have the sizes of the loading run's parameters and optimizer
+    /// state; `path` names the checkpoint (or its directory) in the error. A file of this run
+    /// always agrees (the identity covers the model's shapes and the optimizer), so a
+    /// disagreement means a forged or foreign file whose identity happens to match.
+    pub fn check_sizes(
+        &self,
+        path: &Path,
+        params: usize,
+        state: &[usize],
+    ) -> Result<(), CheckpointError> {
+        let found: Vec<usize> = self.optimizer_state.iter().map(Vec::len).collect();
+        if self.params.len() != params || found != state {
+            return Err(CheckpointError::Mismatch {
+                path: path.display().to_string(),
+                what: format!(
+                    "{} parameters and optimizer state of sizes {found:?}; this run has {params} \
+                     parameters and state of sizes {state:?}",
+                    self.params.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// What a checkpoint must agree on with the run that loads it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
@@ -76,7 +102,8 @@ pub fn file_name(step: u64) -> String {
     format!("step-{step:09}.ckpt")
 }
 
-fn encode(c: &Checkpoint) -> Vec<u8> {
+/// The bytes of a checkpoint file holding `c` (the inverse of [`decode`]).
+pub fn encode(c: &Checkpoint) -> Vec<u8> {
     let header = Header {
         identity: c.identity.clone(),
         step: c.step,
@@ -99,7 +126,10 @@ fn encode(c: &Checkpoint) -> Vec<u8> {
     out
 }
 
-fn decode(bytes: &[u8], path: &str) -> Result<Checkpoint, CheckpointError> {
+/// Decodes and verifies a checkpoint's bytes (everything but the identity check of [`load`]);
+/// `path` names the file in errors. Pure, so it can be fuzzed: any bytes give a checkpoint or a
+/// [`CheckpointError`] naming `path`, never a panic, and nothing is allocated beyond the input.
+pub fn decode(bytes: &[u8], path: &str) -> Result<Checkpoint, CheckpointError> {
     let corrupt = |what: String| CheckpointError::Corrupt {
         path: path.to_string(),
         what,
@@ -137,26 +167,38 @@ fn decode(bytes: &[u8], path: &str) -> Result<Checkpoint, CheckpointError> {
     let header: Header = serde_json::from_slice(&body[16..header_end])
         .map_err(|e| corrupt(format!("unreadable header: {e}")))?;
     let payload = &body[header_end..];
-    let lens: Vec<usize> = std::iter::once(header.num_params)
+    // The lengths come from the file: a forged or damaged header (with a matching checksum) may
+    // claim anything, so the sizes are computed with checked arithmetic and compared with the
+    // payload before anything is allocated for them.
+    let lens: Vec<u64> = std::iter::once(header.num_params)
         .chain(header.state_lens.iter().copied())
-        .map(|l| l as usize)
         .collect();
-    let want: usize = lens.iter().sum::<usize>() * 4;
-    if payload.len() != want {
+    let want = lens
+        .iter()
+        .try_fold(0u64, |acc, &l| acc.checked_add(l))
+        .and_then(|floats| floats.checked_mul(4))
+        .ok_or_else(|| {
+            corrupt(format!(
+                "header describes vectors of {lens:?} floats, more bytes than any file holds"
+            ))
+        })?;
+    if payload.len() as u64 != want {
         return Err(corrupt(format!(
             "payload has {} bytes, header describes {want}",
             payload.len()
         )));
     }
-    let mut vecs = Vec::new();
-    let mut off = 0;
+    // Every length now fits in the payload, so in usize.
+    let mut vecs = Vec::with_capacity(lens.len());
+    let mut rest = payload;
     for l in lens {
-        let v: Vec<f32> = payload[off..off + 4 * l]
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        vecs.push(v);
-        off += 4 * l;
+        let (this, after) = rest.split_at(4 * l as usize);
+        vecs.push(
+            this.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect::<Vec<f32>>(),
+        );
+        rest = after;
     }
     let params = vecs.remove(0);
     Ok(Checkpoint {
@@ -369,5 +411,231 @@ mod tests {
             load(&p, &sample(0).identity),
             Err(CheckpointError::Version { found: 9, .. })
         ));
+    }
+
+    // ---- Fuzzing the decoder: valid checkpoints round-trip bit for bit; random bytes, edits of
+    // a real checkpoint and forged headers (checksum recomputed) give an error naming the path,
+    // never a panic. ----
+
+    use proptest::prelude::*;
+
+    const PATH: &str = "fuzz/step-000000001.ckpt";
+
+    /// Cases per property: `default`, or `PROPTEST_CASES` for a long fuzzing run.
+    fn fuzz_cases(default: u32) -> u32 {
+        std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
+
+    /// Decodes, checking that an error names the path.
+    fn decode_checked(bytes: &[u8]) -> Result<Checkpoint, String> {
+        decode(bytes, PATH).map_err(|e| {
+            let msg = e.to_string();
+            assert!(msg.starts_with(PATH), "error does not name the file: {msg}");
+            msg
+        })
+    }
+
+    /// Any f32 bits (NaNs, infinities, subnormals): the format must not touch them.
+    fn floats(max: usize) -> impl Strategy<Value = Vec<f32>> {
+        proptest::collection::vec(any::<u32>().prop_map(f32::from_bits), 0..max)
+    }
+
+    fn checkpoint() -> impl Strategy<Value = Checkpoint> {
+        (
+            any::<u64>(),
+            floats(40),
+            proptest::collection::vec(floats(40), 0..3),
+            any::<u64>(),
+            ".{0,12}",
+            "[0-9a-f]{0,64}",
+        )
+            .prop_map(
+                |(step, params, optimizer_state, optimizer_steps, config, model)| Checkpoint {
+                    step,
+                    params,
+                    optimizer_state,
+                    optimizer_steps,
+                    identity: Identity { config, model },
+                },
+            )
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    /// `body` (magic, version, header length, header, payload) with its SHA-256 appended: what a
+    /// forger, or a bug that writes a bad header, produces.
+    fn sealed(mut body: Vec<u8>) -> Vec<u8> {
+        let digest = Sha256::digest(&body);
+        body.extend_from_slice(&digest);
+        body
+    }
+
+    /// A checkpoint whose header JSON is `header` (over `payload_floats` zero floats), sealed.
+    fn forged(header: &str, payload_floats: usize) -> Vec<u8> {
+        let mut body = MAGIC.to_vec();
+        body.extend_from_slice(&VERSION.to_le_bytes());
+        body.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        body.extend_from_slice(header.as_bytes());
+        body.resize(body.len() + 4 * payload_floats, 0);
+        sealed(body)
+    }
+
+    fn header_json(num_params: u64, state_lens: &[u64]) -> String {
+        format!(
+            r#"{{"identity":{{"config":"cfg","model":"model"}},"step":1,"num_params":{num_params},"optimizer_steps":1,"state_lens":{state_lens:?}}}"#
+        )
+    }
+
+    /// Lengths a header might claim: small, near the payload, or near the overflow points.
+    fn claimed_len() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            0u64..8,
+            Just(u64::MAX),
+            Just(u64::MAX / 4),
+            Just(u64::MAX / 4 + 1),
+            Just(1 << 62),
+            Just(1 << 63),
+            any::<u64>(),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(fuzz_cases(512)))]
+
+        #[test]
+        fn valid_checkpoints_round_trip(c in checkpoint()) {
+            let d = decode_checked(&encode(&c)).unwrap();
+            prop_assert_eq!((d.step, d.optimizer_steps, &d.identity), (c.step, c.optimizer_steps, &c.identity));
+            prop_assert_eq!(bits(&d.params), bits(&c.params));
+            prop_assert_eq!(d.optimizer_state.len(), c.optimizer_state.len());
+            for (a, b) in d.optimizer_state.iter().zip(&c.optimizer_state) {
+                prop_assert_eq!(bits(a), bits(b));
+            }
+        }
+
+        /// Random bytes, half of them behind the real magic and version.
+        #[test]
+        fn arbitrary_bytes_are_refused_naming_the_file(
+            prefix in any::<bool>(),
+            tail in proptest::collection::vec(any::<u8>(), 0..200),
+        ) {
+            let mut bytes = if prefix { [&MAGIC[..], &VERSION.to_le_bytes()].concat() } else { Vec::new() };
+            bytes.extend_from_slice(&tail);
+            prop_assert!(decode_checked(&bytes).is_err());
+        }
+
+        /// Any edit of a real checkpoint (bit flips, byte writes, truncation, appended bytes) is
+        /// refused: the SHA-256 covers every byte, and the length fields are read only after it.
+        #[test]
+        fn edited_checkpoints_are_refused(
+            c in checkpoint(),
+            flips in proptest::collection::vec((any::<usize>(), 0u8..8), 0..4),
+            cut in proptest::option::of(any::<usize>()),
+            extra in proptest::collection::vec(any::<u8>(), 0..8),
+        ) {
+            let good = encode(&c);
+            let mut bytes = good.clone();
+            for (i, b) in flips {
+                let n = bytes.len();
+                bytes[i % n] ^= 1 << b;
+            }
+            if let Some(cut) = cut {
+                let n = bytes.len();
+                bytes.truncate(cut % (n + 1));
+            }
+            bytes.extend_from_slice(&extra);
+            // Edits that cancel out (no flips, a cut at the end, no extra) leave a good file;
+            // skipped here rather than rejected, which long runs would hit too often.
+            if bytes != good {
+                prop_assert!(decode_checked(&bytes).is_err());
+            }
+        }
+
+        /// Forged headers with a valid checksum: any claimed lengths, any payload size. Decoded
+        /// only when the claim matches the payload exactly.
+        #[test]
+        fn forged_headers_never_panic(
+            num_params in claimed_len(),
+            state_lens in proptest::collection::vec(claimed_len(), 0..4),
+            payload_floats in 0usize..16,
+        ) {
+            let bytes = forged(&header_json(num_params, &state_lens), payload_floats);
+            let claimed: Option<u64> = std::iter::once(num_params)
+                .chain(state_lens.iter().copied())
+                .try_fold(0u64, |a, l| a.checked_add(l));
+            match decode_checked(&bytes) {
+                Ok(c) => {
+                    prop_assert_eq!(claimed, Some(payload_floats as u64));
+                    prop_assert_eq!(c.params.len() as u64, num_params);
+                }
+                Err(msg) => {
+                    prop_assert!(claimed != Some(payload_floats as u64), "{}", msg);
+                    prop_assert!(msg.contains("truncated or corrupt"), "{}", msg);
+                }
+            }
+        }
+
+        /// Forged header-length fields and header text: refused, never a panic.
+        #[test]
+        fn forged_header_fields_never_panic(
+            hlen in prop_oneof![Just(u32::MAX), 0u32..300, any::<u32>()],
+            header in ".{0,80}",
+            payload in proptest::collection::vec(any::<u8>(), 0..40),
+        ) {
+            let mut body = MAGIC.to_vec();
+            body.extend_from_slice(&VERSION.to_le_bytes());
+            body.extend_from_slice(&hlen.to_le_bytes());
+            body.extend_from_slice(header.as_bytes());
+            body.extend_from_slice(&payload);
+            let _ = decode_checked(&sealed(body));
+        }
+    }
+
+    /// Regression (found by `forged_headers_never_panic`): lengths whose sum times 4 overflows
+    /// u64 panicked with "attempt to multiply with overflow" in debug builds and wrapped in
+    /// release, where a payload of the wrapped size was then accepted as a checkpoint whose
+    /// vectors disagree with its header.
+    #[test]
+    fn forged_lengths_that_overflow_are_corrupt_not_a_panic() {
+        for (num_params, state_lens, floats) in [
+            (1u64 << 62, vec![], 0usize),
+            ((1 << 62) + 1, vec![], 1),
+            (u64::MAX, vec![1], 0),
+            (1, vec![u64::MAX / 4, u64::MAX / 4], 2),
+        ] {
+            let msg =
+                decode_checked(&forged(&header_json(num_params, &state_lens), floats)).unwrap_err();
+            assert!(
+                msg.contains("truncated or corrupt: header describes vectors of"),
+                "{msg}"
+            );
+        }
+    }
+
+    /// Regression (found reading the resume path while writing the harness): a checkpoint whose
+    /// identity matches but whose optimizer-state vectors have other sizes made resume panic in
+    /// `copy_from_slice`; now it is a mismatch naming the sizes.
+    #[test]
+    fn state_vectors_of_other_sizes_are_a_mismatch() {
+        let c = sample(1);
+        assert!(c.check_sizes(Path::new(PATH), 1000, &[1000]).is_ok());
+        let e = c
+            .check_sizes(Path::new(PATH), 1000, &[999])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            format!(
+                "{PATH}: checkpoint belongs to another run: 1000 parameters and optimizer state \
+                 of sizes [1000]; this run has 1000 parameters and state of sizes [999]"
+            )
+        );
+        assert!(c.check_sizes(Path::new(PATH), 1000, &[1000, 1000]).is_err());
+        assert!(c.check_sizes(Path::new(PATH), 999, &[1000]).is_err());
     }
 }

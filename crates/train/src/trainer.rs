@@ -673,13 +673,9 @@ pub(crate) fn resume_from_checkpoint(
         _ => {}
     }
     if let Ok(Some(c)) = &loaded {
-        if c.params.len() != params.len() || c.optimizer_state.len() != optimizer.state().len() {
-            return Err(CheckpointError::Mismatch {
-                path: dir.display().to_string(),
-                what: "parameter or optimizer-state sizes differ".into(),
-            }
-            .into());
-        }
+        // Every state vector, not just their number: copy_from_slice panics on a length mismatch.
+        let state: Vec<usize> = optimizer.state().iter().map(|v| v.len()).collect();
+        c.check_sizes(dir, params.len(), &state)?;
         params.copy_from_slice(&c.params);
         for (dst, src) in optimizer.state_mut().into_iter().zip(&c.optimizer_state) {
             dst.copy_from_slice(src);

@@ -59,3 +59,12 @@ pub fn write(path: &Path, bytes: &[u8]) {
 pub fn digits_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/digits/digits.csv.gz")
 }
+
+/// Cases per property test: `default` (sized so a harness takes about a second in a debug
+/// build), or `PROPTEST_CASES` for a long fuzzing run, e.g. `PROPTEST_CASES=100000`.
+pub fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

@@ -137,26 +137,66 @@ mod tests {
     use super::super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
     use super::*;
     use lockstep_comm::inproc::in_process_group;
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    /// A stage whose compute is a fixed sleep and whose messages carry checkable values:
-    /// stage s adds s+1 to every activation, and gradients carry the micro-batch index.
-    struct Sleepy {
-        stage: usize,
-        stages: usize,
-        fwd: Duration,
-        held: usize,
-        seen: Vec<f32>,
+    /// Forward costs 1 unit of logical time, backward 2 (as a real backward costs about twice a
+    /// forward).
+    const FWD: u64 = 1;
+    const BWD: u64 = 2;
+
+    /// What the stages did, in the order it happened across all threads.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Event {
+        /// Stage s finished its last compute operation.
+        ComputeDone(usize),
+        /// Stage s's `run_schedule` returned.
+        Returned(usize),
     }
 
-    impl StageWork for Sleepy {
+    /// A stage on a logical clock instead of the wall clock: an operation starts when the stage
+    /// is free and its input has been produced (messages carry the time they were produced in
+    /// element 1), and takes FWD or BWD units. So the stage's final clock is the step's makespan
+    /// as the executor ran it (each stage's operations in the executor's order, messages through
+    /// the real communicator), with free communication: deterministic, whatever the machine's
+    /// load. Messages also carry checkable values: stage s adds s+1 to every activation, and
+    /// gradients carry the micro-batch index.
+    struct Clocked {
+        stage: usize,
+        stages: usize,
+        m: usize,
+        clock: u64,
+        busy: u64,
+        computed: usize,
+        held: usize,
+        seen: Vec<f32>,
+        events: Arc<Mutex<Vec<Event>>>,
+    }
+
+    impl Clocked {
+        /// Run one operation of `cost` that may start once `input` (if any) was produced.
+        fn tick(&mut self, input: Option<&[f32]>, cost: u64) -> u64 {
+            let ready = input.map_or(0, |v| v[1] as u64);
+            self.clock = self.clock.max(ready) + cost;
+            self.busy += cost;
+            self.computed += 1;
+            if self.computed == 2 * self.m {
+                self.events
+                    .lock()
+                    .unwrap()
+                    .push(Event::ComputeDone(self.stage));
+            }
+            self.clock
+        }
+    }
+
+    impl StageWork for Clocked {
         fn forward(
             &mut self,
             mb: usize,
             input: Option<&[f32]>,
         ) -> Result<Option<Vec<f32>>, TrainError> {
-            std::thread::sleep(self.fwd);
+            let done = self.tick(input, FWD);
             self.held += 1;
             let base = input.map(|v| v[0]).unwrap_or(mb as f32 * 100.0);
             let out = base + (self.stage + 1) as f32;
@@ -164,19 +204,19 @@ mod tests {
                 self.seen.push(out);
                 return Ok(None);
             }
-            Ok(Some(vec![out; 4]))
+            Ok(Some(vec![out, done as f32, 0.0, 0.0]))
         }
         fn backward(
             &mut self,
             mb: usize,
             grad_output: Option<&[f32]>,
         ) -> Result<Option<Vec<f32>>, TrainError> {
-            std::thread::sleep(self.fwd * 2);
+            let done = self.tick(grad_output, BWD);
             self.held -= 1;
             if let Some(g) = grad_output {
                 assert_eq!(g[0], mb as f32, "gradient of the wrong micro-batch");
             }
-            Ok((self.stage > 0).then(|| vec![mb as f32; 4]))
+            Ok((self.stage > 0).then(|| vec![mb as f32, done as f32, 0.0, 0.0]))
         }
         fn message_len(&self, _mb: usize) -> usize {
             4
@@ -186,64 +226,124 @@ mod tests {
         }
     }
 
-    fn run(
-        kind: ScheduleKind,
-        stages: usize,
-        m: usize,
-        fwd_ms: u64,
-    ) -> Vec<(ScheduleTiming, Vec<f32>)> {
+    struct StageResult {
+        timing: ScheduleTiming,
+        seen: Vec<f32>,
+        /// Logical time at the stage's last operation, and the units it computed.
+        clock: u64,
+        busy: u64,
+    }
+
+    fn run(kind: ScheduleKind, stages: usize, m: usize) -> (Vec<StageResult>, Vec<Event>) {
         let transports = in_process_group(stages);
-        std::thread::scope(|sc| {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let results = std::thread::scope(|sc| {
             let handles: Vec<_> = transports
                 .into_iter()
                 .enumerate()
                 .map(|(s, tr)| {
+                    let events = Arc::clone(&events);
                     sc.spawn(move || {
-                        let mut comm = Communicator::new(Arc::new(tr), Duration::from_secs(20));
-                        let mut work = Sleepy {
+                        // A hang guard only: nothing here waits for time to pass.
+                        let mut comm = Communicator::new(Arc::new(tr), Duration::from_secs(60));
+                        let mut work = Clocked {
                             stage: s,
                             stages,
-                            fwd: Duration::from_millis(fwd_ms),
+                            m,
+                            clock: 0,
+                            busy: 0,
+                            computed: 0,
                             held: 0,
                             seen: Vec::new(),
+                            events: Arc::clone(&events),
                         };
                         let ops = schedule(kind, stages, s, m);
-                        let t = run_schedule(&ops, s, &mut work, &mut comm).unwrap();
-                        (t, work.seen)
+                        let timing = run_schedule(&ops, s, &mut work, &mut comm).unwrap();
+                        events.lock().unwrap().push(Event::Returned(s));
+                        StageResult {
+                            timing,
+                            seen: work.seen,
+                            clock: work.clock,
+                            busy: work.busy,
+                        }
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        let events = events.lock().unwrap().clone();
+        (results, events)
     }
 
+    /// The executor runs each schedule correctly (every activation through every stage in
+    /// micro-batch order, each gradient to its micro-batch, the schedule's peak of held
+    /// activations, one message per micro-batch and boundary), its step takes exactly the ideal
+    /// makespan (m + p − 1)·(f + b) so each stage's bubble is exactly (p − 1)/(m + p − 1), and no
+    /// stage's step ends before every stage has finished computing (the barrier that makes all
+    /// spans end together). Measured on a logical clock, so exact and independent of load.
     #[test]
     fn messages_arrive_in_order_and_the_bubble_matches_theory() {
-        let (stages, m) = (2, 4);
         for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
-            let out = run(kind, stages, m, 40);
-            // Every micro-batch passed through both stages: mb·100 + 1 + 2.
-            let want: Vec<f32> = (0..m).map(|i| i as f32 * 100.0 + 3.0).collect();
-            assert_eq!(out[stages - 1].1, want, "{kind:?}");
-            let ideal = ideal_bubble_fraction(stages, m);
-            for (s, (t, _)) in out.iter().enumerate() {
-                let p = t.pipeline;
-                let measured = p.bubble_seconds / p.schedule_seconds;
-                assert!(
-                    (measured - ideal).abs() <= 0.05,
-                    "{kind:?} stage {s}: bubble {measured:.3} vs ideal {ideal:.3}"
-                );
-                let peak = if kind == ScheduleKind::GPipe {
-                    m
-                } else {
-                    stages - s
-                };
-                assert_eq!(p.peak_activations, peak, "{kind:?} stage {s}");
-                assert_eq!(
-                    p.p2p_bytes,
-                    (m * 4 * 4) as u64,
-                    "one message per micro-batch"
-                );
+            for stages in 2..=4 {
+                for m in 1..=6 {
+                    let case = format!("{kind:?} p={stages} m={m}");
+                    let (out, events) = run(kind, stages, m);
+                    // Every micro-batch passed through all stages: mb·100 + 1 + 2 + ... + p.
+                    let want: Vec<f32> = (0..m)
+                        .map(|i| (i * 100 + stages * (stages + 1) / 2) as f32)
+                        .collect();
+                    assert_eq!(out[stages - 1].seen, want, "{case}");
+
+                    let span = out.iter().map(|r| r.clock).max().unwrap();
+                    let ideal_span = (m + stages - 1) as u64 * (FWD + BWD);
+                    assert_eq!(span, ideal_span, "{case}: makespan");
+                    let ideal = ideal_bubble_fraction(stages, m);
+                    for (s, r) in out.iter().enumerate() {
+                        assert_eq!(r.busy, m as u64 * (FWD + BWD), "{case} stage {s}");
+                        let bubble = (span - r.busy) as f64 / span as f64;
+                        assert!(
+                            (bubble - ideal).abs() < 1e-12,
+                            "{case} stage {s}: bubble {bubble} vs ideal {ideal}"
+                        );
+                        let p = r.timing.pipeline;
+                        let peak = if kind == ScheduleKind::GPipe {
+                            m
+                        } else {
+                            (stages - s).min(m)
+                        };
+                        assert_eq!(p.peak_activations, peak, "{case} stage {s}");
+                        let boundaries = usize::from(s > 0) + usize::from(s + 1 < stages);
+                        assert_eq!(
+                            p.p2p_bytes,
+                            (boundaries * m * 4 * 4) as u64,
+                            "{case} stage {s}: one message per micro-batch and boundary"
+                        );
+                        // The executor's own wall-clock accounting is consistent: the bubble is
+                        // the span less the stage's compute.
+                        let compute = r.timing.forward + r.timing.backward;
+                        assert!(p.schedule_seconds >= compute, "{case} stage {s}: {p:?}");
+                        assert!(
+                            (p.bubble_seconds - (p.schedule_seconds - compute)).abs() < 1e-9,
+                            "{case} stage {s}: {p:?}"
+                        );
+                    }
+                    // The barrier: every stage's compute is done before any stage returns.
+                    let first_return = events
+                        .iter()
+                        .position(|e| matches!(e, Event::Returned(_)))
+                        .unwrap();
+                    let done: Vec<usize> = events[..first_return]
+                        .iter()
+                        .filter_map(|e| match e {
+                            Event::ComputeDone(s) => Some(*s),
+                            _ => None,
+                        })
+                        .collect();
+                    assert_eq!(done.len(), stages, "{case}: events {events:?}");
+                }
             }
         }
     }
