@@ -161,6 +161,18 @@ pub struct RefusalLog {
     counts: BTreeMap<String, u64>,
     total: u64,
     last: Option<String>,
+    /// Since the start, by category (folded like `counts`): for tests and diagnostics.
+    cumulative: BTreeMap<String, u64>,
+}
+
+fn bump(map: &mut BTreeMap<String, u64>, category: &str, limit: usize) {
+    if let Some(n) = map.get_mut(category) {
+        *n += 1;
+    } else if map.len() < limit {
+        map.insert(category.to_string(), 1);
+    } else {
+        *map.entry("other reasons".into()).or_insert(0) += 1;
+    }
 }
 
 impl RefusalLog {
@@ -171,6 +183,7 @@ impl RefusalLog {
             counts: BTreeMap::new(),
             total: 0,
             last: None,
+            cumulative: BTreeMap::new(),
         }
     }
 
@@ -180,15 +193,15 @@ impl RefusalLog {
     pub fn record(&mut self, now: Instant, category: &str, detail: String) -> Option<String> {
         self.window_start.get_or_insert(now);
         self.total += 1;
-        if let Some(n) = self.counts.get_mut(category) {
-            *n += 1;
-        } else if self.counts.len() < MAX_REASONS {
-            self.counts.insert(category.to_string(), 1);
-        } else {
-            *self.counts.entry("other reasons".into()).or_insert(0) += 1;
-        }
+        bump(&mut self.counts, category, MAX_REASONS);
+        bump(&mut self.cumulative, category, 4 * MAX_REASONS);
         self.last = Some(detail);
         self.tick(now)
+    }
+
+    /// Refusals since the start by category.
+    pub fn cumulative(&self) -> &BTreeMap<String, u64> {
+        &self.cumulative
     }
 
     /// The line for the finished interval, if one is due (called periodically and on refusals).
@@ -229,7 +242,10 @@ pub fn categorize(reason: &str) -> &'static str {
         "other protocol version"
     } else if reason.contains("peer expected") {
         "wrong service"
-    } else if reason.contains("connection closed") {
+    } else if reason.contains("connection closed")
+        || reason.contains("reset by peer")
+        || reason.contains("Broken pipe")
+    {
         "closed during handshake"
     } else {
         "other errors"

@@ -204,6 +204,11 @@ impl StoreServer {
         self.shared.log_lines.load(Ordering::SeqCst)
     }
 
+    /// Refusals since the start by reason (the categories of the aggregated log lines).
+    pub fn refusals_by_reason(&self) -> std::collections::BTreeMap<String, u64> {
+        lock(&self.shared.log).cumulative().clone()
+    }
+
     /// Connections in their handshake now.
     pub fn pending_handshakes(&self) -> usize {
         self.shared.admission.pending()
