@@ -17,6 +17,8 @@ pub mod communicator;
 pub mod element;
 pub mod error;
 pub mod exact;
+#[cfg(test)]
+mod fuzz_util;
 pub mod inproc;
 pub mod shm;
 pub mod store;

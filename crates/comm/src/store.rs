@@ -802,3 +802,134 @@ fn describe_io(what: &str, e: &std::io::Error) -> String {
         _ => format!("I/O error while {what}: {e}"),
     }
 }
+
+/// Fuzz harnesses for the request and answer decoders (see `fuzz_util`). Properties: no panic,
+/// decoded keys and values within the limits, garbage refused, memory bounded by the bytes that
+/// arrived rather than the lengths claimed, and valid encodings round-trip.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::fuzz_util::{config, mutated};
+    use proptest::prelude::*;
+    use std::io::Cursor;
+
+    fn check_request(input: &[u8]) {
+        let mut c = Cursor::new(input);
+        // Decode requests until the input runs out or one is refused (a connection would end).
+        for _ in 0..input.len() + 1 {
+            match read_request(&mut c) {
+                Ok(Some(r)) => {
+                    assert!(r.key.len() <= MAX_KEY_BYTES && r.value.len() <= MAX_VALUE_BYTES);
+                    assert!(matches!(r.op, OP_SET | OP_GET | OP_TRY_GET | OP_ADD));
+                    // Never holds more than it was sent.
+                    assert!(r.key.len() + r.value.len() <= input.len());
+                    assert!(r.value.capacity() <= input.len().max(64 << 10));
+                }
+                Ok(None) | Err(_) => return,
+            }
+        }
+    }
+
+    fn check_answer(input: &[u8]) {
+        if let Ok((status, payload)) = read_answer(&mut Cursor::new(input)) {
+            assert!(matches!(status, ST_OK | ST_VALUE | ST_MISSING | ST_ERROR));
+            assert!(payload.len() <= MAX_VALUE_BYTES && payload.len() <= input.len());
+        }
+    }
+
+    fn op() -> impl Strategy<Value = u8> {
+        prop::sample::select(vec![OP_SET, OP_GET, OP_TRY_GET, OP_ADD])
+    }
+
+    fn valid_request() -> impl Strategy<Value = (u8, String, Vec<u8>)> {
+        (
+            op(),
+            "[a-z/0-9]{0,40}",
+            prop::collection::vec(any::<u8>(), 0..64),
+        )
+            .prop_map(|(op, key, mut value)| {
+                if matches!(op, OP_GET | OP_ADD) {
+                    value.resize(8, 0);
+                }
+                (op, key, value)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(config(2000))]
+
+        #[test]
+        fn fuzz_request_random(input in prop::collection::vec(any::<u8>(), 0..256)) {
+            check_request(&input);
+        }
+
+        #[test]
+        fn fuzz_request_mutated(input in valid_request().prop_flat_map(|(op, k, v)| mutated(encode_request(op, &k, &v)))) {
+            check_request(&input);
+        }
+
+        #[test]
+        fn request_round_trips((op, key, value) in valid_request()) {
+            let bytes = encode_request(op, &key, &value);
+            let mut c = Cursor::new(&bytes[..]);
+            let r = read_request(&mut c).unwrap().unwrap();
+            prop_assert_eq!(r, Request { op, key, value });
+            prop_assert!(read_request(&mut c).unwrap().is_none());
+        }
+
+        #[test]
+        fn fuzz_answer_random(input in prop::collection::vec(any::<u8>(), 0..256)) {
+            check_answer(&input);
+        }
+
+        #[test]
+        fn fuzz_answer_mutated(input in (0u8..4, prop::collection::vec(any::<u8>(), 0..64)).prop_flat_map(|(st, p)| mutated(encode_answer(st, &p)))) {
+            check_answer(&input);
+        }
+
+        #[test]
+        fn answer_round_trips(status in 0u8..4, payload in prop::collection::vec(any::<u8>(), 0..256)) {
+            let bytes = encode_answer(status, &payload);
+            let (s, p) = read_answer(&mut Cursor::new(&bytes[..])).unwrap();
+            prop_assert_eq!((s, p), (status, payload));
+        }
+    }
+
+    /// A header that claims the largest value but sends ten bytes is refused without the server
+    /// reserving 16 MiB for it; one that claims more than the limit is refused from its header.
+    #[test]
+    fn claimed_lengths_do_not_allocate() {
+        let mut msg = encode_request(OP_SET, "k", &[0u8; 10]);
+        msg[PREFIX_LEN + 5..REQUEST_HEADER_LEN]
+            .copy_from_slice(&(MAX_VALUE_BYTES as u32).to_le_bytes());
+        assert!(matches!(
+            read_request(&mut Cursor::new(&msg[..])),
+            Err(BadRequest::Io(_))
+        ));
+        msg[PREFIX_LEN + 5..REQUEST_HEADER_LEN]
+            .copy_from_slice(&(MAX_VALUE_BYTES as u32 + 1).to_le_bytes());
+        assert!(matches!(
+            read_request(&mut Cursor::new(&msg[..])),
+            Err(BadRequest::Malformed(_))
+        ));
+        let mut a = encode_answer(ST_VALUE, b"xy");
+        a[PREFIX_LEN + 1..ANSWER_HEADER_LEN].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            read_answer(&mut Cursor::new(&a[..])),
+            Err(BadAnswer::Malformed(_))
+        ));
+    }
+
+    /// `get` and `add` without their 8-byte argument are refused at the header, before the
+    /// server would index into the value.
+    #[test]
+    fn get_and_add_need_eight_bytes() {
+        for op in [OP_GET, OP_ADD] {
+            let msg = encode_request(op, "k", &[1, 2, 3]);
+            assert!(matches!(
+                read_request(&mut Cursor::new(&msg[..])),
+                Err(BadRequest::Malformed(_))
+            ));
+        }
+    }
+}

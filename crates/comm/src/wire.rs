@@ -343,3 +343,117 @@ mod tests {
         );
     }
 }
+
+/// Fuzz harnesses for both sides of the handshake (see `fuzz_util`). Properties: no panic on any
+/// input, garbage is refused with an error, nothing longer than one protocol message is written
+/// back, and a real pair of peers still agrees.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::fuzz_util::{config, mutated, Scripted};
+    use proptest::prelude::*;
+    use std::os::unix::net::UnixStream;
+
+    fn secret() -> JobSecret {
+        JobSecret::from_hex(&"ab".repeat(32)).unwrap()
+    }
+
+    /// A hello and a verdict as an acceptor would send them (the verdict's MAC is wrong, as any
+    /// attacker's would be).
+    fn acceptor_script() -> Vec<u8> {
+        let mut v = prefix().to_vec();
+        v.push(Service::Store as u8);
+        v.extend_from_slice(&[7u8; NONCE_LEN]);
+        v.extend_from_slice(&prefix());
+        v.push(VERDICT_OK);
+        v.extend_from_slice(&[9u8; MAC_LEN]);
+        v
+    }
+
+    fn connector_script() -> Vec<u8> {
+        let mut v = prefix().to_vec();
+        v.push(Service::Store as u8);
+        v.extend_from_slice(&[7u8; NONCE_LEN]);
+        v.extend_from_slice(&[9u8; MAC_LEN]);
+        v
+    }
+
+    fn check_accept(input: Vec<u8>) {
+        let mut s = Scripted::new(input);
+        let r = accept_handshake(&mut s, &secret(), b"store|job", Service::Store);
+        // Nobody without the secret and our fresh nonce can produce a valid proof.
+        assert!(r.is_err());
+        assert!(s.output.len() <= HELLO_LEN + VERDICT_LEN);
+    }
+
+    fn check_connect(input: Vec<u8>) {
+        let mut s = Scripted::new(input);
+        let r = connect_handshake(&mut s, &secret(), b"store|job", Service::Store, "store");
+        assert!(r.is_err());
+        assert!(s.output.len() <= PROOF_LEN);
+    }
+
+    proptest! {
+        #![proptest_config(config(2000))]
+
+        #[test]
+        fn fuzz_accept_handshake_random(input in prop::collection::vec(any::<u8>(), 0..200)) {
+            check_accept(input);
+        }
+
+        #[test]
+        fn fuzz_accept_handshake_mutated(input in mutated(connector_script())) {
+            check_accept(input);
+        }
+
+        #[test]
+        fn fuzz_connect_handshake_random(input in prop::collection::vec(any::<u8>(), 0..200)) {
+            check_connect(input);
+        }
+
+        #[test]
+        fn fuzz_connect_handshake_mutated(input in mutated(acceptor_script())) {
+            check_connect(input);
+        }
+
+        #[test]
+        fn fuzz_prefix(p in any::<[u8; PREFIX_LEN]>()) {
+            let ok = check_prefix(&p).is_ok();
+            prop_assert_eq!(ok, p == prefix());
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config(32))]
+
+        /// Valid peers over a real socket pair agree; different secrets or contexts never do.
+        #[test]
+        fn handshake_round_trips(same_secret in any::<bool>(), ctx in "[a-z]{0,12}") {
+            let (mut a, mut c) = UnixStream::pair().unwrap();
+            let other = if same_secret { secret() } else { JobSecret::from_hex(&"cd".repeat(32)).unwrap() };
+            let ctx2 = ctx.clone();
+            let t = std::thread::spawn(move || accept_handshake(&mut a, &secret(), ctx2.as_bytes(), Service::Data));
+            let r = connect_handshake(&mut c, &other, ctx.as_bytes(), Service::Data, "peer");
+            let acc = t.join().unwrap();
+            prop_assert_eq!(r.is_ok(), same_secret);
+            prop_assert_eq!(acc.is_ok(), same_secret);
+            if !same_secret {
+                prop_assert!(matches!(r, Err(ConnectFailure::Final(CommError::Auth(_)))));
+            }
+        }
+    }
+
+    /// A connection closed before the hello is worth retrying (an acceptor over its budget does
+    /// exactly that); a wrong service is not.
+    #[test]
+    fn closed_before_hello_is_transient_wrong_service_is_final() {
+        let mut s = Scripted::new(Vec::new());
+        let r = connect_handshake(&mut s, &secret(), b"c", Service::Store, "store");
+        assert!(matches!(r, Err(ConnectFailure::Transient(_))));
+        let mut hello = acceptor_script();
+        hello[PREFIX_LEN] = Service::Data as u8;
+        let mut s = Scripted::new(hello);
+        let r = connect_handshake(&mut s, &secret(), b"c", Service::Store, "store");
+        assert!(matches!(r, Err(ConnectFailure::Final(_))));
+    }
+}
