@@ -283,7 +283,8 @@ fn a_refused_rank_retries_until_the_flood_hits_its_handshake_deadline() {
     assert_eq!(c.get("k", Duration::from_secs(5)).unwrap(), b"v");
 
     let by_reason = srv.refusals_by_reason();
-    drop(flood.finish());
+    let stats = flood.finish();
+    assert!(stats.rounds >= 1, "{stats:?}");
     srv.shutdown();
     let after = by_reason.get(budget).copied().unwrap_or(0);
     assert!(
