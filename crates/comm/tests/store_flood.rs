@@ -333,3 +333,37 @@ fn a_rank_that_never_gets_in_names_the_store_the_time_and_the_last_reason() {
     assert!(e.contains("attempts; last: "), "{e}");
     assert!(e.contains("connection closed while reading hello"), "{e}");
 }
+
+/// More real ranks on one host than its per-source budget, all connecting at once: the ones
+/// over budget are refused, retry with backoff and all get in.
+#[test]
+fn more_ranks_than_the_per_source_budget_all_get_in() {
+    raise_fd_limit();
+    let secret = JobSecret::generate().unwrap();
+    let opts = StoreOptions {
+        admission: AdmissionLimits {
+            max_pending_per_ip: 4,
+            ..AdmissionLimits::default()
+        },
+        ..StoreOptions::default()
+    };
+    let srv =
+        StoreServer::bind_with("127.0.0.1:0".parse().unwrap(), &secret, "job-m", opts).unwrap();
+    let addr = srv.local_addr();
+    let n = 48;
+    let barrier = std::sync::Barrier::new(n);
+    std::thread::scope(|sc| {
+        for rank in 0..n {
+            let (secret, barrier) = (&secret, &barrier);
+            sc.spawn(move || {
+                barrier.wait();
+                let mut c =
+                    StoreClient::connect(addr, secret, "job-m", Duration::from_secs(60)).unwrap();
+                c.add("arrived", 1).unwrap();
+                c.set(&format!("r{rank}"), b"x").unwrap();
+            });
+        }
+    });
+    let mut c = StoreClient::connect(addr, &secret, "job-m", Duration::from_secs(60)).unwrap();
+    assert_eq!(c.add("arrived", 0).unwrap(), n as i64);
+}
