@@ -275,7 +275,7 @@ pub fn dial(
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
         let reason = match TcpStream::connect_timeout(&addr, left) {
-            Ok(mut s) => {
+            Ok(s) => {
                 let _ = s.set_nodelay(true);
                 let mut d = Deadlined {
                     stream: &s,
@@ -283,8 +283,8 @@ pub fn dial(
                 };
                 match connect_handshake(&mut d, secret, context, service, remote) {
                     Ok(()) => {
+                        // The caller sets its own timeouts; clear the handshake's leftovers.
                         let _ = s.set_read_timeout(None).and(s.set_write_timeout(None));
-                        let _ = &mut s;
                         return Ok(s);
                     }
                     Err(ConnectFailure::Final(e)) => return Err(e),
