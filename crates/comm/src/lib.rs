@@ -10,12 +10,15 @@
 //!
 //! Invariant: this crate knows nothing about models, tensors or configs; it moves `&[T]` / `&mut [T]`.
 
+pub mod admission;
 pub mod auth;
 pub mod collectives;
 pub mod communicator;
 pub mod element;
 pub mod error;
 pub mod exact;
+#[cfg(test)]
+mod fuzz_util;
 pub mod inproc;
 pub mod shm;
 pub mod store;

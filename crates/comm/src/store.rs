@@ -6,9 +6,15 @@
 //! context `"store|" ‖ job_id`, so only processes holding this job's secret can read or write, and
 //! clients know they talk to their own job's store. Anything else (a stranger, garbage, a wrong
 //! secret or job id, another protocol version) is refused: the connection is closed, counted in
-//! [`StoreServer::refused_connections`] and logged as one line naming the remote address and the
-//! reason (never the secret or a MAC). Each connection has its own thread and the handshake has a
-//! read timeout, so a silent stranger cannot stall anyone else.
+//! [`StoreServer::refused_connections`] and logged in aggregate (at most one line per
+//! [`StoreOptions::refusal_log_interval`], counts by reason, never the secret or a MAC).
+//!
+//! Limits (see `docs/security.md`): a connection that has not authenticated is *pending*; pending
+//! connections are limited per source IP and in total ([`AdmissionLimits`]), and one over budget
+//! is closed on the accept thread without starting a thread or reading a byte. An admitted one has
+//! one deadline for its whole handshake, so trickling bytes does not keep it alive. Authenticated
+//! connections have their own cap ([`StoreOptions::max_authenticated`]). Clients retry refused or
+//! broken attempts with capped exponential backoff until their own deadline ([`wire::dial`]).
 //!
 //! Requests after the handshake (integers little-endian):
 //! `MAGIC` · version u16 · op u8 · key_len u32 · value_len u32 · key · value
@@ -25,6 +31,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::admission::{categorize, Admission, AdmissionLimits, Deadlined, Pending, RefusalLog};
 use crate::auth::JobSecret;
 use crate::error::{CommError, Result};
 use crate::wire::{self, Service, PREFIX_LEN};
@@ -34,10 +41,27 @@ pub const MAX_KEY_BYTES: usize = 4 << 10;
 /// Largest value the store accepts.
 pub const MAX_VALUE_BYTES: usize = 16 << 20;
 
-/// How long a new connection may take to authenticate.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections beyond this are refused, so a flood cannot exhaust threads.
-const MAX_CONNECTIONS: usize = 1024;
+/// Limits of a [`StoreServer`]; `Default` is what the launcher uses.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    /// Budgets and deadline for connections that have not authenticated yet.
+    pub admission: AdmissionLimits,
+    /// Authenticated connections beyond this are refused, so even key holders cannot exhaust
+    /// threads.
+    pub max_authenticated: usize,
+    /// At most one refusal log line per this interval.
+    pub refusal_log_interval: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            admission: AdmissionLimits::default(),
+            max_authenticated: 1024,
+            refusal_log_interval: Duration::from_secs(5),
+        }
+    }
+}
 /// How long a client waits for an answer beyond the time the request itself may take.
 const ANSWER_GRACE: Duration = Duration::from_secs(30);
 /// Longest wait a `get` may ask the server for (keeps `Instant` arithmetic finite).
@@ -76,26 +100,37 @@ struct Shared {
     /// Clones of live connections, so shutdown can close them and wake their threads.
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
-    /// Connection threads alive, authenticated or still in their handshake.
-    active: AtomicUsize,
+    /// Budgets of connections still in their handshake.
+    admission: Admission,
+    /// Authenticated connections alive (counted apart from pending ones).
+    authenticated: AtomicUsize,
+    options: StoreOptions,
+    log: Mutex<RefusalLog>,
+    log_lines: AtomicU64,
 }
 
-/// Decrements `Shared::active` when a connection thread ends, however it ends.
-struct ActiveGuard(Arc<Shared>);
+/// Decrements `Shared::authenticated` when an authenticated connection ends, however it ends.
+struct AuthGuard(Arc<Shared>);
 
-impl Drop for ActiveGuard {
+impl Drop for AuthGuard {
     fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::SeqCst);
+        self.0.authenticated.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 impl Shared {
-    fn refuse(&self, peer: SocketAddr, reason: &str) {
+    /// Count a refusal; `category` is what the aggregated log line counts, `detail` the example.
+    fn refuse(&self, peer: SocketAddr, category: &str, detail: &str) {
         self.refused.fetch_add(1, Ordering::SeqCst);
-        eprintln!(
-            "lockstep store {}: refused connection from {peer}: {reason}",
-            self.local
-        );
+        let line = lock(&self.log).record(Instant::now(), category, format!("{peer}: {detail}"));
+        self.emit(line);
+    }
+
+    fn emit(&self, line: Option<String>) {
+        if let Some(line) = line {
+            self.log_lines.fetch_add(1, Ordering::SeqCst);
+            eprintln!("lockstep store {}: {line}", self.local);
+        }
     }
 }
 
@@ -106,8 +141,18 @@ pub struct StoreServer {
 }
 
 impl StoreServer {
-    /// Bind `addr` (port 0 picks an ephemeral port) and start serving.
+    /// Bind `addr` (port 0 picks an ephemeral port) and start serving with default limits.
     pub fn bind(addr: SocketAddr, secret: &JobSecret, job_id: &str) -> Result<StoreServer> {
+        Self::bind_with(addr, secret, job_id, StoreOptions::default())
+    }
+
+    /// [`StoreServer::bind`] with explicit limits.
+    pub fn bind_with(
+        addr: SocketAddr,
+        secret: &JobSecret,
+        job_id: &str,
+        options: StoreOptions,
+    ) -> Result<StoreServer> {
         let listener = TcpListener::bind(addr)
             .map_err(|e| CommError::setup(format!("binding rendezvous store on {addr}"), e))?;
         let local = listener
@@ -127,7 +172,11 @@ impl StoreServer {
             refused: AtomicU64::new(0),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
-            active: AtomicUsize::new(0),
+            admission: Admission::new(options.admission),
+            authenticated: AtomicUsize::new(0),
+            options,
+            log: Mutex::new(RefusalLog::new(options.refusal_log_interval)),
+            log_lines: AtomicU64::new(0),
         });
         let s = shared.clone();
         let accept_thread = std::thread::Builder::new()
@@ -150,6 +199,26 @@ impl StoreServer {
         self.shared.refused.load(Ordering::SeqCst)
     }
 
+    /// How many aggregated refusal lines were logged (at most one per log interval).
+    pub fn refusal_log_lines(&self) -> u64 {
+        self.shared.log_lines.load(Ordering::SeqCst)
+    }
+
+    /// Refusals since the start by reason (the categories of the aggregated log lines).
+    pub fn refusals_by_reason(&self) -> std::collections::BTreeMap<String, u64> {
+        lock(&self.shared.log).cumulative().clone()
+    }
+
+    /// Connections in their handshake now.
+    pub fn pending_handshakes(&self) -> usize {
+        self.shared.admission.pending()
+    }
+
+    /// Authenticated connections open now.
+    pub fn authenticated_connections(&self) -> usize {
+        self.shared.authenticated.load(Ordering::SeqCst)
+    }
+
     /// Stop accepting, close every connection and wake waiting requests. Idempotent.
     pub fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
@@ -162,6 +231,8 @@ impl StoreServer {
         }
         if let Some(t) = self.accept_thread.take() {
             let _ = t.join();
+            let line = lock(&self.shared.log).flush(Instant::now());
+            self.shared.emit(line);
         }
     }
 }
@@ -185,21 +256,27 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     while !shared.stop.load(Ordering::SeqCst) {
         // SAFETY: one valid pollfd that outlives the call.
         unsafe { libc::poll(&mut pfd, 1, 100) };
+        let line = lock(&shared.log).tick(Instant::now());
+        shared.emit(line);
         loop {
             match listener.accept() {
                 Ok((stream, peer)) => {
-                    if shared.active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
-                        shared.refuse(peer, "too many open connections");
-                        continue;
-                    }
-                    shared.active.fetch_add(1, Ordering::SeqCst);
-                    let guard = ActiveGuard(shared.clone());
+                    // Over budget: closed here, on the accept thread; nothing read, no thread.
+                    let ticket = match shared.admission.try_admit(peer.ip()) {
+                        Ok(t) => t,
+                        Err(category) => {
+                            drop(stream);
+                            shared.refuse(peer, &category, &category);
+                            continue;
+                        }
+                    };
+                    let s = shared.clone();
                     let spawned = std::thread::Builder::new()
                         .name("lockstep-store-conn".into())
-                        .spawn(move || serve_connection(stream, peer, guard));
+                        .spawn(move || serve_connection(stream, peer, ticket, s));
                     if spawned.is_err() {
-                        // The closure (and with it the guard) was dropped, undoing the count.
-                        shared.refuse(peer, "could not start a thread for it");
+                        // The closure (and with it the ticket) was dropped, giving back the place.
+                        shared.refuse(peer, "no thread", "could not start a thread for it");
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
@@ -223,30 +300,51 @@ enum End {
     Refuse(String),
 }
 
-fn serve_connection(mut stream: TcpStream, peer: SocketAddr, guard: ActiveGuard) {
-    let shared = &guard.0;
+fn serve_connection(stream: TcpStream, peer: SocketAddr, ticket: Pending, shared: Arc<Shared>) {
+    // One deadline for the whole handshake, however slowly its bytes arrive.
+    let deadline = Instant::now() + shared.options.admission.handshake_deadline;
     let setup = stream
         .set_nonblocking(false)
-        .and_then(|_| stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)))
-        .and_then(|_| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
         .and_then(|_| stream.set_nodelay(true));
     if let Err(e) = setup {
-        shared.refuse(peer, &format!("could not configure socket: {e}"));
+        shared.refuse(
+            peer,
+            "other errors",
+            &format!("could not configure socket: {e}"),
+        );
         return;
     }
+    let mut d = Deadlined {
+        stream: &stream,
+        deadline,
+    };
     if let Err(reason) =
-        wire::accept_handshake(&mut stream, &shared.secret, &shared.context, Service::Store)
+        wire::accept_handshake(&mut d, &shared.secret, &shared.context, Service::Store)
     {
-        shared.refuse(peer, &reason);
+        shared.refuse(peer, categorize(&reason), &reason);
         return;
     }
+    drop(ticket);
+    if shared.authenticated.fetch_add(1, Ordering::SeqCst) >= shared.options.max_authenticated {
+        shared.authenticated.fetch_sub(1, Ordering::SeqCst);
+        shared.refuse(
+            peer,
+            "authenticated connection cap reached",
+            "authenticated connection cap reached",
+        );
+        return;
+    }
+    let _auth = AuthGuard(shared.clone());
+    let shared = &*shared;
+    let mut stream = stream;
     let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
     match stream.try_clone() {
         Ok(clone) => {
             lock(&shared.conns).insert(id, clone);
         }
         Err(e) => {
-            shared.refuse(peer, &format!("could not register connection: {e}"));
+            let detail = format!("could not register connection: {e}");
+            shared.refuse(peer, "other errors", &detail);
             return;
         }
     }
@@ -254,50 +352,112 @@ fn serve_connection(mut stream: TcpStream, peer: SocketAddr, guard: ActiveGuard)
     if !shared.stop.load(Ordering::SeqCst) {
         // Authenticated clients may stay idle between requests for as long as they like.
         let _ = stream.set_read_timeout(None);
+        let _ = stream.set_write_timeout(Some(ANSWER_GRACE));
         if let End::Refuse(reason) = serve_requests(&mut stream, shared) {
             if !shared.stop.load(Ordering::SeqCst) {
-                shared.refuse(peer, &reason);
+                shared.refuse(peer, "malformed request", &reason);
             }
         }
     }
     lock(&shared.conns).remove(&id);
 }
 
+/// One decoded request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub op: u8,
+    pub key: String,
+    pub value: Vec<u8>,
+}
+
+/// Why a request could not be read.
+#[derive(Debug)]
+pub(crate) enum BadRequest {
+    /// The connection failed or closed mid-request.
+    Io(String),
+    /// The bytes are not a valid request; the reason may be sent back to the client.
+    Malformed(String),
+}
+
+/// The request's bytes on the wire (`MAGIC` · version · op · key_len · value_len · key · value).
+pub(crate) fn encode_request(op: u8, key: &str, value: &[u8]) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(REQUEST_HEADER_LEN + key.len() + value.len());
+    msg.extend_from_slice(&wire::prefix());
+    msg.push(op);
+    msg.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    msg.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    msg.extend_from_slice(key.as_bytes());
+    msg.extend_from_slice(value);
+    msg
+}
+
+/// Checks a request header: prefix, known op, lengths within the limits. Returns (op, key
+/// length, value length).
+pub(crate) fn parse_request_header(
+    h: &[u8; REQUEST_HEADER_LEN],
+) -> std::result::Result<(u8, usize, usize), String> {
+    let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
+    wire::check_prefix(&pre).map_err(|r| format!("malformed request: {r}"))?;
+    let op = h[PREFIX_LEN];
+    let key_len =
+        u32::from_le_bytes(h[PREFIX_LEN + 1..PREFIX_LEN + 5].try_into().unwrap()) as usize;
+    let val_len = u32::from_le_bytes(h[PREFIX_LEN + 5..].try_into().unwrap()) as usize;
+    if key_len > MAX_KEY_BYTES || val_len > MAX_VALUE_BYTES {
+        return Err(format!(
+            "request with {key_len}-byte key and {val_len}-byte value exceeds the limits \
+             ({MAX_KEY_BYTES} / {MAX_VALUE_BYTES} bytes)"
+        ));
+    }
+    if !matches!(op, OP_SET | OP_GET | OP_TRY_GET | OP_ADD) {
+        return Err(format!("unknown request op {op}"));
+    }
+    if matches!(op, OP_GET | OP_ADD) && val_len != 8 {
+        return Err(format!(
+            "op {op} needs an 8-byte argument, got {val_len} bytes"
+        ));
+    }
+    Ok((op, key_len, val_len))
+}
+
+/// Read one request; `Ok(None)` on a clean EOF before its first byte. Memory grows with the bytes
+/// that actually arrive (never more than the checked lengths), not with what the header claims.
+pub(crate) fn read_request<R: Read>(r: &mut R) -> std::result::Result<Option<Request>, BadRequest> {
+    let mut h = [0u8; REQUEST_HEADER_LEN];
+    match read_exact_or_eof(r, &mut h) {
+        Ok(true) => {}
+        Ok(false) => return Ok(None),
+        Err(e) => return Err(BadRequest::Io(format!("I/O error reading request: {e}"))),
+    }
+    let (op, key_len, val_len) = parse_request_header(&h).map_err(BadRequest::Malformed)?;
+    let key = read_bounded(r, key_len)
+        .map_err(|e| BadRequest::Io(format!("I/O error reading request body: {e}")))?;
+    let value = read_bounded(r, val_len)
+        .map_err(|e| BadRequest::Io(format!("I/O error reading request body: {e}")))?;
+    let key =
+        String::from_utf8(key).map_err(|_| BadRequest::Malformed("key is not UTF-8".into()))?;
+    Ok(Some(Request { op, key, value }))
+}
+
+/// Exactly `len` bytes, allocated as they arrive.
+fn read_bounded<R: Read>(r: &mut R, len: usize) -> std::io::Result<Vec<u8>> {
+    let mut v = Vec::with_capacity(len.min(64 << 10));
+    r.by_ref().take(len as u64).read_to_end(&mut v)?;
+    if v.len() != len {
+        return Err(ErrorKind::UnexpectedEof.into());
+    }
+    Ok(v)
+}
+
 fn serve_requests(stream: &mut TcpStream, shared: &Shared) -> End {
     loop {
-        let mut h = [0u8; REQUEST_HEADER_LEN];
-        match read_exact_or_eof(stream, &mut h) {
-            Ok(true) => {}
-            Ok(false) => return End::Normal,
-            Err(e) => return End::Refuse(format!("I/O error reading request: {e}")),
-        }
-        let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
-        if let Err(reason) = wire::check_prefix(&pre) {
-            return End::Refuse(format!("malformed request: {reason}"));
-        }
-        let op = h[PREFIX_LEN];
-        let key_len =
-            u32::from_le_bytes(h[PREFIX_LEN + 1..PREFIX_LEN + 5].try_into().unwrap()) as usize;
-        let val_len = u32::from_le_bytes(h[PREFIX_LEN + 5..].try_into().unwrap()) as usize;
-        if key_len > MAX_KEY_BYTES || val_len > MAX_VALUE_BYTES {
-            let msg = format!(
-                "request with {key_len}-byte key and {val_len}-byte value exceeds the limits \
-                 ({MAX_KEY_BYTES} / {MAX_VALUE_BYTES} bytes)"
-            );
-            let _ = answer(stream, ST_ERROR, msg.as_bytes());
-            return End::Refuse(msg);
-        }
-        let mut key = vec![0u8; key_len];
-        let mut value = vec![0u8; val_len];
-        if let Err(e) = stream
-            .read_exact(&mut key)
-            .and_then(|_| stream.read_exact(&mut value))
-        {
-            return End::Refuse(format!("I/O error reading request body: {e}"));
-        }
-        let Ok(key) = String::from_utf8(key) else {
-            let _ = answer(stream, ST_ERROR, b"key is not UTF-8");
-            return End::Refuse("key is not UTF-8".into());
+        let Request { op, key, value } = match read_request(stream) {
+            Ok(Some(r)) => r,
+            Ok(None) => return End::Normal,
+            Err(BadRequest::Io(reason)) => return End::Refuse(reason),
+            Err(BadRequest::Malformed(reason)) => {
+                let _ = stream.write_all(&encode_answer(ST_ERROR, reason.as_bytes()));
+                return End::Refuse(reason);
+            }
         };
         let (status, payload) = match op {
             OP_SET => {
@@ -310,31 +470,27 @@ fn serve_requests(stream: &mut TcpStream, shared: &Shared) -> End {
                 None => (ST_MISSING, Vec::new()),
             },
             OP_GET => {
-                let Ok(ms) = <[u8; 8]>::try_from(value.as_slice()) else {
-                    return End::Refuse("get request without an 8-byte timeout".into());
-                };
+                // Length checked by `parse_request_header`.
+                let ms: [u8; 8] = value.as_slice().try_into().unwrap();
                 let wait = Duration::from_millis(u64::from_le_bytes(ms)).min(MAX_WAIT);
                 wait_for_key(shared, &key, wait)
             }
-            OP_ADD => {
-                let Ok(d) = <[u8; 8]>::try_from(value.as_slice()) else {
-                    return End::Refuse("add request without an 8-byte delta".into());
-                };
+            _ => {
+                let d: [u8; 8] = value.as_slice().try_into().unwrap();
                 add_counter(shared, key, i64::from_le_bytes(d))
             }
-            other => return End::Refuse(format!("unknown request op {other}")),
         };
         if shared.stop.load(Ordering::SeqCst) {
             return End::Normal;
         }
-        if let Err(e) = answer(stream, status, &payload) {
+        if let Err(e) = stream.write_all(&encode_answer(status, &payload)) {
             return End::Refuse(format!("I/O error sending answer: {e}"));
         }
     }
 }
 
 /// `Ok(false)` on a clean EOF before the first byte.
-fn read_exact_or_eof(stream: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<bool> {
+fn read_exact_or_eof<R: Read>(stream: &mut R, buf: &mut [u8]) -> std::io::Result<bool> {
     let mut got = 0;
     while got < buf.len() {
         match stream.read(&mut buf[got..]) {
@@ -396,13 +552,44 @@ fn add_counter(shared: &Shared, key: String, delta: i64) -> (u8, Vec<u8>) {
     (ST_VALUE, new.to_le_bytes().to_vec())
 }
 
-fn answer(stream: &mut TcpStream, status: u8, payload: &[u8]) -> std::io::Result<()> {
+/// The answer's bytes on the wire (`MAGIC` · version · status · len · payload).
+pub(crate) fn encode_answer(status: u8, payload: &[u8]) -> Vec<u8> {
     let mut msg = Vec::with_capacity(ANSWER_HEADER_LEN + payload.len());
     msg.extend_from_slice(&wire::prefix());
     msg.push(status);
     msg.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     msg.extend_from_slice(payload);
-    stream.write_all(&msg)
+    msg
+}
+
+/// Why an answer could not be read.
+#[derive(Debug)]
+pub(crate) enum BadAnswer {
+    Io(std::io::Error),
+    Malformed(String),
+}
+
+/// Read one answer: (status, payload). Unknown statuses and oversize lengths are refused before
+/// the payload is read.
+pub(crate) fn read_answer<R: Read>(r: &mut R) -> std::result::Result<(u8, Vec<u8>), BadAnswer> {
+    let mut h = [0u8; ANSWER_HEADER_LEN];
+    r.read_exact(&mut h).map_err(BadAnswer::Io)?;
+    let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
+    wire::check_prefix(&pre).map_err(|r| BadAnswer::Malformed(format!("malformed answer: {r}")))?;
+    let status = h[PREFIX_LEN];
+    if !matches!(status, ST_OK | ST_VALUE | ST_MISSING | ST_ERROR) {
+        return Err(BadAnswer::Malformed(format!(
+            "unknown answer status {status}"
+        )));
+    }
+    let len = u32::from_le_bytes(h[PREFIX_LEN + 1..].try_into().unwrap()) as usize;
+    if len > MAX_VALUE_BYTES {
+        return Err(BadAnswer::Malformed(format!(
+            "answer of {len} bytes exceeds the {MAX_VALUE_BYTES}-byte limit"
+        )));
+    }
+    let payload = read_bounded(r, len).map_err(BadAnswer::Io)?;
+    Ok((status, payload))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -419,51 +606,24 @@ pub struct StoreClient {
 }
 
 impl StoreClient {
-    /// Connect and authenticate. Connection refusals are retried until `timeout` (the server may
-    /// start after its clients); a failed authentication is final.
+    /// Connect and authenticate. Refused, reset or closed attempts (the server may start after its
+    /// clients, or be refusing a flood from our address) are retried with capped exponential
+    /// backoff until `timeout`; a failed authentication is final. The error names the store's
+    /// address, how long we tried and the last reason.
     pub fn connect(
         addr: SocketAddr,
         secret: &JobSecret,
         job_id: &str,
         timeout: Duration,
     ) -> Result<StoreClient> {
-        let started = Instant::now();
-        let deadline = started + timeout;
-        let mut stream = loop {
-            let left = deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            match TcpStream::connect_timeout(&addr, left) {
-                Ok(s) => break s,
-                Err(e)
-                    if retryable(&e) && Instant::now() + Duration::from_millis(50) < deadline =>
-                {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => {
-                    return Err(CommError::Rendezvous(format!(
-                        "could not reach store at {addr} within {:.1}s: {e}",
-                        started.elapsed().as_secs_f64()
-                    )))
-                }
-            }
-        };
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(100));
-        stream
-            .set_nodelay(true)
-            .and_then(|_| stream.set_read_timeout(Some(left)))
-            .and_then(|_| stream.set_write_timeout(Some(left)))
-            .map_err(|e| {
-                CommError::setup(format!("configuring connection to store at {addr}"), e)
-            })?;
-        wire::connect_handshake(
-            &mut stream,
+        let stream = wire::dial(
+            addr,
             secret,
             &store_context(job_id),
             Service::Store,
             &format!("store at {addr}"),
+            Instant::now() + timeout,
+            None,
         )?;
         Ok(StoreClient {
             stream,
@@ -586,13 +746,7 @@ impl StoreClient {
                 ),
             ));
         }
-        let mut msg = Vec::with_capacity(REQUEST_HEADER_LEN + key.len() + value.len());
-        msg.extend_from_slice(&wire::prefix());
-        msg.push(op);
-        msg.extend_from_slice(&(key.len() as u32).to_le_bytes());
-        msg.extend_from_slice(&(value.len() as u32).to_le_bytes());
-        msg.extend_from_slice(key.as_bytes());
-        msg.extend_from_slice(value);
+        let msg = encode_request(op, key, value);
         let wait = may_take + ANSWER_GRACE;
         if let Err(e) = self
             .stream
@@ -602,28 +756,17 @@ impl StoreClient {
         {
             return Err(self.fail(describe_io("sending request", &e)));
         }
-        let mut h = [0u8; ANSWER_HEADER_LEN];
-        if let Err(e) = self.stream.read_exact(&mut h) {
-            return Err(self.fail(describe_io(
-                &format!("waiting {:.1}s for its answer", wait.as_secs_f64()),
-                &e,
-            )));
-        }
-        let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
-        if let Err(r) = wire::check_prefix(&pre) {
-            return Err(self.fail(format!("malformed answer: {r}")));
-        }
-        let len = u32::from_le_bytes(h[PREFIX_LEN + 1..].try_into().unwrap()) as usize;
-        if len > MAX_VALUE_BYTES {
-            return Err(self.fail(format!(
-                "answer of {len} bytes exceeds the {MAX_VALUE_BYTES}-byte limit"
-            )));
-        }
-        let mut payload = vec![0u8; len];
-        if let Err(e) = self.stream.read_exact(&mut payload) {
-            return Err(self.fail(describe_io("reading its answer", &e)));
-        }
-        match h[PREFIX_LEN] {
+        let (status, payload) = match read_answer(&mut self.stream) {
+            Ok(a) => a,
+            Err(BadAnswer::Io(e)) => {
+                return Err(self.fail(describe_io(
+                    &format!("waiting {:.1}s for its answer", wait.as_secs_f64()),
+                    &e,
+                )))
+            }
+            Err(BadAnswer::Malformed(r)) => return Err(self.fail(r)),
+        };
+        match status {
             ST_OK => Ok(Some(Vec::new())),
             ST_VALUE => Ok(Some(payload)),
             ST_MISSING => Ok(None),
@@ -650,17 +793,6 @@ fn check_value(op: &'static str, value: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn retryable(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        ErrorKind::ConnectionRefused
-            | ErrorKind::ConnectionReset
-            | ErrorKind::ConnectionAborted
-            | ErrorKind::TimedOut
-            | ErrorKind::Interrupted
-    )
-}
-
 fn describe_io(what: &str, e: &std::io::Error) -> String {
     match e.kind() {
         ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe => {
@@ -668,5 +800,136 @@ fn describe_io(what: &str, e: &std::io::Error) -> String {
         }
         ErrorKind::WouldBlock | ErrorKind::TimedOut => format!("no progress while {what}"),
         _ => format!("I/O error while {what}: {e}"),
+    }
+}
+
+/// Fuzz harnesses for the request and answer decoders (see `fuzz_util`). Properties: no panic,
+/// decoded keys and values within the limits, garbage refused, memory bounded by the bytes that
+/// arrived rather than the lengths claimed, and valid encodings round-trip.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::fuzz_util::{config, mutated};
+    use proptest::prelude::*;
+    use std::io::Cursor;
+
+    fn check_request(input: &[u8]) {
+        let mut c = Cursor::new(input);
+        // Decode requests until the input runs out or one is refused (a connection would end).
+        for _ in 0..input.len() + 1 {
+            match read_request(&mut c) {
+                Ok(Some(r)) => {
+                    assert!(r.key.len() <= MAX_KEY_BYTES && r.value.len() <= MAX_VALUE_BYTES);
+                    assert!(matches!(r.op, OP_SET | OP_GET | OP_TRY_GET | OP_ADD));
+                    // Never holds more than it was sent.
+                    assert!(r.key.len() + r.value.len() <= input.len());
+                    assert!(r.value.capacity() <= input.len().max(64 << 10));
+                }
+                Ok(None) | Err(_) => return,
+            }
+        }
+    }
+
+    fn check_answer(input: &[u8]) {
+        if let Ok((status, payload)) = read_answer(&mut Cursor::new(input)) {
+            assert!(matches!(status, ST_OK | ST_VALUE | ST_MISSING | ST_ERROR));
+            assert!(payload.len() <= MAX_VALUE_BYTES && payload.len() <= input.len());
+        }
+    }
+
+    fn op() -> impl Strategy<Value = u8> {
+        prop::sample::select(vec![OP_SET, OP_GET, OP_TRY_GET, OP_ADD])
+    }
+
+    fn valid_request() -> impl Strategy<Value = (u8, String, Vec<u8>)> {
+        (
+            op(),
+            "[a-z/0-9]{0,40}",
+            prop::collection::vec(any::<u8>(), 0..64),
+        )
+            .prop_map(|(op, key, mut value)| {
+                if matches!(op, OP_GET | OP_ADD) {
+                    value.resize(8, 0);
+                }
+                (op, key, value)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(config(2000))]
+
+        #[test]
+        fn fuzz_request_random(input in prop::collection::vec(any::<u8>(), 0..256)) {
+            check_request(&input);
+        }
+
+        #[test]
+        fn fuzz_request_mutated(input in valid_request().prop_flat_map(|(op, k, v)| mutated(encode_request(op, &k, &v)))) {
+            check_request(&input);
+        }
+
+        #[test]
+        fn request_round_trips((op, key, value) in valid_request()) {
+            let bytes = encode_request(op, &key, &value);
+            let mut c = Cursor::new(&bytes[..]);
+            let r = read_request(&mut c).unwrap().unwrap();
+            prop_assert_eq!(r, Request { op, key, value });
+            prop_assert!(read_request(&mut c).unwrap().is_none());
+        }
+
+        #[test]
+        fn fuzz_answer_random(input in prop::collection::vec(any::<u8>(), 0..256)) {
+            check_answer(&input);
+        }
+
+        #[test]
+        fn fuzz_answer_mutated(input in (0u8..4, prop::collection::vec(any::<u8>(), 0..64)).prop_flat_map(|(st, p)| mutated(encode_answer(st, &p)))) {
+            check_answer(&input);
+        }
+
+        #[test]
+        fn answer_round_trips(status in 0u8..4, payload in prop::collection::vec(any::<u8>(), 0..256)) {
+            let bytes = encode_answer(status, &payload);
+            let (s, p) = read_answer(&mut Cursor::new(&bytes[..])).unwrap();
+            prop_assert_eq!((s, p), (status, payload));
+        }
+    }
+
+    /// A header that claims the largest value but sends ten bytes is refused without the server
+    /// reserving 16 MiB for it; one that claims more than the limit is refused from its header.
+    #[test]
+    fn claimed_lengths_do_not_allocate() {
+        let mut msg = encode_request(OP_SET, "k", &[0u8; 10]);
+        msg[PREFIX_LEN + 5..REQUEST_HEADER_LEN]
+            .copy_from_slice(&(MAX_VALUE_BYTES as u32).to_le_bytes());
+        assert!(matches!(
+            read_request(&mut Cursor::new(&msg[..])),
+            Err(BadRequest::Io(_))
+        ));
+        msg[PREFIX_LEN + 5..REQUEST_HEADER_LEN]
+            .copy_from_slice(&(MAX_VALUE_BYTES as u32 + 1).to_le_bytes());
+        assert!(matches!(
+            read_request(&mut Cursor::new(&msg[..])),
+            Err(BadRequest::Malformed(_))
+        ));
+        let mut a = encode_answer(ST_VALUE, b"xy");
+        a[PREFIX_LEN + 1..ANSWER_HEADER_LEN].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            read_answer(&mut Cursor::new(&a[..])),
+            Err(BadAnswer::Malformed(_))
+        ));
+    }
+
+    /// `get` and `add` without their 8-byte argument are refused at the header, before the
+    /// server would index into the value.
+    #[test]
+    fn get_and_add_need_eight_bytes() {
+        for op in [OP_GET, OP_ADD] {
+            let msg = encode_request(op, "k", &[1, 2, 3]);
+            assert!(matches!(
+                read_request(&mut Cursor::new(&msg[..])),
+                Err(BadRequest::Malformed(_))
+            ));
+        }
     }
 }

@@ -18,7 +18,11 @@
 //! than "wrong secret". MACs bind the job id and the service through `context`.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::admission::Deadlined;
 
 use crate::auth::{acceptor_proof, connector_proof, random_nonce, JobSecret, MAC_LEN, NONCE_LEN};
 use crate::error::CommError;
@@ -84,8 +88,8 @@ pub fn check_prefix(p: &[u8; PREFIX_LEN]) -> Result<(), String> {
 
 /// The acceptor's side. On `Err` the connection must be dropped; the reason names what the remote
 /// got wrong and contains no secret material.
-pub fn accept_handshake(
-    stream: &mut TcpStream,
+pub fn accept_handshake<S: Read + Write>(
+    stream: &mut S,
     secret: &JobSecret,
     context: &[u8],
     service: Service,
@@ -134,7 +138,7 @@ pub fn accept_handshake(
     send_verdict(stream, VERDICT_OK, &answer).map_err(|e| io_reason("sending verdict", &e))
 }
 
-fn send_verdict(stream: &mut TcpStream, status: u8, mac: &[u8; MAC_LEN]) -> std::io::Result<()> {
+fn send_verdict<S: Write>(stream: &mut S, status: u8, mac: &[u8; MAC_LEN]) -> std::io::Result<()> {
     let mut v = [0u8; VERDICT_LEN];
     v[..PREFIX_LEN].copy_from_slice(&prefix());
     v[PREFIX_LEN] = status;
@@ -150,30 +154,45 @@ fn io_reason(what: &str, e: &std::io::Error) -> String {
     }
 }
 
+/// Why the connector's side of a handshake failed.
+#[derive(Debug)]
+pub enum ConnectFailure {
+    /// The connection broke or stalled before a verdict (an acceptor over its budget closes new
+    /// connections at once): worth another attempt while the caller's deadline allows.
+    Transient(CommError),
+    /// The acceptor answered and the answer is final (wrong secret, version, service, impostor).
+    Final(CommError),
+}
+
 /// The connector's side. `remote` describes the other end for messages, e.g.
-/// "store at 127.0.0.1:29500" or "rank 2 (10.0.0.3:40312)".
-pub fn connect_handshake(
-    stream: &mut TcpStream,
+/// "store at 127.0.0.1:29500" or "rank 2 (10.0.0.3:40312)". The failure says whether it is worth
+/// retrying.
+pub fn connect_handshake<S: Read + Write>(
+    stream: &mut S,
     secret: &JobSecret,
     context: &[u8],
     service: Service,
     remote: &str,
-) -> Result<(), CommError> {
+) -> Result<(), ConnectFailure> {
     let io = |what: &str, e: std::io::Error| {
-        CommError::Rendezvous(format!("{remote}: {}", io_reason(what, &e)))
+        ConnectFailure::Transient(CommError::Rendezvous(format!(
+            "{remote}: {}",
+            io_reason(what, &e)
+        )))
     };
+    let fin = |e: CommError| ConnectFailure::Final(e);
     let mut hello = [0u8; HELLO_LEN];
     stream
         .read_exact(&mut hello)
         .map_err(|e| io("reading hello", e))?;
     let pre: [u8; PREFIX_LEN] = hello[..PREFIX_LEN].try_into().unwrap();
-    check_prefix(&pre).map_err(|r| CommError::Rendezvous(format!("{remote}: {r}")))?;
+    check_prefix(&pre).map_err(|r| fin(CommError::Rendezvous(format!("{remote}: {r}"))))?;
     if hello[PREFIX_LEN] != service as u8 {
-        return Err(CommError::Rendezvous(format!(
+        return Err(fin(CommError::Rendezvous(format!(
             "{remote} is {}, not {}",
             Service::describe(hello[PREFIX_LEN]),
             Service::describe(service as u8)
-        )));
+        ))));
     }
     let nonce_a = &hello[PREFIX_LEN + 1..];
     let nonce_c = random_nonce();
@@ -192,29 +211,29 @@ pub fn connect_handshake(
         .read_exact(&mut verdict)
         .map_err(|e| io("reading verdict", e))?;
     let pre: [u8; PREFIX_LEN] = verdict[..PREFIX_LEN].try_into().unwrap();
-    check_prefix(&pre).map_err(|r| CommError::Rendezvous(format!("{remote}: {r}")))?;
+    check_prefix(&pre).map_err(|r| fin(CommError::Rendezvous(format!("{remote}: {r}"))))?;
     match verdict[PREFIX_LEN] {
         VERDICT_OK => {}
         VERDICT_BAD_AUTH => {
-            return Err(CommError::Auth(format!(
+            return Err(fin(CommError::Auth(format!(
                 "{remote} refused authentication: wrong secret or job id"
-            )))
+            ))))
         }
         VERDICT_BAD_VERSION => {
-            return Err(CommError::Rendezvous(format!(
+            return Err(fin(CommError::Rendezvous(format!(
                 "{remote} refused this build's protocol version {PROTOCOL_VERSION}"
-            )))
+            ))))
         }
         VERDICT_WRONG_SERVICE => {
-            return Err(CommError::Rendezvous(format!(
+            return Err(fin(CommError::Rendezvous(format!(
                 "{remote} is not {}",
                 Service::describe(service as u8)
-            )))
+            ))))
         }
         other => {
-            return Err(CommError::Rendezvous(format!(
+            return Err(fin(CommError::Rendezvous(format!(
                 "{remote} answered the handshake with unknown status {other}"
-            )))
+            ))))
         }
     }
     // Constant-time comparison; the same bytes as `acceptor_proof(secret, context, nonce_a, nonce_c)`.
@@ -222,11 +241,89 @@ pub fn connect_handshake(
         &[b"lockstep-auth-v1|a|", context, &nonce_c, nonce_a],
         &verdict[PREFIX_LEN + 1..],
     ) {
-        return Err(CommError::Auth(format!(
+        return Err(fin(CommError::Auth(format!(
             "{remote} failed to prove it knows the job secret (another job's service, or an impostor)"
-        )));
+        ))));
     }
     Ok(())
+}
+
+/// First pause between connection attempts; doubled after each failure up to [`BACKOFF_CAP`].
+pub const BACKOFF_START: Duration = Duration::from_millis(10);
+/// Longest pause between connection attempts.
+pub const BACKOFF_CAP: Duration = Duration::from_secs(1);
+
+/// Connect to `addr` and pass the handshake, retrying refused, reset, closed or stalled attempts
+/// with capped exponential backoff (jittered, so clients refused together do not return together)
+/// until `deadline`. A final answer (wrong secret, version or service) is not retried. The error
+/// names `remote`, how long we tried, how many attempts and the last reason.
+pub fn dial(
+    addr: SocketAddr,
+    secret: &JobSecret,
+    context: &[u8],
+    service: Service,
+    remote: &str,
+    deadline: Instant,
+    abort: Option<&AtomicBool>,
+) -> Result<TcpStream, CommError> {
+    let started = Instant::now();
+    let mut backoff = BACKOFF_START;
+    let mut attempts = 0u32;
+    let last = loop {
+        attempts += 1;
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        let reason = match TcpStream::connect_timeout(&addr, left) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                let mut d = Deadlined {
+                    stream: &s,
+                    deadline: deadline.max(Instant::now() + Duration::from_millis(100)),
+                };
+                match connect_handshake(&mut d, secret, context, service, remote) {
+                    Ok(()) => {
+                        // The caller sets its own timeouts; clear the handshake's leftovers.
+                        let _ = s.set_read_timeout(None).and(s.set_write_timeout(None));
+                        return Ok(s);
+                    }
+                    Err(ConnectFailure::Final(e)) => return Err(e),
+                    Err(ConnectFailure::Transient(e)) => e.to_string(),
+                }
+            }
+            Err(e) if retryable_connect(&e) => e.to_string(),
+            Err(e) => break e.to_string(),
+        };
+        // Jitter in [backoff/2, backoff): cheap randomness from the clock is enough here.
+        let nanos = Instant::now().duration_since(started).subsec_nanos() as u64;
+        let half = backoff.as_nanos() as u64 / 2;
+        let pause = Duration::from_nanos(half + nanos % half.max(1));
+        if abort.is_some_and(|a| a.load(Ordering::SeqCst)) {
+            return Err(CommError::Rendezvous("aborted".into()));
+        }
+        if Instant::now() + pause >= deadline {
+            break reason;
+        }
+        std::thread::sleep(pause);
+        backoff = (backoff * 2).min(BACKOFF_CAP);
+    };
+    Err(CommError::Rendezvous(format!(
+        "could not reach {remote}: gave up after {:.1}s and {attempts} attempt{}; last: {last}",
+        started.elapsed().as_secs_f64(),
+        if attempts == 1 { "" } else { "s" }
+    )))
+}
+
+fn retryable_connect(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::TimedOut
+            | ErrorKind::WouldBlock
+            | ErrorKind::Interrupted
+    )
 }
 
 #[cfg(test)]
@@ -244,5 +341,119 @@ mod tests {
             check_prefix(&old).unwrap_err(),
             "protocol version 0 but this build speaks 1"
         );
+    }
+}
+
+/// Fuzz harnesses for both sides of the handshake (see `fuzz_util`). Properties: no panic on any
+/// input, garbage is refused with an error, nothing longer than one protocol message is written
+/// back, and a real pair of peers still agrees.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::fuzz_util::{config, mutated, Scripted};
+    use proptest::prelude::*;
+    use std::os::unix::net::UnixStream;
+
+    fn secret() -> JobSecret {
+        JobSecret::from_hex(&"ab".repeat(32)).unwrap()
+    }
+
+    /// A hello and a verdict as an acceptor would send them (the verdict's MAC is wrong, as any
+    /// attacker's would be).
+    fn acceptor_script() -> Vec<u8> {
+        let mut v = prefix().to_vec();
+        v.push(Service::Store as u8);
+        v.extend_from_slice(&[7u8; NONCE_LEN]);
+        v.extend_from_slice(&prefix());
+        v.push(VERDICT_OK);
+        v.extend_from_slice(&[9u8; MAC_LEN]);
+        v
+    }
+
+    fn connector_script() -> Vec<u8> {
+        let mut v = prefix().to_vec();
+        v.push(Service::Store as u8);
+        v.extend_from_slice(&[7u8; NONCE_LEN]);
+        v.extend_from_slice(&[9u8; MAC_LEN]);
+        v
+    }
+
+    fn check_accept(input: Vec<u8>) {
+        let mut s = Scripted::new(input);
+        let r = accept_handshake(&mut s, &secret(), b"store|job", Service::Store);
+        // Nobody without the secret and our fresh nonce can produce a valid proof.
+        assert!(r.is_err());
+        assert!(s.output.len() <= HELLO_LEN + VERDICT_LEN);
+    }
+
+    fn check_connect(input: Vec<u8>) {
+        let mut s = Scripted::new(input);
+        let r = connect_handshake(&mut s, &secret(), b"store|job", Service::Store, "store");
+        assert!(r.is_err());
+        assert!(s.output.len() <= PROOF_LEN);
+    }
+
+    proptest! {
+        #![proptest_config(config(2000))]
+
+        #[test]
+        fn fuzz_accept_handshake_random(input in prop::collection::vec(any::<u8>(), 0..200)) {
+            check_accept(input);
+        }
+
+        #[test]
+        fn fuzz_accept_handshake_mutated(input in mutated(connector_script())) {
+            check_accept(input);
+        }
+
+        #[test]
+        fn fuzz_connect_handshake_random(input in prop::collection::vec(any::<u8>(), 0..200)) {
+            check_connect(input);
+        }
+
+        #[test]
+        fn fuzz_connect_handshake_mutated(input in mutated(acceptor_script())) {
+            check_connect(input);
+        }
+
+        #[test]
+        fn fuzz_prefix(p in any::<[u8; PREFIX_LEN]>()) {
+            let ok = check_prefix(&p).is_ok();
+            prop_assert_eq!(ok, p == prefix());
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config(32))]
+
+        /// Valid peers over a real socket pair agree; different secrets or contexts never do.
+        #[test]
+        fn handshake_round_trips(same_secret in any::<bool>(), ctx in "[a-z]{0,12}") {
+            let (mut a, mut c) = UnixStream::pair().unwrap();
+            let other = if same_secret { secret() } else { JobSecret::from_hex(&"cd".repeat(32)).unwrap() };
+            let ctx2 = ctx.clone();
+            let t = std::thread::spawn(move || accept_handshake(&mut a, &secret(), ctx2.as_bytes(), Service::Data));
+            let r = connect_handshake(&mut c, &other, ctx.as_bytes(), Service::Data, "peer");
+            let acc = t.join().unwrap();
+            prop_assert_eq!(r.is_ok(), same_secret);
+            prop_assert_eq!(acc.is_ok(), same_secret);
+            if !same_secret {
+                prop_assert!(matches!(r, Err(ConnectFailure::Final(CommError::Auth(_)))));
+            }
+        }
+    }
+
+    /// A connection closed before the hello is worth retrying (an acceptor over its budget does
+    /// exactly that); a wrong service is not.
+    #[test]
+    fn closed_before_hello_is_transient_wrong_service_is_final() {
+        let mut s = Scripted::new(Vec::new());
+        let r = connect_handshake(&mut s, &secret(), b"c", Service::Store, "store");
+        assert!(matches!(r, Err(ConnectFailure::Transient(_))));
+        let mut hello = acceptor_script();
+        hello[PREFIX_LEN] = Service::Data as u8;
+        let mut s = Scripted::new(hello);
+        let r = connect_handshake(&mut s, &secret(), b"c", Service::Store, "store");
+        assert!(matches!(r, Err(ConnectFailure::Final(_))));
     }
 }

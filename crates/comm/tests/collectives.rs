@@ -570,7 +570,8 @@ fn assert_broken_afterwards(comm: &mut Communicator) {
         other => panic!("expected Broken, got {other:?}"),
     }
     assert!(matches!(comm.barrier(), Err(CommError::Broken(_))));
-    assert!(t.elapsed() < Duration::from_millis(50));
+    // Untouched transport is the real check (no bytes sent); the time bound is a hang guard.
+    assert!(t.elapsed() < Duration::from_secs(5));
     assert_eq!(comm.stats().bytes_sent, sent);
 }
 

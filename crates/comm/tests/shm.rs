@@ -203,7 +203,13 @@ fn many_small_messages_arrive_in_order_through_a_tiny_ring() {
             }
         });
         sc.spawn(move || {
-            std::thread::sleep(Duration::from_millis(20)); // let the ring fill up first
+            // Let the ring fill up first: wait (polling, hang-guarded) until the sender has
+            // pushed some twenty frames (over half of the ring) before reading.
+            let guard = Instant::now() + LONG;
+            while a.bytes_sent() < 200 {
+                assert!(Instant::now() < guard, "sender never filled the ring");
+                std::thread::yield_now();
+            }
             for i in 0..N {
                 let mut buf = vec![0u8; i % 301];
                 b.recv(0, 0xF000 + i as u64, &mut buf, deadline()).unwrap();
@@ -279,26 +285,24 @@ fn dropped_peer_gives_closed_promptly_after_its_last_message_is_drained() {
     let mut ts = group(&s, 2, SMALL_RING);
     let t1 = ts.pop().unwrap();
     let t0 = ts.pop().unwrap();
-    let started = Instant::now();
+    let (got_it, leave) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|sc| {
         sc.spawn(move || {
-            // Last words, then leave while rank 0 is blocked.
+            // Last words, then leave once rank 0 has them (it is then in, or about to enter,
+            // its next receive; either order must end in Closed).
             t1.send(0, 1, &pattern(3000, 1), deadline()).unwrap();
-            std::thread::sleep(Duration::from_millis(100));
+            leave.recv_timeout(LONG).unwrap();
             drop(t1);
         });
         let mut buf = vec![0u8; 3000];
         t0.recv(1, 1, &mut buf, deadline()).unwrap();
         assert_eq!(buf, pattern(3000, 1));
+        got_it.send(()).unwrap();
+        // Closed, not a timeout: the departure was noticed rather than waited out.
         let e = t0.recv(1, 2, &mut buf, deadline()).unwrap_err();
         expect_closed(&e, 1);
         assert!(e.to_string().contains("rank 1 closed its transport"), "{e}");
     });
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "took {:?}",
-        started.elapsed()
-    );
     // Sending to a closed peer fails at once instead of filling the ring.
     let e = t0.send(1, 3, b"anyone?", deadline()).unwrap_err();
     expect_closed(&e, 1);
@@ -333,9 +337,10 @@ fn silent_peer_gives_timeout_within_the_deadline() {
     let took = started.elapsed();
     assert!(e.is_timeout(), "{e}");
     assert_eq!(e.peer, 1);
-    assert!(took >= timeout && took < 2 * timeout, "took {took:?}");
+    // The deadline fired (not before it); the upper bound is only a hang guard.
+    assert!(took >= timeout && took < 10 * timeout, "took {took:?}");
     assert!(
-        (0.29..0.6).contains(&waited_in_message(&e.to_string()))
+        (0.29..3.0).contains(&waited_in_message(&e.to_string()))
             && e.to_string().contains("waiting for rank 1"),
         "{e}"
     );
@@ -349,7 +354,7 @@ fn silent_peer_gives_timeout_within_the_deadline() {
         e.is_timeout() && e.to_string().contains("waiting for rank 1"),
         "{e}"
     );
-    assert!(started.elapsed() < 2 * timeout);
+    assert!(started.elapsed() < 10 * timeout);
 
     // A message bigger than the ring cannot complete while the peer does not read.
     let started = Instant::now();
@@ -359,7 +364,7 @@ fn silent_peer_gives_timeout_within_the_deadline() {
     let took = started.elapsed();
     assert!(e.is_timeout() && e.peer == 1, "{e}");
     assert!(e.to_string().contains("sending to rank 1"), "{e}");
-    assert!(took >= timeout && took < 2 * timeout, "took {took:?}");
+    assert!(took >= timeout && took < 10 * timeout, "took {took:?}");
 }
 
 #[test]
@@ -368,18 +373,21 @@ fn a_second_thread_on_the_same_direction_is_rejected() {
     let ts = group(&s, 2, 4096);
     std::thread::scope(|sc| {
         let t = &ts[0];
-        let blocked = sc.spawn(move || {
-            t.recv(
-                1,
-                1,
-                &mut [0u8; 8],
-                Instant::now() + Duration::from_millis(400),
-            )
-        });
-        std::thread::sleep(Duration::from_millis(100));
-        let e = t.recv(1, 1, &mut [0u8; 8], deadline()).unwrap_err();
+        // Two threads receive from rank 1 at once: whichever comes second is refused at once,
+        // the first blocks until the message arrives. Order-free, no sleeps.
+        let (done, results) = std::sync::mpsc::channel();
+        for _ in 0..2 {
+            let done = done.clone();
+            sc.spawn(move || {
+                let _ = done.send(t.recv(1, 1, &mut [0u8; 8], deadline()));
+            });
+        }
+        let first = results.recv_timeout(LONG).expect("hang guard");
+        let e = first.expect_err("the second receiver must be refused, not served");
         expect_protocol(&e, 1, "another thread is already receiving from rank 1");
-        assert!(blocked.join().unwrap().unwrap_err().is_timeout());
+        // Release the blocked receiver with the message it waits for.
+        ts[1].send(0, 1, &[7u8; 8], deadline()).unwrap();
+        results.recv_timeout(LONG).expect("hang guard").unwrap();
     });
 }
 
@@ -520,8 +528,9 @@ fn establish_times_out_naming_the_missing_rank_and_cleans_up() {
     let e = ShmTransport::establish(0, 3, &s.job, Duration::from_millis(300), &s.opts(4096))
         .err()
         .unwrap();
+    // Hang guard only (10x the timeout); the message below says it was the timeout that fired.
     assert!(
-        started.elapsed() < Duration::from_millis(600),
+        started.elapsed() < Duration::from_secs(3),
         "took {:?}",
         started.elapsed()
     );
@@ -541,15 +550,16 @@ fn ranks_that_disagree_on_ring_size_fail_fast() {
             .map(|(r, ring)| {
                 let (job, opts) = (s.job.clone(), s.opts(ring));
                 sc.spawn(move || {
-                    ShmTransport::establish(r, 2, &job, Duration::from_secs(10), &opts).err()
+                    ShmTransport::establish(r, 2, &job, Duration::from_secs(120), &opts).err()
                 })
             })
             .into_iter()
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    // Fail fast = well before the 120 s establishment timeout; not a speed assertion.
     assert!(
-        started.elapsed() < Duration::from_secs(3),
+        started.elapsed() < Duration::from_secs(60),
         "took {:?}",
         started.elapsed()
     );
@@ -698,7 +708,9 @@ fn killed_peer_process_gives_closed_naming_the_rank_not_a_hang() {
             && m.contains(&format!("the process of rank 1 (pid {pid}) has exited")),
         "{m}"
     );
-    assert!(took < Duration::from_secs(2), "took {took:?}");
+    // Closed (asserted above), not the 30 s receive deadline: the death was noticed. The bound is
+    // a hang guard well under that deadline.
+    assert!(took < LONG / 2, "took {took:?}");
     drop(t);
     s.assert_empty();
 }

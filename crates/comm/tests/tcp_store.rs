@@ -69,8 +69,11 @@ fn store_set_get_add_and_wait_across_clients() {
                 let secret = &secret;
                 s.spawn(move || {
                     let mut c = client(addr, secret, "job-a");
-                    // Stagger so that some `get`s really wait for a later `set`.
-                    std::thread::sleep(Duration::from_millis(30 * rank as u64));
+                    // Set in rank order (each waits for its predecessor's key through the
+                    // store itself), so later ranks' `get`s really wait for a later `set`.
+                    if rank > 0 {
+                        c.get(&format!("addr/{}", rank - 1), LONG).unwrap();
+                    }
                     c.set(
                         &format!("addr/{rank}"),
                         format!("value of {rank}").as_bytes(),
@@ -226,7 +229,8 @@ fn store_refuses_strangers_and_keeps_serving() {
 fn client_waits_for_a_late_server_and_notices_it_stopping() {
     let secret = JobSecret::generate().unwrap();
     // Find a free port, release it, and start the server there only after the client is trying.
-    let addr = std::net::TcpListener::bind(LOCAL)
+    // On 127.0.0.3, so that a concurrent test's listener on 127.0.0.1 cannot take the port.
+    let addr = std::net::TcpListener::bind("127.0.0.3:0")
         .unwrap()
         .local_addr()
         .unwrap();
@@ -405,7 +409,8 @@ fn dropped_peer_is_reported_closed_promptly() {
                 );
             });
         }
-        std::thread::sleep(Duration::from_millis(100));
+        // Whether the receivers are already blocked or not yet started, a vanished peer must
+        // read as Closed (well before the 30 s deadline), so no sleep orders them.
         drop(gone);
     });
     let mut buf = [0u8; 16];

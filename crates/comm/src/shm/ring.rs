@@ -250,3 +250,79 @@ impl<'a> Incoming<'a> {
         Ok(true)
     }
 }
+
+/// Fuzz harness for the shared-memory frame reader (see `fuzz_util`). The ring and its indices
+/// live in a file any process of the same user can write, so the reader must treat them as
+/// untrusted: arbitrary ring contents and arbitrary `head`/`tail` must give an error or a frame
+/// that matches what was expected, never a panic or an access outside the ring or the buffer.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::fuzz_util::config;
+    use proptest::prelude::*;
+
+    const SIZE: usize = 4096;
+
+    fn run(contents: &[u8], head: u64, tail: u64, want: usize, frame_at_tail: bool) {
+        // SAFETY: SlotHeader is atomics and padding; all-zero is a valid value.
+        let slot: Box<SlotHeader> = Box::new(unsafe { std::mem::zeroed() });
+        let mut data = vec![0u64; SIZE / 8];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut data);
+        for (i, b) in contents.iter().enumerate() {
+            bytes[i % SIZE] = *b;
+        }
+        if frame_at_tail {
+            // A plausible header where the reader will look, so the checks past `mark` run.
+            let hdr = [FRAME_MARK, 0, 5, want as u64];
+            let off = (tail as usize) & (SIZE - 1) & !63;
+            let h: &[u8] = bytemuck::cast_slice(&hdr);
+            bytes[off..off + 32].copy_from_slice(h);
+        }
+        slot.head.store(head, Ordering::SeqCst);
+        slot.tail.store(tail, Ordering::SeqCst);
+        // SAFETY: slot and data outlive the ring; SIZE is a power of two and a multiple of 64.
+        let ring = unsafe { Ring::new(&slot, data.as_mut_ptr().cast(), SIZE) };
+        let mut buf = vec![0u8; want];
+        let mut inc = Incoming::new(1, ring, 5, &mut buf, 0);
+        for _ in 0..16 {
+            match inc.step() {
+                Ok(_) if inc.finished() => break,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let t = slot.tail.load(Ordering::SeqCst);
+        // The reader never moves past what the writer published.
+        assert!(
+            t.wrapping_sub(tail) <= head.wrapping_sub(tail)
+                || head.wrapping_sub(tail) > SIZE as u64
+        );
+    }
+
+    proptest! {
+        #![proptest_config(config(2000))]
+
+        #[test]
+        fn fuzz_shm_incoming(
+            contents in prop::collection::vec(any::<u8>(), 0..SIZE),
+            head in any::<u64>(),
+            tail in any::<u64>(),
+            want in 0usize..3 * SIZE,
+            frame_at_tail in any::<bool>(),
+        ) {
+            run(&contents, head, tail, want, frame_at_tail);
+        }
+
+        #[test]
+        fn fuzz_shm_incoming_near(
+            contents in prop::collection::vec(any::<u8>(), 0..SIZE),
+            tail in 0u64..(1 << 20),
+            ahead in 0u64..2 * SIZE as u64,
+            want in 0usize..3 * SIZE,
+            frame_at_tail in any::<bool>(),
+        ) {
+            // Indices close together (the usual case), including slightly past the ring size.
+            run(&contents, tail.wrapping_add(ahead), tail, want, frame_at_tail);
+        }
+    }
+}

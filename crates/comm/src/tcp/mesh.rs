@@ -1,8 +1,12 @@
 //! Building the full mesh of authenticated connections (steps 1-3 of the [`super`] docs).
 //!
 //! Rank `r` dials ranks `0..r` on one thread while its caller's thread accepts ranks `r+1..n`;
-//! each accepted connection is authenticated on a thread of its own, so a silent stranger costs
-//! a thread until its handshake times out but never delays the real peers.
+//! each accepted connection is authenticated on a thread of its own, so a silent stranger never
+//! delays the real peers. Strangers are bounded as at the store ([`crate::admission`]): pending
+//! handshakes are limited per source IP and in total (over budget: closed on the accepting thread,
+//! no thread started), each has one deadline for its whole handshake and identity message, and
+//! refusals are logged in aggregate. Dialers retry refused or broken attempts with capped
+//! exponential backoff until the establishment deadline ([`wire::dial`]).
 //!
 //! After the handshake (integers little-endian): connector → acceptor
 //! `MAGIC` · version u16 · rank u32 · world u32; acceptor → connector the same with its own rank
@@ -15,6 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::admission::{categorize, Admission, AdmissionLimits, Deadlined, RefusalLog};
 use crate::auth::JobSecret;
 use crate::error::{CommError, Result};
 use crate::store::StoreClient;
@@ -22,8 +27,8 @@ use crate::wire::{self, Service, PREFIX_LEN};
 
 /// Identity message: prefix · rank u32 · world u32; the acceptor's answer adds a verdict byte.
 const HELLO_LEN: usize = PREFIX_LEN + 8;
-/// Longest an accepted connection may take to authenticate.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// At most one refusal log line per this interval.
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(5);
 
 pub(super) fn data_context(job_id: &str) -> Vec<u8> {
     [b"tcp|".as_slice(), job_id.as_bytes()].concat()
@@ -73,6 +78,13 @@ impl Mesh<'_> {
         })?;
         let abort = AtomicBool::new(false);
         let (tx, rx) = mpsc::channel::<Event>();
+        let admission = Admission::new(AdmissionLimits::default());
+        let mut log = RefusalLog::new(REFUSAL_LOG_INTERVAL);
+        let emit = |line: Option<String>| {
+            if let Some(line) = line {
+                eprintln!("lockstep tcp rank {}: {line}", self.rank);
+            }
+        };
         let this = self;
         let result = std::thread::scope(|scope| {
             let dial_tx = tx.clone();
@@ -102,7 +114,18 @@ impl Mesh<'_> {
                     if self.rank + 1 < self.world {
                         loop {
                             match listener.accept() {
-                                Ok((s, from)) => self.spawn_acceptor(s, from, tx.clone()),
+                                Ok((s, from)) => match admission.try_admit(from.ip()) {
+                                    Ok(ticket) => self.spawn_acceptor(s, from, ticket, tx.clone()),
+                                    Err(category) => {
+                                        // Over budget: closed here, nothing read, no thread.
+                                        drop(s);
+                                        emit(log.record(
+                                            Instant::now(),
+                                            &category,
+                                            format!("{from}: {category}"),
+                                        ));
+                                    }
+                                },
                                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                                 Err(e) => {
@@ -124,8 +147,13 @@ impl Mesh<'_> {
                             }
                             Event::DialFailed(e) => return Err(e),
                             Event::Refused { from, reason } => {
-                                eprintln!("lockstep tcp rank {}: refused connection from {from}: {reason}", self.rank);
-                                last_refusal = Some(format!("{from}: {reason}"));
+                                let detail = format!("{from}: {reason}");
+                                emit(log.record(
+                                    Instant::now(),
+                                    categorize(&reason),
+                                    detail.clone(),
+                                ));
+                                last_refusal = Some(detail);
                             }
                             Event::Claim {
                                 stream,
@@ -138,15 +166,17 @@ impl Mesh<'_> {
                                     have += 1;
                                 }
                                 Err(reason) => {
+                                    // Authenticated peers that disagree: rare and worth a line each.
                                     eprintln!(
-                                            "lockstep tcp rank {}: refused connection from {from}: {reason}",
-                                            self.rank
-                                        );
+                                        "lockstep tcp rank {}: refused connection from {from}: {reason}",
+                                        self.rank
+                                    );
                                     last_refusal = Some(format!("{from}: {reason}"));
                                 }
                             },
                         }
                     }
+                    emit(log.tick(Instant::now()));
                     if have == need {
                         break;
                     }
@@ -187,6 +217,7 @@ impl Mesh<'_> {
                 Ok(())
             })();
             abort.store(true, Ordering::SeqCst);
+            emit(log.flush(Instant::now()));
             outcome
         });
         result.map(|()| streams)
@@ -229,45 +260,31 @@ impl Mesh<'_> {
             ))
         })?;
         let remote = format!("rank {peer} ({addr})");
-        let mut stream = loop {
-            if abort.load(Ordering::SeqCst) {
-                return Err(CommError::Rendezvous("aborted".into()));
+        // Refused: a listener not yet up, or one refusing a flood from our address; closed or
+        // reset: over its handshake budget. Retried with backoff until our deadline.
+        let mut stream = wire::dial(
+            addr,
+            self.secret,
+            &self.context,
+            Service::Data,
+            &remote,
+            self.deadline,
+            Some(abort),
+        )
+        .map_err(|e| match e {
+            CommError::Rendezvous(m) if m != "aborted" => {
+                CommError::Rendezvous(format!("rank {}: {m}", self.rank))
             }
-            let left = self.deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
-                Ok(s) => break s,
-                // Refused: a stale address from an earlier job, or a listener not yet up.
-                Err(e)
-                    if e.kind() == ErrorKind::ConnectionRefused
-                        && left > Duration::from_millis(50) =>
-                {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => {
-                    return Err(CommError::Rendezvous(format!(
-                        "rank {}: could not connect to {remote} within {:.2}s: {e}",
-                        self.rank,
-                        self.started.elapsed().as_secs_f64()
-                    )))
-                }
-            }
-        };
+            other => other,
+        })?;
         let left = self
             .deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(100));
         stream
-            .set_nodelay(true)
-            .and_then(|_| stream.set_read_timeout(Some(left)))
+            .set_read_timeout(Some(left))
             .and_then(|_| stream.set_write_timeout(Some(left)))
             .map_err(|e| CommError::setup(format!("configuring connection to {remote}"), e))?;
-        wire::connect_handshake(
-            &mut stream,
-            self.secret,
-            &self.context,
-            Service::Data,
-            &remote,
-        )?;
         let io = |e: std::io::Error| {
             CommError::Rendezvous(format!("{remote}: I/O error exchanging ranks: {e}"))
         };
@@ -294,28 +311,40 @@ impl Mesh<'_> {
         Ok((stream, addr.to_string()))
     }
 
-    /// Authenticate an accepted connection and read its claimed identity, on a separate thread.
-    fn spawn_acceptor(&self, mut stream: TcpStream, from: SocketAddr, tx: mpsc::Sender<Event>) {
+    /// Authenticate an accepted connection and read its claimed identity, on a separate thread,
+    /// all under one deadline; `ticket` holds its place in the pending budgets until then.
+    fn spawn_acceptor(
+        &self,
+        stream: TcpStream,
+        from: SocketAddr,
+        ticket: crate::admission::Pending,
+        tx: mpsc::Sender<Event>,
+    ) {
         let secret = self.secret.clone();
         let context = self.context.clone();
-        let timeout = self
-            .deadline
-            .saturating_duration_since(Instant::now())
-            .clamp(Duration::from_millis(100), HANDSHAKE_TIMEOUT);
+        let deadline = Instant::now()
+            + self
+                .deadline
+                .saturating_duration_since(Instant::now())
+                .clamp(
+                    Duration::from_millis(100),
+                    AdmissionLimits::default().handshake_deadline,
+                );
         let spawned = std::thread::Builder::new()
             .name("lockstep-tcp-accept".into())
             .spawn(move || {
                 let ev = (|| {
                     stream
                         .set_nonblocking(false)
-                        .and_then(|_| stream.set_read_timeout(Some(timeout)))
-                        .and_then(|_| stream.set_write_timeout(Some(timeout)))
                         .and_then(|_| stream.set_nodelay(true))
                         .map_err(|e| format!("could not configure socket: {e}"))?;
-                    wire::accept_handshake(&mut stream, &secret, &context, Service::Data)?;
+                    let mut d = Deadlined {
+                        stream: &stream,
+                        deadline,
+                    };
+                    wire::accept_handshake(&mut d, &secret, &context, Service::Data)?;
                     let mut h = [0u8; HELLO_LEN];
-                    stream
-                        .read_exact(&mut h)
+                    d.read_exact(&mut h)
                         .map_err(|e| format!("no rank/world after the handshake: {e}"))?;
                     let (rank, world) = parse_hello(&h)?;
                     Ok(Event::Claim {
@@ -325,6 +354,7 @@ impl Mesh<'_> {
                         world,
                     })
                 })();
+                drop(ticket);
                 let _ = tx.send(ev.unwrap_or_else(|reason| Event::Refused { from, reason }));
             });
         if spawned.is_err() {
@@ -374,7 +404,7 @@ impl Mesh<'_> {
     }
 }
 
-fn hello(rank: u32, world: u32) -> [u8; HELLO_LEN] {
+pub(crate) fn hello(rank: u32, world: u32) -> [u8; HELLO_LEN] {
     let mut h = [0u8; HELLO_LEN];
     h[..PREFIX_LEN].copy_from_slice(&wire::prefix());
     h[PREFIX_LEN..PREFIX_LEN + 4].copy_from_slice(&rank.to_le_bytes());
@@ -382,10 +412,58 @@ fn hello(rank: u32, world: u32) -> [u8; HELLO_LEN] {
     h
 }
 
-fn parse_hello(h: &[u8]) -> std::result::Result<(u32, u32), String> {
+/// Decodes an identity message. Takes any slice: a short one is refused rather than panicking
+/// (every caller passes a full array, but the fuzz harness feeds it anything).
+pub(crate) fn parse_hello(h: &[u8]) -> std::result::Result<(u32, u32), String> {
+    if h.len() != HELLO_LEN {
+        return Err(format!(
+            "identity message of {} bytes, expected {HELLO_LEN}",
+            h.len()
+        ));
+    }
     let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
     wire::check_prefix(&pre)?;
     let rank = u32::from_le_bytes(h[PREFIX_LEN..PREFIX_LEN + 4].try_into().unwrap());
     let world = u32::from_le_bytes(h[PREFIX_LEN + 4..PREFIX_LEN + 8].try_into().unwrap());
     Ok((rank, world))
+}
+
+/// Fuzz harness for the identity message (see `fuzz_util`): any slice, no panic; only a message
+/// with the right prefix and length decodes; valid ones round-trip.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::fuzz_util::{config, mutated};
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(config(2000))]
+
+        #[test]
+        fn fuzz_mesh_hello(input in prop::collection::vec(any::<u8>(), 0..32)) {
+            if let Ok((r, w)) = parse_hello(&input) {
+                prop_assert_eq!(&hello(r, w)[..], &input[..]);
+            }
+        }
+
+        #[test]
+        fn fuzz_mesh_hello_mutated(input in (any::<u32>(), any::<u32>()).prop_flat_map(|(r, w)| mutated(hello(r, w).to_vec()))) {
+            if let Ok((r, w)) = parse_hello(&input) {
+                prop_assert_eq!(&hello(r, w)[..], &input[..]);
+            }
+        }
+
+        #[test]
+        fn mesh_hello_round_trips(r in any::<u32>(), w in any::<u32>()) {
+            prop_assert_eq!(parse_hello(&hello(r, w)).unwrap(), (r, w));
+        }
+    }
+
+    /// Regression: short slices used to index out of bounds (every caller passed a full array).
+    #[test]
+    fn short_identity_messages_are_refused() {
+        for n in 0..HELLO_LEN {
+            assert!(parse_hello(&hello(1, 2)[..n]).is_err());
+        }
+    }
 }

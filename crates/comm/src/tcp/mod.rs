@@ -27,8 +27,8 @@
 //! Files: `mesh` builds the connections, `frame` moves one frame incrementally, this file holds
 //! the options, the transport and its poll loop.
 
-mod frame;
-mod mesh;
+pub(crate) mod frame;
+pub(crate) mod mesh;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;

@@ -1,0 +1,328 @@
+//! Admission control for the ports that strangers can reach (the rendezvous store and the TCP data
+//! listeners while a mesh forms), and aggregated logging of what they refuse.
+//!
+//! Steps for each accepted TCP connection:
+//! 1. [`Admission::try_admit`] counts it as *pending* (not yet authenticated) against a per-source
+//!    IP budget and a global budget. Over either budget it is refused at once: the socket is
+//!    closed on the accept thread, no thread is started and nothing is read from it.
+//! 2. An admitted connection runs the HMAC handshake under one deadline for the whole handshake
+//!    ([`Deadlined`]), not per read, so trickling one byte every few seconds does not keep it alive.
+//! 3. When the handshake ends (either way) its [`Pending`] ticket is dropped and the budgets are
+//!    given back; authenticated connections are counted separately by their owner (the store caps
+//!    them on its own).
+//!
+//! Refusals are logged in aggregate by [`RefusalLog`]: at most one line per interval, counts by
+//! reason, so a flood of thousands of connections writes a handful of lines.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Budgets for not-yet-authenticated connections.
+#[derive(Debug, Clone, Copy)]
+pub struct AdmissionLimits {
+    /// Longest a whole handshake may take, from accept to the last byte of the verdict.
+    pub handshake_deadline: Duration,
+    /// Pending handshakes allowed from one source IP.
+    pub max_pending_per_ip: usize,
+    /// Pending handshakes allowed in total.
+    pub max_pending: usize,
+}
+
+impl Default for AdmissionLimits {
+    fn default() -> Self {
+        Self {
+            handshake_deadline: Duration::from_secs(10),
+            max_pending_per_ip: 32,
+            max_pending: 256,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Counts {
+    total: usize,
+    per_ip: HashMap<IpAddr, usize>,
+}
+
+/// Counts pending handshakes per source and in total; cheap to share (`Arc` inside).
+#[derive(Clone)]
+pub struct Admission {
+    limits: AdmissionLimits,
+    counts: Arc<Mutex<Counts>>,
+}
+
+/// A pending handshake's place in the budgets; dropping it gives the place back.
+pub struct Pending {
+    ip: IpAddr,
+    counts: Arc<Mutex<Counts>>,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let mut c = lock(&self.counts);
+        c.total -= 1;
+        if let Some(n) = c.per_ip.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                c.per_ip.remove(&self.ip);
+            }
+        }
+    }
+}
+
+impl Admission {
+    pub fn new(limits: AdmissionLimits) -> Self {
+        Self {
+            limits,
+            counts: Arc::default(),
+        }
+    }
+
+    pub fn limits(&self) -> AdmissionLimits {
+        self.limits
+    }
+
+    /// A place in the budgets for one handshake from `ip`, or the reason (a log category) why not.
+    pub fn try_admit(&self, ip: IpAddr) -> Result<Pending, String> {
+        let mut c = lock(&self.counts);
+        let mine = c.per_ip.get(&ip).copied().unwrap_or(0);
+        if mine >= self.limits.max_pending_per_ip {
+            return Err(format!("handshake budget of {ip} exhausted"));
+        }
+        if c.total >= self.limits.max_pending {
+            return Err("global handshake budget exhausted".into());
+        }
+        c.total += 1;
+        *c.per_ip.entry(ip).or_insert(0) += 1;
+        Ok(Pending {
+            ip,
+            counts: self.counts.clone(),
+        })
+    }
+
+    /// Handshakes pending now (all sources).
+    pub fn pending(&self) -> usize {
+        lock(&self.counts).total
+    }
+}
+
+/// A socket whose every read and write is bounded by one shared deadline: the timeout of each
+/// operation is the time left, so the whole exchange ends by `deadline` however the bytes trickle.
+pub struct Deadlined<'a> {
+    pub stream: &'a TcpStream,
+    pub deadline: Instant,
+}
+
+impl Deadlined<'_> {
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                "handshake deadline passed",
+            ))
+        } else {
+            Ok(left)
+        }
+    }
+}
+
+impl Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_read_timeout(Some(left))?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+impl Write for Deadlined<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_write_timeout(Some(left))?;
+        (&mut &*self.stream).write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Distinct reasons kept per interval; more are folded into "other reasons" so that a flood from
+/// many addresses cannot grow the table.
+const MAX_REASONS: usize = 16;
+
+/// Aggregates refusals into at most one log line per interval. Pure over the `now` it is given,
+/// so it is tested without sleeping.
+pub struct RefusalLog {
+    interval: Duration,
+    window_start: Option<Instant>,
+    counts: BTreeMap<String, u64>,
+    total: u64,
+    last: Option<String>,
+    /// Since the start, by category (folded like `counts`): for tests and diagnostics.
+    cumulative: BTreeMap<String, u64>,
+}
+
+fn bump(map: &mut BTreeMap<String, u64>, category: &str, limit: usize) {
+    if let Some(n) = map.get_mut(category) {
+        *n += 1;
+    } else if map.len() < limit {
+        map.insert(category.to_string(), 1);
+    } else {
+        *map.entry("other reasons".into()).or_insert(0) += 1;
+    }
+}
+
+impl RefusalLog {
+    pub fn new(interval: Duration) -> Self {
+        Self {
+            interval,
+            window_start: None,
+            counts: BTreeMap::new(),
+            total: 0,
+            last: None,
+            cumulative: BTreeMap::new(),
+        }
+    }
+
+    /// Count one refusal. `category` is aggregated (no addresses of individual connections, so
+    /// the table stays small); `detail` (peer address and reason) is kept as the interval's example.
+    /// Returns a line to log if the interval is over.
+    pub fn record(&mut self, now: Instant, category: &str, detail: String) -> Option<String> {
+        self.window_start.get_or_insert(now);
+        self.total += 1;
+        bump(&mut self.counts, category, MAX_REASONS);
+        bump(&mut self.cumulative, category, 4 * MAX_REASONS);
+        self.last = Some(detail);
+        self.tick(now)
+    }
+
+    /// Refusals since the start by category.
+    pub fn cumulative(&self) -> &BTreeMap<String, u64> {
+        &self.cumulative
+    }
+
+    /// The line for the finished interval, if one is due (called periodically and on refusals).
+    pub fn tick(&mut self, now: Instant) -> Option<String> {
+        let start = self.window_start?;
+        if now.duration_since(start) < self.interval {
+            return None;
+        }
+        self.flush(now)
+    }
+
+    /// The line for whatever was counted so far, due or not (at shutdown).
+    pub fn flush(&mut self, now: Instant) -> Option<String> {
+        let start = self.window_start.take()?;
+        let mut parts: Vec<(String, u64)> = std::mem::take(&mut self.counts).into_iter().collect();
+        parts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let reasons: Vec<String> = parts.iter().map(|(r, n)| format!("{n} {r}")).collect();
+        let total = std::mem::take(&mut self.total);
+        let last = self.last.take().unwrap_or_default();
+        let plural = if total == 1 { "" } else { "s" };
+        Some(format!(
+            "refused {total} connection{plural} in the last {:.1}s ({}); last: {last}",
+            now.duration_since(start).as_secs_f64(),
+            reasons.join(", ")
+        ))
+    }
+}
+
+/// Short category of a handshake failure reason, for aggregation.
+pub fn categorize(reason: &str) -> &'static str {
+    if reason.contains("authentication failed") {
+        "bad MAC"
+    } else if reason.contains("timed out") || reason.contains("deadline") {
+        "handshake deadline passed"
+    } else if reason.contains("bad magic") {
+        "not a lockstep peer"
+    } else if reason.contains("protocol version") {
+        "other protocol version"
+    } else if reason.contains("peer expected") {
+        "wrong service"
+    } else if reason.contains("connection closed")
+        || reason.contains("reset by peer")
+        || reason.contains("Broken pipe")
+    {
+        "closed during handshake"
+    } else {
+        "other errors"
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_are_per_source_and_global_and_given_back() {
+        let a = Admission::new(AdmissionLimits {
+            handshake_deadline: Duration::from_secs(1),
+            max_pending_per_ip: 2,
+            max_pending: 3,
+        });
+        let ip1: IpAddr = "127.0.0.2".parse().unwrap();
+        let ip2: IpAddr = "127.0.0.3".parse().unwrap();
+        let t1 = a.try_admit(ip1).unwrap();
+        let _t2 = a.try_admit(ip1).unwrap();
+        assert_eq!(
+            a.try_admit(ip1).err().unwrap(),
+            "handshake budget of 127.0.0.2 exhausted"
+        );
+        let _t3 = a.try_admit(ip2).unwrap();
+        assert_eq!(
+            a.try_admit(ip2).err().unwrap(),
+            "global handshake budget exhausted"
+        );
+        drop(t1);
+        assert_eq!(a.pending(), 2);
+        let _t4 = a.try_admit(ip1).unwrap();
+    }
+
+    #[test]
+    fn refusals_are_logged_once_per_interval_with_counts() {
+        let mut log = RefusalLog::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        let mut lines = Vec::new();
+        for i in 0..1000u64 {
+            let now = t0 + Duration::from_millis(i * 12); // 12 s of refusals
+            let cat = if i % 50 == 0 {
+                "bad MAC"
+            } else {
+                "handshake budget of 127.0.0.2 exhausted"
+            };
+            lines.extend(log.record(now, cat, format!("127.0.0.2:{i}: x")));
+        }
+        lines.extend(log.flush(t0 + Duration::from_secs(12)));
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        let total: u64 = lines
+            .iter()
+            .map(|l| l.split(' ').nth(1).unwrap().parse::<u64>().unwrap())
+            .sum();
+        assert_eq!(total, 1000);
+        assert!(lines[0].contains("handshake budget of 127.0.0.2 exhausted"));
+        assert!(lines[0].contains("bad MAC"));
+        assert!(log.flush(t0 + Duration::from_secs(20)).is_none());
+    }
+
+    #[test]
+    fn many_reasons_fold_into_other() {
+        let mut log = RefusalLog::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        for i in 0..100 {
+            log.record(
+                t0,
+                &format!("budget of 10.0.0.{i} exhausted"),
+                String::new(),
+            );
+        }
+        let line = log.flush(t0).unwrap();
+        assert!(line.contains("84 other reasons"), "{line}");
+    }
+}
