@@ -128,7 +128,7 @@ struct NodeArgs {
 struct BenchArgs {
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// "shm" or "tcp".
+    /// "shm", "tcp" or "mpi" (run under mpirun; needs the cargo feature `mpi`).
     #[arg(long, default_value = "shm")]
     transport: String,
     /// all_reduce, broadcast, all_gather or reduce_scatter.
@@ -281,11 +281,26 @@ fn check_layout(
     launched_world: usize,
     elastic: bool,
 ) -> Result<()> {
-    let world = match cluster_env::detect(env)? {
-        Some(w) if w.engine != cluster_env::Engine::Launcher => w.world_size,
-        _ => launched_world,
-    };
-    lockstep_train::ParallelDims::from_config(cfg, world)?;
+    match cluster_env::detect(env)? {
+        // Every rank refuses the same way, before any collective: name the world the engine
+        // announced next to the layout (the ConfigError stays in the chain: exit status 3).
+        Some(w) if w.engine != cluster_env::Engine::Launcher => {
+            lockstep_train::ParallelDims::from_config(cfg, w.world_size).with_context(|| {
+                format!(
+                    "rank {}: {} started {} ranks, which does not fit the config's layout \
+                     (parallel.dp = {}, parallel.pp = {})",
+                    w.rank,
+                    w.engine.name(),
+                    w.world_size,
+                    cfg.parallel.dp,
+                    cfg.parallel.pp
+                )
+            })?;
+        }
+        _ => {
+            lockstep_train::ParallelDims::from_config(cfg, launched_world)?;
+        }
+    }
     if elastic && cfg.parallel.pp > 1 {
         return Err(lockstep_train::ConfigError::Invalid {
             field: "parallel.pp",
@@ -378,6 +393,16 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
                 w.local_rank,
                 w.engine.name()
             );
+            if w.rank == 0 && a.resume.is_none() {
+                // Written up front (not only with the summary) so that a failed job can be
+                // resubmitted with `--resume <out>`.
+                std::fs::create_dir_all(&out)
+                    .with_context(|| format!("creating run directory {}", out.display()))?;
+                lockstep_train::trainer::write_atomic(
+                    &out.join("config.toml"),
+                    cfg.to_toml().as_bytes(),
+                )?;
+            }
             return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
         }
     }
@@ -616,8 +641,11 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     if !bench::OPS.contains(&a.op.as_str()) {
         bail!("--op {} is not one of {:?}", a.op, bench::OPS);
     }
+    if a.transport == "mpi" {
+        return bench_under_mpi(&a);
+    }
     if !matches!(a.transport.as_str(), "shm" | "tcp") {
-        bail!("--transport {} is not one of shm, tcp", a.transport);
+        bail!("--transport {} is not one of shm, tcp, mpi", a.transport);
     }
     let memcpy = bench::memcpy_gbps(64 << 20);
     let env = environment();
@@ -670,6 +698,51 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     if let Some(path) = a.json {
         std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `bench-collectives --transport mpi`: mpirun starts the ranks (every process runs this), rank 0
+/// measures memcpy and prints the table.
+fn bench_under_mpi(a: &BenchArgs) -> Result<()> {
+    let env = environment();
+    let w = cluster_env::detect(&env)?
+        .filter(|w| w.engine != cluster_env::Engine::Launcher)
+        .context(
+            "--transport mpi: start the benchmark under mpirun, e.g. \
+             mpirun -np 2 -x LOCKSTEP_SECRET lockstep bench-collectives --transport mpi",
+        )?;
+    let sizes = bench::parse_sizes(&a.sizes)?;
+    let algorithm = parse_algorithm(&a.algorithm)?;
+    let rank = w.rank;
+    let memcpy = if rank == 0 {
+        bench::memcpy_gbps(64 << 20)
+    } else {
+        0.0
+    };
+    let mut worker = worker::connect(w, "mpi", Duration::from_secs(60), &TcpOptions::default())?;
+    if let Some(b) = a.segment_bytes {
+        worker.comm.set_segment_bytes(b);
+    }
+    if rank == 0 {
+        eprintln!(
+            "lockstep: {} over mpi on {} ranks, {} sizes",
+            a.op,
+            worker.comm.size(),
+            sizes.len()
+        );
+    }
+    let rows = bench::run_worker(&mut worker.comm, &a.op, &sizes, algorithm)?;
+    if rank == 0 {
+        let report = bench::Report {
+            memcpy_gbps: memcpy,
+            rows,
+        };
+        print!("{}", bench::format_table(&report));
+        if let Some(path) = &a.json {
+            std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
     }
     Ok(())
 }

@@ -17,6 +17,8 @@ pub mod element;
 pub mod error;
 pub mod exact;
 pub mod inproc;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod shm;
 pub mod store;
 pub mod tcp;
