@@ -286,14 +286,17 @@ fn check_layout(
         // announced next to the layout (the ConfigError stays in the chain: exit status 3).
         Some(w) if w.engine != cluster_env::Engine::Launcher => {
             lockstep_train::ParallelDims::from_config(cfg, w.world_size).with_context(|| {
+                let dp = match cfg.parallel.dp {
+                    0 => "world / pp".to_string(),
+                    dp => dp.to_string(),
+                };
                 format!(
                     "rank {}: {} started {} ranks, which does not fit the config's layout \
-                     (parallel.dp = {}, parallel.pp = {})",
+                     (parallel.pp = {}, parallel.dp = {dp})",
                     w.rank,
                     w.engine.name(),
                     w.world_size,
-                    cfg.parallel.dp,
-                    cfg.parallel.pp
+                    cfg.parallel.pp,
                 )
             })?;
         }
