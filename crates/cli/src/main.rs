@@ -389,13 +389,15 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     // Started by Slurm / mpirun / torchrun: this process is one worker.
     if let Some(w) = cluster_env::detect(&env)? {
         if w.engine != cluster_env::Engine::Launcher {
-            eprintln!(
-                "lockstep: rank {} of {} (local rank {}, started by {})",
+            // One write, so that lines of ranks sharing a terminal (mpirun) never interleave.
+            let line = format!(
+                "lockstep: rank {} of {} (local rank {}, started by {})\n",
                 w.rank,
                 w.world_size,
                 w.local_rank,
                 w.engine.name()
             );
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
             if w.rank == 0 && a.resume.is_none() {
                 // Written up front (not only with the summary) so that a failed job can be
                 // resubmitted with `--resume <out>`.

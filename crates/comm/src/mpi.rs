@@ -1,4 +1,5 @@
-//! MPI point-to-point transport (cargo feature `mpi`; rsmpi over the system MPI, e.g. Open MPI 4.1).
+//! MPI point-to-point transport (cargo feature `mpi`; rsmpi's `mpi-sys` bindings over the system
+//! MPI, e.g. Open MPI 4.1).
 //!
 //! Ranks and world size come from MPI itself (`MPI_COMM_WORLD`), so a job started by `mpirun`
 //! needs no rendezvous store. MPI is initialised with `MPI_THREAD_MULTIPLE` (lockstep's overlap
@@ -23,9 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use ::mpi::environment::Universe;
-use ::mpi::ffi;
-use ::mpi::Threading;
+use mpi_sys as ffi;
 
 use crate::error::{CommError, LinkFailure, TransportError};
 use crate::transport::{Tag, Transport};
@@ -43,8 +42,10 @@ pub struct MpiTransport {
     bytes_sent: AtomicU64,
     /// Set after any failure: dropping then skips `MPI_Finalize`.
     failed: AtomicBool,
-    universe: Mutex<Option<Universe>>,
 }
+
+/// Whether this process initialised MPI (it can be initialised only once).
+static INITIALISED: Mutex<bool> = Mutex::new(false);
 
 // SAFETY: the communicator handle is only passed to MPI point-to-point calls, which MPI allows
 // from any thread once initialised with MPI_THREAD_MULTIPLE (checked in `init`).
@@ -65,14 +66,34 @@ fn check(rc: c_int, what: &str) -> Result<(), CommError> {
 impl MpiTransport {
     /// Initialise MPI (thread level `MPI_THREAD_MULTIPLE`) and take the world.
     pub fn init() -> Result<Self, CommError> {
-        let (universe, provided) = ::mpi::initialize_with_threading(Threading::Multiple)
-            .ok_or_else(|| CommError::setup("MPI", "MPI is already initialised in this process"))?;
-        if provided != Threading::Multiple {
+        let mut done = INITIALISED.lock().unwrap_or_else(|e| e.into_inner());
+        if *done {
+            return Err(CommError::setup(
+                "MPI",
+                "MPI was already initialised in this process",
+            ));
+        }
+        let mut provided: c_int = 0;
+        // SAFETY: MPI_Init_thread without argv (allowed since MPI-2), once per process.
+        let (rc, multiple) = unsafe {
+            (
+                ffi::MPI_Init_thread(
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    ffi::RSMPI_THREAD_MULTIPLE,
+                    &mut provided,
+                ),
+                ffi::RSMPI_THREAD_MULTIPLE,
+            )
+        };
+        check(rc, "MPI_Init_thread")?;
+        *done = true;
+        if provided != multiple {
             return Err(CommError::setup(
                 "MPI",
                 format!(
-                    "the MPI library provides thread level {provided:?}, lockstep needs Multiple \
-                     (MPI_THREAD_MULTIPLE)"
+                    "the MPI library provides thread level {provided}, lockstep needs \
+                     MPI_THREAD_MULTIPLE ({multiple})"
                 ),
             ));
         }
@@ -115,15 +136,23 @@ impl MpiTransport {
                 tag_mask,
                 bytes_sent: AtomicU64::new(0),
                 failed: AtomicBool::new(false),
-                universe: Mutex::new(Some(universe)),
             })
         }
     }
 
     /// `MPI_Get_library_version` up to the first comma (e.g. "Open MPI v4.1.4").
     pub fn library_version() -> String {
-        let v = ::mpi::environment::library_version().unwrap_or_default();
-        v.split([',', '\n']).next().unwrap_or("").trim().to_string()
+        let mut buf = vec![0u8; 8192];
+        let mut len: c_int = 0;
+        // SAFETY: the buffer is larger than MPI_MAX_LIBRARY_VERSION_STRING (Open MPI: 256).
+        unsafe { ffi::MPI_Get_library_version(buf.as_mut_ptr() as *mut _, &mut len) };
+        buf.truncate(len.max(0) as usize);
+        let v = String::from_utf8_lossy(&buf);
+        v.split([',', '\n', '\0'])
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string()
     }
 
     /// The MPI tag of a lockstep tag: a 64-bit mix (splitmix64's finaliser) cut to the tag bits.
@@ -414,17 +443,16 @@ impl Transport for MpiTransport {
 
 impl Drop for MpiTransport {
     fn drop(&mut self) {
-        let universe = self.universe.get_mut().ok().and_then(|u| u.take());
         if self.failed.load(Ordering::SeqCst) {
             // Requests may still be pending on a dead or hung peer: MPI_Finalize could wait for
             // them forever. Leave MPI as it is; the process is about to exit with an error.
-            std::mem::forget(universe);
             return;
         }
-        // SAFETY: our own communicator, no request pending (every operation completed).
+        // SAFETY: our own communicator, no request pending (every operation completed); MPI was
+        // initialised by `init` and is finalised once, here.
         unsafe {
             ffi::MPI_Comm_free(&mut self.comm);
+            ffi::MPI_Finalize();
         }
-        drop(universe); // MPI_Finalize
     }
 }
