@@ -312,6 +312,21 @@ mod tests {
     }
 
     #[test]
+    fn mpirun_without_master_addr_has_no_store() {
+        // Only the MPI transport works then; worker::connect asks for MASTER_ADDR otherwise.
+        let w = detect(&env(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("LOCKSTEP_SECRET", SECRET),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((w.engine, w.rank, w.world_size), (Engine::OpenMpi, 0, 3));
+        assert!(w.store.is_empty());
+        assert!(!w.serve_store, "nothing to serve without an address");
+    }
+
+    #[test]
     fn errors_name_the_variable() {
         let e = detect(&env(&[
             ("RANK", "0"),
