@@ -16,7 +16,7 @@
 # The mpirun lines are README.md's recipes ("Under Slurm and Open MPI"), word for word.
 # Needs root only for the install.
 # Usage: scripts/mpi-check.sh path/to/lockstep path/to/mpi_sweep   (both built with --features mpi:
-#   cargo build -p lockstep-cli --features mpi && cargo build -p lockstep-comm --features mpi --example mpi_sweep)
+#   cargo build -p lockstep-cli -p lockstep-comm --features lockstep-cli/mpi,lockstep-comm/mpi --bin lockstep --example mpi_sweep)
 set -euo pipefail
 bin="$(realpath "${1:?usage: $0 path/to/lockstep path/to/mpi_sweep}")"
 sweep="$(realpath "${2:?usage: $0 path/to/lockstep path/to/mpi_sweep}")"
