@@ -301,6 +301,17 @@ fn check_layout(
             })?;
         }
         _ => {
+            if cfg.dist.transport == "mpi" {
+                // MPI's ranks come from mpirun; processes spawned by lockstep's own launcher would
+                // each be a world of one. Refused up front (exit 3, no restarts).
+                return Err(lockstep_train::ConfigError::Invalid {
+                    field: "dist.transport",
+                    message: "\"mpi\" needs the ranks started by mpirun (mpirun -np N lockstep \
+                              train …), not by lockstep's launcher"
+                        .into(),
+                }
+                .into());
+            }
             lockstep_train::ParallelDims::from_config(cfg, launched_world)?;
         }
     }
