@@ -46,7 +46,8 @@ pub struct WorkerEnv {
     pub rank: usize,
     pub world_size: usize,
     pub local_rank: usize,
-    /// Rendezvous store address (host:port).
+    /// Rendezvous store address (host:port); empty under mpirun without `MASTER_ADDR` (only the
+    /// MPI transport works then).
     pub store: String,
     /// True when this process must serve the store itself (rank 0 under an external engine).
     pub serve_store: bool,
@@ -122,9 +123,13 @@ pub fn detect(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
     let Some((engine, rank, world, local_rank, engine_job)) = found else {
         return Ok(None);
     };
-    let addr = get("MASTER_ADDR").ok_or_else(|| {
-        anyhow!("started by {} (rank {rank} of {world}) but MASTER_ADDR is not set: export MASTER_ADDR (the host of rank 0) and optionally MASTER_PORT", engine.name())
-    })?;
+    // Under mpirun the MPI transport (dist.transport = "mpi") needs no store: MASTER_ADDR may be
+    // missing there, and `worker::connect` asks for it when another transport needs the store.
+    let addr = match get("MASTER_ADDR") {
+        Some(a) => a,
+        None if engine == Engine::OpenMpi => String::new(),
+        None => bail!("{}", missing_master_addr(engine, rank, world)),
+    };
     let port = match get("MASTER_PORT") {
         Some(p) => p
             .parse::<u16>()
@@ -140,20 +145,32 @@ pub fn detect(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
     let job_id = get("LOCKSTEP_JOB_ID")
         .or(engine_job.map(|j| sanitize_job_id(&j)))
         .unwrap_or_else(|| job_id_from_secret(&secret));
-    let store = if addr.contains(':') && !addr.starts_with('[') {
+    let store = if addr.is_empty() {
+        String::new()
+    } else if addr.contains(':') && !addr.starts_with('[') {
         format!("[{addr}]:{port}")
     } else {
         format!("{addr}:{port}")
     };
+    let serve_store = rank == 0 && !store.is_empty();
     finish(
         engine,
         rank,
         world,
         local_rank,
         store,
-        rank == 0,
+        serve_store,
         secret,
         job_id,
+    )
+}
+
+/// The error for a rendezvous without `MASTER_ADDR`.
+pub fn missing_master_addr(engine: Engine, rank: usize, world: usize) -> String {
+    format!(
+        "started by {} (rank {rank} of {world}) but MASTER_ADDR is not set: export MASTER_ADDR \
+         (the host of rank 0) and optionally MASTER_PORT",
+        engine.name()
     )
 }
 
@@ -292,6 +309,21 @@ mod tests {
             (w.engine, w.rank, w.world_size, w.local_rank),
             (Engine::OpenMpi, 1, 2, 1)
         );
+    }
+
+    #[test]
+    fn mpirun_without_master_addr_has_no_store() {
+        // Only the MPI transport works then; worker::connect asks for MASTER_ADDR otherwise.
+        let w = detect(&env(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("LOCKSTEP_SECRET", SECRET),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((w.engine, w.rank, w.world_size), (Engine::OpenMpi, 0, 3));
+        assert!(w.store.is_empty());
+        assert!(!w.serve_store, "nothing to serve without an address");
     }
 
     #[test]

@@ -92,9 +92,9 @@ fn parse_one(spec: &str) -> Result<Fault> {
 pub fn validate(faults: &[Fault], world: usize, steps: u64, checkpoint_every: u64) -> Result<()> {
     for f in faults {
         let (rank, step) = match *f {
-            Fault::Kill { rank, step } | Fault::Lose { rank, step } | Fault::Hang { rank, step } => {
-                (Some(rank), Some(step))
-            }
+            Fault::Kill { rank, step }
+            | Fault::Lose { rank, step }
+            | Fault::Hang { rank, step } => (Some(rank), Some(step)),
             Fault::Slow { rank, .. } => (Some(rank), None),
             Fault::CorruptCheckpoint { step } => {
                 if checkpoint_every == 0 || step == 0 || step % checkpoint_every != 0 {
@@ -149,14 +149,39 @@ mod tests {
 
     #[test]
     fn faults_that_could_never_fire_are_refused() {
-        let ok = parse("kill:rank=1,step=30;slow:rank=0,factor=2;corrupt-checkpoint:step=20").unwrap();
+        let ok =
+            parse("kill:rank=1,step=30;slow:rank=0,factor=2;corrupt-checkpoint:step=20").unwrap();
         validate(&ok, 2, 100, 10).unwrap();
         for (spec, world, steps, every, want) in [
-            ("kill:rank=9,step=3", 2, 100, 10, "rank 9 does not exist in a world of 2"),
+            (
+                "kill:rank=9,step=3",
+                2,
+                100,
+                10,
+                "rank 9 does not exist in a world of 2",
+            ),
             ("slow:rank=2,factor=2", 2, 100, 10, "rank 2 does not exist"),
-            ("hang:rank=0,step=100", 2, 100, 10, "step 100 is never reached"),
-            ("corrupt-checkpoint:step=15", 2, 100, 10, "no checkpoint is written at step 15"),
-            ("corrupt-checkpoint:step=10", 2, 100, 0, "checkpoint.every = 0"),
+            (
+                "hang:rank=0,step=100",
+                2,
+                100,
+                10,
+                "step 100 is never reached",
+            ),
+            (
+                "corrupt-checkpoint:step=15",
+                2,
+                100,
+                10,
+                "no checkpoint is written at step 15",
+            ),
+            (
+                "corrupt-checkpoint:step=10",
+                2,
+                100,
+                0,
+                "checkpoint.every = 0",
+            ),
         ] {
             let e = validate(&parse(spec).unwrap(), world, steps, every)
                 .unwrap_err()

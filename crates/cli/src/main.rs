@@ -136,7 +136,7 @@ struct NodeArgs {
 struct BenchArgs {
     #[arg(long, default_value_t = 2)]
     nproc: usize,
-    /// "shm" or "tcp".
+    /// "shm", "tcp" or "mpi" (run under mpirun; needs the cargo feature `mpi`).
     #[arg(long, default_value = "shm")]
     transport: String,
     /// all_reduce, broadcast, all_gather or reduce_scatter.
@@ -293,11 +293,40 @@ fn check_layout(
     launched_world: usize,
     elastic: bool,
 ) -> Result<()> {
-    let world = match cluster_env::detect(env)? {
-        Some(w) if w.engine != cluster_env::Engine::Launcher => w.world_size,
-        _ => launched_world,
-    };
-    lockstep_train::ParallelDims::from_config(cfg, world)?;
+    match cluster_env::detect(env)? {
+        // Every rank refuses the same way, before any collective: name the world the engine
+        // announced next to the layout (the ConfigError stays in the chain: exit status 3).
+        Some(w) if w.engine != cluster_env::Engine::Launcher => {
+            lockstep_train::ParallelDims::from_config(cfg, w.world_size).with_context(|| {
+                let dp = match cfg.parallel.dp {
+                    0 => "world / pp".to_string(),
+                    dp => dp.to_string(),
+                };
+                format!(
+                    "rank {}: {} started {} ranks, which does not fit the config's layout \
+                     (parallel.pp = {}, parallel.dp = {dp})",
+                    w.rank,
+                    w.engine.name(),
+                    w.world_size,
+                    cfg.parallel.pp,
+                )
+            })?;
+        }
+        _ => {
+            if cfg.dist.transport == "mpi" {
+                // MPI's ranks come from mpirun; processes spawned by lockstep's own launcher would
+                // each be a world of one. Refused up front (exit 3, no restarts).
+                return Err(lockstep_train::ConfigError::Invalid {
+                    field: "dist.transport",
+                    message: "\"mpi\" needs the ranks started by mpirun (mpirun -np N lockstep \
+                              train …), not by lockstep's launcher"
+                        .into(),
+                }
+                .into());
+            }
+            lockstep_train::ParallelDims::from_config(cfg, launched_world)?;
+        }
+    }
     if elastic && cfg.parallel.pp > 1 {
         return Err(lockstep_train::ConfigError::Invalid {
             field: "parallel.pp",
@@ -322,7 +351,12 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
             || c.downcast_ref::<lockstep_train::TrainError>()
                 .is_some_and(|t| t.is_permanent())
             || c.downcast_ref::<lockstep_train::checkpoint::CheckpointError>()
-                .is_some_and(|e| matches!(e, lockstep_train::checkpoint::CheckpointError::NoSpace { .. }))
+                .is_some_and(|e| {
+                    matches!(
+                        e,
+                        lockstep_train::checkpoint::CheckpointError::NoSpace { .. }
+                    )
+                })
     })
 }
 
@@ -364,8 +398,15 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     let cfg = TrainConfig::load(config_path.as_deref(), &a.sets)?;
     let (min_world, max_world) = parse_nproc(&a.nproc)?;
     let engine = cluster_env::detect(&env)?.filter(|w| w.engine != cluster_env::Engine::Launcher);
-    let world = engine.as_ref().map_or(max_world * a.nodes.nnodes, |w| w.world_size);
-    check_layout(&cfg, &env, max_world * a.nodes.nnodes, min_world != max_world)?;
+    let world = engine
+        .as_ref()
+        .map_or(max_world * a.nodes.nnodes, |w| w.world_size);
+    check_layout(
+        &cfg,
+        &env,
+        max_world * a.nodes.nnodes,
+        min_world != max_world,
+    )?;
     if engine.is_none() {
         request::check_world(&cfg, max_world, a.nodes.nnodes)?;
     }
@@ -379,8 +420,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         None => Vec::new(),
     };
     if a.resume.is_some() {
-        if let run_dir::Resume::Finished { steps, param_hash } =
-            run_dir::check_resume(&out, &cfg)?
+        if let run_dir::Resume::Finished { steps, param_hash } = run_dir::check_resume(&out, &cfg)?
         {
             eprintln!(
                 "lockstep: {} is a finished run ({steps} steps, param_hash {param_hash}); nothing \
@@ -391,7 +431,9 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             );
             return Ok(());
         }
-    } else {
+    } else if engine.as_ref().is_none_or(|w| w.rank == 0) {
+        // Under an engine only rank 0 writes the run directory (and may already have when a
+        // slower rank gets here): the others leave the check to it.
         run_dir::prepare_fresh(&out, &cfg, a.overwrite)?;
     }
     if cfg.checkpoint.every > 0 && (engine.as_ref().is_none_or(|w| w.rank == 0)) {
@@ -400,13 +442,25 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
 
     // Started by Slurm / mpirun / torchrun: this process is one worker.
     if let Some(w) = engine {
-        eprintln!(
-            "lockstep: rank {} of {} (local rank {}, started by {})",
+        // One write, so that lines of ranks sharing a terminal (mpirun) never interleave.
+        let line = format!(
+            "lockstep: rank {} of {} (local rank {}, started by {})\n",
             w.rank,
             w.world_size,
             w.local_rank,
             w.engine.name()
         );
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        if w.rank == 0 && a.resume.is_none() {
+            // Written up front (not only with the summary) so that a failed job can be
+            // resubmitted with `--resume <out>`.
+            std::fs::create_dir_all(&out)
+                .with_context(|| format!("creating run directory {}", out.display()))?;
+            lockstep_train::trainer::write_atomic(
+                &out.join("config.toml"),
+                cfg.to_toml().as_bytes(),
+            )?;
+        }
         return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
     }
 
@@ -652,8 +706,11 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     if !bench::OPS.contains(&a.op.as_str()) {
         bail!("--op {} is not one of {:?}", a.op, bench::OPS);
     }
+    if a.transport == "mpi" {
+        return bench_under_mpi(&a);
+    }
     if !matches!(a.transport.as_str(), "shm" | "tcp") {
-        bail!("--transport {} is not one of shm, tcp", a.transport);
+        bail!("--transport {} is not one of shm, tcp, mpi", a.transport);
     }
     let memcpy = bench::memcpy_gbps(64 << 20);
     let env = environment();
@@ -706,6 +763,51 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     if let Some(path) = a.json {
         std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `bench-collectives --transport mpi`: mpirun starts the ranks (every process runs this), rank 0
+/// measures memcpy and prints the table.
+fn bench_under_mpi(a: &BenchArgs) -> Result<()> {
+    let env = environment();
+    let w = cluster_env::detect(&env)?
+        .filter(|w| w.engine != cluster_env::Engine::Launcher)
+        .context(
+            "--transport mpi: start the benchmark under mpirun, e.g. \
+             mpirun -np 2 -x LOCKSTEP_SECRET lockstep bench-collectives --transport mpi",
+        )?;
+    let sizes = bench::parse_sizes(&a.sizes)?;
+    let algorithm = parse_algorithm(&a.algorithm)?;
+    let rank = w.rank;
+    let memcpy = if rank == 0 {
+        bench::memcpy_gbps(64 << 20)
+    } else {
+        0.0
+    };
+    let mut worker = worker::connect(w, "mpi", Duration::from_secs(60), &TcpOptions::default())?;
+    if let Some(b) = a.segment_bytes {
+        worker.comm.set_segment_bytes(b);
+    }
+    if rank == 0 {
+        eprintln!(
+            "lockstep: {} over mpi on {} ranks, {} sizes",
+            a.op,
+            worker.comm.size(),
+            sizes.len()
+        );
+    }
+    let rows = bench::run_worker(&mut worker.comm, &a.op, &sizes, algorithm)?;
+    if rank == 0 {
+        let report = bench::Report {
+            memcpy_gbps: memcpy,
+            rows,
+        };
+        print!("{}", bench::format_table(&report));
+        if let Some(path) = &a.json {
+            std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
     }
     Ok(())
 }
@@ -798,7 +900,11 @@ fn run_train_worker(
             if under_launcher {
                 orphan::emit(rank, true, &format!("{RESUMED_PREFIX}{step}"));
             }
-            orphan::emit(rank, false, &format!("resumed from the checkpoint of step {step}"));
+            orphan::emit(
+                rank,
+                false,
+                &format!("resumed from the checkpoint of step {step}"),
+            );
         }
         Event::Notice(text) => orphan::emit(rank, false, &text),
         Event::StepDone(_) => {}
@@ -832,9 +938,9 @@ fn run_train_worker(
             rank,
             false,
             &format!(
-            "final loss {:.4}, {test}, {:.0} samples/s, param_hash {}",
-            summary.final_loss, summary.samples_per_sec, summary.param_hash
-        ),
+                "final loss {:.4}, {test}, {:.0} samples/s, param_hash {}",
+                summary.final_loss, summary.samples_per_sec, summary.param_hash
+            ),
         );
     }
     Ok(())

@@ -21,8 +21,9 @@ use crate::cluster_env::WorkerEnv;
 pub struct Worker {
     pub comm: Communicator,
     pub host: String,
-    /// Held so the store connection (and, on rank 0 under an engine, the server) outlive setup.
-    _store: StoreClient,
+    /// Held so the store connection (and, on rank 0 under an engine, the server) outlive setup
+    /// (none with the MPI transport).
+    _store: Option<StoreClient>,
     _server: Option<StoreServer>,
 }
 
@@ -64,14 +65,23 @@ fn resolve(store: &str) -> Result<SocketAddr> {
 /// this long even when collectives have a short timeout.
 const MIN_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// `transport`: "auto", "shm" or "tcp". `timeout`: for every collective (and for setup, at least
-/// [`MIN_SETUP_TIMEOUT`]).
+/// `transport`: "auto", "shm", "tcp" or "mpi". `timeout`: for every collective (and for setup, at
+/// least [`MIN_SETUP_TIMEOUT`]).
 pub fn connect(
     env: WorkerEnv,
     transport: &str,
     timeout: Duration,
     tcp: &TcpOptions,
 ) -> Result<Worker> {
+    if transport == "mpi" {
+        return connect_mpi(env, timeout);
+    }
+    if env.store.is_empty() {
+        bail!(
+            "{} (only dist.transport = \"mpi\" works without a rendezvous store)",
+            crate::cluster_env::missing_master_addr(env.engine, env.rank, env.world_size)
+        );
+    }
     let collective_timeout = timeout;
     let timeout = timeout.max(MIN_SETUP_TIMEOUT);
     let addr = resolve(&env.store)?;
@@ -139,7 +149,36 @@ pub fn connect(
     Ok(Worker {
         comm,
         host: hostname(),
-        _store: store,
+        _store: Some(store),
         _server: server,
     })
+}
+
+/// The MPI transport: rank and world from MPI itself, no rendezvous store. The launcher's
+/// variables must agree with MPI's view (a process not started by mpirun is a world of one).
+#[cfg(feature = "mpi")]
+fn connect_mpi(env: WorkerEnv, timeout: Duration) -> Result<Worker> {
+    let t = lockstep_comm::mpi::MpiTransport::init().context("initialising MPI")?;
+    if t.rank() != env.rank || t.world_size() != env.world_size {
+        bail!(
+            "dist.transport = \"mpi\": MPI says this is rank {} of {}, but {} announced rank {} of {} \
+             (start the job with mpirun)",
+            t.rank(),
+            t.world_size(),
+            env.engine.name(),
+            env.rank,
+            env.world_size
+        );
+    }
+    Ok(Worker {
+        comm: Communicator::new(Arc::new(t), timeout),
+        host: hostname(),
+        _store: None,
+        _server: None,
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn connect_mpi(_env: WorkerEnv, _timeout: Duration) -> Result<Worker> {
+    bail!("dist.transport = \"mpi\": this lockstep was built without the cargo feature `mpi` (cargo build --release -p lockstep-cli --features mpi)")
 }

@@ -77,7 +77,11 @@ fn a_finished_run_is_never_rewritten_by_resume_refused_sets_or_a_new_train() {
     assert_ok(&o);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("finished run (12 steps"), "{err}");
-    assert_eq!(snapshot(&dir), before, "resume of a finished run wrote files");
+    assert_eq!(
+        snapshot(&dir),
+        before,
+        "resume of a finished run wrote files"
+    );
 
     // A refused --set leaves config.toml alone, so the plain resume still works afterwards.
     let o = run(&["train", "--resume", d, "--set", "train.lr=0.2"]);
@@ -108,7 +112,15 @@ fn a_finished_run_extends_keeping_every_earlier_record() {
     let first_hash = summary(&dir)["param_hash"].as_str().unwrap().to_string();
     let metrics_before = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
     let d = dir.to_str().unwrap();
-    let o = run(&["train", "--nproc", "3", "--resume", d, "--set", "train.steps=20"]);
+    let o = run(&[
+        "train",
+        "--nproc",
+        "3",
+        "--resume",
+        d,
+        "--set",
+        "train.steps=20",
+    ]);
     assert_ok(&o);
     let err = String::from_utf8_lossy(&o.stderr);
     // The last step is always checkpointed, so the extension continues from where it ended.
@@ -126,7 +138,11 @@ fn a_finished_run_extends_keeping_every_earlier_record() {
     );
     let steps: std::collections::BTreeSet<u64> = metrics
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
         .collect();
     assert_eq!(steps, (0..20).collect());
 }
@@ -165,7 +181,9 @@ fn values_no_worker_could_hold_are_refused_naming_the_field() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert!(
-        err.contains("train.epochs") && err.contains("not restarting") && !err.contains("restart 1/"),
+        err.contains("train.epochs")
+            && err.contains("not restarting")
+            && !err.contains("restart 1/"),
         "{err}"
     );
 }
@@ -176,7 +194,15 @@ fn requests_that_cannot_run_are_refused_before_any_worker_starts() {
     let out = tmp.path().join("r");
     let o_ = out.to_str().unwrap();
     // A fault for a rank that does not exist would be silently ignored: refused.
-    let o = run(&["train", "--nproc", "2", "--out", o_, "--inject", "kill:rank=9,step=3"]);
+    let o = run(&[
+        "train",
+        "--nproc",
+        "2",
+        "--out",
+        o_,
+        "--inject",
+        "kill:rank=9,step=3",
+    ]);
     refused(&o, &["rank 9", "world of 2"]);
     // More workers than shared memory connects: refused at once, not spawned four times.
     let o = run(&["train", "--nproc", "300", "--out", o_]);
@@ -203,7 +229,10 @@ fn a_validation_text_shorter_than_the_context_is_an_error_not_a_zero_score() {
     let o = run(&[
         "train",
         "--config",
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/shakespeare.toml"),
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/shakespeare.toml"
+        ),
         "--nproc",
         "1",
         "--out",

@@ -142,7 +142,10 @@ fn fashion_mnist_learns_to_its_stated_accuracy_in_one_epoch() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("fashion");
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/fashion-mlp.toml");
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/fashion-mlp.toml"
+    );
     run_ok(&mut lockstep(&[
         "train",
         "--config",
@@ -156,7 +159,10 @@ fn fashion_mnist_learns_to_its_stated_accuracy_in_one_epoch() {
     ]));
     let s = summary(&out);
     let acc = s["test_accuracy"].as_f64().unwrap();
-    assert!(acc >= FASHION_ONE_EPOCH, "Fashion-MNIST accuracy after one epoch {acc}");
+    assert!(
+        acc >= FASHION_ONE_EPOCH,
+        "Fashion-MNIST accuracy after one epoch {acc}"
+    );
 }
 
 /// Fashion-MNIST test accuracy after one epoch of configs/fashion-mlp.toml (README states it).

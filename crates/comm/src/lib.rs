@@ -20,6 +20,8 @@ pub mod exact;
 #[cfg(test)]
 mod fuzz_util;
 pub mod inproc;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod shm;
 pub mod store;
 pub mod tcp;

@@ -190,7 +190,8 @@ pub struct DistConfig {
     pub overlap: bool,
     /// Seconds any collective may wait for a peer before failing with the peer's name.
     pub timeout_secs: f64,
-    /// "auto" (shared memory when all ranks share a host, else TCP), "shm" or "tcp".
+    /// "auto" (shared memory when all ranks share a host, else TCP), "shm", "tcp" or "mpi" (MPI
+    /// point-to-point under mpirun; needs the cargo feature `mpi`).
     pub transport: String,
     /// "auto", "ring" or "recursive-doubling".
     pub algorithm: String,
@@ -561,10 +562,19 @@ impl TrainConfig {
         }
         match d.transport.as_str() {
             "auto" | "shm" | "tcp" => {}
+            "mpi" if cfg!(feature = "mpi") => {}
+            "mpi" => {
+                return Err(invalid(
+                    "dist.transport",
+                    "\"mpi\" needs lockstep built with the cargo feature `mpi` \
+                     (cargo build --release -p lockstep-cli --features mpi; needs an MPI library)"
+                        .to_string(),
+                ))
+            }
             other => {
                 return Err(invalid(
                     "dist.transport",
-                    format!("`{other}` is not one of \"auto\", \"shm\", \"tcp\""),
+                    format!("`{other}` is not one of \"auto\", \"shm\", \"tcp\", \"mpi\""),
                 ))
             }
         }

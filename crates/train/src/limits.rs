@@ -98,10 +98,7 @@ pub fn check(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
     if d.bucket_elems > MAX_BUCKET {
         return Err(invalid(
             "dist.bucket_elems",
-            format!(
-                "{} values exceed the limit of {MAX_BUCKET}",
-                d.bucket_elems
-            ),
+            format!("{} values exceed the limit of {MAX_BUCKET}", d.bucket_elems),
         ));
     }
     if cfg.checkpoint.keep > MAX_KEEP {
@@ -150,10 +147,7 @@ fn check_model(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
         if values.len() > MAX_LAYERS {
             return Err(invalid(
                 field,
-                format!(
-                    "{} layers exceed the limit of {MAX_LAYERS}",
-                    values.len()
-                ),
+                format!("{} layers exceed the limit of {MAX_LAYERS}", values.len()),
             ));
         }
         if let Some(w) = values.iter().find(|&&w| w > MAX_WIDTH) {

@@ -39,9 +39,9 @@ use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecor
 use crate::parallel_dims::ParallelDims;
 use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use crate::trainer::{
-    check_same_structure, checkpoint_dir, gather_strings, optimizer_spec, resume_from_checkpoint,
-    checkpoint_due, save_checkpoint, total_steps, write_outputs, Event, MetricsLog, TrainError, WorkerContext,
-    RECORDS_RESERVED,
+    check_same_structure, checkpoint_dir, checkpoint_due, gather_strings, optimizer_spec,
+    resume_from_checkpoint, save_checkpoint, total_steps, write_outputs, Event, MetricsLog,
+    TrainError, WorkerContext, RECORDS_RESERVED,
 };
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
