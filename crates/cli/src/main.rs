@@ -401,15 +401,15 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     let world = engine
         .as_ref()
         .map_or(max_world * a.nodes.nnodes, |w| w.world_size);
+    if engine.is_none() {
+        request::check_world(&cfg, max_world, a.nodes.nnodes)?;
+    }
     check_layout(
         &cfg,
         &env,
         max_world * a.nodes.nnodes,
         min_world != max_world,
     )?;
-    if engine.is_none() {
-        request::check_world(&cfg, max_world, a.nodes.nnodes)?;
-    }
     let faults = match &a.inject {
         Some(spec) => inject::parse(spec)
             .and_then(|f| {

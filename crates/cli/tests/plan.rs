@@ -35,6 +35,12 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
         "train.eval_every=0",
         "--set",
         "checkpoint.every=0",
+        "--set",
+        "model.hidden=[512, 512]",
+        "--set",
+        "train.global_batch=256",
+        "--set",
+        "train.microbatch=64",
     ])
     .output()
     .unwrap();
@@ -71,7 +77,8 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
     // Not the calibration run's own layout (that would be nearly circular): predict one worker
     // from the 2-worker calibration and compare with a real 1-worker run of the same job. The
     // model keeps the calibration's per-sample compute, which two workers sharing two cores
-    // measure 10–40% slower than one worker alone: the bound allows for that contention.
+    // measure 10–40% slower than one worker alone: the bound allows for that contention. (The
+    // MLP is widened so that compute, not per-step overhead, makes the step: measured 1.07×.)
     let single = tmp.path().join("single");
     let out = lockstep(&[
         "train",
@@ -87,6 +94,12 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
         "train.eval_every=0",
         "--set",
         "checkpoint.every=0",
+        "--set",
+        "model.hidden=[512, 512]",
+        "--set",
+        "train.global_batch=256",
+        "--set",
+        "train.microbatch=64",
     ])
     .output()
     .unwrap();
@@ -100,7 +113,7 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
         .expect("dp=1 predicted");
     let pred = one["step_s"].as_f64().unwrap();
     assert!(
-        (pred / measured_single - 1.0).abs() < 0.6,
+        (pred / measured_single - 1.0).abs() < 0.5,
         "dp=1 predicted {pred} s from the 2-worker calibration vs measured {measured_single} s"
     );
     assert!(p["recommendation"]["why"]

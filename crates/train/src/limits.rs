@@ -310,8 +310,8 @@ mod tests {
         let big = with(&["model.hidden=[4096, 4096]"]).unwrap();
         assert!(memory_estimate(&big) > 100 * memory_estimate(&small));
         assert!(memory_estimate(&small) < 64 << 20);
-        // A model that fits 24 GiB is refused on a 1 GiB host.
-        let e = check(&big, 1 << 30).unwrap_err().to_string();
+        // A model that fits 24 GiB is refused on a 256 MiB host.
+        let e = check(&big, 256 << 20).unwrap_err().to_string();
         assert!(
             e.contains("model.hidden") && e.contains("GiB of memory"),
             "{e}"
