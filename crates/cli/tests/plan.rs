@@ -21,30 +21,7 @@ fn stderr(o: &std::process::Output) -> String {
 fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
-    let out = lockstep(&[
-        "train",
-        "--nproc",
-        "2",
-        "--threads-per-worker",
-        "1",
-        "--out",
-        run.to_str().unwrap(),
-        "--set",
-        "train.steps=20",
-        "--set",
-        "train.eval_every=0",
-        "--set",
-        "checkpoint.every=0",
-        "--set",
-        "model.hidden=[512, 512]",
-        "--set",
-        "train.global_batch=256",
-        "--set",
-        "train.microbatch=64",
-    ])
-    .output()
-    .unwrap();
-    assert_ok(&out);
+    small_run(&run, 2);
 
     let json = tmp.path().join("plan.json");
     let out = plan(
@@ -80,30 +57,7 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
     // measure 10–40% slower than one worker alone: the bound allows for that contention. (The
     // MLP is widened so that compute, not per-step overhead, makes the step: measured 1.07×.)
     let single = tmp.path().join("single");
-    let out = lockstep(&[
-        "train",
-        "--nproc",
-        "1",
-        "--threads-per-worker",
-        "1",
-        "--out",
-        single.to_str().unwrap(),
-        "--set",
-        "train.steps=20",
-        "--set",
-        "train.eval_every=0",
-        "--set",
-        "checkpoint.every=0",
-        "--set",
-        "model.hidden=[512, 512]",
-        "--set",
-        "train.global_batch=256",
-        "--set",
-        "train.microbatch=64",
-    ])
-    .output()
-    .unwrap();
-    assert_ok(&out);
+    small_run(&single, 1);
     let measured_single = median_step(&single);
     let one = p["predictions"]
         .as_array()
@@ -143,6 +97,36 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
     std::fs::write(&file, "nodes = 2\nworkers_per_node = 2\nlink_gbit = 10\n").unwrap();
     let e = stderr(&plan(&run, &["--cluster", file.to_str().unwrap()]));
     assert!(e.contains("cluster.toml") && e.contains("link_gbit"), "{e}");
+}
+
+/// 20 steps of a widened digits MLP (compute, not per-step overhead, makes its step) on `nproc`
+/// single-threaded workers.
+fn small_run(dir: &Path, nproc: usize) {
+    let n = nproc.to_string();
+    let out = lockstep(&[
+        "train",
+        "--nproc",
+        &n,
+        "--threads-per-worker",
+        "1",
+        "--out",
+        dir.to_str().unwrap(),
+        "--set",
+        "train.steps=20",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "model.hidden=[512, 512]",
+        "--set",
+        "train.global_batch=256",
+        "--set",
+        "train.microbatch=64",
+    ])
+    .output()
+    .unwrap();
+    assert_ok(&out);
 }
 
 /// Median step seconds of a run's rank 0 (warm-up steps skipped).
