@@ -16,60 +16,11 @@ use std::time::{Duration, Instant};
 
 use lockstep_comm::collectives::chunk_range;
 use lockstep_comm::mpi::MpiTransport;
-use lockstep_comm::{Algorithm, Communicator, Element, ReduceOp, Transport};
+use lockstep_comm::{Algorithm, Communicator, ReduceOp, Transport};
 
-trait TestElem: Element + std::fmt::Debug {
-    fn from_i64(v: i64) -> Self;
-}
-impl TestElem for f32 {
-    fn from_i64(v: i64) -> Self {
-        v as f32
-    }
-}
-impl TestElem for f64 {
-    fn from_i64(v: i64) -> Self {
-        v as f64
-    }
-}
-impl TestElem for i32 {
-    fn from_i64(v: i64) -> Self {
-        v as i32
-    }
-}
-impl TestElem for i64 {
-    fn from_i64(v: i64) -> Self {
-        v
-    }
-}
-
-fn contribution(rank: usize, n: usize, i: usize) -> i64 {
-    (i as i64 % 101 - 50) * ((rank + i) % n + 1) as i64
-}
-
-fn expected<T: TestElem>(n: usize, i: usize, op: ReduceOp) -> T {
-    let v = i as i64 % 101 - 50;
-    let n64 = n as i64;
-    let sum = v * n64 * (n64 + 1) / 2;
-    match op {
-        ReduceOp::Sum => T::from_i64(sum),
-        ReduceOp::Mean => T::from_i64(sum).div_count(n),
-        ReduceOp::Max => T::from_i64(if v >= 0 { v * n64 } else { v }),
-        ReduceOp::Min => T::from_i64(if v >= 0 { v } else { v * n64 }),
-    }
-}
-
-fn local_data<T: TestElem>(rank: usize, n: usize, len: usize) -> Vec<T> {
-    (0..len)
-        .map(|i| T::from_i64(contribution(rank, n, i)))
-        .collect()
-}
-
-const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min];
-const ALGS: [Algorithm; 3] = [
-    Algorithm::Ring,
-    Algorithm::RecursiveDoubling,
-    Algorithm::Auto,
-];
+#[path = "../tests/closed_forms/mod.rs"]
+mod closed_forms;
+use closed_forms::{expected, local_data, TestElem, ALGS, OPS};
 
 fn check_all_reduce<T: TestElem>(
     comm: &mut Communicator,

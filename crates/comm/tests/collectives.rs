@@ -1,7 +1,9 @@
 //! Collectives and the Communicator over the in-process transport (one thread per rank), checked
 //! against closed-form answers, plus failure behaviour (dead rank, hung rank, bad arguments).
 
+mod closed_forms;
 mod common;
+use closed_forms::{expected, local_data, TestElem, ALGS, OPS};
 use common::waited_in_message;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,9 +12,7 @@ use std::time::{Duration, Instant};
 
 use lockstep_comm::collectives::chunk_range;
 use lockstep_comm::inproc::{in_process_group, InProcTransport};
-use lockstep_comm::{
-    Algorithm, CommError, Communicator, Element, LinkFailure, ReduceOp, Transport,
-};
+use lockstep_comm::{Algorithm, CommError, Communicator, LinkFailure, ReduceOp, Transport};
 
 /// Generous: only reached if a test is broken (a healthy op finishes in milliseconds).
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -75,62 +75,6 @@ impl Meet {
         );
     }
 }
-
-trait TestElem: Element + std::fmt::Debug {
-    fn from_i64(v: i64) -> Self;
-}
-impl TestElem for f32 {
-    fn from_i64(v: i64) -> Self {
-        v as f32
-    }
-}
-impl TestElem for f64 {
-    fn from_i64(v: i64) -> Self {
-        v as f64
-    }
-}
-impl TestElem for i32 {
-    fn from_i64(v: i64) -> Self {
-        v as i32
-    }
-}
-impl TestElem for i64 {
-    fn from_i64(v: i64) -> Self {
-        v
-    }
-}
-
-/// Rank `rank`'s element `i`: `v(i) · w` with `v(i) = i mod 101 − 50` and a weight `w ∈ 1..=n`
-/// that is a permutation over the ranks for every `i`, so the largest contribution moves around.
-/// All values and sums are small integers, exact in f32.
-fn contribution(rank: usize, n: usize, i: usize) -> i64 {
-    (i as i64 % 101 - 50) * ((rank + i) % n + 1) as i64
-}
-
-fn expected<T: TestElem>(n: usize, i: usize, op: ReduceOp) -> T {
-    let v = i as i64 % 101 - 50;
-    let n64 = n as i64;
-    let sum = v * n64 * (n64 + 1) / 2;
-    match op {
-        ReduceOp::Sum => T::from_i64(sum),
-        ReduceOp::Mean => T::from_i64(sum).div_count(n),
-        ReduceOp::Max => T::from_i64(if v >= 0 { v * n64 } else { v }),
-        ReduceOp::Min => T::from_i64(if v >= 0 { v } else { v * n64 }),
-    }
-}
-
-fn local_data<T: TestElem>(rank: usize, n: usize, len: usize) -> Vec<T> {
-    (0..len)
-        .map(|i| T::from_i64(contribution(rank, n, i)))
-        .collect()
-}
-
-const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min];
-const ALGS: [Algorithm; 3] = [
-    Algorithm::Ring,
-    Algorithm::RecursiveDoubling,
-    Algorithm::Auto,
-];
 
 fn check_all_reduce<T: TestElem>(
     comm: &mut Communicator,
