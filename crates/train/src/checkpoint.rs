@@ -16,7 +16,6 @@
 //! newest `keep` files are kept. Loading verifies length, magic, version, checksum and identity; a
 //! damaged newest file is reported and the previous good one used.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -225,20 +224,7 @@ pub fn save(dir: &Path, c: &Checkpoint, keep: usize) -> Result<PathBuf, Checkpoi
     let path = dir.join(file_name(c.step));
     let tmp = dir.join(format!(".{}.tmp.{}", file_name(c.step), std::process::id()));
     let bytes = encode(c);
-    // A partial temporary file must not eat the space that is left: remove it on any failure.
-    let written = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()
-    })();
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io_err(&tmp, e));
-    }
-    if let Err(e) = std::fs::rename(&tmp, &path) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io_err(&path, e));
-    }
+    crate::files::replace_via(&tmp, &path, &bytes).map_err(|e| io_err(&path, e))?;
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| io_err(dir, e))?;

@@ -12,22 +12,27 @@ pub fn is_no_space(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
 }
 
-/// Write to a temporary file in the same directory, fsync, rename: readers see the old file or the
-/// complete new one, never a torn one. On failure the temporary file is removed and the old file
-/// is untouched.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+/// Write `bytes` to `tmp` (a temporary name in `path`'s directory), fsync, rename over `path`:
+/// readers see the old file or the complete new one, never a torn one. On failure `tmp` is
+/// removed — a partial file must not eat the space that is left — and `path` is untouched.
+pub fn replace_via(tmp: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::File::create(tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        std::fs::rename(tmp, path)
     })();
-    result.map_err(|cause| {
-        let _ = std::fs::remove_file(&tmp);
-        TrainError::Io {
-            path: path.display().to_string(),
-            cause,
-        }
+    if result.is_err() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    result
+}
+
+/// [`replace_via`] with a temporary name next to `path`, for run outputs.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    replace_via(&tmp, path, bytes).map_err(|cause| TrainError::Io {
+        path: path.display().to_string(),
+        cause,
     })
 }
