@@ -11,10 +11,10 @@ use lockstep_train::TrainConfig;
 use crate::PlanArgs;
 
 pub fn run(a: &PlanArgs) -> Result<()> {
-    let cfg = TrainConfig::load(Some(&a.from.join("config.toml")), &[])
+    let cfg = TrainConfig::load_for(crate::job(), Some(&a.from.join("config.toml")), &[])
         .with_context(|| format!("reading the config of run {}", a.from.display()))?;
     let (summary, records) = crate::scale::load_run(&a.from)?;
-    let layers = plan::model_layers(&cfg)
+    let layers = plan::model_layers(crate::job(), &cfg)
         .with_context(|| format!("building the model of run {}", a.from.display()))?;
     let workload = Workload::from_config(&cfg, layers);
     let cluster = cluster_spec(a)?.resolve()?;

@@ -102,7 +102,7 @@ pub fn check_resume(dir: &Path, cfg: &TrainConfig) -> Result<Resume, RunDirError
     if !config_path.exists() {
         return Err(RunDirError::NotARun { dir: display(dir) });
     }
-    let old = TrainConfig::load(Some(&config_path), &[]).map_err(|e| RunDirError::Unreadable {
+    let old = TrainConfig::load_for(crate::job(), Some(&config_path), &[]).map_err(|e| RunDirError::Unreadable {
         path: display(&config_path),
         what: e.to_string(),
     })?;

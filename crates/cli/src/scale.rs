@@ -39,7 +39,7 @@ pub fn plan(
     };
     let plan = scaling::expand(&specs, sizes);
     for layout in &plan {
-        let cfg = TrainConfig::load(config, &layout_sets(layout, sets))
+        let cfg = TrainConfig::load_for(crate::job(), config, &layout_sets(layout, sets))
             .with_context(|| format!("layout {} ({})", layout.name, layout.describe()))?;
         layout
             .check(&cfg)

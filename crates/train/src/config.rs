@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::job::JobSpec;
+
 /// Errors in a configuration file or override; each names the field (or file) at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -44,6 +46,10 @@ pub struct TrainConfig {
     pub dist: DistConfig,
     pub parallel: ParallelConfig,
     pub checkpoint: CheckpointConfig,
+    /// A user job's own settings (`[job]`), read by the job with [`TrainConfig::job_section`];
+    /// part of the run's identity. lockstep's built-in jobs take none.
+    #[serde(skip_serializing_if = "toml::Table::is_empty")]
+    pub job: toml::Table,
 }
 
 /// How the model and the batch are split over the workers: `dp` data-parallel replicas of a
@@ -284,12 +290,46 @@ impl TrainConfig {
         origin: &str,
         overrides: &[String],
     ) -> Result<Self, ConfigError> {
-        let mut table: toml::Table =
-            text.parse()
+        Self::from_toml_str_for(&crate::builtin::BuiltinJob, text, origin, overrides)
+    }
+
+    /// [`TrainConfig::load`] for `job`: its default config underneath the file, then the
+    /// overrides; lockstep's own sections are validated, then the job's settings by the job.
+    pub fn load_for(
+        job: &dyn JobSpec,
+        path: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let (text, origin) = match path {
+            Some(p) => (
+                std::fs::read_to_string(p).map_err(|cause| ConfigError::Read {
+                    path: p.to_path_buf(),
+                    cause,
+                })?,
+                p.display().to_string(),
+            ),
+            None => (String::new(), format!("the defaults of job `{}`", job.name())),
+        };
+        Self::from_toml_str_for(job, &text, &origin, overrides)
+    }
+
+    /// [`TrainConfig::from_toml_str`] for `job` (see [`TrainConfig::load_for`]).
+    pub fn from_toml_str_for(
+        job: &dyn JobSpec,
+        text: &str,
+        origin: &str,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let parse = |text: &str, origin: &str| {
+            text.parse::<toml::Table>()
                 .map_err(|e: toml::de::Error| ConfigError::Parse {
                     origin: origin.into(),
                     message: e.to_string(),
-                })?;
+                })
+        };
+        let defaults = job.default_config();
+        let mut table = parse(&defaults, &format!("the default config of job `{}`", job.name()))?;
+        merge(&mut table, parse(text, origin)?);
         for o in overrides {
             apply_override(&mut table, o)?;
         }
@@ -310,8 +350,18 @@ impl TrainConfig {
                     }
                 })?;
         cfg.resolve_microbatches(both_micro)?;
-        cfg.validate()?;
+        job.validate(&cfg)?;
         Ok(cfg)
+    }
+
+    /// The job's `[job]` table as the job's own settings type.
+    pub fn job_section<T: serde::de::DeserializeOwned>(&self) -> Result<T, ConfigError> {
+        toml::Value::Table(self.job.clone())
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse {
+                origin: "[job]".into(),
+                message: e.to_string().trim().to_string(),
+            })
     }
 
     /// `parallel.microbatches`, when set, decides the micro-batch size (it must divide the batch;
@@ -425,8 +475,47 @@ impl TrainConfig {
         self.train.global_batch / self.train.microbatch
     }
 
+    /// Full validation of a config of lockstep's built-in jobs.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let t = &self.train;
+        self.validate_builtin()
+    }
+
+    /// The built-in jobs: `[model]` and `[data]`, no `[job]`, then lockstep's own sections and
+    /// the memory the model needs.
+    pub fn validate_builtin(&self) -> Result<(), ConfigError> {
+        if let Some(key) = self.job.keys().next() {
+            return Err(invalid(
+                "job",
+                format!(
+                    "`job.{key}`: lockstep's built-in models take no [job] settings \
+                     (that table is for your own jobs built with the lockstep library)"
+                ),
+            ));
+        }
+        self.validate_model_and_data()?;
+        self.validate_sections()?;
+        crate::limits::check(self, crate::limits::host_memory_bytes())
+    }
+
+    /// A user job: lockstep's own sections (train, optimizer, dist, checkpoint, parallel). The
+    /// `[model]` and `[data]` sections belong to the built-in jobs and are ignored.
+    pub fn validate_common(&self) -> Result<(), ConfigError> {
+        if self.parallel.pp > 1 {
+            return Err(invalid(
+                "parallel.pp",
+                format!(
+                    "{} pipeline stages: your own jobs run data-parallel for now \
+                     (parallel.pp = 1); pipelines need lockstep's layered transformer",
+                    self.parallel.pp
+                ),
+            ));
+        }
+        self.validate_parallel()?;
+        self.validate_sections()?;
+        crate::limits::check_common(self)
+    }
+
+    fn validate_model_and_data(&self) -> Result<(), ConfigError> {
         match self.model.kind.as_str() {
             "mlp" | "cnn" | "transformer" => {}
             other => {
@@ -480,6 +569,12 @@ impl TrainConfig {
                 format!("{} is not in (0, 1)", self.data.test_fraction),
             ));
         }
+        Ok(())
+    }
+
+    /// train, optimizer, checkpoint and dist.
+    fn validate_sections(&self) -> Result<(), ConfigError> {
+        let t = &self.train;
         if t.steps == 0 && t.epochs == 0 {
             return Err(invalid(
                 "train.steps",
@@ -587,7 +682,7 @@ impl TrainConfig {
                 ))
             }
         }
-        crate::limits::check(self, crate::limits::host_memory_bytes())
+        Ok(())
     }
 }
 
@@ -805,5 +900,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("broken.toml"), "{e}");
+    }
+}
+
+/// Deep-merge `top` over `base`: tables merge key by key, anything else in `top` replaces.
+fn merge(base: &mut toml::Table, top: toml::Table) {
+    for (key, value) in top {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge(b, t),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
     }
 }

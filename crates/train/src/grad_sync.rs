@@ -53,7 +53,9 @@ use std::time::Instant;
 
 use lockstep_comm::exact::{ExactError, ExactReducer};
 use lockstep_comm::{Communicator, ReduceOp};
-use lockstep_model::{Model, ModelError};
+use lockstep_model::{Model, ModelError, TimedLoss};
+
+use crate::job::ReplicaError;
 
 pub struct GradSync {
     reproducible: bool,
@@ -106,6 +108,42 @@ pub enum SyncError {
     Exact(#[from] ExactError),
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+}
+
+/// The computation of the last local micro-batch of a step, run inside
+/// [`GradSync::sync_streamed`] (the trainer wraps a job's replica in it; [`LastMicrobatch`] wraps
+/// a [`Model`]).
+pub trait StreamedCompute {
+    /// Forward and backward, handing each parameter tensor's gradient (index in the layout) to
+    /// `on_grad` as soon as backward produced it; returns the scaled loss.
+    fn streaming(&mut self, on_grad: &(dyn Fn(usize, &[f32]) + Sync)) -> Result<f32, SyncError>;
+    /// Forward and backward into `grad` (used when no bucket could finish before backward ends).
+    fn plain(&mut self, grad: &mut [f32]) -> Result<TimedLoss, SyncError>;
+}
+
+/// [`LastMicrobatch`]'s computation on a [`Model`].
+struct ModelCompute<'a> {
+    model: &'a Model,
+    x: &'a [f32],
+    y: &'a [u8],
+    n: usize,
+    scale: f32,
+}
+
+impl StreamedCompute for ModelCompute<'_> {
+    fn streaming(&mut self, on_grad: &(dyn Fn(usize, &[f32]) + Sync)) -> Result<f32, SyncError> {
+        Ok(self
+            .model
+            .loss_and_grad_streaming(self.x, self.y, self.n, self.scale, on_grad)?)
+    }
+
+    fn plain(&mut self, grad: &mut [f32]) -> Result<TimedLoss, SyncError> {
+        Ok(self
+            .model
+            .loss_and_grad_timed(self.x, self.y, self.n, self.scale, grad)?)
+    }
 }
 
 /// What the main thread tells the communication thread.
@@ -210,11 +248,68 @@ impl GradSync {
         out: &mut [f32],
     ) -> Result<Overlapped, SyncError> {
         let len = out.len();
-        let invalid = |m: String| SyncError::Exact(ExactError::Invalid(m));
         if model.num_params() != len {
-            return Err(invalid(format!(
+            return Err(SyncError::Exact(ExactError::Invalid(format!(
                 "the model has {} parameters but the output {len}",
                 model.num_params()
+            ))));
+        }
+        let tensors: Vec<Range<usize>> = model
+            .layout()
+            .iter()
+            .map(|p| p.offset..p.offset + p.len)
+            .collect();
+        let mut compute;
+        let last = match last {
+            Some(LastMicrobatch {
+                x,
+                y,
+                n,
+                scale,
+                grad,
+            }) => {
+                compute = ModelCompute {
+                    model,
+                    x,
+                    y,
+                    n,
+                    scale,
+                };
+                Some((&mut compute as &mut dyn StreamedCompute, grad))
+            }
+            None => None,
+        };
+        self.sync_streamed(
+            comm,
+            &tensors,
+            earlier,
+            earlier_losses,
+            last,
+            total_microbatches,
+            out,
+        )
+    }
+
+    /// [`GradSync::sync_overlapped`] for any computation: `tensors` are the flat ranges of the
+    /// parameter tensors (the indices `on_grad` receives), `last` the streamed micro-batch's
+    /// computation and its gradient buffer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sync_streamed(
+        &mut self,
+        comm: &mut Communicator,
+        tensors: &[Range<usize>],
+        earlier: &[&[f32]],
+        earlier_losses: &[f32],
+        last: Option<(&mut dyn StreamedCompute, &mut [f32])>,
+        total_microbatches: usize,
+        out: &mut [f32],
+    ) -> Result<Overlapped, SyncError> {
+        let len = out.len();
+        let invalid = |m: String| SyncError::Exact(ExactError::Invalid(m));
+        if tensors.last().map_or(0, |r| r.end) != len {
+            return Err(invalid(format!(
+                "the parameter tensors cover {} values but the output has {len}",
+                tensors.last().map_or(0, |r| r.end)
             )));
         }
         if let Some(bad) = earlier.iter().find(|g| g.len() != len) {
@@ -231,10 +326,10 @@ impl GradSync {
             )));
         }
         match &last {
-            Some(l) if l.grad.len() != len => {
+            Some((_, grad)) if grad.len() != len => {
                 return Err(invalid(format!(
                     "the last gradient buffer has {} values, not {len}",
-                    l.grad.len()
+                    grad.len()
                 )));
             }
             None if !earlier.is_empty() => {
@@ -244,16 +339,10 @@ impl GradSync {
             }
             _ => {}
         }
-        let tensors: Vec<Range<usize>> = model
-            .layout()
-            .iter()
-            .map(|p| p.offset..p.offset + p.len)
-            .collect();
         let buckets = len.div_ceil(self.bucket_elems);
-        if late_buckets(&tensors, self.bucket_elems, buckets) == buckets {
+        if late_buckets(tensors, self.bucket_elems, buckets) == buckets {
             return self.sync_after_backward(
                 comm,
-                model,
                 earlier,
                 earlier_losses,
                 last,
@@ -261,21 +350,15 @@ impl GradSync {
                 out,
             );
         }
-        let (batch, last_grad) = match last {
-            Some(LastMicrobatch {
-                x,
-                y,
-                n,
-                scale,
-                grad,
-            }) => (Some((x, y, n, scale)), Some(grad)),
+        let (mut batch, last_grad) = match last {
+            Some((compute, grad)) => (Some(compute), Some(grad)),
             None => (None, None),
         };
+        let has_batch = batch.is_some();
         let (tx, rx) = channel::<Event>();
         let first_grad = OnceLock::new();
 
         std::thread::scope(|scope| {
-            let tensors = &tensors;
             let worker = scope.spawn(move || {
                 CommThread {
                     sync: self,
@@ -292,17 +375,15 @@ impl GradSync {
 
             let compute_start = Instant::now();
             let mut losses = earlier_losses.to_vec();
-            let computed = match batch {
-                Some((x, y, n, scale)) => {
+            let computed = match batch.as_mut() {
+                Some(compute) => {
                     let on_grad = |index: usize, values: &[f32]| {
                         first_grad.get_or_init(Instant::now);
                         // A closed channel means the communication thread has failed; its error is
                         // collected at the join, and backward cannot be interrupted anyway.
                         let _ = tx.send(Event::Grad(index, values.to_vec()));
                     };
-                    model
-                        .loss_and_grad_streaming(x, y, n, scale, &on_grad)
-                        .map(|l| losses.push(l))
+                    compute.streaming(&on_grad).map(|l| losses.push(l))
                 }
                 None => Ok(()),
             };
@@ -335,13 +416,13 @@ impl GradSync {
                 .map(|&(s, e)| (e.min(backward_end) - s).as_secs_f64())
                 .sum();
             let exposed = (joined - backward_end).as_secs_f64();
-            let (forward, backward) = match (batch, first_grad.get()) {
-                (None, _) => (0.0, 0.0),
-                (Some(_), Some(&first)) => (
+            let (forward, backward) = match (has_batch, first_grad.get()) {
+                (false, _) => (0.0, 0.0),
+                (true, Some(&first)) => (
                     (first - compute_start).as_secs_f64(),
                     (backward_end - first).as_secs_f64(),
                 ),
-                (Some(_), None) => ((backward_end - compute_start).as_secs_f64(), 0.0),
+                (true, None) => ((backward_end - compute_start).as_secs_f64(), 0.0),
             };
             Ok(Overlapped {
                 loss: report.loss,
@@ -362,25 +443,17 @@ impl GradSync {
     fn sync_after_backward(
         &mut self,
         comm: &mut Communicator,
-        model: &Model,
         earlier: &[&[f32]],
         earlier_losses: &[f32],
-        last: Option<LastMicrobatch<'_>>,
+        last: Option<(&mut dyn StreamedCompute, &mut [f32])>,
         total_microbatches: usize,
         out: &mut [f32],
     ) -> Result<Overlapped, SyncError> {
         let mut parts = earlier.to_vec();
         let mut losses = earlier_losses.to_vec();
         let (mut forward, mut backward) = (0.0, 0.0);
-        if let Some(LastMicrobatch {
-            x,
-            y,
-            n,
-            scale,
-            grad,
-        }) = last
-        {
-            let timed = model.loss_and_grad_timed(x, y, n, scale, grad)?;
+        if let Some((compute, grad)) = last {
+            let timed = compute.plain(grad)?;
             (forward, backward) = (timed.forward_seconds, timed.backward_seconds);
             losses.push(timed.loss);
             parts.push(grad);

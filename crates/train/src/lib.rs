@@ -3,12 +3,14 @@
 //! Invariant: nothing here reads argv or environment variables; the CLI resolves those and passes
 //! a [`TrainConfig`] and a ready [`lockstep_comm::Communicator`].
 
+pub mod builtin;
 pub mod checkpoint;
 pub mod config;
 pub mod datasets;
 pub mod faults;
 pub mod files;
 pub mod grad_sync;
+pub mod job;
 pub mod limits;
 pub mod metrics;
 pub mod parallel_dims;
@@ -21,7 +23,9 @@ pub mod scaling;
 pub mod svg;
 pub mod trainer;
 
+pub use builtin::BuiltinJob;
 pub use config::{ConfigError, TrainConfig};
+pub use job::{Job, JobSpec, Replica, ReplicaError};
 pub use metrics::{StepRecord, Summary};
 pub use parallel_dims::{Coords, ParallelDims};
 pub use trainer::{train, Event, Progress, TrainError, WorkerContext};

@@ -54,6 +54,12 @@ pub fn host_memory_bytes() -> u128 {
 
 /// Check every numeric field against what the types and `memory` bytes per worker can hold.
 pub fn check(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
+    check_common(cfg)?;
+    check_model(cfg, memory)
+}
+
+/// The limits that do not depend on the model (every job).
+pub fn check_common(cfg: &TrainConfig) -> Result<(), ConfigError> {
     let t = &cfg.train;
     if t.steps > MAX_STEPS {
         return Err(invalid(
@@ -128,7 +134,7 @@ pub fn check(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
             ));
         }
     }
-    check_model(cfg, memory)
+    Ok(())
 }
 
 /// Widths and counts of the model's layers, then its memory against `memory`.

@@ -1,6 +1,8 @@
 //! What a run records: one [`StepRecord`] per rank per step (→ `metrics.jsonl`) and the run's
 //! [`Summary`] (→ `summary.json`).
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// Seconds one rank spent in each phase of one step.
@@ -103,10 +105,33 @@ pub struct PipelineSummary {
     pub stage_compute_seconds: Vec<f64>,
 }
 
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+/// Figures of one evaluation over the whole evaluation set (per-sample means).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
 pub struct Eval {
     pub test_loss: f64,
+    /// The job's `accuracy` metric; NaN (`null` in JSON) for a job that reports none.
+    #[serde(with = "nan_as_null")]
     pub test_accuracy: f64,
+    /// The job's other metrics, by name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// JSON has no NaN: serde_json writes it as `null`; read `null` back as NaN.
+pub mod nan_as_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
 }
 
 /// Per-rank totals in `summary.json`.
@@ -155,7 +180,12 @@ pub struct Summary {
     pub transport: String,
     pub final_loss: f64,
     pub test_loss: f64,
+    /// Test accuracy (the job's `accuracy` metric); NaN (`null`) for a job that reports none.
+    #[serde(with = "nan_as_null")]
     pub test_accuracy: f64,
+    /// The job's other evaluation metrics at the end of the run, by name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub test_metrics: BTreeMap<String, f64>,
     /// SHA-256 (hex) of all parameters, little-endian f32, canonical order.
     pub param_hash: String,
     pub config_hash: String,

@@ -189,8 +189,8 @@ const PHASES: [(&str, &str); 7] = [
 pub fn evaluations(summary: &Summary, records: &[StepRecord]) -> Vec<(u64, Eval)> {
     let mut by_step = std::collections::BTreeMap::new();
     for r in records {
-        if let Some(e) = r.eval {
-            by_step.entry(r.step + 1).or_insert(e);
+        if let Some(e) = &r.eval {
+            by_step.entry(r.step + 1).or_insert_with(|| e.clone());
         }
     }
     if by_step.is_empty() {
@@ -274,6 +274,9 @@ pub fn render_with_failures(
     ] {
         head.row(vec![k.to_string(), v]);
     }
+    for (name, v) in &s.test_metrics {
+        head.row(vec![format!("test {name}"), format!("{v:.4}")]);
+    }
     let mut doc = Doc::default();
 
     // Loss and accuracy, over every attempt.
@@ -297,23 +300,53 @@ pub fn render_with_failures(
         .series(Series::new("training loss", PALETTE[0], loss));
     loss_chart.x_marks = restarts.clone();
     doc.figure(loss_chart.render());
-    let acc: Vec<(f64, f64)> = evals
-        .iter()
-        .map(|(step, e)| (*step as f64, e.test_accuracy))
-        .collect();
-    let mut acc_chart = LineChart::new("test accuracy", "step", "accuracy")
-        .series(Series::new("test accuracy", PALETTE[2], acc).with_markers(Vec::new()));
-    acc_chart.x_marks = restarts;
-    doc.figure(acc_chart.render());
+    // The job's metrics (by name, as its last evaluation reports them); accuracy first when the
+    // job reports one.
+    let names: Vec<String> = evals
+        .last()
+        .map(|(_, e)| e.metrics.keys().cloned().collect())
+        .unwrap_or_default();
+    let has_accuracy = evals.iter().any(|(_, e)| e.test_accuracy.is_finite());
+    let mut metric_series = Vec::new();
+    if has_accuracy {
+        let acc: Vec<(f64, f64)> = evals
+            .iter()
+            .map(|(step, e)| (*step as f64, e.test_accuracy))
+            .collect();
+        metric_series.push(("test accuracy".to_string(), acc));
+    }
+    for name in &names {
+        let points: Vec<(f64, f64)> = evals
+            .iter()
+            .filter_map(|(step, e)| e.metrics.get(name).map(|v| (*step as f64, *v)))
+            .collect();
+        metric_series.push((format!("test {name}"), points));
+    }
+    for (i, (title, points)) in metric_series.into_iter().enumerate() {
+        let color = PALETTE[(2 + i) % PALETTE.len()];
+        let mut chart = LineChart::new(&title, "step", &title)
+            .series(Series::new(&title, color, points).with_markers(Vec::new()));
+        chart.x_marks = restarts.clone();
+        doc.figure(chart.render());
+    }
 
     doc.section("evals", "Evaluations");
-    let mut ev = Table::new(&["step", "test loss", "test accuracy"]);
+    let mut columns = vec!["step".to_string(), "test loss".to_string()];
+    if has_accuracy {
+        columns.push("test accuracy".into());
+    }
+    columns.extend(names.iter().map(|n| format!("test {n}")));
+    let column_refs: Vec<&str> = columns.iter().map(String::as_str).collect();
+    let mut ev = Table::new(&column_refs);
     for (step, e) in &evals {
-        ev.row(vec![
-            step.to_string(),
-            format!("{:.6}", e.test_loss),
-            format!("{:.4}", e.test_accuracy),
-        ]);
+        let mut row = vec![step.to_string(), format!("{:.6}", e.test_loss)];
+        if has_accuracy {
+            row.push(format!("{:.4}", e.test_accuracy));
+        }
+        for name in &names {
+            row.push(e.metrics.get(name).map_or("—".into(), |v| format!("{v:.4}")));
+        }
+        ev.row(row);
     }
     doc.table(&ev);
 
@@ -644,6 +677,7 @@ mod tests {
                     eval: ((step + 1) % 5 == 0).then(|| Eval {
                         test_loss: 1.0 / (step + 1) as f64,
                         test_accuracy: 0.5 + step as f64 / 100.0,
+                        ..Default::default()
                     }),
                     pipeline: None,
                 })
@@ -680,6 +714,7 @@ mod tests {
             final_loss: 0.2,
             test_loss: 0.1,
             test_accuracy: 0.59,
+            test_metrics: Default::default(),
             param_hash: "abc123".into(),
             config_hash: "c".into(),
             wall_seconds: 0.5,
@@ -694,6 +729,7 @@ mod tests {
                 Eval {
                     test_loss: 0.1,
                     test_accuracy: 0.59,
+                    ..Default::default()
                 },
             )],
             ranks: vec![rank(0), rank(1)],

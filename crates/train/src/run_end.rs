@@ -105,11 +105,11 @@ pub(crate) fn build_summary(
         .iter()
         .map(|r| r.seconds.communication + r.seconds.waiting)
         .sum();
-    let (test_loss, test_accuracy) = end
+    let (test_loss, test_accuracy, test_metrics) = end
         .evals
         .last()
-        .map(|(_, e)| (e.test_loss, e.test_accuracy))
-        .unwrap_or((f64::NAN, f64::NAN));
+        .map(|(_, e)| (e.test_loss, e.test_accuracy, e.metrics.clone()))
+        .unwrap_or((f64::NAN, f64::NAN, Default::default()));
     let steps_run = (end.total_steps - end.start_step) as f64;
     Summary {
         world_size: comm.size(),
@@ -121,6 +121,7 @@ pub(crate) fn build_summary(
         final_loss: end.last_loss,
         test_loss,
         test_accuracy,
+        test_metrics,
         param_hash: end.param_hash,
         config_hash: cfg.hash_hex(),
         wall_seconds,

@@ -397,6 +397,7 @@ pub(crate) mod tests {
             final_loss: 0.5,
             test_loss: 0.25,
             test_accuracy: 0.9,
+            test_metrics: Default::default(),
             param_hash: hash.into(),
             config_hash: "c".into(),
             wall_seconds: 1.5,

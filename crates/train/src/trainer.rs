@@ -5,18 +5,21 @@
 //! micro-batch gradients; every rank applies the same optimizer update to the same parameters, so
 //! replicas never drift (checked at the end by comparing parameter hashes across ranks).
 
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::time::Instant;
 
 use lockstep_comm::exact::ExactError;
 use lockstep_comm::{CommError, Communicator, ReduceOp};
 use lockstep_data::{assign, microbatches, Dataset, Sampler};
-use lockstep_model::{param_hash, LrSchedule, Model, ModelSpec, Optimizer, OptimizerSpec};
+use lockstep_model::{param_hash, LrSchedule, ModelSpec, Optimizer, OptimizerSpec, TimedLoss};
 
 use crate::checkpoint::{self, Checkpoint, CheckpointError, Identity};
 use crate::config::TrainConfig;
 use crate::faults::{self, Fault};
-use crate::grad_sync::{GradSync, LastMicrobatch, SyncError};
+use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
+use crate::job::{panic_message, JobSpec, Replica, ReplicaError, Trainable};
 use crate::metrics::{Eval, PhaseSeconds, StepRecord, Summary};
 use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 
@@ -47,7 +50,7 @@ pub enum TrainError {
         ours: String,
     },
     #[error(
-        "dataset `{dataset}` has {have} training samples, fewer than one global batch ({need})"
+        "dataset `{dataset}` has {have} training samples, fewer than one global batch (train.global_batch = {need})"
     )]
     TooSmall {
         dataset: String,
@@ -70,6 +73,29 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     #[error("rank 0 could not load the checkpoint to resume from (see its error)")]
     ResumeFailed,
+    #[error("job `{job}`: opening the {split} data: {message}")]
+    JobData {
+        job: String,
+        split: &'static str,
+        message: String,
+    },
+    #[error("job `{job}`: {message}")]
+    JobSetup { job: String, message: String },
+    #[error("job `{job}`, step {step}, micro-batch {microbatch} (samples {first}..{end} of the global batch): {cause}", step = step + 1, first = samples.start, end = samples.end)]
+    Job {
+        job: String,
+        /// Counting from 0 (shown from 1, as in the progress lines).
+        step: u64,
+        microbatch: usize,
+        samples: std::ops::Range<usize>,
+        cause: ReplicaError,
+    },
+    #[error("job `{job}`, evaluation after step {step}: {cause}")]
+    JobEval {
+        job: String,
+        step: u64,
+        cause: ReplicaError,
+    },
 }
 
 impl TrainError {
@@ -84,6 +110,10 @@ impl TrainError {
             | TrainError::TooSmall { .. }
             | TrainError::ValidationTooShort { .. }
             | TrainError::ResumeFailed
+            | TrainError::JobData { .. }
+            | TrainError::JobSetup { .. }
+            | TrainError::Job { .. }
+            | TrainError::JobEval { .. }
             | TrainError::Checkpoint(CheckpointError::Mismatch { .. })
             | TrainError::Checkpoint(CheckpointError::NoSpace { .. }) => true,
             TrainError::Io { cause, .. } => crate::files::is_no_space(cause),
@@ -198,9 +228,46 @@ pub(crate) fn checkpoint_due(cfg: &TrainConfig, step: u64, total_steps: u64) -> 
     every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps)
 }
 
-/// Train according to `cfg` as one rank of `ctx.comm`. Returns the summary (complete on rank 0;
-/// other ranks return it too, with the same global figures).
-pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, TrainError> {
+/// Train `job` according to `cfg` as one rank of `ctx.comm`. Returns the summary (complete on
+/// rank 0; other ranks return it too, with the same global figures).
+pub fn train(
+    job: &dyn JobSpec,
+    cfg: &TrainConfig,
+    ctx: WorkerContext<'_>,
+) -> Result<Summary, TrainError> {
+    let name = job.name();
+    let built = catch_unwind(AssertUnwindSafe(|| job.build(cfg))).map_err(|p| {
+        TrainError::JobSetup {
+            job: name.clone(),
+            message: format!("opening the job panicked: {}", panic_message(&*p)),
+        }
+    })??;
+    match built {
+        // Layered model: the pipeline loop (one stage when parallel.pp = 1).
+        Trainable::BuiltinTransformer => crate::pipeline::train::train(cfg, ctx),
+        Trainable::Replica(replica) => train_replica(&name, replica, cfg, ctx),
+    }
+}
+
+/// What stays fixed over a data-parallel run.
+struct Plan<'a> {
+    job: &'a str,
+    sampler: Sampler,
+    n_micro: usize,
+    /// This rank's micro-batches (indices into each step's list).
+    mine: Range<usize>,
+    scale: f32,
+    /// Flat ranges of the parameter tensors (for streaming).
+    tensors: Vec<Range<usize>>,
+}
+
+/// The data-parallel loop over one rank's replica of a job (see the module doc).
+fn train_replica(
+    job: &str,
+    mut replica: Box<dyn Replica + '_>,
+    cfg: &TrainConfig,
+    ctx: WorkerContext<'_>,
+) -> Result<Summary, TrainError> {
     let WorkerContext {
         comm,
         host,
@@ -209,46 +276,48 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         resume,
         faults,
     } = ctx;
-    if cfg.model.kind == "transformer" {
-        // Layered model: the pipeline loop (one stage when parallel.pp = 1).
-        return crate::pipeline::train::train(
-            cfg,
-            WorkerContext {
-                comm,
-                host,
-                out_dir,
-                on_event,
-                resume,
-                faults,
-            },
-        );
-    }
     let started = Instant::now();
     let (rank, world) = (comm.rank(), comm.size());
     let t = &cfg.train;
-
-    let (train_set, test_set) = crate::datasets::load(&cfg.data, t.seed)?;
-    if train_set.len() < t.global_batch {
+    let setup = |message: String| TrainError::JobSetup {
+        job: job.to_string(),
+        message,
+    };
+    if replica.train_len() < t.global_batch {
         return Err(TrainError::TooSmall {
-            dataset: train_set.name.clone(),
-            have: train_set.len(),
+            dataset: job.to_string(),
+            have: replica.train_len(),
             need: t.global_batch,
         });
     }
-    let sampler = Sampler::new(train_set.len(), t.global_batch, t.seed)?;
+    if replica.eval_len() == 0 {
+        return Err(setup("the evaluation dataset is empty".into()));
+    }
+    if cfg.dist.overlap && !replica.streams_gradients() {
+        return Err(crate::config::ConfigError::Invalid {
+            field: "dist.overlap",
+            message: format!(
+                "job `{job}` does not stream gradients during backward \
+                 (Replica::loss_and_grad_streaming); set dist.overlap = false"
+            ),
+        }
+        .into());
+    }
+    let sampler = Sampler::new(replica.train_len(), t.global_batch, t.seed)?;
     let total_steps = total_steps(cfg, &sampler)?;
     let n_micro = cfg.microbatches_per_step();
 
-    let mut model = Model::new(&model_spec(cfg, &train_set), t.seed)?;
-    check_same_structure(comm, model.structure_hash())?;
-    let mut params = model.params_flat();
+    check_same_structure(comm, replica.structure_hash())?;
+    let mut params = replica.params_flat();
     comm.broadcast(&mut params, 0)?;
-    model.set_params_flat(&params)?;
+    replica
+        .set_params_flat(&params)
+        .map_err(|e| setup(e.to_string()))?;
 
     let mut optimizer = Optimizer::new(&optimizer_spec(cfg), params.len());
     let identity = Identity {
         config: cfg.identity_hash(),
-        model: hex::encode(model.structure_hash()),
+        model: hex::encode(replica.structure_hash()),
     };
     let ckpt_dir = checkpoint_dir(cfg, out_dir);
     let start_step = if resume {
@@ -264,7 +333,9 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         0
     };
     if start_step > 0 {
-        model.set_params_flat(&params)?;
+        replica
+            .set_params_flat(&params)
+            .map_err(|e| setup(e.to_string()))?;
         if rank == 0 {
             on_event(Event::Resumed(start_step));
         }
@@ -276,13 +347,21 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         total_steps,
         min_lr: t.min_lr,
     };
+    let plan = Plan {
+        job,
+        sampler,
+        n_micro,
+        mine: assign(n_micro, world, rank),
+        scale: 1.0 / t.global_batch as f32,
+        tensors: replica
+            .layout()
+            .iter()
+            .map(|p| p.offset..p.offset + p.len)
+            .collect(),
+    };
     let mut sync = GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems);
-
-    let my_micro = assign(n_micro, world, rank);
-    let mut grads: Vec<Vec<f32>> = vec![vec![0f32; params.len()]; my_micro.len()];
+    let mut grads: Vec<Vec<f32>> = vec![vec![0f32; params.len()]; plan.mine.len()];
     let mut total_grad = vec![0f32; params.len()];
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    let scale = 1.0 / t.global_batch as f32;
     let mut records = Vec::with_capacity(RECORDS_RESERVED);
     // Every rank's records, gathered at each checkpoint (and at the end) and appended to
     // metrics.jsonl by rank 0, so a crash loses only steps that will be recomputed anyway.
@@ -294,81 +373,29 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         faults::at_step(faults, rank, step);
         let step_start = Instant::now();
         let bytes_before = comm.stats().bytes_sent;
-        let mut sec = PhaseSeconds::default();
-        let batch = sampler.global_batch(step);
-        let pieces = microbatches(&batch, t.microbatch);
-        let mut losses = Vec::with_capacity(my_micro.len());
-        // With overlap, the last local micro-batch is computed inside the synchronisation (its
-        // backward streams gradients to the communication thread); the others are computed here.
-        let streamed = usize::from(cfg.dist.overlap && !my_micro.is_empty());
-        for (slot, k) in my_micro.clone().enumerate().take(my_micro.len() - streamed) {
-            let t0 = Instant::now();
-            train_set.gather(pieces[k], &mut x, &mut y);
-            let t1 = Instant::now();
-            let timed =
-                model.loss_and_grad_timed(&x, &y, pieces[k].len(), scale, &mut grads[slot])?;
-            sec.data += (t1 - t0).as_secs_f64();
-            sec.forward += timed.forward_seconds;
-            sec.backward += timed.backward_seconds;
-            losses.push(timed.loss);
-        }
-        let sync_error = |source: SyncError| match source {
-            SyncError::Exact(ExactError::Comm(c)) => TrainError::Comm(c),
-            SyncError::Exact(other) => TrainError::Sync { step, cause: other },
-            SyncError::Model(m) => TrainError::Model(m),
-        };
-        let (loss, timing) = if cfg.dist.overlap {
-            let (earlier, rest) = grads.split_at_mut(my_micro.len() - streamed);
-            let last = match rest.first_mut() {
-                Some(grad) => {
-                    let k = my_micro.end - 1;
-                    let t0 = Instant::now();
-                    train_set.gather(pieces[k], &mut x, &mut y);
-                    sec.data += t0.elapsed().as_secs_f64();
-                    Some(LastMicrobatch {
-                        x: &x,
-                        y: &y,
-                        n: pieces[k].len(),
-                        scale,
-                        grad,
-                    })
-                }
-                None => None,
-            };
-            let earlier: Vec<&[f32]> = earlier.iter().map(|g| g.as_slice()).collect();
-            let o = sync
-                .sync_overlapped(
-                    comm,
-                    &model,
-                    &earlier,
-                    &losses,
-                    last,
-                    n_micro,
-                    &mut total_grad,
-                )
-                .map_err(sync_error)?;
-            sec.forward += o.forward;
-            sec.backward += o.backward;
-            (o.loss, o.timing)
-        } else {
-            let grad_refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
-            sync.sync(comm, &grad_refs, &losses, n_micro, &mut total_grad)
-                .map_err(|e| sync_error(SyncError::Exact(e)))?
-        };
+        let (loss, mut sec) = gradients(
+            cfg,
+            &plan,
+            step,
+            &mut *replica,
+            comm,
+            &mut sync,
+            &mut grads,
+            &mut total_grad,
+        )?;
         if slowdown > 1.0 {
             // An injected straggler: its computation takes `slowdown` times as long.
             let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
             std::thread::sleep(std::time::Duration::from_secs_f64(extra));
             sec.backward += extra;
         }
-        sec.waiting = timing.waiting;
-        sec.communication = timing.communication;
-        sec.overlapped_communication = timing.overlapped_communication;
 
         let t0 = Instant::now();
         let lr = schedule.lr(step);
         optimizer.step(&mut params, &total_grad, lr);
-        model.set_params_flat(&params)?;
+        replica
+            .set_params_flat(&params)
+            .map_err(|e| setup(e.to_string()))?;
         sec.optimizer = t0.elapsed().as_secs_f64();
         let checkpoint_now = checkpoint_due(cfg, step, total_steps);
         if rank == 0 && checkpoint_now {
@@ -385,8 +412,8 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
 
         let eval =
             if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) || step + 1 == total_steps {
-                let e = evaluate(comm, &model, &test_set)?;
-                evals.push((step + 1, e));
+                let e = evaluate(comm, job, &mut *replica, step)?;
+                evals.push((step + 1, e.clone()));
                 Some(e)
             } else {
                 None
@@ -398,7 +425,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             step,
             loss,
             lr,
-            samples: my_micro.len() * t.microbatch,
+            samples: plan.mine.len() * t.microbatch,
             samples_per_sec: t.global_batch as f64 / step_seconds,
             step_seconds,
             seconds: sec,
@@ -438,23 +465,202 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     Ok(summary)
 }
 
-/// Shard the test set over ranks; sum loss and correct counts (exact for counts).
-fn evaluate(comm: &mut Communicator, model: &Model, test: &Dataset) -> Result<Eval, TrainError> {
-    let shard = assign(test.len(), comm.size(), comm.rank());
+/// One step's gradient: this rank's micro-batches computed, every rank's summed into
+/// `total_grad` (exactly, in reproducible mode). Returns the global loss and the phase timings.
+#[allow(clippy::too_many_arguments)]
+fn gradients(
+    cfg: &TrainConfig,
+    plan: &Plan<'_>,
+    step: u64,
+    replica: &mut dyn Replica,
+    comm: &mut Communicator,
+    sync: &mut GradSync,
+    grads: &mut [Vec<f32>],
+    total_grad: &mut [f32],
+) -> Result<(f64, PhaseSeconds), TrainError> {
+    let t = &cfg.train;
+    let mut sec = PhaseSeconds::default();
+    let batch = plan.sampler.global_batch(step);
+    let pieces = microbatches(&batch, t.microbatch);
+    let job_error = |k: usize, cause: ReplicaError| TrainError::Job {
+        job: plan.job.to_string(),
+        step,
+        microbatch: k,
+        samples: k * t.microbatch..(k + 1) * t.microbatch,
+        cause,
+    };
+    let mine = plan.mine.clone();
+    // With overlap, the last local micro-batch is computed inside the synchronisation (its
+    // backward streams gradients to the communication thread); the others are computed here.
+    let streamed = usize::from(cfg.dist.overlap && !mine.is_empty());
+    let mut losses = Vec::with_capacity(mine.len());
+    for (slot, k) in mine.clone().enumerate().take(mine.len() - streamed) {
+        let c = replica
+            .loss_and_grad(pieces[k], plan.scale, &mut grads[slot])
+            .map_err(|e| job_error(k, e))?;
+        sec.data += c.data_seconds;
+        sec.forward += c.forward_seconds;
+        sec.backward += c.backward_seconds;
+        losses.push(c.loss);
+    }
+    let sync_error = |source: SyncError| match source {
+        SyncError::Exact(ExactError::Comm(c)) => TrainError::Comm(c),
+        SyncError::Exact(other) => TrainError::Sync { step, cause: other },
+        SyncError::Model(m) => job_error(mine.end - 1, m.into()),
+        SyncError::Replica(r) => job_error(mine.end - 1, r),
+    };
+    let (loss, timing) = if cfg.dist.overlap {
+        let (earlier, rest) = grads.split_at_mut(mine.len() - streamed);
+        let mut compute = ReplicaCompute {
+            replica,
+            samples: pieces.get(mine.end.wrapping_sub(1)).copied().unwrap_or(&[]),
+            scale: plan.scale,
+            data_seconds: 0.0,
+        };
+        let last = rest
+            .first_mut()
+            .map(|grad| (&mut compute as &mut dyn StreamedCompute, grad.as_mut_slice()));
+        let earlier: Vec<&[f32]> = earlier.iter().map(|g| g.as_slice()).collect();
+        let o = sync
+            .sync_streamed(
+                comm,
+                &plan.tensors,
+                &earlier,
+                &losses,
+                last,
+                plan.n_micro,
+                total_grad,
+            )
+            .map_err(sync_error)?;
+        sec.data += compute.data_seconds;
+        sec.forward += o.forward;
+        sec.backward += o.backward;
+        (o.loss, o.timing)
+    } else {
+        let grad_refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
+        sync.sync(comm, &grad_refs, &losses, plan.n_micro, total_grad)
+            .map_err(|e| sync_error(SyncError::Exact(e)))?
+    };
+    sec.waiting = timing.waiting;
+    sec.communication = timing.communication;
+    sec.overlapped_communication = timing.overlapped_communication;
+    Ok((loss, sec))
+}
+
+/// The streamed micro-batch of an overlapped step, on a job's replica.
+struct ReplicaCompute<'a> {
+    replica: &'a mut dyn Replica,
+    samples: &'a [u32],
+    scale: f32,
+    data_seconds: f64,
+}
+
+impl StreamedCompute for ReplicaCompute<'_> {
+    fn streaming(&mut self, on_grad: &(dyn Fn(usize, &[f32]) + Sync)) -> Result<f32, SyncError> {
+        let c = self
+            .replica
+            .loss_and_grad_streaming(self.samples, self.scale, on_grad)
+            .unwrap_or_else(|| {
+                Err(ReplicaError::Other(
+                    "the job does not stream gradients".into(),
+                ))
+            })?;
+        self.data_seconds += c.data_seconds;
+        Ok(c.loss)
+    }
+
+    fn plain(&mut self, grad: &mut [f32]) -> Result<TimedLoss, SyncError> {
+        let c = self.replica.loss_and_grad(self.samples, self.scale, grad)?;
+        self.data_seconds += c.data_seconds;
+        Ok(TimedLoss {
+            loss: c.loss,
+            forward_seconds: c.forward_seconds,
+            backward_seconds: c.backward_seconds,
+        })
+    }
+}
+
+/// Shard the evaluation set over ranks (contiguous shares, chunks of 512); sum the loss and the
+/// job's metrics over all ranks. `accuracy`, when the job reports it, is the test accuracy.
+fn evaluate(
+    comm: &mut Communicator,
+    job: &str,
+    replica: &mut dyn Replica,
+    step: u64,
+) -> Result<Eval, TrainError> {
+    let total = replica.eval_len();
+    let shard = assign(total, comm.size(), comm.rank());
     let idx: Vec<u32> = (shard.start as u32..shard.end as u32).collect();
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    let mut sums = [0f64; 2];
+    let mut loss = 0f64;
+    let mut named: Vec<(String, f64)> = Vec::new();
+    let eval_error = |cause| TrainError::JobEval {
+        job: job.to_string(),
+        step: step + 1,
+        cause,
+    };
     for chunk in idx.chunks(512) {
-        test.gather(chunk, &mut x, &mut y);
-        let (loss, correct) = model.evaluate(&x, &y, chunk.len())?;
-        sums[0] += loss;
-        sums[1] += correct as f64;
+        let sums = replica.evaluate(chunk).map_err(eval_error)?;
+        loss += sums.loss;
+        if named.is_empty() {
+            named = sums.metrics;
+        } else {
+            for ((name, v), (other, add)) in named.iter_mut().zip(sums.metrics) {
+                if *name != other {
+                    return Err(eval_error(ReplicaError::Other(format!(
+                        "metrics must be the same names in the same order on every batch \
+                         (`{name}` then `{other}`)"
+                    ))));
+                }
+                *v += add;
+            }
+        }
+    }
+    // Every rank must report the same metric names (a rank with an empty shard reports none):
+    // the names travel with the sums.
+    let names = gather_strings(
+        comm,
+        &named
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )?;
+    let reference = names
+        .iter()
+        .find(|n| !n.is_empty())
+        .cloned()
+        .unwrap_or_default();
+    let metric_names: Vec<&str> = if reference.is_empty() {
+        Vec::new()
+    } else {
+        reference.split('\n').collect()
+    };
+    let mut sums = vec![0f64; 1 + metric_names.len()];
+    sums[0] = loss;
+    if !named.is_empty() {
+        if named.len() != metric_names.len()
+            || named.iter().zip(&metric_names).any(|((a, _), b)| a != b)
+        {
+            return Err(eval_error(ReplicaError::Other(
+                "ranks report different metric names".into(),
+            )));
+        }
+        for (i, (_, v)) in named.iter().enumerate() {
+            sums[1 + i] = *v;
+        }
     }
     comm.all_reduce(&mut sums, ReduceOp::Sum)?;
-    let n = test.len().max(1) as f64;
+    let n = total.max(1) as f64;
+    let mut metrics: std::collections::BTreeMap<String, f64> = metric_names
+        .iter()
+        .zip(&sums[1..])
+        .map(|(name, v)| (name.to_string(), v / n))
+        .collect();
+    let test_accuracy = metrics.remove("accuracy").unwrap_or(f64::NAN);
     Ok(Eval {
         test_loss: sums[0] / n,
-        test_accuracy: sums[1] / n,
+        test_accuracy,
+        metrics,
     })
 }
 

@@ -412,7 +412,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
                     me.replica,
                     t.microbatch,
                 )?;
-                evals.push((step + 1, e));
+                evals.push((step + 1, e.clone()));
                 Some(e)
             } else {
                 None
@@ -612,6 +612,7 @@ fn evaluate(
     Ok(Eval {
         test_loss: sums[0] as f64 / EVAL_FIXED_POINT / chars,
         test_accuracy: sums[1] as f64 / chars,
+        metrics: Default::default(),
     })
 }
 

@@ -267,6 +267,7 @@ mod tests {
             final_loss: 1.0,
             test_loss: 1.0,
             test_accuracy: 0.5,
+            test_metrics: Default::default(),
             config_hash: "00".into(),
             wall_seconds: 1.0,
             ..crate::scaling::tests::summary(world, "00")
@@ -333,6 +334,7 @@ mod tests {
         last.eval = Some(crate::metrics::Eval {
             test_loss: 1.0,
             test_accuracy: 0.5,
+            ..Default::default()
         });
         let records = vec![last];
         let e = calibrate(

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::PlanError;
 use crate::config::TrainConfig;
+use crate::job::{JobSpec, Trainable};
 
 /// One layer a pipeline may cut after.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -61,11 +62,13 @@ impl Workload {
     }
 }
 
-/// The layers of `cfg`'s model as the trainer builds it. Not pure: it reads the dataset for the
-/// input shape and classes (MLP, CNN) or the vocabulary (transformer).
-pub fn model_layers(cfg: &TrainConfig) -> Result<Vec<Layer>, PlanError> {
+/// The layers of `job`'s model for `cfg`, as the trainer builds it. Not pure: it opens the
+/// job's data (for the input shape and classes, or the vocabulary). Only the built-in transformer
+/// has several layers; any other job is one layer of its replica's parameter count.
+pub fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<Vec<Layer>, PlanError> {
     let model_err = |e: &dyn fmt::Display| PlanError::Model(e.to_string());
-    if cfg.model.kind == "transformer" {
+    let built = job.build(cfg).map_err(|e| model_err(&e))?;
+    if let Trainable::BuiltinTransformer = built {
         let corpus = lockstep_data::load_shakespeare_embedded().map_err(|e| model_err(&e))?;
         let m = &cfg.model;
         let spec = lockstep_model::TransformerSpec {
@@ -96,12 +99,13 @@ pub fn model_layers(cfg: &TrainConfig) -> Result<Vec<Layer>, PlanError> {
             })
             .collect());
     }
-    let (train, _) = crate::datasets::load(&cfg.data, cfg.train.seed).map_err(|e| model_err(&e))?;
-    let spec = crate::trainer::model_spec(cfg, &train);
-    let model = lockstep_model::Model::new(&spec, cfg.train.seed).map_err(|e| model_err(&e))?;
+    let Trainable::Replica(replica) = built else {
+        unreachable!("the transformer returned above")
+    };
+    let params = replica.layout().iter().map(|p| p.len).sum();
     Ok(vec![Layer {
-        name: cfg.model.kind.clone(),
-        params: model.num_params(),
+        name: job.label(cfg),
+        params,
         activation_bytes_per_sample: 0,
     }])
 }

@@ -1,0 +1,984 @@
+//! The lockstep command line as a library: `lockstep` (the built-in jobs) and every binary built
+//! with `lockstep::main(MyJob)` run [`run`], so a user's binary accepts exactly what `lockstep`
+//! accepts (`train`, `scale`, `plan`, launchers' variables, …) and re-executes itself as the
+//! workers. The only place that reads argv and the environment.
+
+mod bench;
+mod cluster_env;
+mod inject;
+mod launch;
+mod orphan;
+mod plan;
+mod request;
+mod run_dir;
+mod scale;
+mod supervise;
+mod worker;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use lockstep_comm::store::StoreServer;
+use lockstep_comm::tcp::TcpOptions;
+use lockstep_comm::{Algorithm, JobSecret};
+use lockstep_train::faults::Fault;
+use lockstep_train::{Event, JobSpec, TrainConfig, WorkerContext};
+
+use crate::cluster_env::WorkerEnv;
+use crate::launch::{LaunchSpec, PROGRESS_PREFIX, RESULT_PREFIX, RESUMED_PREFIX, STEP_PREFIX};
+
+#[derive(Parser)]
+#[command(
+    name = "lockstep",
+    version,
+    about = "Distributed training across worker processes and hosts, bitwise reproducible."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model on N workers (default: the digits MLP on 2 workers).
+    Train(TrainArgs),
+    /// Time collectives across worker processes (nccl-tests style), with memcpy as the reference.
+    BenchCollectives(BenchArgs),
+    /// Run the same training at several worker counts and compare speed, balance and result.
+    Scale(ScaleArgs),
+    /// Print a fresh job secret (64 hex digits) for multi-node jobs or external launchers.
+    Secret,
+    /// Predict step time, speedup and efficiency of layouts on a described cluster, calibrated
+    /// from a finished run (see docs/plan.md).
+    Plan(PlanArgs),
+    /// Internal: the worker process started by the launcher.
+    #[command(hide = true)]
+    Worker {
+        #[command(subcommand)]
+        role: WorkerRole,
+    },
+}
+
+#[derive(Args, Clone)]
+struct TrainArgs {
+    /// TOML config (default: the built-in digits MLP, as in configs/digits-mlp.toml).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Worker processes on this node: N, or MIN:MAX for an elastic job that goes on with fewer
+    /// workers (never below MIN) when one cannot come back.
+    #[arg(long, default_value = "2")]
+    nproc: String,
+    /// Continue the run in this directory from its last good checkpoint (its config.toml is used).
+    #[arg(long, value_name = "DIR", conflicts_with = "config")]
+    resume: Option<PathBuf>,
+    /// Restart the worker group from the last good checkpoint at most this many times.
+    #[arg(long, default_value_t = 3)]
+    max_restarts: usize,
+    /// Deliberate faults, e.g. "kill:rank=1,step=30", "hang:rank=0,step=5", "slow:rank=1,factor=3",
+    /// "corrupt-checkpoint:step=20", "lose:rank=3,step=40" (separate several with `;`).
+    #[arg(long, value_name = "SPEC")]
+    inject: Option<String>,
+    /// Compute threads per worker (default: this host's cores / --nproc).
+    #[arg(long)]
+    threads_per_worker: Option<usize>,
+    /// Run directory (default: runs/run-<time>).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Override a config value, e.g. --set train.steps=20 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Replace the run already in --out (its config, metrics, summary, report and checkpoints).
+    /// Without it, a directory holding a run is refused.
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
+    #[command(flatten)]
+    nodes: NodeArgs,
+}
+
+#[derive(Args, Clone)]
+struct ScaleArgs {
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Worker counts to compare, the first being the baseline, e.g. 1,2,4.
+    #[arg(long, default_value = "1,2")]
+    nproc: String,
+    /// Layouts to run: `dp` (data parallel at each --nproc size; the default), `pp` (one
+    /// pipeline with as many stages as workers, at each size), `dpAxppB` such as dp2xpp2
+    /// (A replicas × B stages, run once), comma-separated.
+    #[arg(long, value_name = "LIST")]
+    layouts: Option<String>,
+    /// Compute threads per worker, the same for every size (default 1, so that a larger world
+    /// size is more compute, not the same cores split differently).
+    #[arg(long, default_value_t = 1)]
+    threads_per_worker: usize,
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Directory for the runs (dp-N/, pp-N/, dpAxppB/), scale.json and scale_report.{md,html}.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args, Clone)]
+struct NodeArgs {
+    /// Number of nodes (hosts) in the job; each runs `lockstep train` with its --node-rank.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// host:port of the rendezvous store, served by node 0 (needed when --nnodes > 1).
+    #[arg(long)]
+    rdzv: Option<String>,
+}
+
+#[derive(Args, Clone)]
+struct BenchArgs {
+    #[arg(long, default_value_t = 2)]
+    nproc: usize,
+    /// "shm", "tcp" or "mpi" (run under mpirun; needs the cargo feature `mpi`).
+    #[arg(long, default_value = "shm")]
+    transport: String,
+    /// all_reduce, broadcast, all_gather or reduce_scatter.
+    #[arg(long, default_value = "all_reduce")]
+    op: String,
+    /// Sizes in bytes: a power-of-two range "4K..256M" or a list "4K,64M".
+    #[arg(long, default_value = "4K..64M")]
+    sizes: String,
+    /// auto, ring or recursive-doubling.
+    #[arg(long, default_value = "auto")]
+    algorithm: String,
+    /// Largest piece a ring step moves at once (bytes; default: the communicator's).
+    #[arg(long)]
+    segment_bytes: Option<usize>,
+    /// Write {memcpy_gbps, rows} here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args, Clone)]
+struct PlanArgs {
+    /// Finished run to calibrate from (its config.toml, summary.json and metrics.jsonl).
+    #[arg(long, value_name = "RUN_DIR")]
+    from: PathBuf,
+    /// Cluster description: TOML with the keys of the flags below (e.g. `link_gbps = 10`); flags
+    /// override it.
+    #[arg(long, value_name = "FILE")]
+    cluster: Option<PathBuf>,
+    /// Nodes (hosts) [default: 1].
+    #[arg(long)]
+    nodes: Option<usize>,
+    /// Workers per node.
+    #[arg(long)]
+    workers_per_node: Option<usize>,
+    /// Line rate between nodes, Gbit/s (needed with more than one node).
+    #[arg(long)]
+    link_gbps: Option<f64>,
+    /// One-way latency between nodes, µs [default: 50].
+    #[arg(long)]
+    link_latency_us: Option<f64>,
+    /// Token bucket of a shaped link between nodes (tc tbf burst), KiB [default: 0 = not shaped].
+    #[arg(long)]
+    link_burst_kib: Option<f64>,
+    /// Payload share of the line rate [default: 0.94, TCP/IP/Ethernet headers and ACKs].
+    #[arg(long)]
+    link_efficiency: Option<f64>,
+    /// TCP between workers of one node in a multi-node job, GB/s [default: 4].
+    #[arg(long)]
+    intra_gbytes_per_s: Option<f64>,
+    /// ... and its latency, µs [default: 12].
+    #[arg(long)]
+    intra_latency_us: Option<f64>,
+    /// Shared memory in a one-node job, GB/s [default: 5].
+    #[arg(long)]
+    shm_gbytes_per_s: Option<f64>,
+    /// ... and its latency, µs [default: 3].
+    #[arg(long)]
+    shm_latency_us: Option<f64>,
+    /// Per-worker compute speed relative to the calibration run [default: 1].
+    #[arg(long)]
+    compute_scale: Option<f64>,
+    /// The calibration run's own links, GB/s [default: this machine's shm or loopback TCP].
+    #[arg(long)]
+    calib_gbytes_per_s: Option<f64>,
+    /// ... and their latency, µs.
+    #[arg(long)]
+    calib_latency_us: Option<f64>,
+    /// Layouts to compare, DPxPP or DP: e.g. "1,2,4" or "4x1,2x2" [default: 1 worker, powers of
+    /// two and whole nodes, every pipeline depth the model allows].
+    #[arg(long, value_name = "LIST")]
+    layouts: Option<String>,
+    /// Write the plan (cluster, calibration, predictions, recommendation) as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum WorkerRole {
+    Train {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Continue from the last good checkpoint in <out>/checkpoints, if any.
+        #[arg(long)]
+        resume: bool,
+        /// Injected faults, as JSON (the launcher passes only those due on this attempt).
+        #[arg(long)]
+        faults: Option<String>,
+    },
+    Bench {
+        #[arg(long)]
+        transport: String,
+        #[arg(long)]
+        op: String,
+        #[arg(long)]
+        sizes: String,
+        #[arg(long)]
+        algorithm: String,
+        #[arg(long)]
+        segment_bytes: Option<usize>,
+    },
+}
+
+/// The job this process runs (the binary is the job): set once by [`run`].
+static JOB: std::sync::OnceLock<Box<dyn JobSpec>> = std::sync::OnceLock::new();
+
+/// The job given to [`run`]; lockstep's built-in jobs before that (unit tests).
+fn job() -> &'static dyn JobSpec {
+    match JOB.get() {
+        Some(job) => job.as_ref(),
+        None => &lockstep_train::BuiltinJob,
+    }
+}
+
+/// `key=value` overrides and an optional file on top of the job's defaults, validated.
+fn load_config(path: Option<&std::path::Path>, sets: &[String]) -> Result<TrainConfig> {
+    Ok(TrainConfig::load_for(job(), path, sets)?)
+}
+
+/// Parse argv, run the command for `job`, exit (status 3 for bad input, see `launch`).
+pub fn run(job: Box<dyn JobSpec>) -> ! {
+    if JOB.set(job).is_err() {
+        panic!("lockstep_cli::run called twice");
+    }
+    let cli = Cli::parse();
+    // Keep big step buffers in the heap instead of re-faulting them every step (see lockstep-model).
+    lockstep_model::tune_allocator_for_training();
+    let result = match cli.command {
+        None => cmd_train(TrainArgs {
+            config: None,
+            nproc: "2".into(),
+            resume: None,
+            max_restarts: 3,
+            inject: None,
+            threads_per_worker: None,
+            out: None,
+            sets: Vec::new(),
+            overwrite: false,
+            nodes: NodeArgs {
+                nnodes: 1,
+                node_rank: 0,
+                rdzv: None,
+            },
+        }),
+        Some(Command::Train(a)) => cmd_train(a),
+        Some(Command::BenchCollectives(a)) => cmd_bench(a),
+        Some(Command::Scale(a)) => cmd_scale(a),
+        Some(Command::Secret) => JobSecret::generate()
+            .map(|s| println!("{}", s.to_hex()))
+            .map_err(Into::into),
+        Some(Command::Plan(a)) => plan::run(&a),
+        Some(Command::Worker { role }) => cmd_worker(role),
+    };
+    if let Err(e) = result {
+        // Not eprintln!: an orphaned worker's stderr may be a closed pipe, and a panic here
+        // would replace the real exit status with 101.
+        orphan::exit_if_orphaned("");
+        let _ = writeln!(std::io::stderr(), "lockstep: error: {e:#}");
+        std::process::exit(if is_bad_input(&e) {
+            launch::EXIT_PERMANENT
+        } else {
+            1
+        });
+    }
+    std::process::exit(0)
+}
+
+/// Refuse a layout that cannot work before any worker starts: `dp · pp` must be the world size
+/// (the world a cluster engine announces, when there is one), every replica needs a micro-batch,
+/// and a pipeline cannot shrink elastically (a lost worker takes a stage out of its replica).
+fn check_layout(
+    cfg: &TrainConfig,
+    env: &HashMap<String, String>,
+    launched_world: usize,
+    elastic: bool,
+) -> Result<()> {
+    match cluster_env::detect(env)? {
+        // Every rank refuses the same way, before any collective: name the world the engine
+        // announced next to the layout (the ConfigError stays in the chain: exit status 3).
+        Some(w) if w.engine != cluster_env::Engine::Launcher => {
+            lockstep_train::ParallelDims::from_config(cfg, w.world_size).with_context(|| {
+                let dp = match cfg.parallel.dp {
+                    0 => "world / pp".to_string(),
+                    dp => dp.to_string(),
+                };
+                format!(
+                    "rank {}: {} started {} ranks, which does not fit the config's layout \
+                     (parallel.pp = {}, parallel.dp = {dp})",
+                    w.rank,
+                    w.engine.name(),
+                    w.world_size,
+                    cfg.parallel.pp,
+                )
+            })?;
+        }
+        _ => {
+            if cfg.dist.transport == "mpi" {
+                // MPI's ranks come from mpirun; processes spawned by lockstep's own launcher would
+                // each be a world of one. Refused up front (exit 3, no restarts).
+                return Err(lockstep_train::ConfigError::Invalid {
+                    field: "dist.transport",
+                    message: "\"mpi\" needs the ranks started by mpirun (mpirun -np N lockstep \
+                              train …), not by lockstep's launcher"
+                        .into(),
+                }
+                .into());
+            }
+            lockstep_train::ParallelDims::from_config(cfg, launched_world)?;
+        }
+    }
+    if elastic && cfg.parallel.pp > 1 {
+        return Err(lockstep_train::ConfigError::Invalid {
+            field: "parallel.pp",
+            message: format!(
+                "an elastic world (--nproc MIN:MAX) needs parallel.pp = 1: with {} stages a lost \
+                 worker leaves its replica without a stage",
+                cfg.parallel.pp
+            ),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Errors that a restart cannot cure: the input itself is wrong, or the disk is full.
+fn is_bad_input(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.is::<lockstep_train::ConfigError>()
+            || c.is::<run_dir::RunDirError>()
+            || c.is::<request::BadRequest>()
+            || c.is::<supervise::PermanentFailure>()
+            || c.downcast_ref::<lockstep_train::TrainError>()
+                .is_some_and(|t| t.is_permanent())
+            || c.downcast_ref::<lockstep_train::checkpoint::CheckpointError>()
+                .is_some_and(|e| {
+                    matches!(
+                        e,
+                        lockstep_train::checkpoint::CheckpointError::NoSpace { .. }
+                    )
+                })
+    })
+}
+
+fn environment() -> HashMap<String, String> {
+    std::env::vars().collect()
+}
+
+fn parse_algorithm(s: &str) -> Result<Algorithm> {
+    Ok(match s {
+        "auto" => Algorithm::Auto,
+        "ring" => Algorithm::Ring,
+        "recursive-doubling" => Algorithm::RecursiveDoubling,
+        other => bail!("algorithm `{other}` is not one of auto, ring, recursive-doubling"),
+    })
+}
+
+/// Test-only knobs for the TCP transport (latency emulation: this kernel has no netem).
+fn tcp_options(env: &HashMap<String, String>) -> Result<TcpOptions> {
+    let mut o = TcpOptions::default();
+    if let Some(us) = env.get("LOCKSTEP_TEST_LATENCY_US") {
+        let us: u64 = us.parse().with_context(|| {
+            format!("LOCKSTEP_TEST_LATENCY_US={us} is not a number of microseconds")
+        })?;
+        o.emulated_latency = Some(Duration::from_micros(us));
+    }
+    Ok(o)
+}
+
+fn cmd_train(a: TrainArgs) -> Result<()> {
+    let env = environment();
+    let (config_path, out) = match &a.resume {
+        Some(dir) => (Some(dir.join("config.toml")), dir.clone()),
+        None => (
+            a.config.clone(),
+            a.out.clone().unwrap_or_else(launch::default_out_dir),
+        ),
+    };
+    // Everything is validated before anything is written or spawned.
+    let cfg = load_config(config_path.as_deref(), &a.sets)?;
+    let (min_world, max_world) = parse_nproc(&a.nproc)?;
+    let engine = cluster_env::detect(&env)?.filter(|w| w.engine != cluster_env::Engine::Launcher);
+    let world = engine
+        .as_ref()
+        .map_or(max_world * a.nodes.nnodes, |w| w.world_size);
+    if engine.is_none() {
+        request::check_world(&cfg, max_world, a.nodes.nnodes)?;
+    }
+    check_layout(
+        &cfg,
+        &env,
+        max_world * a.nodes.nnodes,
+        min_world != max_world,
+    )?;
+    let faults = match &a.inject {
+        Some(spec) => inject::parse(spec)
+            .and_then(|f| {
+                inject::validate(&f, world, cfg.train.steps, cfg.checkpoint.every)?;
+                Ok(f)
+            })
+            .map_err(|e| request::BadRequest(format!("{e:#}")))?,
+        None => Vec::new(),
+    };
+    if a.resume.is_some() {
+        if let run_dir::Resume::Finished { steps, param_hash } = run_dir::check_resume(&out, &cfg)?
+        {
+            eprintln!(
+                "lockstep: {} is a finished run ({steps} steps, param_hash {param_hash}); nothing \
+                 to do and nothing changed. To train it longer: --resume {} --set train.steps=N \
+                 with N > {steps}",
+                out.display(),
+                out.display()
+            );
+            return Ok(());
+        }
+    } else if engine.as_ref().is_none_or(|w| w.rank == 0) {
+        // Under an engine only rank 0 writes the run directory (and may already have when a
+        // slower rank gets here): the others leave the check to it.
+        run_dir::prepare_fresh(&out, &cfg, a.overwrite)?;
+    }
+    if cfg.checkpoint.every > 0 && (engine.as_ref().is_none_or(|w| w.rank == 0)) {
+        run_dir::check_writable(&lockstep_train::trainer::checkpoint_dir(&cfg, &out))?;
+    }
+
+    // Started by Slurm / mpirun / torchrun: this process is one worker.
+    if let Some(w) = engine {
+        // One write, so that lines of ranks sharing a terminal (mpirun) never interleave.
+        let line = format!(
+            "lockstep: rank {} of {} (local rank {}, started by {})\n",
+            w.rank,
+            w.world_size,
+            w.local_rank,
+            w.engine.name()
+        );
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        if w.rank == 0 && a.resume.is_none() {
+            // Written up front (not only with the summary) so that a failed job can be
+            // resubmitted with `--resume <out>`.
+            std::fs::create_dir_all(&out)
+                .with_context(|| format!("creating run directory {}", out.display()))?;
+            lockstep_train::trainer::write_atomic(
+                &out.join("config.toml"),
+                cfg.to_toml().as_bytes(),
+            )?;
+        }
+        return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
+    }
+
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("creating run directory {}", out.display()))?;
+    let resolved = out.join("config.toml");
+    lockstep_train::trainer::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
+    if a.nodes.nnodes > 1 && (a.max_restarts > 0 || min_world != max_world) {
+        eprintln!("lockstep: note: with several nodes a failure ends the job on this node (restarts and elasticity are per-launcher); resume it with --resume");
+    }
+    eprintln!(
+        "lockstep: training {} on {} worker(s) ({} node(s)), run directory {}",
+        job().label(&cfg),
+        max_world * a.nodes.nnodes,
+        a.nodes.nnodes,
+        out.display()
+    );
+    let policy = supervise::Policy {
+        max_restarts: if a.nodes.nnodes > 1 {
+            0
+        } else {
+            a.max_restarts
+        },
+        min_world,
+        max_world,
+        faults: faults.clone(),
+    };
+    let mut servers = Vec::new();
+    let sup = supervise::run(&policy, |attempt, world| {
+        let mut args: Vec<String> = vec![
+            "train".into(),
+            "--config".into(),
+            resolved.display().to_string(),
+            "--out".into(),
+            out.display().to_string(),
+        ];
+        if attempt > 0 || a.resume.is_some() {
+            args.push("--resume".into());
+        }
+        let active: Vec<Fault> = faults
+            .iter()
+            .filter(|f| attempt == 0 || !lockstep_train::faults::first_attempt_only(f))
+            .copied()
+            .collect();
+        if !active.is_empty() {
+            args.extend([
+                "--faults".into(),
+                serde_json::to_string(&active).expect("faults serialise"),
+            ]);
+        }
+        let (mut spec, server) = launch_spec(&a.nodes, world, &env, args)?;
+        servers.push(server); // keep each attempt's store alive until it is done
+        if let Some(t) = a.threads_per_worker {
+            spec.threads_per_worker = t.max(1);
+        }
+        Ok(spec)
+    })?;
+    if a.nodes.node_rank == 0 {
+        supervise::annotate_summary(&out, &sup)?;
+        supervise::write_report(&out, &sup)?;
+        if sup.restarts > 0 {
+            eprintln!(
+                "lockstep: survived {} failure(s) with {} restart(s), {} step(s) recomputed",
+                sup.failures.len(),
+                sup.restarts,
+                sup.steps_recomputed
+            );
+        }
+        eprintln!(
+            "lockstep: done; summary in {}",
+            out.join("summary.json").display()
+        );
+    }
+    Ok(())
+}
+
+/// "N" or "MIN:MAX".
+fn parse_nproc(s: &str) -> Result<(usize, usize), request::BadRequest> {
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<usize>()
+            .map_err(|_| request::BadRequest(format!("--nproc {s}: `{v}` is not a worker count")))
+    };
+    let (lo, hi) = match s.split_once(':') {
+        Some((a, b)) => (parse(a)?, parse(b)?),
+        None => {
+            let n = parse(s)?;
+            (n, n)
+        }
+    };
+    if lo == 0 || lo > hi {
+        return Err(request::BadRequest(format!(
+            "--nproc {s}: need 1 ≤ MIN ≤ MAX"
+        )));
+    }
+    Ok((lo, hi))
+}
+
+/// Prepare the workers' launch; node 0 also starts the rendezvous store (kept alive by the returned
+/// server): on an ephemeral loopback port for one node, on the --rdzv address for several.
+fn launch_spec(
+    nodes: &NodeArgs,
+    nproc: usize,
+    env: &HashMap<String, String>,
+    worker_args: Vec<String>,
+) -> Result<(LaunchSpec, Option<StoreServer>)> {
+    if nproc == 0 {
+        bail!("--nproc must be at least 1");
+    }
+    if nodes.nnodes == 0 || nodes.node_rank >= nodes.nnodes {
+        bail!(
+            "--node-rank {} must be below --nnodes {}",
+            nodes.node_rank,
+            nodes.nnodes
+        );
+    }
+    let (store, secret, job_id) = if nodes.nnodes > 1 {
+        let rdzv = nodes
+            .rdzv
+            .clone()
+            .context("--nnodes > 1 needs --rdzv HOST:PORT (node 0 serves the store there)")?;
+        let hex = env.get("LOCKSTEP_SECRET").context(
+            "--nnodes > 1 needs the same LOCKSTEP_SECRET on every node: run `lockstep secret` once and export it everywhere",
+        )?;
+        let secret = JobSecret::from_hex(hex).context("LOCKSTEP_SECRET")?;
+        let job = env
+            .get("LOCKSTEP_JOB_ID")
+            .cloned()
+            .unwrap_or_else(|| cluster_env::job_id_from_secret(&secret));
+        (rdzv, secret, job)
+    } else {
+        let secret = JobSecret::generate()?;
+        let job = format!(
+            "{}{:x}",
+            &cluster_env::job_id_from_secret(&secret)[..8],
+            std::process::id() & 0xffff
+        );
+        (String::new(), secret, job)
+    };
+    let mut store = store;
+    let server = if nodes.node_rank == 0 {
+        let bind: SocketAddr = if nodes.nnodes > 1 {
+            store
+                .to_socket_addrs()
+                .with_context(|| format!("resolving --rdzv {store}"))?
+                .next()
+                .context("--rdzv resolves to nothing")?
+        } else {
+            "127.0.0.1:0".parse().expect("literal address")
+        };
+        let server = StoreServer::bind(bind, &secret, &job_id)
+            .with_context(|| format!("serving the rendezvous store on {bind}"))?;
+        if nodes.nnodes == 1 {
+            store = server.local_addr().to_string();
+        }
+        Some(server)
+    } else {
+        None
+    };
+    let extra_env = env
+        .iter()
+        .filter(|(k, _)| k.starts_with("LOCKSTEP_TEST_"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let spec = LaunchSpec {
+        worker_args,
+        nproc,
+        nnodes: nodes.nnodes,
+        node_rank: nodes.node_rank,
+        store,
+        secret,
+        job_id,
+        threads_per_worker: launch::default_threads(nproc),
+        extra_env,
+    };
+    Ok((spec, server))
+}
+
+fn cmd_scale(a: ScaleArgs) -> Result<()> {
+    let sizes = scale::parse_nprocs(&a.nproc)?;
+    // Every layout is checked against the config before the first run starts.
+    let plan = scale::plan(a.layouts.as_deref(), &sizes, a.config.as_deref(), &a.sets)?;
+    // A sweep never replaces earlier runs: every run directory is checked before the first run.
+    let base = load_config(a.config.as_deref(), &a.sets)?;
+    for layout in &plan {
+        run_dir::prepare_fresh(&scale::run_dir(&a.out, layout), &base, false)?;
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let names: Vec<&str> = plan.iter().map(|l| l.name.as_str()).collect();
+    eprintln!(
+        "lockstep scale: {} run(s): {} (baseline {})",
+        plan.len(),
+        names.join(", "),
+        names[0]
+    );
+    let started = std::time::Instant::now();
+    let mut runs = Vec::new();
+    for (i, layout) in plan.iter().enumerate() {
+        eprintln!(
+            "lockstep scale: run {}/{}: {} ({}), {:.0}s into the sweep",
+            i + 1,
+            plan.len(),
+            layout.name,
+            layout.describe(),
+            started.elapsed().as_secs_f64()
+        );
+        let dir = scale::run_dir(&a.out, layout);
+        cmd_train(TrainArgs {
+            config: a.config.clone(),
+            nproc: layout.world().to_string(),
+            resume: None,
+            max_restarts: 0,
+            inject: None,
+            threads_per_worker: Some(a.threads_per_worker),
+            out: Some(dir.clone()),
+            sets: scale::layout_sets(layout, &a.sets),
+            overwrite: false,
+            nodes: NodeArgs {
+                nnodes: 1,
+                node_rank: 0,
+                rdzv: None,
+            },
+        })
+        .with_context(|| format!("the {} run ({})", layout.name, layout.describe()))?;
+        let (summary, records) = scale::load_run(&dir)?;
+        runs.push(lockstep_train::scaling::Run {
+            layout: layout.clone(),
+            summary,
+            records,
+        });
+    }
+    let report = lockstep_train::scaling::compare(&runs);
+    print!("{}", scale::format_table(&report));
+    for path in scale::write_outputs(&a.out, &report, &runs)? {
+        eprintln!("lockstep scale: wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    let sizes = bench::parse_sizes(&a.sizes)?;
+    parse_algorithm(&a.algorithm)?;
+    if !bench::OPS.contains(&a.op.as_str()) {
+        bail!("--op {} is not one of {:?}", a.op, bench::OPS);
+    }
+    if a.transport == "mpi" {
+        return bench_under_mpi(&a);
+    }
+    if !matches!(a.transport.as_str(), "shm" | "tcp") {
+        bail!("--transport {} is not one of shm, tcp, mpi", a.transport);
+    }
+    let memcpy = bench::memcpy_gbps(64 << 20);
+    let env = environment();
+    let (mut spec, _server) = launch_spec(
+        &NodeArgs {
+            nnodes: 1,
+            node_rank: 0,
+            rdzv: None,
+        },
+        a.nproc,
+        &env,
+        vec![
+            "bench".into(),
+            "--transport".into(),
+            a.transport.clone(),
+            "--op".into(),
+            a.op.clone(),
+            "--sizes".into(),
+            a.sizes.clone(),
+            "--algorithm".into(),
+            a.algorithm.clone(),
+        ],
+    )?;
+    if let Some(b) = a.segment_bytes {
+        spec.worker_args
+            .extend(["--segment-bytes".to_string(), b.to_string()]);
+    }
+    eprintln!(
+        "lockstep: {} over {} on {} ranks, {} sizes",
+        a.op,
+        a.transport,
+        a.nproc,
+        sizes.len()
+    );
+    let outcome = launch::run(&spec)?;
+    if let Some(f) = outcome.failure {
+        bail!(f.message);
+    }
+    let mut rows = Vec::new();
+    for r in outcome.results {
+        rows.push(
+            serde_json::from_str::<bench::Row>(&r).context("worker sent a malformed result row")?,
+        );
+    }
+    let report = bench::Report {
+        memcpy_gbps: memcpy,
+        rows,
+    };
+    print!("{}", bench::format_table(&report));
+    if let Some(path) = a.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// `bench-collectives --transport mpi`: mpirun starts the ranks (every process runs this), rank 0
+/// measures memcpy and prints the table.
+fn bench_under_mpi(a: &BenchArgs) -> Result<()> {
+    let env = environment();
+    let w = cluster_env::detect(&env)?
+        .filter(|w| w.engine != cluster_env::Engine::Launcher)
+        .context(
+            "--transport mpi: start the benchmark under mpirun, e.g. \
+             mpirun -np 2 -x LOCKSTEP_SECRET lockstep bench-collectives --transport mpi",
+        )?;
+    let sizes = bench::parse_sizes(&a.sizes)?;
+    let algorithm = parse_algorithm(&a.algorithm)?;
+    let rank = w.rank;
+    let memcpy = if rank == 0 {
+        bench::memcpy_gbps(64 << 20)
+    } else {
+        0.0
+    };
+    let mut worker = worker::connect(w, "mpi", Duration::from_secs(60), &TcpOptions::default())?;
+    if let Some(b) = a.segment_bytes {
+        worker.comm.set_segment_bytes(b);
+    }
+    if rank == 0 {
+        eprintln!(
+            "lockstep: {} over mpi on {} ranks, {} sizes",
+            a.op,
+            worker.comm.size(),
+            sizes.len()
+        );
+    }
+    let rows = bench::run_worker(&mut worker.comm, &a.op, &sizes, algorithm)?;
+    if rank == 0 {
+        let report = bench::Report {
+            memcpy_gbps: memcpy,
+            rows,
+        };
+        print!("{}", bench::format_table(&report));
+        if let Some(path) = &a.json {
+            std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+fn cmd_worker(role: WorkerRole) -> Result<()> {
+    let env = environment();
+    let w = cluster_env::detect(&env)?
+        .context("`lockstep worker` is started by the launcher (LOCKSTEP_RANK etc. are missing)")?;
+    match role {
+        WorkerRole::Train {
+            config,
+            out,
+            resume,
+            faults,
+        } => {
+            let cfg = load_config(Some(&config), &[])?;
+            let faults: Vec<Fault> = match faults {
+                Some(j) => serde_json::from_str(&j).context("--faults is not valid fault JSON")?,
+                None => Vec::new(),
+            };
+            run_train_worker(w, &cfg, &out, true, resume, &faults)
+        }
+        WorkerRole::Bench {
+            transport,
+            op,
+            sizes,
+            algorithm,
+            segment_bytes,
+        } => {
+            let timeout = Duration::from_secs(60);
+            let mut worker = worker::connect(w, &transport, timeout, &tcp_options(&env)?)?;
+            if let Some(b) = segment_bytes {
+                worker.comm.set_segment_bytes(b);
+            }
+            let rows = bench::run_worker(
+                &mut worker.comm,
+                &op,
+                &bench::parse_sizes(&sizes)?,
+                parse_algorithm(&algorithm)?,
+            )?;
+            for r in rows {
+                println!("{RESULT_PREFIX}{}", serde_json::to_string(&r)?);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn run_train_worker(
+    w: WorkerEnv,
+    cfg: &TrainConfig,
+    out: &std::path::Path,
+    under_launcher: bool,
+    resume: bool,
+    faults: &[Fault],
+) -> Result<()> {
+    let env = environment();
+    let timeout = Duration::from_secs_f64(cfg.dist.timeout_secs);
+    let rank = w.rank;
+    let mut worker = worker::connect(w, &cfg.dist.transport, timeout, &tcp_options(&env)?)?;
+    worker
+        .comm
+        .set_algorithm(parse_algorithm(&cfg.dist.algorithm)?);
+    if under_launcher {
+        orphan::watch_launcher(rank);
+    }
+    let mut on_event = |e: Event| match e {
+        Event::Progress(p) if under_launcher => {
+            let line = serde_json::json!({
+                "step": p.step,
+                "total_steps": p.total_steps,
+                "loss": p.loss,
+                "samples_per_sec": p.samples_per_sec,
+                "eta_seconds": p.eta_seconds,
+            });
+            orphan::emit(rank, true, &format!("{PROGRESS_PREFIX}{line}"));
+        }
+        Event::Progress(p) => orphan::emit(
+            rank,
+            false,
+            &format!(
+                "step {}/{} loss {:.4} {:.0} samples/s ETA {:.0}s",
+                p.step, p.total_steps, p.loss, p.samples_per_sec, p.eta_seconds
+            ),
+        ),
+        Event::StepDone(step) if under_launcher => {
+            orphan::emit(rank, true, &format!("{STEP_PREFIX}{step}"))
+        }
+        Event::Resumed(step) => {
+            if under_launcher {
+                orphan::emit(rank, true, &format!("{RESUMED_PREFIX}{step}"));
+            }
+            orphan::emit(
+                rank,
+                false,
+                &format!("resumed from the checkpoint of step {step}"),
+            );
+        }
+        Event::Notice(text) => orphan::emit(rank, false, &text),
+        Event::StepDone(_) => {}
+    };
+    let host = worker.host.clone();
+    let summary = lockstep_train::train(
+        job(),
+        cfg,
+        WorkerContext {
+            comm: &mut worker.comm,
+            host,
+            out_dir: out,
+            on_event: &mut on_event,
+            resume,
+            faults,
+        },
+    )
+    .with_context(|| format!("rank {rank}"))?;
+    if rank == 0 {
+        // A language model's test figures are validation nats per character and next-character
+        // accuracy; a classifier's, its test accuracy.
+        let test = if summary.pipeline.is_some() {
+            format!(
+                "validation loss {:.4} nats/char, next-char accuracy {:.2}%",
+                summary.test_loss,
+                summary.test_accuracy * 100.0
+            )
+        } else {
+            let mut parts = Vec::new();
+            if summary.test_accuracy.is_finite() {
+                parts.push(format!(
+                    "test accuracy {:.2}%",
+                    summary.test_accuracy * 100.0
+                ));
+            } else {
+                parts.push(format!("test loss {:.4}", summary.test_loss));
+            }
+            for (name, v) in &summary.test_metrics {
+                parts.push(format!("test {name} {v:.4}"));
+            }
+            parts.join(", ")
+        };
+        orphan::emit(
+            rank,
+            false,
+            &format!(
+                "final loss {:.4}, {test}, {:.0} samples/s, param_hash {}",
+                summary.final_loss, summary.samples_per_sec, summary.param_hash
+            ),
+        );
+    }
+    Ok(())
+}

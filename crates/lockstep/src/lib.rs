@@ -1,0 +1,34 @@
+//! lockstep for your own burn model.
+//!
+//! Write a [`Job`] (your `Module`, your `Dataset`s, a batch function and the loss of a
+//! micro-batch) and hand it to [`main`]:
+//!
+//! ```ignore
+//! fn main() {
+//!     lockstep::main(MyJob)
+//! }
+//! ```
+//!
+//! Your binary then is a complete lockstep: `my-job train --nproc 4` starts four worker processes
+//! (it re-executes itself as them), sums gradients exactly so the parameters are bitwise the same
+//! for any worker count, checkpoints, restarts failed workers (`--max-restarts`, `--nproc
+//! MIN:MAX`), runs under Slurm, `mpirun` and torchrun-style variables, and writes metrics.jsonl,
+//! summary.json and report.md/.html with your metrics; `scale` and `plan` work as well. See
+//! docs/library.md.
+//!
+//! Configuration: lockstep's config file (`[train]`, `[optimizer]`, `[dist]`, `[checkpoint]`,
+//! `[parallel]`) plus your job's own `[job]` table, read with [`TrainConfig::job_section`]. Your
+//! [`Job::config`] gives the defaults; `--config` and `--set` apply on top.
+
+pub use burn;
+pub use lockstep_model::flat;
+pub use lockstep_train::job::{
+    BoxError, BurnReplica, Computed, EvalSums, Job, JobSpec, Replica, ReplicaError, Trainable,
+};
+pub use lockstep_train::{ConfigError, TrainConfig};
+
+/// Run the lockstep command line for `job` (`train`, `scale`, `plan`, …; see `--help`) and exit:
+/// status 0 on success, 3 for bad input (config, data, a misbehaving job), 1 otherwise.
+pub fn main<J: JobSpec + 'static>(job: J) -> ! {
+    lockstep_cli::run(Box::new(job))
+}

@@ -1,0 +1,133 @@
+//! lockstep's built-in jobs, chosen by the config: the MLP and CNN classifiers on digits /
+//! Fashion-MNIST / MNIST, and the character-level transformer on text (the layered driver).
+//!
+//! The classifiers go through the same public [`JobSpec`] / [`Replica`] interface as any user
+//! job; they implement the flat level directly because their forward anchors each parameter in
+//! its layer, which lets `dist.overlap` stream gradients during backward.
+
+use lockstep_data::Dataset;
+use lockstep_model::{Model, ParamInfo};
+
+use crate::config::{ConfigError, TrainConfig};
+use crate::job::{Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
+use crate::TrainError;
+
+/// The job `lockstep train` runs: whatever `model.kind` and `data.dataset` say.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BuiltinJob;
+
+impl JobSpec for BuiltinJob {
+    fn name(&self) -> String {
+        "lockstep".into()
+    }
+
+    fn label(&self, cfg: &TrainConfig) -> String {
+        cfg.data.dataset.clone()
+    }
+
+    fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
+        cfg.validate_builtin()
+    }
+
+    fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
+        if cfg.model.kind == "transformer" {
+            return Ok(Trainable::BuiltinTransformer);
+        }
+        let (train, test) = crate::datasets::load(&cfg.data, cfg.train.seed)?;
+        let model = Model::new(&crate::trainer::model_spec(cfg, &train), cfg.train.seed)?;
+        Ok(Trainable::Replica(Box::new(Classifier {
+            model,
+            train,
+            test,
+            x: Vec::new(),
+            y: Vec::new(),
+        })))
+    }
+}
+
+/// A built-in MLP or CNN with its training and test sets.
+struct Classifier {
+    model: Model,
+    train: Dataset,
+    test: Dataset,
+    x: Vec<f32>,
+    y: Vec<u8>,
+}
+
+impl Replica for Classifier {
+    fn train_len(&self) -> usize {
+        self.train.len()
+    }
+
+    fn eval_len(&self) -> usize {
+        self.test.len()
+    }
+
+    fn layout(&self) -> Vec<ParamInfo> {
+        self.model.layout()
+    }
+
+    fn structure_hash(&self) -> [u8; 32] {
+        self.model.structure_hash()
+    }
+
+    fn params_flat(&self) -> Vec<f32> {
+        self.model.params_flat()
+    }
+
+    fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError> {
+        Ok(self.model.set_params_flat(params)?)
+    }
+
+    fn loss_and_grad(
+        &mut self,
+        samples: &[u32],
+        scale: f32,
+        grad_out: &mut [f32],
+    ) -> Result<Computed, ReplicaError> {
+        let t0 = std::time::Instant::now();
+        self.train.gather(samples, &mut self.x, &mut self.y);
+        let data_seconds = t0.elapsed().as_secs_f64();
+        let timed =
+            self.model
+                .loss_and_grad_timed(&self.x, &self.y, samples.len(), scale, grad_out)?;
+        Ok(Computed {
+            loss: timed.loss,
+            data_seconds,
+            forward_seconds: timed.forward_seconds,
+            backward_seconds: timed.backward_seconds,
+        })
+    }
+
+    fn streams_gradients(&self) -> bool {
+        true
+    }
+
+    fn loss_and_grad_streaming(
+        &mut self,
+        samples: &[u32],
+        scale: f32,
+        on_grad: &(dyn Fn(usize, &[f32]) + Sync),
+    ) -> Option<Result<Computed, ReplicaError>> {
+        let t0 = std::time::Instant::now();
+        self.train.gather(samples, &mut self.x, &mut self.y);
+        let data_seconds = t0.elapsed().as_secs_f64();
+        let result = self
+            .model
+            .loss_and_grad_streaming(&self.x, &self.y, samples.len(), scale, on_grad);
+        Some(result.map_err(Into::into).map(|loss| Computed {
+            loss,
+            data_seconds,
+            ..Computed::default()
+        }))
+    }
+
+    fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError> {
+        self.test.gather(samples, &mut self.x, &mut self.y);
+        let (loss, correct) = self.model.evaluate(&self.x, &self.y, samples.len())?;
+        Ok(EvalSums {
+            loss,
+            metrics: vec![("accuracy".into(), correct as f64)],
+        })
+    }
+}

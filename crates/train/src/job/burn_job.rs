@@ -1,0 +1,303 @@
+//! [`Job`]: a burn user's model, data and loss, and [`BurnReplica`], which turns any `Job` into
+//! the flat [`Replica`] the data-parallel driver trains.
+//!
+//! Reproducibility with a user's model: the model is built on a seeded device (`train.seed`),
+//! rank 0's parameters are broadcast, micro-batches are fixed sets of sample indices, the loss of
+//! a micro-batch is scaled by its share of the global batch before backward, and gradients leave
+//! burn as flat vectors in the module's declaration order — so the driver's exact sum makes the
+//! result independent of the world size exactly as for lockstep's own models.
+
+use std::error::Error;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
+
+use burn::data::dataset::Dataset;
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+use lockstep_model::{flat, ParamInfo};
+use sha2::{Digest, Sha256};
+
+use super::{
+    panic_message, Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable,
+};
+use crate::config::{ConfigError, TrainConfig};
+use crate::TrainError;
+
+/// Errors a job's own code returns (opening files, parsing rows, …).
+pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
+
+/// A training job written against burn: the model is an ordinary single-device burn `Module`
+/// (nothing lockstep-specific inside it), the data are burn `Dataset`s, and the loss is that of
+/// one micro-batch. lockstep adds everything else: processes, exact data parallelism,
+/// checkpoints, restarts, metrics and the report.
+///
+/// ```ignore
+/// impl lockstep::Job for MyJob {
+///     type Model = MyNet;
+///     type Item = MyItem;
+///     type Batch = MyBatch;
+///     fn name(&self) -> &str { "my-job" }
+///     fn model(&self, _cfg: &TrainConfig, device: &Device) -> MyNet { MyNet::new(device) }
+///     fn train_data(&self, _cfg: &TrainConfig) -> Result<Box<dyn Dataset<MyItem>>, BoxError> { … }
+///     fn eval_data(&self, _cfg: &TrainConfig) -> Result<Box<dyn Dataset<MyItem>>, BoxError> { … }
+///     fn batch(&self, items: Vec<MyItem>, device: &Device) -> MyBatch { MyBatcher.batch(items, device) }
+///     fn loss(&self, model: &MyNet, batch: &MyBatch) -> Tensor<1> { … mean cross-entropy … }
+/// }
+/// fn main() { lockstep::main(MyJob) }
+/// ```
+pub trait Job: Send + Sync + 'static {
+    /// The model: any burn module (its float parameters are what lockstep trains).
+    type Model: Module + 'static;
+    /// One sample as the datasets return it.
+    type Item: Send + 'static;
+    /// A batch of samples as the model and the loss consume it.
+    type Batch;
+
+    /// Short name, used in errors, logs and the report (e.g. `own-cnn`).
+    fn name(&self) -> &str;
+    /// Default configuration (TOML): any of lockstep's sections (`[train]`, `[optimizer]`, …) and
+    /// the job's own `[job]` table; the run's `--config` and `--set` apply on top.
+    fn config(&self) -> &str {
+        ""
+    }
+    /// Check the job's own settings (`cfg.job_section()`); the message is reported with the job's
+    /// name and exit status 3.
+    fn validate(&self, _cfg: &TrainConfig) -> Result<(), String> {
+        Ok(())
+    }
+    /// A freshly initialised model on `device`. The device is seeded with `train.seed` first,
+    /// so burn's own initialisers give the same values on every run; rank 0's values are then
+    /// broadcast to the other ranks.
+    fn model(&self, cfg: &TrainConfig, device: &Device) -> Self::Model;
+    /// The training set; the sampler draws `train.global_batch` indices below its `len()` per step.
+    fn train_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Self::Item>>, BoxError>;
+    /// The evaluation set (loss and [`Job::metrics`] every `train.eval_every` steps and at the end).
+    fn eval_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Self::Item>>, BoxError>;
+    /// Turn items into a batch on `device` (the shape of burn's `Batcher::batch`).
+    fn batch(&self, items: Vec<Self::Item>, device: &Device) -> Self::Batch;
+    /// The mean loss of a batch: a single value. lockstep scales it by the batch's share of the
+    /// global batch before backward.
+    fn loss(&self, model: &Self::Model, batch: &Self::Batch) -> Tensor<1>;
+    /// Evaluation metrics as sums over the batch's samples (e.g. `("accuracy", correct)`);
+    /// lockstep sums them over the whole evaluation set and reports per-sample means in
+    /// metrics.jsonl, summary.json and the report.
+    fn metrics(&self, _model: &Self::Model, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
+}
+
+impl<J: Job> JobSpec for J {
+    fn name(&self) -> String {
+        Job::name(self).to_string()
+    }
+
+    fn default_config(&self) -> String {
+        Job::config(self).to_string()
+    }
+
+    fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
+        Job::validate(self, cfg).map_err(|message| ConfigError::Invalid {
+            field: "job",
+            message: format!("job `{}`: {message}", Job::name(self)),
+        })
+    }
+
+    fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
+        Ok(Trainable::Replica(Box::new(BurnReplica::new(self, cfg)?)))
+    }
+}
+
+/// A [`Job`]'s model and datasets on one rank, behind the flat [`Replica`] interface.
+pub struct BurnReplica<'j, J: Job> {
+    job: &'j J,
+    device: Device,
+    model: J::Model,
+    layout: Vec<ParamInfo>,
+    num_params: usize,
+    structure_hash: [u8; 32],
+    train: Box<dyn Dataset<J::Item>>,
+    eval: Box<dyn Dataset<J::Item>>,
+}
+
+impl<'j, J: Job> BurnReplica<'j, J> {
+    /// Build the model on a device seeded with `train.seed` and open both datasets.
+    pub fn new(job: &'j J, cfg: &TrainConfig) -> Result<Self, TrainError> {
+        let name = Job::name(job).to_string();
+        let data_error = |split: &'static str| {
+            let name = name.clone();
+            move |cause: BoxError| TrainError::JobData {
+                job: name.clone(),
+                split,
+                message: cause.to_string(),
+            }
+        };
+        let train = job.train_data(cfg).map_err(data_error("training"))?;
+        let eval = job.eval_data(cfg).map_err(data_error("evaluation"))?;
+        let device = Device::flex().autodiff();
+        device.seed(cfg.train.seed);
+        let model = catch_unwind(AssertUnwindSafe(|| job.model(cfg, &device))).map_err(|p| {
+            TrainError::JobSetup {
+                job: name.clone(),
+                message: format!("building the model panicked: {}", panic_message(&*p)),
+            }
+        })?;
+        let layout = flat::layout(&model);
+        let num_params = layout.iter().map(|p| p.len).sum();
+        if num_params == 0 {
+            return Err(TrainError::JobSetup {
+                job: name,
+                message: "the model has no float parameters to train".into(),
+            });
+        }
+        // Re-create every parameter as an autodiff leaf of our device, from its own values:
+        // initialisation and `set_params_flat` then share one representation.
+        let values = flat::read(&model, num_params);
+        let model = flat::write(model, &values, &device);
+        let structure_hash = structure_hash(&name, &layout);
+        Ok(BurnReplica {
+            job,
+            device,
+            model,
+            layout,
+            num_params,
+            structure_hash,
+            train,
+            eval,
+        })
+    }
+
+    /// The items of `samples` from `set`, batched on `device`.
+    fn batch_of(
+        &self,
+        set: &dyn Dataset<J::Item>,
+        split: &'static str,
+        samples: &[u32],
+        device: &Device,
+    ) -> Result<J::Batch, ReplicaError> {
+        let mut items = Vec::with_capacity(samples.len());
+        for &i in samples {
+            let item = set.get(i as usize).map_err(|e| ReplicaError::Dataset {
+                split,
+                index: i as usize,
+                message: e.to_string(),
+            })?;
+            items.push(item);
+        }
+        guarded(|| self.job.batch(items, device))
+    }
+}
+
+/// Run the job's code, turning a panic (e.g. a shape mismatch inside burn) into an error.
+fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, ReplicaError> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|p| ReplicaError::Panicked(panic_message(&*p)))
+}
+
+/// The single value of a loss tensor, refusing other shapes and non-finite values.
+fn scalar(loss: &Tensor<1>) -> Result<f32, ReplicaError> {
+    let shape = loss.dims().to_vec();
+    if shape != [1] {
+        return Err(ReplicaError::LossShape { shape });
+    }
+    let value = loss
+        .clone()
+        .into_data()
+        .try_to_vec::<f32>()
+        .map_err(|e| ReplicaError::Other(format!("reading the loss: {e:?}")))?[0];
+    if value.is_finite() {
+        Ok(value)
+    } else {
+        Err(ReplicaError::NonFiniteLoss { loss: value })
+    }
+}
+
+impl<J: Job> Replica for BurnReplica<'_, J> {
+    fn train_len(&self) -> usize {
+        self.train.len()
+    }
+
+    fn eval_len(&self) -> usize {
+        self.eval.len()
+    }
+
+    fn layout(&self) -> Vec<ParamInfo> {
+        self.layout.clone()
+    }
+
+    fn structure_hash(&self) -> [u8; 32] {
+        self.structure_hash
+    }
+
+    fn params_flat(&self) -> Vec<f32> {
+        flat::read(&self.model, self.num_params)
+    }
+
+    fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError> {
+        if params.len() != self.num_params {
+            return Err(ReplicaError::ParamLength {
+                what: "set_params_flat",
+                expected: self.num_params,
+                got: params.len(),
+            });
+        }
+        self.model = flat::write(self.model.clone(), params, &self.device);
+        Ok(())
+    }
+
+    fn loss_and_grad(
+        &mut self,
+        samples: &[u32],
+        scale: f32,
+        grad_out: &mut [f32],
+    ) -> Result<Computed, ReplicaError> {
+        let t0 = Instant::now();
+        let batch = self.batch_of(&*self.train, "training", samples, &self.device)?;
+        let t1 = Instant::now();
+        let share = samples.len() as f32 * scale;
+        let loss = guarded(|| self.job.loss(&self.model, &batch))?;
+        // Checked before backward: a wrong shape would make `backward` panic.
+        scalar(&loss)?;
+        let scaled = guarded(|| loss.mul_scalar(share))?;
+        let t2 = Instant::now();
+        let value = scalar(&scaled)?;
+        let grads = guarded(|| scaled.backward())?;
+        flat::read_grads(&self.model, grads, grad_out);
+        Ok(Computed {
+            loss: value,
+            data_seconds: (t1 - t0).as_secs_f64(),
+            forward_seconds: (t2 - t1).as_secs_f64(),
+            backward_seconds: t2.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError> {
+        let device = self.device.clone().inner();
+        let batch = self.batch_of(&*self.eval, "evaluation", samples, &device)?;
+        let model = self.model.valid();
+        let loss = scalar(&guarded(|| self.job.loss(&model, &batch))?)?;
+        let metrics = guarded(|| self.job.metrics(&model, &batch))?;
+        Ok(EvalSums {
+            loss: loss as f64 * samples.len() as f64,
+            metrics: metrics
+                .into_iter()
+                .map(|(name, sum)| (name.to_string(), sum))
+                .collect(),
+        })
+    }
+}
+
+/// SHA-256 over the job's name and every parameter's name and shape in canonical order.
+fn structure_hash(job: &str, layout: &[ParamInfo]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"lockstep job structure v1\0");
+    h.update((job.len() as u64).to_le_bytes());
+    h.update(job.as_bytes());
+    for p in layout {
+        h.update((p.name.len() as u64).to_le_bytes());
+        h.update(p.name.as_bytes());
+        h.update((p.shape.len() as u64).to_le_bytes());
+        for &d in &p.shape {
+            h.update((d as u64).to_le_bytes());
+        }
+    }
+    h.finalize().into()
+}

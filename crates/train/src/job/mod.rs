@@ -1,0 +1,173 @@
+//! What a training job is, as the drivers see it.
+//!
+//! Two levels, both public:
+//! - [`Job`] (in `burn_job.rs`): what a burn user writes — an ordinary single-device burn
+//!   `Module`, burn `Dataset`s, a batch function, a loss per micro-batch and optional metrics.
+//!   Every `Job` is a [`JobSpec`] through a blanket implementation.
+//! - [`JobSpec`] + [`Replica`]: the flat interface the data-parallel step driver trains: one
+//!   model replica per rank behind `Vec<f32>` parameters, computing the loss and gradient of a
+//!   micro-batch given by sample indices. The built-in MLP/CNN implement it directly (their
+//!   forward anchors each parameter so `dist.overlap` can stream gradients during backward); a user
+//!   who needs that control can do the same.
+//!
+//! The driver never sees burn: it moves sample indices in and flat gradients out, so the
+//! reproducibility rules (fixed micro-batches, exact sums, elementwise optimizers) hold for every
+//! job alike.
+
+mod burn_job;
+
+pub use burn_job::{BoxError, BurnReplica, Job};
+
+use lockstep_model::ParamInfo;
+
+use crate::config::{ConfigError, TrainConfig};
+use crate::TrainError;
+
+/// A job as the CLI and the drivers handle it (object safe).
+pub trait JobSpec: Send + Sync {
+    /// Short name used in errors, logs and reports (e.g. `own-cnn`).
+    fn name(&self) -> String;
+    /// What `cfg` trains, for messages (the built-in job says which model on which data).
+    fn label(&self, _cfg: &TrainConfig) -> String {
+        self.name()
+    }
+    /// The job's default configuration, TOML (sections of lockstep's config and the job's own
+    /// `[job]` table); `--config` and `--set` apply on top of it.
+    fn default_config(&self) -> String {
+        String::new()
+    }
+    /// Checks the job's own settings (lockstep's sections are validated before this is called).
+    fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError>;
+    /// Builds this rank's replica: model initialised from `train.seed` (rank 0's copy is then
+    /// broadcast), datasets opened.
+    fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError>;
+}
+
+/// What [`JobSpec::build`] returns.
+pub enum Trainable<'job> {
+    /// A model replica for the data-parallel driver.
+    Replica(Box<dyn Replica + 'job>),
+    /// lockstep's built-in character-level transformer, trained by the layered (pipeline)
+    /// driver. (A public layered-model trait for users' own pipelines is not there yet.)
+    BuiltinTransformer,
+}
+
+/// Timings and loss of one micro-batch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Computed {
+    /// The scaled loss (its gradient is what was written).
+    pub loss: f32,
+    /// Reading the samples and building the batch.
+    pub data_seconds: f64,
+    pub forward_seconds: f64,
+    pub backward_seconds: f64,
+}
+
+/// Sums over evaluated samples (divided by the total number of samples by the driver).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EvalSums {
+    /// Sum over samples of the loss.
+    pub loss: f64,
+    /// Named sums over samples (e.g. `accuracy`: the number of correct samples); reported as
+    /// per-sample means.
+    pub metrics: Vec<(String, f64)>,
+}
+
+/// A failure of the job's own code or data, told apart from lockstep's failures so that the
+/// error names the job, the step and the micro-batch. Never cured by a restart.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicaError {
+    /// The loss of a micro-batch is NaN or infinite.
+    #[error("the loss is {loss} (not finite)")]
+    NonFiniteLoss { loss: f32 },
+    /// The loss is not a single value.
+    #[error("the loss must be a single value, but it has shape {shape:?}")]
+    LossShape { shape: Vec<usize> },
+    /// The dataset could not return an item below its length.
+    #[error("the {split} dataset failed to return item {index}: {message}")]
+    Dataset {
+        split: &'static str,
+        index: usize,
+        message: String,
+    },
+    /// The job's code panicked (e.g. a batch of the wrong shape for the model).
+    #[error("the job's code panicked: {0}")]
+    Panicked(String),
+    /// A parameter vector of the wrong length.
+    #[error("{what}: expected {expected} values, got {got}")]
+    ParamLength {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    /// Anything else the job reports.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<lockstep_model::ModelError> for ReplicaError {
+    fn from(e: lockstep_model::ModelError) -> Self {
+        match e {
+            lockstep_model::ModelError::NonFiniteLoss { loss, .. } => {
+                ReplicaError::NonFiniteLoss { loss }
+            }
+            other => ReplicaError::Other(other.to_string()),
+        }
+    }
+}
+
+/// One rank's copy of the model with its data, behind flat parameters in a canonical order that
+/// is the same on every process (never keyed by burn's random `ParamId`s).
+pub trait Replica {
+    /// Samples in the training set (the sampler draws indices below this).
+    fn train_len(&self) -> usize;
+    /// Samples in the evaluation set.
+    fn eval_len(&self) -> usize;
+    /// Name, shape and flat position of every parameter tensor, in canonical order.
+    fn layout(&self) -> Vec<ParamInfo>;
+    /// Architecture fingerprint: ranks refuse to train together when theirs differ, and a
+    /// checkpoint of another architecture is refused.
+    fn structure_hash(&self) -> [u8; 32];
+    /// All parameters, canonical order.
+    fn params_flat(&self) -> Vec<f32>;
+    /// Replace all parameters (canonical order).
+    fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError>;
+    /// Forward and backward on the training samples `samples` (one micro-batch): writes
+    /// `scale · d(mean loss · n)/d(params)`, i.e. the gradient of the micro-batch's share of the
+    /// global batch's mean loss when `scale = 1 / global_batch`, into `grad_out`, and returns
+    /// that scaled loss. Must be a pure function of the parameters and the samples.
+    fn loss_and_grad(
+        &mut self,
+        samples: &[u32],
+        scale: f32,
+        grad_out: &mut [f32],
+    ) -> Result<Computed, ReplicaError>;
+    /// Optional (`dist.overlap`): like [`Replica::loss_and_grad`], but each parameter's gradient
+    /// goes to `on_grad(index in layout, values)` as soon as backward has produced it, bitwise
+    /// equal to what `loss_and_grad` writes. `None` = not supported (the config is refused).
+    fn loss_and_grad_streaming(
+        &mut self,
+        _samples: &[u32],
+        _scale: f32,
+        _on_grad: &(dyn Fn(usize, &[f32]) + Sync),
+    ) -> Option<Result<Computed, ReplicaError>> {
+        None
+    }
+    /// Whether [`Replica::loss_and_grad_streaming`] is implemented.
+    fn streams_gradients(&self) -> bool {
+        false
+    }
+    /// Evaluation without gradients on the evaluation samples `samples`.
+    fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError>;
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".to_string()
+    }
+}
