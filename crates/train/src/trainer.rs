@@ -6,7 +6,6 @@
 //! replicas never drift (checked at the end by comparing parameter hashes across ranks).
 
 use std::ops::Range;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::time::Instant;
 
@@ -19,7 +18,7 @@ use crate::checkpoint::{self, Checkpoint, CheckpointError, Identity};
 use crate::config::TrainConfig;
 use crate::faults::{self, Fault};
 use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
-use crate::job::{panic_message, JobSpec, Replica, ReplicaError, Trainable};
+use crate::job::{catch_job_panic, JobSpec, Replica, ReplicaError, Trainable};
 use crate::metrics::{Eval, PhaseSeconds, StepRecord, Summary};
 use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 
@@ -236,11 +235,9 @@ pub fn train(
     ctx: WorkerContext<'_>,
 ) -> Result<Summary, TrainError> {
     let name = job.name();
-    let built = catch_unwind(AssertUnwindSafe(|| job.build(cfg))).map_err(|p| {
-        TrainError::JobSetup {
-            job: name.clone(),
-            message: format!("opening the job panicked: {}", panic_message(&*p)),
-        }
+    let built = catch_job_panic(|| job.build(cfg)).map_err(|p| TrainError::JobSetup {
+        job: name.clone(),
+        message: format!("opening the job panicked: {p}"),
     })??;
     match built {
         // Layered model: the pipeline loop (one stage when parallel.pp = 1).

@@ -8,7 +8,6 @@
 //! result independent of the world size exactly as for lockstep's own models.
 
 use std::error::Error;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
 use burn::data::dataset::Dataset;
@@ -17,9 +16,7 @@ use burn::tensor::{Device, Tensor};
 use lockstep_model::{flat, ParamInfo};
 use sha2::{Digest, Sha256};
 
-use super::{
-    panic_message, Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable,
-};
+use super::{catch_job_panic, Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
 use crate::TrainError;
 
@@ -96,6 +93,17 @@ impl<J: Job> JobSpec for J {
     }
 
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
+        cfg.validate_common()?;
+        if cfg.dist.overlap {
+            return Err(ConfigError::Invalid {
+                field: "dist.overlap",
+                message: format!(
+                    "job `{}`: streaming gradients during backward needs each parameter anchored \
+                     in its layer, which a burn `Module` does not expose; set dist.overlap = false",
+                    Job::name(self)
+                ),
+            });
+        }
         Job::validate(self, cfg).map_err(|message| ConfigError::Invalid {
             field: "job",
             message: format!("job `{}`: {message}", Job::name(self)),
@@ -135,12 +143,11 @@ impl<'j, J: Job> BurnReplica<'j, J> {
         let eval = job.eval_data(cfg).map_err(data_error("evaluation"))?;
         let device = Device::flex().autodiff();
         device.seed(cfg.train.seed);
-        let model = catch_unwind(AssertUnwindSafe(|| job.model(cfg, &device))).map_err(|p| {
-            TrainError::JobSetup {
+        let model =
+            catch_job_panic(|| job.model(cfg, &device)).map_err(|p| TrainError::JobSetup {
                 job: name.clone(),
-                message: format!("building the model panicked: {}", panic_message(&*p)),
-            }
-        })?;
+                message: format!("building the model panicked: {p}"),
+            })?;
         let layout = flat::layout(&model);
         let num_params = layout.iter().map(|p| p.len).sum();
         if num_params == 0 {
@@ -189,7 +196,7 @@ impl<'j, J: Job> BurnReplica<'j, J> {
 
 /// Run the job's code, turning a panic (e.g. a shape mismatch inside burn) into an error.
 fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, ReplicaError> {
-    catch_unwind(AssertUnwindSafe(f)).map_err(|p| ReplicaError::Panicked(panic_message(&*p)))
+    catch_job_panic(f).map_err(ReplicaError::Panicked)
 }
 
 /// The single value of a loss tensor, refusing other shapes and non-finite values.

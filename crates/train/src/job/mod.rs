@@ -36,7 +36,8 @@ pub trait JobSpec: Send + Sync {
     fn default_config(&self) -> String {
         String::new()
     }
-    /// Checks the job's own settings (lockstep's sections are validated before this is called).
+    /// Checks the whole config: lockstep's sections ([`TrainConfig::validate_common`], or the
+    /// built-in jobs' stricter [`TrainConfig::validate_builtin`]) and the job's own settings.
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError>;
     /// Builds this rank's replica: model initialised from `train.seed` (rank 0's copy is then
     /// broadcast), datasets opened.
@@ -161,13 +162,48 @@ pub trait Replica {
     fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError>;
 }
 
-/// The message of a caught panic.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "(no message)".to_string()
-    }
+/// Run a job's own code, turning a panic into its message and location ("… at src/main.rs:9:5").
+///
+/// A panic in job code is reported once, in lockstep's error naming the job, the step and the
+/// micro-batch: the default panic hook's report (and backtrace) is suppressed for it, so that the
+/// launcher's excerpt of the worker's last output shows the error. Panics elsewhere are reported
+/// as usual.
+pub(crate) fn catch_job_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    install_quiet_hook();
+    IN_JOB_CODE.with(|c| c.set(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    IN_JOB_CODE.with(|c| c.set(false));
+    result.map_err(|payload| {
+        let message = if let Some(s) = payload.downcast_ref::<&str>() {
+            (*s).to_string()
+        } else if let Some(s) = payload.downcast_ref::<String>() {
+            s.clone()
+        } else {
+            "(no message)".to_string()
+        };
+        match PANIC_LOCATION.with(|l| l.take()) {
+            Some(at) => format!("{message} (at {at})"),
+            None => message,
+        }
+    })
+}
+
+thread_local! {
+    static IN_JOB_CODE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static PANIC_LOCATION: std::cell::Cell<Option<String>> = const { std::cell::Cell::new(None) };
+}
+
+fn install_quiet_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if IN_JOB_CODE.with(|c| c.get()) {
+                let at = info.location().map(|l| l.to_string());
+                PANIC_LOCATION.with(|l| l.set(at));
+            } else {
+                default(info)
+            }
+        }));
+    });
 }

@@ -1,0 +1,176 @@
+//! A user's own job (written only against the public `lockstep` API) gets all of lockstep:
+//! processes, the same parameter bits at every world size, recovery from a killed worker, the
+//! run outputs with its own metric, and a clear, final error (exit status 3, no restart loop)
+//! when its data or loss misbehaves.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn testjob(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lockstep-testjob"))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("spawn lockstep-testjob")
+}
+
+fn train(out: &Path, nproc: &str, extra: &[&str]) -> Output {
+    let mut args = vec!["train", "--nproc", nproc, "--out", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    testjob(&args)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn assert_ok(o: &Output) {
+    assert!(o.status.success(), "failed: {}", stderr(o));
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+fn hash(dir: &Path) -> String {
+    summary(dir)["param_hash"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn a_user_job_reaches_the_same_parameters_at_every_world_size_and_reports_its_metric() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = tmp.path().join("one");
+    assert_ok(&train(&one, "1", &[]));
+    for n in ["2", "3"] {
+        let dir = tmp.path().join(format!("n{n}"));
+        assert_ok(&train(&dir, n, &[]));
+        assert_eq!(hash(&dir), hash(&one), "{n} workers vs 1");
+        assert_eq!(summary(&dir)["world_size"], n.parse::<u64>().unwrap());
+    }
+    let s = summary(&one);
+    let mae = s["test_metrics"]["mae"].as_f64().expect("the job's metric in summary.json");
+    // A fixed smooth target of inputs in [-1, 1): the untrained net is far off (mae ≈ 0.9);
+    // 12 steps must have learnt something.
+    assert!(mae > 0.0 && mae < 0.5, "mae {mae}");
+    assert!(s["test_accuracy"].is_null(), "no accuracy metric: {}", s["test_accuracy"]);
+    let metrics = std::fs::read_to_string(one.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"mae\""), "metrics.jsonl lacks the job's metric");
+    let report = std::fs::read_to_string(one.join("report.html")).unwrap();
+    assert!(report.contains("test mae"), "report.html lacks the job's metric");
+}
+
+#[test]
+fn a_killed_worker_of_a_user_job_is_restarted_to_the_fault_free_parameters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference");
+    assert_ok(&train(&reference, "1", &[]));
+    let killed = tmp.path().join("killed");
+    assert_ok(&train(&killed, "3", &["--inject", "kill:rank=1,step=6"]));
+    assert_eq!(hash(&killed), hash(&reference));
+    assert!(summary(&killed)["restarts"].as_u64().unwrap() >= 1);
+}
+
+/// Runs the job with one misbehaviour and checks the failure is final and explained.
+fn misbehaves(how: &str, expected: &[&str]) -> (tempfile::TempDir, Output) {
+    let tmp = tempfile::tempdir().unwrap();
+    let setting = format!("job.misbehave=\"{how}\"");
+    let o = train(&tmp.path().join("run"), "2", &["--set", &setting]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{how}: {err}");
+    for e in expected {
+        assert!(err.contains(e), "{how}: the error lacks `{e}`:\n{err}");
+    }
+    assert!(!err.contains("lockstep: restart "), "{how}: restarted:\n{err}");
+    assert!(err.contains("not restarting"), "{how}:\n{err}");
+    assert!(!err.contains("stack backtrace"), "{how}: backtrace noise:\n{err}");
+    (tmp, o)
+}
+
+#[test]
+fn a_dataset_shorter_than_a_batch_is_a_final_error_naming_the_job() {
+    misbehaves(
+        "short-dataset",
+        &["`testjob`", "10 training samples", "train.global_batch = 32"],
+    );
+}
+
+#[test]
+fn a_batch_of_the_wrong_shape_is_a_final_error_naming_job_step_and_microbatch() {
+    misbehaves(
+        "wrong-shape",
+        &["job `testjob`, step 1, micro-batch 0", "panicked", "expected 8, got 7"],
+    );
+}
+
+#[test]
+fn a_nan_loss_is_a_final_error_naming_the_step_and_microbatch_and_keeps_earlier_checkpoints() {
+    // Sample 37 is poisoned; the sampler's shuffle puts it in some step's batch: the error must
+    // name that step and the micro-batch holding it.
+    let (tmp, o) = misbehaves("nan-loss", &["job `testjob`, step ", "micro-batch ", "the loss is NaN"]);
+    let err = stderr(&o);
+    let step: u64 = err
+        .split("job `testjob`, step ")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .and_then(|s| s.parse().ok())
+        .expect("a step number");
+    // Checkpoints every 4 steps: those written before the failing step are still there.
+    let ckpts: Vec<_> = std::fs::read_dir(tmp.path().join("run/checkpoints"))
+        .map(|d| d.flatten().collect())
+        .unwrap_or_default();
+    assert_eq!(ckpts.len() as u64, ((step - 1) / 4).min(3), "{err}");
+}
+
+#[test]
+fn a_panic_while_opening_the_data_is_a_final_error_naming_the_job() {
+    misbehaves(
+        "panic-in-data",
+        &["job `testjob`: opening the job panicked", "evaluation files are missing", "main.rs"],
+    );
+}
+
+#[test]
+fn bad_job_settings_are_refused_before_anything_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let o = train(&out, "2", &["--set", "job.misbehave=\"often\""]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("job.misbehave = `often`"), "{}", stderr(&o));
+    let o = train(&out, "2", &["--set", "job.colour=1"]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("colour"), "{}", stderr(&o));
+    // What a user job cannot do (yet) is refused by name.
+    let o = train(&out, "2", &["--set", "parallel.pp=2"]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(stderr(&o).contains("parallel.pp"), "{}", stderr(&o));
+    let o = train(&out, "2", &["--set", "dist.overlap=true"]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(stderr(&o).contains("dist.overlap"), "{}", stderr(&o));
+    assert!(!out.join("summary.json").exists());
+}
+
+#[test]
+fn a_user_jobs_settings_are_part_of_its_identity() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    assert_ok(&train(&out, "2", &[]));
+    let o = testjob(&[
+        "train",
+        "--resume",
+        out.to_str().unwrap(),
+        "--set",
+        "job.hidden=32",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("job.hidden: 16 → 32"), "{}", stderr(&o));
+    // Extending it is allowed and continues from its last checkpoint.
+    let o = testjob(&[
+        "train",
+        "--resume",
+        out.to_str().unwrap(),
+        "--set",
+        "train.steps=16",
+    ]);
+    assert_ok(&o);
+    assert_eq!(summary(&out)["steps"], 16);
+}
