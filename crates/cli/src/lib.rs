@@ -710,13 +710,13 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
         })
         .with_context(|| format!("the {} run ({})", layout.name, layout.describe()))?;
         let (summary, records) = scale::load_run(&dir)?;
-        runs.push(lockstep_train::scaling::Run {
+        runs.push(lockstep_report::scaling::Run {
             layout: layout.clone(),
             summary,
             records,
         });
     }
-    let report = lockstep_train::scaling::compare(&runs);
+    let report = lockstep_report::scaling::compare(&runs);
     print!("{}", scale::format_table(&report));
     for path in scale::write_outputs(&a.out, &report, &runs)? {
         eprintln!("lockstep scale: wrote {}", path.display());

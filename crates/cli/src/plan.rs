@@ -1,11 +1,11 @@
 //! `lockstep plan`: predicted step time, speedup and efficiency of layouts on a described cluster,
-//! calibrated from a finished run. The model is `lockstep_train::plan` (equations and validation:
+//! calibrated from a finished run. The model is `lockstep_report::plan` (equations and validation:
 //! docs/plan.md); this file reads the run directory and the cluster description and prints.
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use lockstep_train::plan::{self, ClusterSpec, Plan, Workload};
+use lockstep_report::plan::{self, ClusterSpec, Plan, Workload};
 use lockstep_train::TrainConfig;
 
 use crate::PlanArgs;

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use lockstep_train::scaling::{self, Layout, LayoutSpec, Run, ScaleReport};
+use lockstep_report::scaling::{self, Layout, LayoutSpec, Run, ScaleReport};
 use lockstep_train::{StepRecord, Summary, TrainConfig};
 
 /// Parse "1,2,4".
@@ -78,7 +78,7 @@ pub fn load_run(dir: &Path) -> Result<(Summary, Vec<StepRecord>)> {
 
 /// Write `scale.json`, `scale_report.md` and `scale_report.html` into `out`; returns their paths.
 pub fn write_outputs(out: &Path, report: &ScaleReport, runs: &[Run]) -> Result<Vec<PathBuf>> {
-    let (md, html) = lockstep_train::scale_report::render(report, runs);
+    let (md, html) = lockstep_report::scale_report::render(report, runs);
     let files = [
         ("scale.json", serde_json::to_string_pretty(report)? + "\n"),
         ("scale_report.md", md),

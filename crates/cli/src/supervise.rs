@@ -166,7 +166,7 @@ pub fn annotate_summary(out: &Path, sup: &Supervision) -> Result<()> {
 /// Write `report.md` and `report.html` next to `summary.json` (node 0, after a successful run).
 pub fn write_report(out: &Path, sup: &Supervision) -> Result<()> {
     let (summary, records) = crate::scale::load_run(out)?;
-    let recovery = lockstep_train::report::Recovery {
+    let recovery = lockstep_report::report::Recovery {
         restarts: sup.restarts as u64,
         steps_recomputed: sup.steps_recomputed,
         failures: sup
@@ -188,10 +188,10 @@ pub fn write_report(out: &Path, sup: &Supervision) -> Result<()> {
             })
             .collect(),
     };
-    let marks: Vec<lockstep_train::report::FailureMark> = sup
+    let marks: Vec<lockstep_report::report::FailureMark> = sup
         .failures
         .iter()
-        .map(|f| lockstep_train::report::FailureMark {
+        .map(|f| lockstep_report::report::FailureMark {
             attempt: f.attempt,
             rank: f.rank,
             world_size: f.world_size,
@@ -201,7 +201,7 @@ pub fn write_report(out: &Path, sup: &Supervision) -> Result<()> {
         })
         .collect();
     let (md, html) =
-        lockstep_train::report::render_with_failures(&summary, &records, &recovery, &marks);
+        lockstep_report::report::render_with_failures(&summary, &records, &recovery, &marks);
     lockstep_train::trainer::write_atomic(&out.join("report.md"), md.as_bytes())?;
     lockstep_train::trainer::write_atomic(&out.join("report.html"), html.as_bytes())?;
     Ok(())

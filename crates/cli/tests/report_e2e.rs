@@ -6,7 +6,7 @@ use std::path::Path;
 
 mod common;
 use common::{assert_ok, lockstep, summary};
-use lockstep_train::svg::well_formed;
+use lockstep_report::svg::well_formed;
 
 fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()))

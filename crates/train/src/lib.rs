@@ -15,12 +15,7 @@ pub mod limits;
 pub mod metrics;
 pub mod parallel_dims;
 pub mod pipeline;
-pub mod plan;
-pub mod report;
 mod run_end;
-pub mod scale_report;
-pub mod scaling;
-pub mod svg;
 pub mod trainer;
 
 pub use builtin::BuiltinJob;

@@ -10,8 +10,8 @@ use lockstep_comm::Algorithm;
 use serde::{Deserialize, Serialize};
 
 use super::PlanError;
-use crate::config::TrainConfig;
-use crate::job::{JobSpec, Trainable};
+use lockstep_train::config::TrainConfig;
+use lockstep_train::job::{JobSpec, Trainable};
 
 /// One layer a pipeline may cut after.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

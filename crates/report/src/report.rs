@@ -11,7 +11,7 @@
 
 use std::fmt::Write as _;
 
-use crate::metrics::{Eval, PipelineSummary, StepRecord, Summary};
+use lockstep_train::metrics::{Eval, PipelineSummary, StepRecord, Summary};
 use crate::svg::{esc, LineChart, Series, Span, StackedBars, Timeline, PALETTE};
 
 /// Extra facts the launcher knows (restarts and failures).
@@ -464,7 +464,7 @@ fn pipeline_section(doc: &mut Doc, s: &Summary, p: &PipelineSummary) {
         p.bubble_fraction * 100.0,
         p.ideal_bubble_fraction * 100.0
     ));
-    let stage_ranks = |stage: usize| -> Vec<(usize, crate::metrics::RankPipeline)> {
+    let stage_ranks = |stage: usize| -> Vec<(usize, lockstep_train::metrics::RankPipeline)> {
         s.ranks
             .iter()
             .filter_map(|r| r.pipeline.map(|rp| (r.rank, rp)))
@@ -652,7 +652,7 @@ fn attempt_spans(s: &Summary, failures: &[FailureMark]) -> Vec<Span> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{Eval, PhaseSeconds, PipelineStep, RankPipeline, RankSummary, StepRecord};
+    use lockstep_train::metrics::{Eval, PhaseSeconds, PipelineStep, RankPipeline, RankSummary, StepRecord};
     use crate::svg::well_formed;
 
     fn records(world: usize, steps: u64) -> Vec<StepRecord> {

@@ -10,12 +10,12 @@
 //! warm-up) are skipped. Speedup and efficiency are relative to the first run (normally 1
 //! worker): speedup = t₀ / tₙ, efficiency = speedup · n₀ / n.
 
-use crate::metrics::median;
+use lockstep_train::metrics::median;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfigError, TrainConfig};
-use crate::metrics::{StepRecord, Summary};
-use crate::parallel_dims::ParallelDims;
+use lockstep_train::config::{ConfigError, TrainConfig};
+use lockstep_train::metrics::{StepRecord, Summary};
+use lockstep_train::parallel_dims::ParallelDims;
 
 /// One entry of a layout list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -362,7 +362,7 @@ fn headline(points: &[ScalePoint], hashes_agree: bool) -> String {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::metrics::{PhaseSeconds, PipelineStep};
+    use lockstep_train::metrics::{PhaseSeconds, PipelineStep};
 
     fn rec(rank: usize, step: u64, secs: f64, comm: f64) -> StepRecord {
         StepRecord {

@@ -2,7 +2,7 @@
 //! per-step overhead as medians over its steady steps, and the CPU cost of the synchronisation
 //! left once the model of the run's own links has taken the network's share.
 
-use crate::metrics::median;
+use lockstep_train::metrics::median;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use super::cost::{boundary_bytes, p2p_bytes_per_rank, sync_units, Placement};
 use super::stages::{balanced_stages, even, stage_groups};
 use super::{Cluster, Layout, Link, PlanError, Workload};
-use crate::metrics::{StepRecord, Summary};
+use lockstep_train::metrics::{StepRecord, Summary};
 use crate::scaling::warmup_steps;
 
 /// What a real run says about this machine and model.
@@ -223,7 +223,7 @@ pub fn calibrate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{PhaseSeconds, PipelineSummary};
+    use lockstep_train::metrics::{PhaseSeconds, PipelineSummary};
     use crate::plan::predict::predict;
     use crate::plan::test_support::{close, pipeline_workload, workload};
 
@@ -331,7 +331,7 @@ mod tests {
     fn calibration_without_steady_steps_says_what_to_do() {
         // A one-step run: its only step is the last, which also evaluates: nothing steady.
         let mut last = rec(0, 0, 0.01, 0.0, 0.001, 0.011, 256);
-        last.eval = Some(crate::metrics::Eval {
+        last.eval = Some(lockstep_train::metrics::Eval {
             test_loss: 1.0,
             test_accuracy: 0.5,
             ..Default::default()

@@ -288,7 +288,7 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{PhaseSeconds, StepRecord, Summary};
+    use lockstep_train::metrics::{PhaseSeconds, StepRecord, Summary};
     use crate::scaling::{compare, Layout};
     use crate::svg::well_formed;
 
