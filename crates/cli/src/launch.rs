@@ -263,12 +263,20 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
 const FAILURE_GRACE: Duration = Duration::from_millis(500);
 
 /// Which rank to blame, and what happened to it: a worker killed by a signal (the launcher had
-/// sent none yet) over workers that exited with an error; among those, a rank that the failed
+/// sent none yet) over workers that exited with an error; then a worker that exited on bad input
+/// (status 3) over the peers that lost it; among the rest, a rank that the failed
 /// workers all timed out *waiting for* but that never exited itself is hung, and is the cause;
 /// otherwise the first to exit.
 fn blame(failures: &[(usize, ExitStatus)], last_lines: &[Vec<String>]) -> Option<(usize, String)> {
     use std::os::unix::process::ExitStatusExt;
     if let Some((rank, status)) = failures.iter().find(|(_, s)| s.signal().is_some()) {
+        return Some((*rank, describe(*status)));
+    }
+    // A worker that stopped on bad input failed by itself, whoever noticed its absence first.
+    if let Some((rank, status)) = failures
+        .iter()
+        .find(|(_, s)| s.code() == Some(EXIT_PERMANENT))
+    {
         return Some((*rank, describe(*status)));
     }
     let waited_for: Vec<usize> = failures
@@ -408,4 +416,27 @@ pub fn default_out_dir() -> PathBuf {
         .map(|d| d.as_secs())
         .unwrap_or(0);
     PathBuf::from("runs").join(format!("run-{secs}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    fn exited(code: i32) -> ExitStatus {
+        ExitStatus::from_raw(code << 8)
+    }
+
+    #[test]
+    fn a_worker_that_stopped_on_bad_input_is_blamed_over_the_peer_that_noticed_first() {
+        let lines = vec![Vec::new(), Vec::new()];
+        let failures = [(0, exited(1)), (1, exited(EXIT_PERMANENT))];
+        assert_eq!(blame(&failures, &lines).map(|b| b.0), Some(1));
+        // Without one, the first to exit.
+        let failures = [(0, exited(1)), (1, exited(1))];
+        assert_eq!(blame(&failures, &lines).map(|b| b.0), Some(0));
+        // A signal still wins: the worker was killed.
+        let failures = [(1, exited(EXIT_PERMANENT)), (0, ExitStatus::from_raw(9))];
+        assert_eq!(blame(&failures, &lines).map(|b| b.0), Some(0));
+    }
 }

@@ -461,7 +461,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         run_dir::prepare_fresh(&out, &cfg, a.overwrite)?;
     }
     if cfg.checkpoint.every > 0 && (engine.as_ref().is_none_or(|w| w.rank == 0)) {
-        run_dir::check_writable(&lockstep_train::trainer::checkpoint_dir(&cfg, &out))?;
+        run_dir::check_writable(&lockstep_train::checkpoint_dir(&cfg, &out))?;
     }
 
     // Started by Slurm / mpirun / torchrun: this process is one worker.
@@ -480,10 +480,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             // resubmitted with `--resume <out>`.
             std::fs::create_dir_all(&out)
                 .with_context(|| format!("creating run directory {}", out.display()))?;
-            lockstep_train::trainer::write_atomic(
-                &out.join("config.toml"),
-                cfg.to_toml().as_bytes(),
-            )?;
+            lockstep_train::write_atomic(&out.join("config.toml"), cfg.to_toml().as_bytes())?;
         }
         return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
     }
@@ -491,7 +488,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
     std::fs::create_dir_all(&out)
         .with_context(|| format!("creating run directory {}", out.display()))?;
     let resolved = out.join("config.toml");
-    lockstep_train::trainer::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
+    lockstep_train::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
     if a.nodes.nnodes > 1 && (a.max_restarts > 0 || min_world != max_world) {
         eprintln!("lockstep: note: with several nodes a failure ends the job on this node (restarts and elasticity are per-launcher); resume it with --resume");
     }

@@ -31,11 +31,8 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let p = plan::plan(&cluster, &workload, &cal, layouts.as_deref());
     print!("{}", format_plan(&p, &a.from));
     if let Some(path) = &a.json {
-        lockstep_train::trainer::write_atomic(
-            path,
-            (serde_json::to_string_pretty(&p)? + "\n").as_bytes(),
-        )
-        .with_context(|| format!("writing {}", path.display()))?;
+        lockstep_train::write_atomic(path, (serde_json::to_string_pretty(&p)? + "\n").as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("lockstep plan: wrote {}", path.display());
     }
     if p.recommendation.is_none() {

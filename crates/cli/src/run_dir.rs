@@ -65,7 +65,7 @@ fn run_files(dir: &Path, ckpt_dir: &Path) -> Vec<String> {
 /// A fresh run into `dir`: refuse a directory holding a run, unless `overwrite`, which removes the
 /// run's files (and checkpoints) — and nothing else.
 pub fn prepare_fresh(dir: &Path, cfg: &TrainConfig, overwrite: bool) -> Result<(), RunDirError> {
-    let ckpt_dir = lockstep_train::trainer::checkpoint_dir(cfg, dir);
+    let ckpt_dir = lockstep_train::checkpoint_dir(cfg, dir);
     let found = run_files(dir, &ckpt_dir);
     if found.is_empty() {
         return Ok(());
@@ -102,9 +102,11 @@ pub fn check_resume(dir: &Path, cfg: &TrainConfig) -> Result<Resume, RunDirError
     if !config_path.exists() {
         return Err(RunDirError::NotARun { dir: display(dir) });
     }
-    let old = TrainConfig::load_for(crate::job(), Some(&config_path), &[]).map_err(|e| RunDirError::Unreadable {
-        path: display(&config_path),
-        what: e.to_string(),
+    let old = TrainConfig::load_for(crate::job(), Some(&config_path), &[]).map_err(|e| {
+        RunDirError::Unreadable {
+            path: display(&config_path),
+            what: e.to_string(),
+        }
     })?;
     let changes = old.identity_differences(cfg);
     if !changes.is_empty() {

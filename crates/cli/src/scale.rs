@@ -87,7 +87,7 @@ pub fn write_outputs(out: &Path, report: &ScaleReport, runs: &[Run]) -> Result<V
     let mut paths = Vec::new();
     for (name, text) in files {
         let path = out.join(name);
-        lockstep_train::trainer::write_atomic(&path, text.as_bytes())?;
+        lockstep_train::write_atomic(&path, text.as_bytes())?;
         paths.push(path);
     }
     Ok(paths)

@@ -156,10 +156,7 @@ pub fn annotate_summary(out: &Path, sup: &Supervision) -> Result<()> {
         "wall_seconds_including_restarts".into(),
         sup.wall_seconds_total.into(),
     );
-    lockstep_train::trainer::write_atomic(
-        &path,
-        (serde_json::to_string_pretty(&v)? + "\n").as_bytes(),
-    )?;
+    lockstep_train::write_atomic(&path, (serde_json::to_string_pretty(&v)? + "\n").as_bytes())?;
     Ok(())
 }
 
@@ -202,7 +199,7 @@ pub fn write_report(out: &Path, sup: &Supervision) -> Result<()> {
         .collect();
     let (md, html) =
         lockstep_report::report::render_with_failures(&summary, &records, &recovery, &marks);
-    lockstep_train::trainer::write_atomic(&out.join("report.md"), md.as_bytes())?;
-    lockstep_train::trainer::write_atomic(&out.join("report.html"), html.as_bytes())?;
+    lockstep_train::write_atomic(&out.join("report.md"), md.as_bytes())?;
+    lockstep_train::write_atomic(&out.join("report.html"), html.as_bytes())?;
     Ok(())
 }

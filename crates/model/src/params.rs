@@ -1,5 +1,5 @@
 //! Flat-parameter views of any burn [`Module`]: layout, read, write and gradient extraction.
-//! lockstep's own nets use them, and so can a user's model (see the `custom_model` example of
+//! lockstep's own nets use them, and so does `lockstep::Job` for a user's own model (in
 //! lockstep-train): this is all the distribution layer needs from a model.
 //!
 //! All four walk the module with burn's visitor/mapper, whose order is the `#[derive(Module)]`

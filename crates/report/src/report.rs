@@ -11,8 +11,8 @@
 
 use std::fmt::Write as _;
 
-use lockstep_train::metrics::{Eval, PipelineSummary, StepRecord, Summary};
 use crate::svg::{esc, LineChart, Series, Span, StackedBars, Timeline, PALETTE};
+use lockstep_train::metrics::{Eval, PipelineSummary, StepRecord, Summary};
 
 /// Extra facts the launcher knows (restarts and failures).
 #[derive(Debug, Default, Clone)]
@@ -344,7 +344,11 @@ pub fn render_with_failures(
             row.push(format!("{:.4}", e.test_accuracy));
         }
         for name in &names {
-            row.push(e.metrics.get(name).map_or("—".into(), |v| format!("{v:.4}")));
+            row.push(
+                e.metrics
+                    .get(name)
+                    .map_or("—".into(), |v| format!("{v:.4}")),
+            );
         }
         ev.row(row);
     }
@@ -652,8 +656,10 @@ fn attempt_spans(s: &Summary, failures: &[FailureMark]) -> Vec<Span> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lockstep_train::metrics::{Eval, PhaseSeconds, PipelineStep, RankPipeline, RankSummary, StepRecord};
     use crate::svg::well_formed;
+    use lockstep_train::metrics::{
+        Eval, PhaseSeconds, PipelineStep, RankPipeline, RankSummary, StepRecord,
+    };
 
     fn records(world: usize, steps: u64) -> Vec<StepRecord> {
         (0..steps)

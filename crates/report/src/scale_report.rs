@@ -288,9 +288,9 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lockstep_train::metrics::{PhaseSeconds, StepRecord, Summary};
     use crate::scaling::{compare, Layout};
     use crate::svg::well_formed;
+    use lockstep_train::metrics::{PhaseSeconds, StepRecord, Summary};
 
     fn run(name: &str, dp: usize, pp: usize, hash: &str, step_secs: f64, loss_shift: f64) -> Run {
         let world = dp * pp;

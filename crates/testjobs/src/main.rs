@@ -50,7 +50,11 @@ fn item(i: usize, poison: bool, truncate: bool) -> Item {
         let h = (i as u64 * 2654435761 + k as u64 * 40503) % 1000;
         *v = h as f32 / 500.0 - 1.0;
     }
-    let y = x.iter().enumerate().map(|(k, v)| v * (k as f32 - 3.5) / 4.0).sum::<f32>()
+    let y = x
+        .iter()
+        .enumerate()
+        .map(|(k, v)| v * (k as f32 - 3.5) / 4.0)
+        .sum::<f32>()
         + (x[0] * x[1]);
     if truncate {
         x.pop();
@@ -85,7 +89,9 @@ impl lockstep::Job for TestJob {
         let s: Settings = cfg.job_section().map_err(|e| e.to_string())?;
         match s.misbehave.as_str() {
             "none" | "short-dataset" | "wrong-shape" | "nan-loss" | "panic-in-data" => Ok(()),
-            other => Err(format!("job.misbehave = `{other}` is not a known misbehaviour")),
+            other => Err(format!(
+                "job.misbehave = `{other}` is not a known misbehaviour"
+            )),
         }
     }
 
@@ -99,10 +105,16 @@ impl lockstep::Job for TestJob {
 
     fn train_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Item>>, BoxError> {
         let s: Settings = cfg.job_section()?;
-        let n = if s.misbehave == "short-dataset" { 10 } else { s.train_samples };
+        let n = if s.misbehave == "short-dataset" {
+            10
+        } else {
+            s.train_samples
+        };
         let nan = s.misbehave == "nan-loss";
         let short = s.misbehave == "wrong-shape";
-        let items = (0..n).map(|i| item(i, nan && i == POISONED, short)).collect();
+        let items = (0..n)
+            .map(|i| item(i, nan && i == POISONED, short))
+            .collect();
         Ok(Box::new(InMemDataset::new(items)))
     }
 
@@ -112,7 +124,9 @@ impl lockstep::Job for TestJob {
             panic!("the evaluation files are missing (deliberate)");
         }
         Ok(Box::new(InMemDataset::new(
-            (0..128).map(|i| item(1_000_000 + i, false, false)).collect(),
+            (0..128)
+                .map(|i| item(1_000_000 + i, false, false))
+                .collect(),
         )))
     }
 

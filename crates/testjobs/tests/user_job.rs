@@ -48,15 +48,27 @@ fn a_user_job_reaches_the_same_parameters_at_every_world_size_and_reports_its_me
         assert_eq!(summary(&dir)["world_size"], n.parse::<u64>().unwrap());
     }
     let s = summary(&one);
-    let mae = s["test_metrics"]["mae"].as_f64().expect("the job's metric in summary.json");
+    let mae = s["test_metrics"]["mae"]
+        .as_f64()
+        .expect("the job's metric in summary.json");
     // A fixed smooth target of inputs in [-1, 1): the untrained net is far off (mae ≈ 0.9);
     // 12 steps must have learnt something.
     assert!(mae > 0.0 && mae < 0.5, "mae {mae}");
-    assert!(s["test_accuracy"].is_null(), "no accuracy metric: {}", s["test_accuracy"]);
+    assert!(
+        s["test_accuracy"].is_null(),
+        "no accuracy metric: {}",
+        s["test_accuracy"]
+    );
     let metrics = std::fs::read_to_string(one.join("metrics.jsonl")).unwrap();
-    assert!(metrics.contains("\"mae\""), "metrics.jsonl lacks the job's metric");
+    assert!(
+        metrics.contains("\"mae\""),
+        "metrics.jsonl lacks the job's metric"
+    );
     let report = std::fs::read_to_string(one.join("report.html")).unwrap();
-    assert!(report.contains("test mae"), "report.html lacks the job's metric");
+    assert!(
+        report.contains("test mae"),
+        "report.html lacks the job's metric"
+    );
 }
 
 #[test]
@@ -80,9 +92,15 @@ fn misbehaves(how: &str, expected: &[&str]) -> (tempfile::TempDir, Output) {
     for e in expected {
         assert!(err.contains(e), "{how}: the error lacks `{e}`:\n{err}");
     }
-    assert!(!err.contains("lockstep: restart "), "{how}: restarted:\n{err}");
+    assert!(
+        !err.contains("lockstep: restart "),
+        "{how}: restarted:\n{err}"
+    );
     assert!(err.contains("not restarting"), "{how}:\n{err}");
-    assert!(!err.contains("stack backtrace"), "{how}: backtrace noise:\n{err}");
+    assert!(
+        !err.contains("stack backtrace"),
+        "{how}: backtrace noise:\n{err}"
+    );
     (tmp, o)
 }
 
@@ -90,7 +108,11 @@ fn misbehaves(how: &str, expected: &[&str]) -> (tempfile::TempDir, Output) {
 fn a_dataset_shorter_than_a_batch_is_a_final_error_naming_the_job() {
     misbehaves(
         "short-dataset",
-        &["`testjob`", "10 training samples", "train.global_batch = 32"],
+        &[
+            "`testjob`",
+            "10 training samples",
+            "train.global_batch = 32",
+        ],
     );
 }
 
@@ -98,7 +120,11 @@ fn a_dataset_shorter_than_a_batch_is_a_final_error_naming_the_job() {
 fn a_batch_of_the_wrong_shape_is_a_final_error_naming_job_step_and_microbatch() {
     misbehaves(
         "wrong-shape",
-        &["job `testjob`, step 1, micro-batch 0", "panicked", "expected 8, got 7"],
+        &[
+            "job `testjob`, step 1, micro-batch 0",
+            "panicked",
+            "expected 8, got 7",
+        ],
     );
 }
 
@@ -106,7 +132,10 @@ fn a_batch_of_the_wrong_shape_is_a_final_error_naming_job_step_and_microbatch() 
 fn a_nan_loss_is_a_final_error_naming_the_step_and_microbatch_and_keeps_earlier_checkpoints() {
     // Sample 37 is poisoned; the sampler's shuffle puts it in some step's batch: the error must
     // name that step and the micro-batch holding it.
-    let (tmp, o) = misbehaves("nan-loss", &["job `testjob`, step ", "micro-batch ", "the loss is NaN"]);
+    let (tmp, o) = misbehaves(
+        "nan-loss",
+        &["job `testjob`, step ", "micro-batch ", "the loss is NaN"],
+    );
     let err = stderr(&o);
     let step: u64 = err
         .split("job `testjob`, step ")
@@ -125,7 +154,11 @@ fn a_nan_loss_is_a_final_error_naming_the_step_and_microbatch_and_keeps_earlier_
 fn a_panic_while_opening_the_data_is_a_final_error_naming_the_job() {
     misbehaves(
         "panic-in-data",
-        &["job `testjob`: opening the job panicked", "evaluation files are missing", "main.rs"],
+        &[
+            "job `testjob`: opening the job panicked",
+            "evaluation files are missing",
+            "main.rs",
+        ],
     );
 }
 
@@ -135,7 +168,11 @@ fn bad_job_settings_are_refused_before_anything_starts() {
     let out = tmp.path().join("run");
     let o = train(&out, "2", &["--set", "job.misbehave=\"often\""]);
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
-    assert!(stderr(&o).contains("job.misbehave = `often`"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("job.misbehave = `often`"),
+        "{}",
+        stderr(&o)
+    );
     let o = train(&out, "2", &["--set", "job.colour=1"]);
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stderr(&o).contains("colour"), "{}", stderr(&o));

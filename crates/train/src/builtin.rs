@@ -6,7 +6,7 @@
 //! its layer, which lets `dist.overlap` stream gradients during backward.
 
 use lockstep_data::Dataset;
-use lockstep_model::{Model, ParamInfo};
+use lockstep_model::{Model, ModelSpec, ParamInfo};
 
 use crate::config::{ConfigError, TrainConfig};
 use crate::job::{Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
@@ -34,7 +34,7 @@ impl JobSpec for BuiltinJob {
             return Ok(Trainable::BuiltinTransformer);
         }
         let (train, test) = crate::datasets::load(&cfg.data, cfg.train.seed)?;
-        let model = Model::new(&crate::trainer::model_spec(cfg, &train), cfg.train.seed)?;
+        let model = Model::new(&model_spec(cfg, &train), cfg.train.seed)?;
         Ok(Trainable::Replica(Box::new(Classifier {
             model,
             train,
@@ -112,9 +112,9 @@ impl Replica for Classifier {
         let t0 = std::time::Instant::now();
         self.train.gather(samples, &mut self.x, &mut self.y);
         let data_seconds = t0.elapsed().as_secs_f64();
-        let result = self
-            .model
-            .loss_and_grad_streaming(&self.x, &self.y, samples.len(), scale, on_grad);
+        let result =
+            self.model
+                .loss_and_grad_streaming(&self.x, &self.y, samples.len(), scale, on_grad);
         Some(result.map_err(Into::into).map(|loss| Computed {
             loss,
             data_seconds,
@@ -129,5 +129,25 @@ impl Replica for Classifier {
             loss,
             metrics: vec![("accuracy".into(), correct as f64)],
         })
+    }
+}
+
+/// The classifier `cfg` describes for the shape and classes of `data`.
+pub fn model_spec(cfg: &TrainConfig, data: &Dataset) -> ModelSpec {
+    let [c, h, w] = data.shape;
+    match cfg.model.kind.as_str() {
+        "cnn" => ModelSpec::Cnn {
+            channels: c,
+            height: h,
+            width: w,
+            conv: cfg.model.conv.clone(),
+            hidden: cfg.model.cnn_hidden,
+            classes: data.classes,
+        },
+        _ => ModelSpec::Mlp {
+            input: c * h * w,
+            hidden: cfg.model.hidden.clone(),
+            classes: data.classes,
+        },
     }
 }

@@ -308,7 +308,10 @@ impl TrainConfig {
                 })?,
                 p.display().to_string(),
             ),
-            None => (String::new(), format!("the defaults of job `{}`", job.name())),
+            None => (
+                String::new(),
+                format!("the defaults of job `{}`", job.name()),
+            ),
         };
         Self::from_toml_str_for(job, &text, &origin, overrides)
     }
@@ -328,7 +331,10 @@ impl TrainConfig {
                 })
         };
         let defaults = job.default_config();
-        let mut table = parse(&defaults, &format!("the default config of job `{}`", job.name()))?;
+        let mut table = parse(
+            &defaults,
+            &format!("the default config of job `{}`", job.name()),
+        )?;
         merge(&mut table, parse(text, origin)?);
         for o in overrides {
             apply_override(&mut table, o)?;

@@ -5,7 +5,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use crate::trainer::TrainError;
+use crate::error::TrainError;
 
 /// The disk, or the user's quota, is full.
 pub fn is_no_space(e: &std::io::Error) -> bool {

@@ -6,7 +6,9 @@
 pub mod builtin;
 pub mod checkpoint;
 pub mod config;
+pub mod context;
 pub mod datasets;
+pub mod error;
 pub mod faults;
 pub mod files;
 pub mod grad_sync;
@@ -15,12 +17,16 @@ pub mod limits;
 pub mod metrics;
 pub mod parallel_dims;
 pub mod pipeline;
-mod run_end;
+mod run;
 pub mod trainer;
 
 pub use builtin::BuiltinJob;
 pub use config::{ConfigError, TrainConfig};
+pub use context::{Event, Progress, WorkerContext};
+pub use error::TrainError;
+pub use files::write_atomic;
 pub use job::{Job, JobSpec, Replica, ReplicaError};
 pub use metrics::{StepRecord, Summary};
 pub use parallel_dims::{Coords, ParallelDims};
-pub use trainer::{train, Event, Progress, TrainError, WorkerContext};
+pub use run::checkpointing::checkpoint_dir;
+pub use trainer::train;

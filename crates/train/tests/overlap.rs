@@ -485,7 +485,9 @@ fn training_with_and_without_overlap_ends_with_the_same_parameters() {
                             resume: false,
                             faults: &[],
                         };
-                        train(&lockstep_train::BuiltinJob, cfg, ctx).unwrap().param_hash
+                        train(&lockstep_train::BuiltinJob, cfg, ctx)
+                            .unwrap()
+                            .param_hash
                     })
                 })
                 .collect();

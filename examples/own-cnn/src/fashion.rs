@@ -51,8 +51,13 @@ impl FashionMnist {
 /// The file `stem` (or `stem.gz`) in `dir`, decompressed.
 fn read(dir: &Path, stem: &str) -> Result<Vec<u8>, String> {
     let gz = dir.join(format!("{stem}.gz"));
-    let (path, zipped) = if gz.exists() { (gz, true) } else { (dir.join(stem), false) };
-    let raw = std::fs::read(&path).map_err(|e| format!("{}: {e} (run scripts/setup.sh)", path.display()))?;
+    let (path, zipped) = if gz.exists() {
+        (gz, true)
+    } else {
+        (dir.join(stem), false)
+    };
+    let raw = std::fs::read(&path)
+        .map_err(|e| format!("{}: {e} (run scripts/setup.sh)", path.display()))?;
     if !zipped {
         return Ok(raw);
     }
@@ -65,9 +70,15 @@ fn read(dir: &Path, stem: &str) -> Result<Vec<u8>, String> {
 
 /// Checks the magic number; returns the item count and the bytes after the header.
 fn payload(bytes: &[u8], magic: u32, header: usize) -> Result<(usize, &[u8]), String> {
-    let word = |i: usize| bytes.get(i..i + 4).map(|w| u32::from_be_bytes([w[0], w[1], w[2], w[3]]));
+    let word = |i: usize| {
+        bytes
+            .get(i..i + 4)
+            .map(|w| u32::from_be_bytes([w[0], w[1], w[2], w[3]]))
+    };
     match (word(0), word(4)) {
-        (Some(m), Some(n)) if m == magic && bytes.len() >= header => Ok((n as usize, &bytes[header..])),
+        (Some(m), Some(n)) if m == magic && bytes.len() >= header => {
+            Ok((n as usize, &bytes[header..]))
+        }
         _ => Err(format!("not an IDX file with magic number {magic}")),
     }
 }

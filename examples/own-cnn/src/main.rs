@@ -43,6 +43,24 @@ impl Cnn {
         }
     }
 
+    /// Mean cross-entropy of a batch.
+    pub fn loss(&self, b: &Batch) -> Tensor<1> {
+        let logits = self.forward(b.images.clone());
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, b.labels.clone())
+    }
+
+    /// How many images of the batch are classified correctly.
+    pub fn correct(&self, b: &Batch) -> i64 {
+        let predicted = self.forward(b.images.clone()).argmax(1).flatten::<1>(0, 1);
+        predicted
+            .equal(b.labels.clone())
+            .int()
+            .sum()
+            .into_scalar::<i64>()
+    }
+
     pub fn forward(&self, images: Tensor<4>) -> Tensor<2> {
         let x = self.pool.forward(relu(self.conv1.forward(images)));
         let x = self.pool.forward(relu(self.conv2.forward(x)));
@@ -95,13 +113,10 @@ impl lockstep::Job for OwnCnn {
         batch(items, device)
     }
     fn loss(&self, model: &Cnn, b: &Batch) -> Tensor<1> {
-        let logits = model.forward(b.images.clone());
-        CrossEntropyLossConfig::new().init(&logits.device()).forward(logits, b.labels.clone())
+        model.loss(b)
     }
     fn metrics(&self, model: &Cnn, b: &Batch) -> Vec<(&'static str, f64)> {
-        let predicted = model.forward(b.images.clone()).argmax(1).flatten::<1>(0, 1);
-        let correct = predicted.equal(b.labels.clone()).int().sum().into_scalar::<i64>();
-        vec![("accuracy", correct as f64)]
+        vec![("accuracy", model.correct(b) as f64)]
     }
 }
 

@@ -31,7 +31,11 @@ fn own_cnn_is_the_same_on_one_and_three_workers_and_after_a_kill() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (a, b, c) = (tmp.path().join("a"), tmp.path().join("b"), tmp.path().join("c"));
+    let (a, b, c) = (
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("c"),
+    );
     own_cnn(&a, "1", &[]);
     own_cnn(&b, "3", &[]);
     own_cnn(&c, "3", &["--inject", "kill:rank=1,step=15"]);

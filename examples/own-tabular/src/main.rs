@@ -37,7 +37,9 @@ pub struct Penguin {
 
 impl Penguin {
     fn from_row(r: &Row) -> Option<Penguin> {
-        let species = ["Adelie", "Chinstrap", "Gentoo"].iter().position(|s| *s == r.species)?;
+        let species = ["Adelie", "Chinstrap", "Gentoo"]
+            .iter()
+            .position(|s| *s == r.species)?;
         let sex = ["female", "male"].iter().position(|s| *s == r.sex)?;
         let mut features = [0f32; FEATURES];
         features[0] = r.bill_length_mm? / 50.0;
@@ -45,7 +47,10 @@ impl Penguin {
         features[2] = r.flipper_length_mm? / 200.0;
         features[3 + species] = 1.0;
         features[6 + sex] = 1.0;
-        Some(Penguin { features, mass_kg: r.body_mass_g? / 1000.0 })
+        Some(Penguin {
+            features,
+            mass_kg: r.body_mass_g? / 1000.0,
+        })
     }
 }
 
@@ -53,8 +58,14 @@ impl Penguin {
 fn penguins(path: &str, held_out: bool) -> Result<InMemDataset<Penguin>, BoxError> {
     let rows = InMemDataset::<Row>::from_csv(path, &csv::ReaderBuilder::new())
         .map_err(|e| format!("{path}: {e}"))?;
-    let all: Vec<Penguin> = rows.iter().filter_map(|r| Penguin::from_row(&r.ok()?)).collect();
-    let split = all.into_iter().enumerate().filter(|(i, _)| (i % 5 == 0) == held_out);
+    let all: Vec<Penguin> = rows
+        .iter()
+        .filter_map(|r| Penguin::from_row(&r.ok()?))
+        .collect();
+    let split = all
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| (i % 5 == 0) == held_out);
     Ok(InMemDataset::new(split.map(|(_, p)| p).collect()))
 }
 
@@ -65,8 +76,29 @@ pub struct Regressor {
 }
 
 impl Regressor {
+    fn new(hidden: usize, device: &Device) -> Self {
+        Regressor {
+            hidden: LinearConfig::new(FEATURES, hidden).init(device),
+            out: LinearConfig::new(hidden, 1).init(device),
+        }
+    }
+
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.out.forward(relu(self.hidden.forward(x)))
+    }
+
+    /// Mean squared error in kg².
+    fn loss(&self, b: &Batch) -> Tensor<1> {
+        let predicted = self.forward(b.features.clone());
+        MseLoss::new().forward(predicted, b.mass_kg.clone(), Reduction::Mean)
+    }
+
+    /// Sum over the batch of the absolute error, in grams.
+    fn error_grams(&self, b: &Batch) -> f64 {
+        let error_kg = (self.forward(b.features.clone()) - b.mass_kg.clone())
+            .abs()
+            .sum();
+        error_kg.into_scalar::<f32>() as f64 * 1000.0
     }
 }
 
@@ -89,8 +121,18 @@ fn batch(items: Vec<Penguin>, device: &Device) -> Batch {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Settings {
+    #[serde(default = "committed_table")]
     csv: String,
     hidden: usize,
+}
+
+/// The table committed in this repository (data/penguins/, CC0).
+fn committed_table() -> String {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/penguins/penguins.csv"
+    )
+    .into()
 }
 
 // ---- lockstep-specific code starts here ----
@@ -104,27 +146,37 @@ impl lockstep::Job for OwnTabular {
         "own-tabular"
     }
     fn config(&self) -> &str {
-        concat!(include_str!("../own-tabular.toml"), "csv = \"", env!("CARGO_MANIFEST_DIR"), "/../../data/penguins/penguins.csv\"\n")
+        include_str!("../own-tabular.toml")
+    }
+    fn validate(&self, cfg: &TrainConfig) -> Result<(), String> {
+        cfg.job_section::<Settings>()
+            .map(drop)
+            .map_err(|e| e.to_string())
     }
     fn model(&self, cfg: &TrainConfig, device: &Device) -> Regressor {
-        let hidden = cfg.job_section::<Settings>().expect("checked by train_data").hidden;
-        Regressor { hidden: LinearConfig::new(FEATURES, hidden).init(device), out: LinearConfig::new(hidden, 1).init(device) }
+        let hidden = cfg.job_section::<Settings>().expect("validated").hidden;
+        Regressor::new(hidden, device)
     }
     fn train_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Penguin>>, BoxError> {
-        Ok(Box::new(penguins(&cfg.job_section::<Settings>()?.csv, false)?))
+        Ok(Box::new(penguins(
+            &cfg.job_section::<Settings>()?.csv,
+            false,
+        )?))
     }
     fn eval_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Penguin>>, BoxError> {
-        Ok(Box::new(penguins(&cfg.job_section::<Settings>()?.csv, true)?))
+        Ok(Box::new(penguins(
+            &cfg.job_section::<Settings>()?.csv,
+            true,
+        )?))
     }
     fn batch(&self, items: Vec<Penguin>, device: &Device) -> Batch {
         batch(items, device)
     }
     fn loss(&self, model: &Regressor, b: &Batch) -> Tensor<1> {
-        MseLoss::new().forward(model.forward(b.features.clone()), b.mass_kg.clone(), Reduction::Mean)
+        model.loss(b)
     }
     fn metrics(&self, model: &Regressor, b: &Batch) -> Vec<(&'static str, f64)> {
-        let error_kg = (model.forward(b.features.clone()) - b.mass_kg.clone()).abs().sum();
-        vec![("mae_grams", error_kg.into_scalar::<f32>() as f64 * 1000.0)]
+        vec![("mae_grams", model.error_grams(b))]
     }
 }
 

@@ -23,7 +23,11 @@ fn summary(dir: &Path) -> serde_json::Value {
 #[test]
 fn own_tabular_is_the_same_on_one_and_three_workers_and_after_a_kill() {
     let tmp = tempfile::tempdir().unwrap();
-    let (a, b, c) = (tmp.path().join("a"), tmp.path().join("b"), tmp.path().join("c"));
+    let (a, b, c) = (
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("c"),
+    );
     own_tabular(&a, "1", &[]);
     own_tabular(&b, "3", &[]);
     own_tabular(&c, "3", &["--inject", "kill:rank=1,step=150"]);

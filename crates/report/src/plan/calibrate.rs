@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 use super::cost::{boundary_bytes, p2p_bytes_per_rank, sync_units, Placement};
 use super::stages::{balanced_stages, even, stage_groups};
 use super::{Cluster, Layout, Link, PlanError, Workload};
-use lockstep_train::metrics::{StepRecord, Summary};
 use crate::scaling::warmup_steps;
+use lockstep_train::metrics::{StepRecord, Summary};
 
 /// What a real run says about this machine and model.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -223,9 +223,9 @@ pub fn calibrate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lockstep_train::metrics::{PhaseSeconds, PipelineSummary};
     use crate::plan::predict::predict;
     use crate::plan::test_support::{close, pipeline_workload, workload};
+    use lockstep_train::metrics::{PhaseSeconds, PipelineSummary};
 
     fn rec(
         rank: usize,

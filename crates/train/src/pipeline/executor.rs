@@ -12,8 +12,8 @@ use std::time::Instant;
 use lockstep_comm::Communicator;
 
 use super::schedule::Op;
+use crate::error::TrainError;
 use crate::metrics::PipelineStep;
-use crate::trainer::TrainError;
 
 /// The compute side of a stage, as the executor sees it.
 pub trait StageWork {

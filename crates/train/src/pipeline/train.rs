@@ -25,24 +25,21 @@ use lockstep_comm::exact::{ExactError, ExactReducer};
 use lockstep_comm::{Communicator, ReduceOp};
 use lockstep_data::text::{CharCorpus, Split};
 use lockstep_data::{assign, microbatches, Sampler};
-use lockstep_model::{
-    param_hash, LrSchedule, Optimizer, Stage, StageEval, StageInput, StageOutput, TransformerSpec,
-};
+use lockstep_model::{param_hash, Stage, StageEval, StageInput, StageOutput, TransformerSpec};
 
 use super::balance::{balance, stage_ranges};
 use super::executor::{run_schedule, StageWork};
 use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
-use crate::checkpoint::{Checkpoint, Identity};
+use crate::checkpoint::Identity;
 use crate::config::TrainConfig;
+use crate::context::{Event, WorkerContext};
+use crate::error::TrainError;
 use crate::faults;
 use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary};
 use crate::parallel_dims::ParallelDims;
-use crate::run_end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
-use crate::trainer::{
-    check_same_structure, checkpoint_dir, checkpoint_due, gather_strings, optimizer_spec,
-    resume_from_checkpoint, save_checkpoint, total_steps, write_outputs, Event, MetricsLog,
-    TrainError, WorkerContext, RECORDS_RESERVED,
-};
+use crate::run::collect::{check_same_structure, gather_strings};
+use crate::run::schedule::total_steps;
+use crate::run::Ledger;
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
 const EVAL_WINDOWS: usize = 512;
@@ -257,25 +254,26 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
 
     let mut stage = Stage::new(&spec, my_layers.clone(), t.seed)?;
     let mut params = stage.params_flat();
-    let mut optimizer = Optimizer::new(&optimizer_spec(cfg), params.len());
     let identity = Identity {
         config: cfg.identity_hash(),
         model: hex::encode(spec.structure_hash()),
     };
-    let ckpt_dir = checkpoint_dir(cfg, out_dir);
-    let start_step = if resume {
+    let mut ledger = Ledger::new(
+        cfg,
+        rank,
+        out_dir,
+        identity,
+        faults,
+        on_event,
+        total_steps,
+        started,
+    );
+    let mut optimizer = ledger.optimizer(params.len());
+    if resume {
         // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice.
         let mut full = vec![0f32; full_len];
-        let mut full_opt = Optimizer::new(&optimizer_spec(cfg), full_len);
-        let step = resume_from_checkpoint(
-            comm,
-            &ckpt_dir,
-            &identity,
-            &mut full,
-            &mut full_opt,
-            on_event,
-        )?;
-        if step > 0 {
+        let mut full_opt = ledger.optimizer(full_len);
+        if ledger.resume(comm, &mut full, &mut full_opt)? > 0 {
             let mine = my_offset..my_offset + params.len();
             params.copy_from_slice(&full[mine.clone()]);
             for (dst, src) in optimizer.state_mut().into_iter().zip(full_opt.state()) {
@@ -283,22 +281,11 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             }
             optimizer.set_steps_taken(full_opt.steps_taken());
             stage.set_params_flat(&params)?;
-            if rank == 0 {
-                on_event(Event::Resumed(step));
-            }
         }
-        step
-    } else {
-        0
-    };
+    }
+    let start_step = ledger.start_step;
 
     let slowdown = faults::slowdown(faults, rank);
-    let schedule_lr = LrSchedule {
-        base_lr: t.lr,
-        warmup_steps: t.warmup_steps,
-        total_steps,
-        min_lr: t.min_lr,
-    };
     let kind = ScheduleKind::from_config(&cfg.parallel.schedule);
     let my_micro = assign(m_total, dims.dp, me.replica);
     let ops = schedule(kind, dims.pp, me.stage, my_micro.len());
@@ -308,10 +295,6 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let mut loss_reducer = ExactReducer::new(1);
     let scale = 1.0 / (t.global_batch * spec.context) as f32;
     let is_last = me.stage + 1 == dims.pp;
-    let mut records = Vec::with_capacity(RECORDS_RESERVED);
-    let mut metrics = MetricsLog::new();
-    let mut last_loss = f64::NAN;
-    let mut evals = Vec::new();
 
     for step in start_step..total_steps {
         faults::at_step(faults, rank, step);
@@ -375,13 +358,13 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         sec.communication = t1.elapsed().as_secs_f64();
 
         let t0 = Instant::now();
-        let lr = schedule_lr.lr(step);
+        let lr = ledger.lr(step);
         optimizer.step(&mut params, &total_grad, lr);
         stage.set_params_flat(&params)?;
         sec.optimizer = t0.elapsed().as_secs_f64();
         let loss = loss[0] as f64;
 
-        let checkpoint_now = checkpoint_due(cfg, step, total_steps);
+        let checkpoint_now = ledger.checkpoint_due(step);
         if checkpoint_now {
             // Collective within replica 0's pipeline: rank 0 receives the whole model.
             let full = gather_model(&mut pp_comm, me.replica, &params, &stage_lens)?;
@@ -390,38 +373,32 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
                 full_state.push(gather_model(&mut pp_comm, me.replica, v, &stage_lens)?);
             }
             if rank == 0 {
-                let c = Checkpoint {
-                    step: step + 1,
-                    params: full.expect("rank 0 gathers"),
-                    optimizer_state: full_state.into_iter().map(|s| s.expect("rank 0")).collect(),
-                    optimizer_steps: optimizer.steps_taken(),
-                    identity: identity.clone(),
-                };
-                save_checkpoint(cfg, &ckpt_dir, &c, faults, on_event)?;
+                ledger.save_checkpoint(
+                    step,
+                    full.expect("rank 0 gathers"),
+                    full_state.into_iter().map(|s| s.expect("rank 0")).collect(),
+                    optimizer.steps_taken(),
+                )?;
             }
         }
 
-        let eval =
-            if (t.eval_every > 0 && (step + 1) % t.eval_every == 0) || step + 1 == total_steps {
-                let e = evaluate(
-                    comm,
-                    &mut pp_comm,
-                    &stage,
-                    &corpus,
-                    dims,
-                    me.replica,
-                    t.microbatch,
-                )?;
-                evals.push((step + 1, e.clone()));
-                Some(e)
-            } else {
-                None
-            };
+        let eval = if ledger.eval_due(step) {
+            Some(evaluate(
+                comm,
+                &mut pp_comm,
+                &stage,
+                &corpus,
+                dims,
+                me.replica,
+                t.microbatch,
+            )?)
+        } else {
+            None
+        };
         let step_seconds = step_start.elapsed().as_secs_f64();
-        last_loss = loss;
         let bytes_after =
             comm.stats().bytes_sent + pp_comm.stats().bytes_sent + dp_comm.stats().bytes_sent;
-        records.push(StepRecord {
+        let record = StepRecord {
             rank,
             step,
             loss,
@@ -433,18 +410,8 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             bytes_sent: bytes_after - bytes_before,
             eval,
             pipeline: Some(timing.pipeline),
-        });
-        if checkpoint_now {
-            metrics.flush(comm, &records, out_dir, start_step)?;
-        }
-        let point = StepPoint {
-            done: step + 1,
-            total_steps,
-            start_step,
-            started,
-            loss,
         };
-        emit_progress(cfg, rank, &point, on_event);
+        ledger.end_step(comm, record, checkpoint_now)?;
     }
 
     // Replicas of a stage must agree; then rank 0 hashes the whole model and tells everyone.
@@ -468,44 +435,23 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     comm.broadcast(&mut hash_bytes, 0)?;
     let hash = String::from_utf8_lossy(&hash_bytes).into_owned();
 
-    let (all_records, mut ranks) =
-        gather_run(comm, &mut metrics, &records, out_dir, start_step, &host)?;
-    for r in &mut ranks {
-        if let Some(p) = r.pipeline.as_mut() {
-            p.replica = dims.coords(r.rank).replica;
+    ledger.finish(comm, &host, hash, |_, ranks| {
+        for r in ranks.iter_mut() {
+            if let Some(p) = r.pipeline.as_mut() {
+                p.replica = dims.coords(r.rank).replica;
+            }
         }
-    }
-    let pipeline = pipeline_summary(
-        &ranks,
-        dims,
-        kind,
-        ranges,
-        cuts_from,
-        layer_seconds,
-        m_total.div_ceil(dims.dp),
-        (total_steps - start_step).max(1),
-    );
-    let end = RunEnd {
-        started,
-        start_step,
-        total_steps,
-        last_loss,
-        evals,
-        param_hash: hash,
-    };
-    let summary = build_summary(
-        cfg,
-        comm,
-        end,
-        &all_records,
-        ranks,
-        Some(pipeline),
-        on_event,
-    );
-    if rank == 0 {
-        write_outputs(out_dir, cfg, &summary)?;
-    }
-    Ok(summary)
+        Some(pipeline_summary(
+            ranks,
+            dims,
+            kind,
+            ranges,
+            cuts_from,
+            layer_seconds,
+            m_total.div_ceil(dims.dp),
+            (total_steps - start_step).max(1),
+        ))
+    })
 }
 
 fn sync_error(e: ExactError, step: u64) -> TrainError {

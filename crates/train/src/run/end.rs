@@ -7,12 +7,15 @@ use std::time::Instant;
 
 use lockstep_comm::Communicator;
 
+use super::collect::gather_strings;
+use super::outputs::MetricsLog;
 use crate::config::TrainConfig;
+use crate::context::{Event, Progress};
+use crate::error::TrainError;
 use crate::metrics::{
     imbalance, imbalance_within_stages, rank_summaries, Eval, PipelineSummary, RankSummary,
     StepRecord, Summary,
 };
-use crate::trainer::{gather_strings, Event, MetricsLog, Progress, TrainError};
 
 /// Where the run stands after a step, for [`emit_progress`].
 pub(crate) struct StepPoint {

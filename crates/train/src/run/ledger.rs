@@ -1,0 +1,220 @@
+//! [`Ledger`]: what every training loop does around a step's gradients, written once — resume,
+//! the checkpoint and evaluation cadence, the step record, incremental metrics.jsonl, progress
+//! events, and at the end the records of all ranks, the summary and the run's outputs.
+//!
+//! A loop (data-parallel, pipeline) owns only what differs: how gradients are computed and summed,
+//! how the whole model reaches rank 0 for a checkpoint, and how evaluation runs.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use lockstep_comm::Communicator;
+use lockstep_model::{LrSchedule, Optimizer};
+
+use super::checkpointing::{
+    checkpoint_dir, checkpoint_due, resume_from_checkpoint, save_checkpoint,
+};
+use super::end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
+use super::outputs::{write_outputs, MetricsLog};
+use super::schedule::{optimizer_spec, RECORDS_RESERVED};
+use crate::checkpoint::{Checkpoint, Identity};
+use crate::config::TrainConfig;
+use crate::context::Event;
+use crate::error::TrainError;
+use crate::faults::Fault;
+use crate::metrics::{Eval, PipelineSummary, RankSummary, StepRecord, Summary};
+
+/// One rank's bookkeeping over one attempt of a run.
+pub(crate) struct Ledger<'a> {
+    cfg: &'a TrainConfig,
+    rank: usize,
+    out_dir: &'a Path,
+    ckpt_dir: PathBuf,
+    identity: Identity,
+    faults: &'a [Fault],
+    on_event: &'a mut dyn FnMut(Event),
+    started: Instant,
+    pub(crate) start_step: u64,
+    pub(crate) total_steps: u64,
+    schedule: LrSchedule,
+    records: Vec<StepRecord>,
+    metrics: MetricsLog,
+    evals: Vec<(u64, Eval)>,
+    last_loss: f64,
+}
+
+impl<'a> Ledger<'a> {
+    pub(crate) fn new(
+        cfg: &'a TrainConfig,
+        rank: usize,
+        out_dir: &'a Path,
+        identity: Identity,
+        faults: &'a [Fault],
+        on_event: &'a mut dyn FnMut(Event),
+        total_steps: u64,
+        started: Instant,
+    ) -> Self {
+        let t = &cfg.train;
+        Ledger {
+            cfg,
+            rank,
+            out_dir,
+            ckpt_dir: checkpoint_dir(cfg, out_dir),
+            identity,
+            faults,
+            on_event,
+            started,
+            start_step: 0,
+            total_steps,
+            schedule: LrSchedule {
+                base_lr: t.lr,
+                warmup_steps: t.warmup_steps,
+                total_steps,
+                min_lr: t.min_lr,
+            },
+            records: Vec::with_capacity(RECORDS_RESERVED),
+            metrics: MetricsLog::new(),
+            evals: Vec::new(),
+            last_loss: f64::NAN,
+        }
+    }
+
+    /// A fresh optimizer for `len` parameters, as the config says.
+    pub(crate) fn optimizer(&self, len: usize) -> Optimizer {
+        Optimizer::new(&optimizer_spec(self.cfg), len)
+    }
+
+    /// Collective: rank 0 loads the newest good checkpoint of the whole model into `params` and
+    /// `optimizer` and broadcasts it; sets and returns the step to continue from (0: none).
+    pub(crate) fn resume(
+        &mut self,
+        comm: &mut Communicator,
+        params: &mut [f32],
+        optimizer: &mut Optimizer,
+    ) -> Result<u64, TrainError> {
+        let step = resume_from_checkpoint(
+            comm,
+            &self.ckpt_dir,
+            &self.identity,
+            params,
+            optimizer,
+            &mut *self.on_event,
+        )?;
+        self.start_step = step;
+        if step > 0 && self.rank == 0 {
+            (self.on_event)(Event::Resumed(step));
+        }
+        Ok(step)
+    }
+
+    /// The learning rate of `step`.
+    pub(crate) fn lr(&self, step: u64) -> f32 {
+        self.schedule.lr(step)
+    }
+
+    /// Is a checkpoint written after `step`?
+    pub(crate) fn checkpoint_due(&self, step: u64) -> bool {
+        checkpoint_due(self.cfg, step, self.total_steps)
+    }
+
+    /// Is the model evaluated after `step`? Every `train.eval_every` steps and after the last.
+    pub(crate) fn eval_due(&self, step: u64) -> bool {
+        let every = self.cfg.train.eval_every;
+        (every > 0 && (step + 1) % every == 0) || step + 1 == self.total_steps
+    }
+
+    /// Rank 0: write the checkpoint taken after `step` of the whole model.
+    pub(crate) fn save_checkpoint(
+        &mut self,
+        step: u64,
+        params: Vec<f32>,
+        optimizer_state: Vec<Vec<f32>>,
+        optimizer_steps: u64,
+    ) -> Result<(), TrainError> {
+        let c = Checkpoint {
+            step: step + 1,
+            params,
+            optimizer_state,
+            optimizer_steps,
+            identity: self.identity.clone(),
+        };
+        save_checkpoint(
+            self.cfg,
+            &self.ckpt_dir,
+            &c,
+            self.faults,
+            &mut *self.on_event,
+        )
+    }
+
+    /// After a step: keep its record (and evaluation), append to metrics.jsonl when a checkpoint
+    /// was taken (collective then), report progress.
+    pub(crate) fn end_step(
+        &mut self,
+        comm: &mut Communicator,
+        record: StepRecord,
+        checkpointed: bool,
+    ) -> Result<(), TrainError> {
+        let (step, loss) = (record.step, record.loss);
+        if let Some(e) = &record.eval {
+            self.evals.push((step + 1, e.clone()));
+        }
+        self.last_loss = loss;
+        self.records.push(record);
+        if checkpointed {
+            self.metrics
+                .flush(comm, &self.records, self.out_dir, self.start_step)?;
+        }
+        let point = StepPoint {
+            done: step + 1,
+            total_steps: self.total_steps,
+            start_step: self.start_step,
+            started: self.started,
+            loss,
+        };
+        emit_progress(self.cfg, self.rank, &point, &mut *self.on_event);
+        Ok(())
+    }
+
+    /// Collective, at the end: every rank's records and host gathered, the summary built (with
+    /// `pipeline`'s figures from all records and ranks, for a pipeline) and, on rank 0, written
+    /// with the resolved config.
+    pub(crate) fn finish(
+        mut self,
+        comm: &mut Communicator,
+        host: &str,
+        param_hash: String,
+        pipeline: impl FnOnce(&[StepRecord], &mut [RankSummary]) -> Option<PipelineSummary>,
+    ) -> Result<Summary, TrainError> {
+        let (all_records, mut ranks) = gather_run(
+            comm,
+            &mut self.metrics,
+            &self.records,
+            self.out_dir,
+            self.start_step,
+            host,
+        )?;
+        let pipeline = pipeline(&all_records, &mut ranks);
+        let end = RunEnd {
+            started: self.started,
+            start_step: self.start_step,
+            total_steps: self.total_steps,
+            last_loss: self.last_loss,
+            evals: self.evals,
+            param_hash,
+        };
+        let summary = build_summary(
+            self.cfg,
+            comm,
+            end,
+            &all_records,
+            ranks,
+            pipeline,
+            &mut *self.on_event,
+        );
+        if self.rank == 0 {
+            write_outputs(self.out_dir, self.cfg, &summary)?;
+        }
+        Ok(summary)
+    }
+}
