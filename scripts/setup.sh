@@ -35,6 +35,15 @@ actual="$(sha256sum "$digits_file" | cut -d' ' -f1)"
     die "$digits_file has sha256 $actual, expected $digits_sha256 (file modified or corrupted)"
 echo "setup.sh: digits ok ($digits_file)"
 
+# --- Palmer penguins (committed; examples/own-tabular) -------------------------------------------
+penguins_file="$repo_root/data/penguins/penguins.csv"
+penguins_sha256=f204db2c753b0937caac3cb35258562c14f073e4bbc76be24b4c51ce22767a93
+[[ -f "$penguins_file" ]] || die "$penguins_file is missing (it is committed to the repository; restore it with git)"
+actual="$(sha256sum "$penguins_file" | cut -d' ' -f1)"
+[[ "$actual" == "$penguins_sha256" ]] ||
+    die "$penguins_file has sha256 $actual, expected $penguins_sha256 (file modified or corrupted)"
+echo "setup.sh: penguins ok ($penguins_file)"
+
 # --- Fashion-MNIST (apt) ----------------------------------------------------------------------
 fashion_complete() {
     local f

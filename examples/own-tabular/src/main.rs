@@ -55,7 +55,8 @@ impl Penguin {
 }
 
 /// The complete rows of the table; every fifth is held out for evaluation.
-fn penguins(path: &str, held_out: bool) -> Result<InMemDataset<Penguin>, BoxError> {
+fn penguins(settings: Settings, held_out: bool) -> Result<InMemDataset<Penguin>, BoxError> {
+    let path = &settings.csv;
     let rows = InMemDataset::<Row>::from_csv(path, &csv::ReaderBuilder::new())
         .map_err(|e| format!("{path}: {e}"))?;
     let all: Vec<Penguin> = rows
@@ -158,16 +159,10 @@ impl lockstep::Job for OwnTabular {
         Regressor::new(hidden, device)
     }
     fn train_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Penguin>>, BoxError> {
-        Ok(Box::new(penguins(
-            &cfg.job_section::<Settings>()?.csv,
-            false,
-        )?))
+        Ok(Box::new(penguins(cfg.job_section()?, false)?))
     }
     fn eval_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Penguin>>, BoxError> {
-        Ok(Box::new(penguins(
-            &cfg.job_section::<Settings>()?.csv,
-            true,
-        )?))
+        Ok(Box::new(penguins(cfg.job_section()?, true)?))
     }
     fn batch(&self, items: Vec<Penguin>, device: &Device) -> Batch {
         batch(items, device)
