@@ -23,7 +23,8 @@
 pub use burn;
 pub use lockstep_model::flat;
 pub use lockstep_train::job::{
-    BoxError, BurnReplica, Computed, EvalSums, Job, JobSpec, Replica, ReplicaError, Trainable,
+    BoxError, BurnLayered, BurnReplica, Computed, EvalSums, Job, JobSpec, LayeredJob, Pipelined,
+    Replica, ReplicaError, Trainable,
 };
 pub use lockstep_train::{ConfigError, TrainConfig};
 

@@ -31,7 +31,8 @@ impl JobSpec for BuiltinJob {
 
     fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
         if cfg.model.kind == "transformer" {
-            return Ok(Trainable::BuiltinTransformer);
+            let model = crate::pipeline::transformer::Transformer::new(cfg)?;
+            return Ok(Trainable::Layered(Box::new(model)));
         }
         let (train, test) = crate::datasets::load(&cfg.data, cfg.train.seed)?;
         let model = Model::new(&model_spec(cfg, &train), cfg.train.seed)?;

@@ -510,13 +510,21 @@ impl TrainConfig {
             return Err(invalid(
                 "parallel.pp",
                 format!(
-                    "{} pipeline stages: your own jobs run data-parallel for now \
-                     (parallel.pp = 1); pipelines need lockstep's layered transformer",
+                    "{} pipeline stages need a model written as a sequence of layers: implement \
+                     lockstep::LayeredJob and run lockstep::main(lockstep::Pipelined(job)); \
+                     this job runs data-parallel only (parallel.pp = 1)",
                     self.parallel.pp
                 ),
             ));
         }
-        self.validate_parallel()?;
+        self.validate_common_layered()
+    }
+
+    /// A user's layered job ([`crate::job::LayeredJob`]): like [`TrainConfig::validate_common`],
+    /// with pipelines allowed (the stages are checked against the model's layers once the job
+    /// has built it).
+    pub fn validate_common_layered(&self) -> Result<(), ConfigError> {
+        self.validate_parallel(None)?;
         self.validate_sections()?;
         crate::limits::check_common(self)
     }
@@ -545,7 +553,7 @@ impl TrainConfig {
         if self.model.kind == "transformer" {
             self.validate_transformer()?;
         }
-        self.validate_parallel()?;
+        self.validate_parallel(Some(self.pipeline_layers()))?;
         if self.model.kind == "cnn" && self.model.conv.is_empty() {
             return Err(invalid("model.conv", "a CNN needs at least one conv layer"));
         }
@@ -729,7 +737,9 @@ impl TrainConfig {
     }
 
     /// Checks of `[parallel]` that need no world size (see [`crate::ParallelDims`] for the rest).
-    fn validate_parallel(&self) -> Result<(), ConfigError> {
+    /// Checks of `[parallel]` that need no world size (see [`crate::ParallelDims`] for the rest);
+    /// with the model's layer count when it is known from the config (the built-in jobs).
+    fn validate_parallel(&self, layers: Option<usize>) -> Result<(), ConfigError> {
         let p = &self.parallel;
         match p.schedule.as_str() {
             "gpipe" | "1f1b" => {}
@@ -743,6 +753,12 @@ impl TrainConfig {
         if p.pp == 0 {
             return Err(invalid("parallel.pp", "must be ≥ 1"));
         }
+        if p.profile_reps == 0 {
+            return Err(invalid("parallel.profile_reps", "must be ≥ 1"));
+        }
+        let Some(layers) = layers else {
+            return Ok(());
+        };
         if p.pp > 1 && self.model.kind != "transformer" {
             return Err(invalid(
                 "parallel.pp",
@@ -753,7 +769,6 @@ impl TrainConfig {
                 ),
             ));
         }
-        let layers = self.pipeline_layers();
         if p.pp > layers {
             return Err(invalid(
                 "parallel.pp",
@@ -780,9 +795,6 @@ impl TrainConfig {
                     ),
                 ));
             }
-        }
-        if p.profile_reps == 0 {
-            return Err(invalid("parallel.profile_reps", "must be ≥ 1"));
         }
         Ok(())
     }

@@ -25,7 +25,7 @@ pub use config::{ConfigError, TrainConfig};
 pub use context::{Event, Progress, WorkerContext};
 pub use error::TrainError;
 pub use files::write_atomic;
-pub use job::{Job, JobSpec, Replica, ReplicaError};
+pub use job::{Job, JobSpec, LayeredJob, Pipelined, Replica, ReplicaError};
 pub use metrics::{StepRecord, Summary};
 pub use parallel_dims::{Coords, ParallelDims};
 pub use run::checkpointing::checkpoint_dir;

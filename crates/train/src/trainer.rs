@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use lockstep_comm::exact::ExactError;
-use lockstep_comm::{Communicator, ReduceOp};
+use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
 use lockstep_model::{param_hash, TimedLoss};
 
@@ -21,7 +21,8 @@ use crate::faults;
 use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
 use crate::job::{catch_job_panic, JobSpec, Replica, ReplicaError, Trainable};
 use crate::metrics::{Eval, PhaseSeconds, StepRecord, Summary};
-use crate::run::collect::{check_same_hash, check_same_structure, gather_strings};
+use crate::run::collect::{check_same_hash, check_same_structure};
+use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
 
@@ -39,7 +40,7 @@ pub fn train(
     })??;
     match built {
         // Layered model: the pipeline loop (one stage when parallel.pp = 1).
-        Trainable::BuiltinTransformer => crate::pipeline::train::train(cfg, ctx),
+        Trainable::Layered(model) => crate::pipeline::train::train(&*model, cfg, ctx),
         Trainable::Replica(replica) => train_replica(&name, replica, cfg, ctx),
     }
 }
@@ -324,8 +325,8 @@ impl StreamedCompute for ReplicaCompute<'_> {
     }
 }
 
-/// Shard the evaluation set over ranks (contiguous shares, chunks of 512); sum the loss and the
-/// job's metrics over all ranks. `accuracy`, when the job reports it, is the test accuracy.
+/// Shard the evaluation set over ranks (contiguous shares, chunks of 512) and combine the loss and
+/// the job's metrics over all ranks (`run::evaluation`).
 fn evaluate(
     comm: &mut Communicator,
     job: &str,
@@ -335,75 +336,15 @@ fn evaluate(
     let total = replica.eval_len();
     let shard = assign(total, comm.size(), comm.rank());
     let idx: Vec<u32> = (shard.start as u32..shard.end as u32).collect();
-    let mut loss = 0f64;
-    let mut named: Vec<(String, f64)> = Vec::new();
     let eval_error = |cause| TrainError::JobEval {
         job: job.to_string(),
         step: step + 1,
         cause,
     };
+    let mut mine = EvalTotals::default();
     for chunk in idx.chunks(512) {
         let sums = replica.evaluate(chunk).map_err(eval_error)?;
-        loss += sums.loss;
-        if named.is_empty() {
-            named = sums.metrics;
-        } else {
-            for ((name, v), (other, add)) in named.iter_mut().zip(sums.metrics) {
-                if *name != other {
-                    return Err(eval_error(ReplicaError::Other(format!(
-                        "metrics must be the same names in the same order on every batch \
-                         (`{name}` then `{other}`)"
-                    ))));
-                }
-                *v += add;
-            }
-        }
+        mine.add(sums).map_err(eval_error)?;
     }
-    // Every rank must report the same metric names (a rank with an empty shard reports none):
-    // the names travel with the sums.
-    let names = gather_strings(
-        comm,
-        &named
-            .iter()
-            .map(|(n, _)| n.as_str())
-            .collect::<Vec<_>>()
-            .join("\n"),
-    )?;
-    let reference = names
-        .iter()
-        .find(|n| !n.is_empty())
-        .cloned()
-        .unwrap_or_default();
-    let metric_names: Vec<&str> = if reference.is_empty() {
-        Vec::new()
-    } else {
-        reference.split('\n').collect()
-    };
-    let mut sums = vec![0f64; 1 + metric_names.len()];
-    sums[0] = loss;
-    if !named.is_empty() {
-        if named.len() != metric_names.len()
-            || named.iter().zip(&metric_names).any(|((a, _), b)| a != b)
-        {
-            return Err(eval_error(ReplicaError::Other(
-                "ranks report different metric names".into(),
-            )));
-        }
-        for (i, (_, v)) in named.iter().enumerate() {
-            sums[1 + i] = *v;
-        }
-    }
-    comm.all_reduce(&mut sums, ReduceOp::Sum)?;
-    let n = total.max(1) as f64;
-    let mut metrics: std::collections::BTreeMap<String, f64> = metric_names
-        .iter()
-        .zip(&sums[1..])
-        .map(|(name, v)| (name.to_string(), v / n))
-        .collect();
-    let test_accuracy = metrics.remove("accuracy").unwrap_or(f64::NAN);
-    Ok(Eval {
-        test_loss: sums[0] / n,
-        test_accuracy,
-        metrics,
-    })
+    combine(comm, mine, total as f64, job, step)
 }

@@ -63,49 +63,27 @@ impl Workload {
 }
 
 /// The layers of `job`'s model for `cfg`, as the trainer builds it. Not pure: it opens the
-/// job's data (for the input shape and classes, or the vocabulary). Only the built-in transformer
-/// has several layers; any other job is one layer of its replica's parameter count.
+/// job's data (for the input shape and classes, or the vocabulary). A layered model (the built-in
+/// transformer, a user's `LayeredJob`) has its layers; any other job is one layer of its
+/// replica's parameter count.
 pub fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<Vec<Layer>, PlanError> {
     let model_err = |e: &dyn fmt::Display| PlanError::Model(e.to_string());
-    let built = job.build(cfg).map_err(|e| model_err(&e))?;
-    if let Trainable::BuiltinTransformer = built {
-        let corpus = lockstep_data::load_shakespeare_embedded().map_err(|e| model_err(&e))?;
-        let m = &cfg.model;
-        let spec = lockstep_model::TransformerSpec {
-            vocab: corpus.vocab.len(),
-            context: m.context,
-            d_model: m.d_model,
-            heads: m.heads,
-            blocks: m.blocks,
-            d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
-        };
-        let counts = spec.layer_param_counts();
-        let last = counts.len() - 1;
-        return Ok(counts
-            .into_iter()
-            .enumerate()
-            .map(|(i, params)| Layer {
-                name: match spec.layer_kind(i) {
-                    lockstep_model::LayerKind::Embedding => "embedding".into(),
-                    lockstep_model::LayerKind::Block(b) => format!("block {b}"),
-                    lockstep_model::LayerKind::Head => "head".into(),
-                },
-                params,
-                activation_bytes_per_sample: if i == last {
-                    0
-                } else {
-                    m.context * m.d_model * 4
-                },
-            })
-            .collect());
-    }
-    let Trainable::Replica(replica) = built else {
-        unreachable!("the transformer returned above")
-    };
-    let params = replica.layout().iter().map(|p| p.len).sum();
-    Ok(vec![Layer {
-        name: job.label(cfg),
-        params,
-        activation_bytes_per_sample: 0,
-    }])
+    Ok(match job.build(cfg).map_err(|e| model_err(&e))? {
+        Trainable::Layered(model) => {
+            let offsets = model.layer_offsets();
+            let floats = model.activation_floats();
+            (0..model.num_layers())
+                .map(|l| Layer {
+                    name: model.layer_name(l),
+                    params: offsets[l + 1] - offsets[l],
+                    activation_bytes_per_sample: floats[l] * 4,
+                })
+                .collect()
+        }
+        Trainable::Replica(replica) => vec![Layer {
+            name: job.label(cfg),
+            params: replica.layout().iter().map(|p| p.len).sum(),
+            activation_bytes_per_sample: 0,
+        }],
+    })
 }

@@ -195,12 +195,12 @@ impl<'j, J: Job> BurnReplica<'j, J> {
 }
 
 /// Run the job's code, turning a panic (e.g. a shape mismatch inside burn) into an error.
-fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, ReplicaError> {
+pub(super) fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, ReplicaError> {
     catch_job_panic(f).map_err(ReplicaError::Panicked)
 }
 
 /// The single value of a loss tensor, refusing other shapes and non-finite values.
-fn scalar(loss: &Tensor<1>) -> Result<f32, ReplicaError> {
+pub(super) fn scalar(loss: &Tensor<1>) -> Result<f32, ReplicaError> {
     let shape = loss.dims().to_vec();
     if shape != [1] {
         return Err(ReplicaError::LossShape { shape });

@@ -15,8 +15,10 @@
 //! job alike.
 
 mod burn_job;
+mod layered_job;
 
 pub use burn_job::{BoxError, BurnReplica, Job};
+pub use layered_job::{BurnLayered, LayeredJob, Pipelined};
 
 use lockstep_model::ParamInfo;
 
@@ -48,9 +50,9 @@ pub trait JobSpec: Send + Sync {
 pub enum Trainable<'job> {
     /// A model replica for the data-parallel driver.
     Replica(Box<dyn Replica + 'job>),
-    /// lockstep's built-in character-level transformer, trained by the layered (pipeline)
-    /// driver. (A public layered-model trait for users' own pipelines is not there yet.)
-    BuiltinTransformer,
+    /// A layer-sequence model for the pipeline driver (`dp × pp`, also with one stage): the
+    /// built-in transformer, or a user's [`LayeredJob`].
+    Layered(Box<dyn crate::pipeline::layered::Layered + 'job>),
 }
 
 /// Timings and loss of one micro-batch.

@@ -28,8 +28,12 @@ pub trait StageWork {
         mb: usize,
         grad_output: Option<&[f32]>,
     ) -> Result<Option<Vec<f32>>, TrainError>;
-    /// Elements of one boundary message (activations or their gradient) of micro-batch `mb`.
-    fn message_len(&self, mb: usize) -> usize;
+    /// Elements of micro-batch `mb`'s activations received from the previous stage (and of the
+    /// input gradient sent back).
+    fn input_len(&self, mb: usize) -> usize;
+    /// Elements of micro-batch `mb`'s activations sent to the next stage (and of the gradient
+    /// received back).
+    fn output_len(&self, mb: usize) -> usize;
     /// Micro-batches whose forward graphs are held now.
     fn held(&self) -> usize;
 }
@@ -86,13 +90,13 @@ pub fn run_schedule(
                 t.backward += t0.elapsed().as_secs_f64();
             }
             Op::RecvActivation(mb) => {
-                let mut buf = vec![0f32; work.message_len(mb)];
+                let mut buf = vec![0f32; work.input_len(mb)];
                 pp.recv(prev, &mut buf)?;
                 act_in.insert(mb, buf);
                 t.pipeline.recv_seconds += t0.elapsed().as_secs_f64();
             }
             Op::RecvGrad(mb) => {
-                let mut buf = vec![0f32; work.message_len(mb)];
+                let mut buf = vec![0f32; work.output_len(mb)];
                 pp.recv(next, &mut buf)?;
                 grad_in.insert(mb, buf);
                 t.pipeline.recv_seconds += t0.elapsed().as_secs_f64();
@@ -107,14 +111,14 @@ pub fn run_schedule(
             }
             Op::SendActivationRecvGrad { send, recv } => {
                 let out = take(&mut act_out, send, "activation");
-                let mut buf = vec![0f32; work.message_len(recv)];
+                let mut buf = vec![0f32; work.output_len(recv)];
                 pp.send_recv(next, &out, next, &mut buf)?;
                 grad_in.insert(recv, buf);
                 t.pipeline.recv_seconds += t0.elapsed().as_secs_f64();
             }
             Op::SendGradRecvActivation { send, recv } => {
                 let out = take(&mut grad_out, send, "input gradient");
-                let mut buf = vec![0f32; work.message_len(recv)];
+                let mut buf = vec![0f32; work.input_len(recv)];
                 pp.send_recv(prev, &out, prev, &mut buf)?;
                 act_in.insert(recv, buf);
                 t.pipeline.recv_seconds += t0.elapsed().as_secs_f64();
@@ -218,7 +222,10 @@ mod tests {
             }
             Ok((self.stage > 0).then(|| vec![mb as f32, done as f32, 0.0, 0.0]))
         }
-        fn message_len(&self, _mb: usize) -> usize {
+        fn input_len(&self, _mb: usize) -> usize {
+            4
+        }
+        fn output_len(&self, _mb: usize) -> usize {
             4
         }
         fn held(&self) -> usize {

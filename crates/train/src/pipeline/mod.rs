@@ -6,9 +6,14 @@
 //!   deadlock-free;
 //! - `balance`: stage cuts from measured per-layer costs;
 //! - `executor`: runs one stage's list for one step over the pipeline communicator, timed;
-//! - `train`: the training loop for the transformer (also used with one stage).
+//! - `layered`: what the loop trains — a [`layered::Layered`] model cut into
+//!   [`layered::LayerStage`]s (the built-in transformer in `transformer`, a user's
+//!   [`crate::job::LayeredJob`] in `job/layered_job.rs`);
+//! - `train`: the training loop (also used with one stage).
 
 pub mod balance;
 pub mod executor;
+pub mod layered;
 pub mod schedule;
 pub mod train;
+pub mod transformer;

@@ -1,4 +1,5 @@
-//! The training loop of a layered model (the character-level transformer) on a `dp × pp` layout.
+//! The training loop of a layered model (the built-in transformer, a user's `LayeredJob`) on a
+//! `dp × pp` layout.
 //!
 //! Per step, on every rank (replica `r`, stage `s`):
 //! 1. the global batch (a function of seed and step only) is cut into the fixed micro-batches;
@@ -18,80 +19,29 @@
 //! replica's pipeline.
 
 use std::ops::Range;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use lockstep_comm::exact::{ExactError, ExactReducer};
 use lockstep_comm::{Communicator, ReduceOp};
-use lockstep_data::text::{CharCorpus, Split};
 use lockstep_data::{assign, microbatches, Sampler};
-use lockstep_model::{param_hash, Stage, StageEval, StageInput, StageOutput, TransformerSpec};
+use lockstep_model::param_hash;
 
 use super::balance::{balance, stage_ranges};
 use super::executor::{run_schedule, StageWork};
+use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
 use crate::checkpoint::Identity;
 use crate::config::TrainConfig;
 use crate::context::{Event, WorkerContext};
 use crate::error::TrainError;
 use crate::faults;
+use crate::job::ReplicaError;
 use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary};
 use crate::parallel_dims::ParallelDims;
 use crate::run::collect::{check_same_structure, gather_strings};
+use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
-
-/// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
-const EVAL_WINDOWS: usize = 512;
-/// Units per nat when validation losses are summed exactly.
-const EVAL_FIXED_POINT: f64 = (1u64 << 24) as f64;
-
-/// The transformer a config describes, for a corpus with `vocab` characters.
-pub fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
-    let m = &cfg.model;
-    TransformerSpec {
-        vocab,
-        context: m.context,
-        d_model: m.d_model,
-        heads: m.heads,
-        blocks: m.blocks,
-        d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
-    }
-}
-
-/// The corpus of a validated text config: the embedded Shakespeare plays, or, when `data.dir` is
-/// set, that folder's `train.txt` and `val.txt` (plain or gzipped as `.txt.gz`).
-pub fn load_corpus(cfg: &TrainConfig) -> Result<CharCorpus, TrainError> {
-    if cfg.data.dir.is_empty() {
-        return Ok(lockstep_data::text::load_shakespeare_embedded()?);
-    }
-    let dir = PathBuf::from(&cfg.data.dir);
-    let read = |stem: &str| -> Result<Vec<u8>, TrainError> {
-        let gz = dir.join(format!("{stem}.txt.gz"));
-        let path = if gz.exists() {
-            gz
-        } else {
-            dir.join(format!("{stem}.txt"))
-        };
-        std::fs::read(&path).map_err(|cause| {
-            let e = if cause.kind() == std::io::ErrorKind::NotFound {
-                lockstep_data::DataError::NotFound {
-                    path,
-                    hint: "data.dir of a text dataset must hold train.txt and val.txt (or .txt.gz)",
-                }
-            } else {
-                lockstep_data::DataError::Io { path, cause }
-            };
-            TrainError::Data(e)
-        })
-    };
-    let name = dir.display().to_string();
-    Ok(lockstep_data::text::parse_char_corpus(
-        &name,
-        &read("train")?,
-        &read("val")?,
-    )?)
-}
 
 /// Buckets of a stage's flat gradient (`layers` of a model whose layer offsets are `offsets`),
 /// each within one layer: every layer's range cut into `bucket_elems`-value pieces, relative to the
@@ -115,50 +65,48 @@ pub fn layer_buckets(
 }
 
 /// The compute of one stage over one step's micro-batches.
-struct LmWork<'a> {
-    stage: &'a mut Stage,
-    corpus: &'a CharCorpus,
-    /// This replica's micro-batches (window indices), by local index.
+struct Work<'a> {
+    stage: &'a mut dyn LayerStage,
+    /// This replica's micro-batches (sample indices), by local index.
     pieces: &'a [&'a [u32]],
+    /// Global index of the first of them (for errors).
+    first_microbatch: usize,
+    microbatch: usize,
+    job: &'a str,
+    step: u64,
     scale: f32,
     grads: &'a mut [Vec<f32>],
     losses: Vec<f32>,
     data_seconds: f64,
-    x: Vec<i64>,
-    y: Vec<i64>,
 }
 
-impl StageWork for LmWork<'_> {
+impl Work<'_> {
+    fn error(&self, mb: usize, cause: ReplicaError) -> TrainError {
+        let k = self.first_microbatch + mb;
+        TrainError::Job {
+            job: self.job.to_string(),
+            step: self.step,
+            microbatch: k,
+            samples: k * self.microbatch..(k + 1) * self.microbatch,
+            cause,
+        }
+    }
+}
+
+impl StageWork for Work<'_> {
     fn forward(
         &mut self,
         mb: usize,
         input: Option<&[f32]>,
     ) -> Result<Option<Vec<f32>>, TrainError> {
-        let t0 = Instant::now();
-        let context = self.stage.spec().context;
-        let n = self.pieces[mb].len();
-        let needs_tokens = self.stage.is_first() || self.stage.is_last();
-        if needs_tokens {
-            self.corpus.gather_windows(
-                Split::Train,
-                context,
-                self.pieces[mb],
-                &mut self.x,
-                &mut self.y,
-            );
-        }
-        self.data_seconds += t0.elapsed().as_secs_f64();
-        let stage_input = match input {
-            Some(a) => StageInput::Activations(a),
-            None => StageInput::Tokens(&self.x),
-        };
-        let targets = self.stage.is_last().then_some(&self.y[..]);
-        match self
+        let (out, data_seconds) = self
             .stage
-            .forward(mb as u64, stage_input, n, targets, self.scale)?
-        {
-            StageOutput::Activations(a) => Ok(Some(a)),
-            StageOutput::Loss(l) => {
+            .forward(mb as u64, self.pieces[mb], input, self.scale)
+            .map_err(|e| self.error(mb, e))?;
+        self.data_seconds += data_seconds;
+        match out {
+            Forwarded::Activations(a) => Ok(Some(a)),
+            Forwarded::Loss(l) => {
                 self.losses[mb] = l;
                 Ok(None)
             }
@@ -170,13 +118,17 @@ impl StageWork for LmWork<'_> {
         mb: usize,
         grad_output: Option<&[f32]>,
     ) -> Result<Option<Vec<f32>>, TrainError> {
-        Ok(self
-            .stage
-            .backward(mb as u64, grad_output, &mut self.grads[mb])?)
+        self.stage
+            .backward(mb as u64, grad_output, &mut self.grads[mb])
+            .map_err(|e| self.error(mb, e))
     }
 
-    fn message_len(&self, mb: usize) -> usize {
-        self.stage.spec().activation_len(self.pieces[mb].len())
+    fn input_len(&self, mb: usize) -> usize {
+        self.stage.input_len(self.pieces[mb].len())
+    }
+
+    fn output_len(&self, mb: usize) -> usize {
+        self.stage.output_len(self.pieces[mb].len())
     }
 
     fn held(&self) -> usize {
@@ -184,8 +136,12 @@ impl StageWork for LmWork<'_> {
     }
 }
 
-/// Train according to `cfg` as one rank of `ctx.comm` (see the module doc).
-pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, TrainError> {
+/// Train `model` according to `cfg` as one rank of `ctx.comm` (see the module doc).
+pub fn train(
+    model: &dyn Layered,
+    cfg: &TrainConfig,
+    ctx: WorkerContext<'_>,
+) -> Result<Summary, TrainError> {
     let WorkerContext {
         comm,
         host,
@@ -199,36 +155,28 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let t = &cfg.train;
     let dims = ParallelDims::from_config(cfg, world)?;
     let me = dims.coords(rank);
+    let job = model.name();
+    check_layers(cfg, model.num_layers())?;
 
-    let corpus = load_corpus(cfg)?;
-    let spec = transformer_spec(cfg, corpus.vocab_size());
-    spec.validate()?;
-    if corpus.num_windows(Split::Val, spec.context) == 0 {
-        return Err(TrainError::ValidationTooShort {
-            dataset: corpus.name.clone(),
-            chars: corpus.tokens(Split::Val).len(),
-            context: spec.context,
-        });
-    }
-    let windows = corpus.num_windows(Split::Train, spec.context);
-    if windows < t.global_batch {
+    let samples = model.train_len();
+    if samples < t.global_batch {
         return Err(TrainError::TooSmall {
-            dataset: corpus.name.clone(),
-            have: windows,
+            dataset: job.clone(),
+            have: samples,
             need: t.global_batch,
         });
     }
-    let sampler = Sampler::new(windows, t.global_batch, t.seed)?;
+    let sampler = Sampler::new(samples, t.global_batch, t.seed)?;
     let total_steps = total_steps(cfg, &sampler)?;
     let m_total = cfg.microbatches_per_step();
 
-    check_same_structure(comm, spec.structure_hash())?;
+    check_same_structure(comm, model.structure_hash())?;
     // Stages of one replica talk point to point; each stage's replicas reduce gradients.
     let mut pp_comm = comm.split(me.replica as u32, me.stage as u32)?;
     let mut dp_comm = comm.split(me.stage as u32, me.replica as u32)?;
 
-    let (cuts, layer_seconds, cuts_from) = choose_cuts(cfg, &spec, comm, dims.pp)?;
-    let ranges = stage_ranges(&cuts, spec.num_layers());
+    let (cuts, layer_seconds, cuts_from) = choose_cuts(cfg, model, comm, dims.pp)?;
+    let ranges = stage_ranges(&cuts, model.num_layers());
     if rank == 0 && dims.pp > 1 {
         on_event(Event::Notice(format!(
             "pipeline: {} × {} stages ({}), layers per stage {:?} ({cuts_from} cuts)",
@@ -237,13 +185,13 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     }
     if rank == 0 && cfg.dist.overlap {
         on_event(Event::Notice(
-            "dist.overlap is not used by the transformer loop: its gradients are reduced after \
+            "dist.overlap is not used by the layered loop: its gradients are reduced after \
              the pipeline schedule (same bits either way)"
                 .into(),
         ));
     }
     let my_layers = ranges[me.stage].clone();
-    let offsets = spec.layer_offsets();
+    let offsets = model.layer_offsets();
     let full_len = *offsets.last().expect("offsets");
     let my_offset = offsets[my_layers.start];
     let stage_lens: Vec<usize> = ranges
@@ -252,11 +200,15 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         .collect();
     let buckets = layer_buckets(&offsets, my_layers.clone(), cfg.dist.bucket_elems);
 
-    let mut stage = Stage::new(&spec, my_layers.clone(), t.seed)?;
+    let mut stage = model.stage(my_layers.clone(), t.seed)?;
+    let setup = |e: ReplicaError| TrainError::JobSetup {
+        job: job.clone(),
+        message: e.to_string(),
+    };
     let mut params = stage.params_flat();
     let identity = Identity {
         config: cfg.identity_hash(),
-        model: hex::encode(spec.structure_hash()),
+        model: hex::encode(model.structure_hash()),
     };
     let mut ledger = Ledger::new(
         cfg,
@@ -280,7 +232,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
                 dst.copy_from_slice(&src[mine.clone()]);
             }
             optimizer.set_steps_taken(full_opt.steps_taken());
-            stage.set_params_flat(&params)?;
+            stage.set_params_flat(&params).map_err(setup)?;
         }
     }
     let start_step = ledger.start_step;
@@ -293,7 +245,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
     let mut total_grad = vec![0f32; params.len()];
     let mut reducer = ExactReducer::new(cfg.dist.bucket_elems);
     let mut loss_reducer = ExactReducer::new(1);
-    let scale = 1.0 / (t.global_batch * spec.context) as f32;
+    let scale = model.loss_scale(t.global_batch);
     let is_last = me.stage + 1 == dims.pp;
 
     for step in start_step..total_steps {
@@ -305,16 +257,17 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, t.microbatch);
         let mine = &pieces[my_micro.clone()];
-        let mut work = LmWork {
-            stage: &mut stage,
-            corpus: &corpus,
+        let mut work = Work {
+            stage: &mut *stage,
             pieces: mine,
+            first_microbatch: my_micro.start,
+            microbatch: t.microbatch,
+            job: &job,
+            step,
             scale,
             grads: &mut grads,
             losses: vec![0.0; my_micro.len()],
             data_seconds: 0.0,
-            x: Vec::new(),
-            y: Vec::new(),
         };
         let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
         let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
@@ -360,7 +313,7 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
         let t0 = Instant::now();
         let lr = ledger.lr(step);
         optimizer.step(&mut params, &total_grad, lr);
-        stage.set_params_flat(&params)?;
+        stage.set_params_flat(&params).map_err(setup)?;
         sec.optimizer = t0.elapsed().as_secs_f64();
         let loss = loss[0] as f64;
 
@@ -386,11 +339,12 @@ pub fn train(cfg: &TrainConfig, ctx: WorkerContext<'_>) -> Result<Summary, Train
             Some(evaluate(
                 comm,
                 &mut pp_comm,
-                &stage,
-                &corpus,
+                &mut *stage,
+                model,
                 dims,
                 me.replica,
                 t.microbatch,
+                step,
             )?)
         } else {
             None
@@ -465,7 +419,7 @@ fn sync_error(e: ExactError, step: u64) -> TrainError {
 /// broadcasts (every rank must cut alike; measurements differ from rank to rank).
 fn choose_cuts(
     cfg: &TrainConfig,
-    spec: &TransformerSpec,
+    model: &dyn Layered,
     comm: &mut Communicator,
     stages: usize,
 ) -> Result<(Vec<usize>, Vec<f64>, String), TrainError> {
@@ -475,12 +429,43 @@ fn choose_cuts(
     if !cfg.parallel.stage_cuts.is_empty() {
         return Ok((cfg.parallel.stage_cuts.clone(), Vec::new(), "manual".into()));
     }
-    let mut costs = vec![0f64; spec.num_layers()];
+    let mut costs = vec![0f64; model.num_layers()];
     if comm.rank() == 0 {
-        costs = Stage::profile_layers(spec, cfg.train.microbatch, cfg.parallel.profile_reps)?;
+        costs = model.profile_layers(cfg.train.microbatch, cfg.parallel.profile_reps)?;
     }
     comm.broadcast(&mut costs, 0)?;
     Ok((balance(&costs, stages), costs, "auto".into()))
+}
+
+/// `parallel.pp` and `parallel.stage_cuts` against the model's layers (known only once the job
+/// has built its model; the built-in transformer's are checked with the config already).
+fn check_layers(cfg: &TrainConfig, layers: usize) -> Result<(), TrainError> {
+    let p = &cfg.parallel;
+    let invalid =
+        |field, message| TrainError::Config(crate::config::ConfigError::Invalid { field, message });
+    if p.pp > layers {
+        return Err(invalid(
+            "parallel.pp",
+            format!("{} stages but the model has only {layers} layers", p.pp),
+        ));
+    }
+    if !p.stage_cuts.is_empty() {
+        let ok = p.stage_cuts.len() == p.pp - 1
+            && p.stage_cuts.windows(2).all(|w| w[0] < w[1])
+            && p.stage_cuts.first().is_some_and(|&c| c >= 1)
+            && p.stage_cuts.last().is_some_and(|&c| c < layers);
+        if !ok {
+            return Err(invalid(
+                "parallel.stage_cuts",
+                format!(
+                    "{:?} are not {} increasing cuts within 1..{layers}",
+                    p.stage_cuts,
+                    p.pp - 1
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Collective over one replica's pipeline: replica 0's stages send their slices (stage order =
@@ -508,58 +493,44 @@ fn gather_model(
     Ok(Some(full))
 }
 
-/// Validation loss (nats per character) and next-character accuracy over `EVAL_WINDOWS` evenly
-/// spaced validation windows, each replica's pipeline taking its share.
+/// Evaluate the model's evaluation samples through each replica's pipeline: fixed chunks of
+/// `chunk` samples whatever the layout (so each chunk's sums have the same bits everywhere),
+/// the replicas taking contiguous shares, the last stages' sums combined exactly.
+#[allow(clippy::too_many_arguments)]
 fn evaluate(
     comm: &mut Communicator,
     pp: &mut Communicator,
-    stage: &Stage,
-    corpus: &CharCorpus,
+    stage: &mut dyn LayerStage,
+    model: &dyn Layered,
     dims: ParallelDims,
     replica: usize,
     chunk: usize,
+    step: u64,
 ) -> Result<Eval, TrainError> {
-    let context = stage.spec().context;
-    let available = corpus.num_windows(Split::Val, context);
-    let k = EVAL_WINDOWS.min(available);
-    let all: Vec<u32> = (0..k).map(|i| (i * available / k) as u32).collect();
-    // Fixed chunks, whatever the layout, so each chunk's loss has the same bits everywhere; the
-    // chunk sums are then added in fixed point (2^-24 nats), exactly, in any order.
+    let job = model.name();
+    let eval_error = |cause| TrainError::JobEval {
+        job: job.clone(),
+        step: step + 1,
+        cause,
+    };
+    let all = model.eval_samples();
     let chunks: Vec<&[u32]> = all.chunks(chunk.max(1)).collect();
     let share = &chunks[assign(chunks.len(), dims.dp, replica)];
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    let mut sums = [0i64; 2];
     let s = pp.rank();
+    let mut mine = EvalTotals::default();
     for &piece in share {
-        let n = piece.len();
-        if stage.is_first() || stage.is_last() {
-            corpus.gather_windows(Split::Val, context, piece, &mut x, &mut y);
-        }
         let mut acts = Vec::new();
         if !stage.is_first() {
-            acts = vec![0f32; stage.spec().activation_len(n)];
+            acts = vec![0f32; stage.input_len(piece.len())];
             pp.recv(s - 1, &mut acts)?;
         }
-        let input = if stage.is_first() {
-            StageInput::Tokens(&x)
-        } else {
-            StageInput::Activations(&acts)
-        };
-        match stage.evaluate(input, n, stage.is_last().then_some(&y[..]))? {
-            StageEval::Activations(out) => pp.send(s + 1, &out)?,
-            StageEval::Scores { loss_sum, correct } => {
-                sums[0] += (loss_sum * EVAL_FIXED_POINT).round() as i64;
-                sums[1] += correct as i64;
-            }
+        let input = (!stage.is_first()).then_some(&acts[..]);
+        match stage.evaluate(piece, input).map_err(eval_error)? {
+            Evaluated::Activations(out) => pp.send(s + 1, &out)?,
+            Evaluated::Sums(sums) => mine.add(sums).map_err(eval_error)?,
         }
     }
-    comm.all_reduce(&mut sums, ReduceOp::Sum)?;
-    let chars = (k * context).max(1) as f64;
-    Ok(Eval {
-        test_loss: sums[0] as f64 / EVAL_FIXED_POINT / chars,
-        test_accuracy: sums[1] as f64 / chars,
-        metrics: Default::default(),
-    })
+    combine(comm, mine, model.eval_units(all.len()), &job, step)
 }
 
 #[allow(clippy::too_many_arguments)]

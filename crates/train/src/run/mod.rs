@@ -6,6 +6,7 @@
 pub(crate) mod checkpointing;
 pub(crate) mod collect;
 pub(crate) mod end;
+pub(crate) mod evaluation;
 pub(crate) mod ledger;
 pub(crate) mod outputs;
 pub(crate) mod schedule;

@@ -1,0 +1,573 @@
+//! [`LayeredJob`]: a burn user's model written as a sequence of layers, which lockstep can cut
+//! into pipeline stages (`parallel.pp > 1`, GPipe or 1F1B, balanced cuts) with the same
+//! parameter bits as one worker; [`Pipelined`] makes it a job.
+//!
+//! Between stages only `f32` activations of shape `[samples, width]` travel. A stage rebuilds its
+//! input as a fresh leaf that requires a gradient, and a non-last stage's backward starts from
+//! `sum(output · grad_output)`, whose gradient with respect to `output` is exactly
+//! `grad_output`: so the parameter gradients of a cut model are bitwise those of the uncut one,
+//! and the driver's exact per-layer sums make every layout reproduce the single-stage run.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::Instant;
+
+use burn::data::dataset::Dataset;
+use burn::module::Module;
+use burn::tensor::{Device, Tensor, TensorData};
+use lockstep_model::flat;
+use sha2::{Digest, Sha256};
+
+use super::burn_job::{guarded, scalar, BoxError};
+use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
+use crate::config::{ConfigError, TrainConfig};
+use crate::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
+use crate::TrainError;
+
+/// A training job whose model is a sequence of burn modules ("layers"), each mapping activations
+/// `[samples, width]` to `[samples, width']`. Everything else is as in [`crate::job::Job`].
+///
+/// ```ignore
+/// impl lockstep::LayeredJob for MyJob {
+///     type Layer = Block;                 // one layer type (an enum deriving Module for several kinds)
+///     …
+///     fn layers(&self, _cfg: &TrainConfig, device: &Device) -> Vec<Block> { … }
+///     fn input(&self, batch: &MyBatch) -> Tensor<2> { batch.features.clone() }
+///     fn forward(&self, layer: &Block, x: Tensor<2>) -> Tensor<2> { layer.forward(x) }
+///     fn loss(&self, output: Tensor<2>, batch: &MyBatch) -> Tensor<1> { … mean loss … }
+/// }
+/// fn main() { lockstep::main(lockstep::Pipelined(MyJob)) }
+/// ```
+pub trait LayeredJob: Send + Sync + 'static {
+    /// One layer: any burn module (its float parameters are what lockstep trains).
+    type Layer: Module + 'static;
+    type Item: Send + 'static;
+    type Batch;
+
+    /// Short name, used in errors, logs and the report.
+    fn name(&self) -> &str;
+    /// Default configuration (TOML), as [`crate::job::Job::config`].
+    fn config(&self) -> &str {
+        ""
+    }
+    /// Check the job's own settings, as [`crate::job::Job::validate`].
+    fn validate(&self, _cfg: &TrainConfig) -> Result<(), String> {
+        Ok(())
+    }
+    /// The model's layers, freshly initialised on `device` (seeded with `train.seed`). Every rank
+    /// builds all of them and keeps its stage's.
+    fn layers(&self, cfg: &TrainConfig, device: &Device) -> Vec<Self::Layer>;
+    fn train_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Self::Item>>, BoxError>;
+    fn eval_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Self::Item>>, BoxError>;
+    /// Turn items into a batch on `device` (the shape of burn's `Batcher::batch`).
+    fn batch(&self, items: Vec<Self::Item>, device: &Device) -> Self::Batch;
+    /// The first layer's input for a batch, `[samples, width]`.
+    fn input(&self, batch: &Self::Batch) -> Tensor<2>;
+    /// One layer's forward.
+    fn forward(&self, layer: &Self::Layer, x: Tensor<2>) -> Tensor<2>;
+    /// The mean loss of a batch from the last layer's output: a single value.
+    fn loss(&self, output: Tensor<2>, batch: &Self::Batch) -> Tensor<1>;
+    /// Evaluation metrics from the last layer's output, as sums over the batch's samples.
+    fn metrics(&self, _output: Tensor<2>, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
+}
+
+/// A [`LayeredJob`] as a job: `lockstep::main(lockstep::Pipelined(MyJob))`. It runs with any
+/// `parallel.pp` (1 = data parallel only) and `parallel.dp`.
+pub struct Pipelined<J>(pub J);
+
+impl<J: LayeredJob> JobSpec for Pipelined<J> {
+    fn name(&self) -> String {
+        self.0.name().to_string()
+    }
+
+    fn default_config(&self) -> String {
+        self.0.config().to_string()
+    }
+
+    fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
+        cfg.validate_common_layered()?;
+        self.0
+            .validate(cfg)
+            .map_err(|message| ConfigError::Invalid {
+                field: "job",
+                message: format!("job `{}`: {message}", self.0.name()),
+            })
+    }
+
+    fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
+        Ok(Trainable::Layered(Box::new(BurnLayered::new(
+            &self.0, cfg,
+        )?)))
+    }
+}
+
+/// A [`LayeredJob`]'s layers and data on one rank, as the pipeline driver's [`Layered`].
+pub struct BurnLayered<'j, J: LayeredJob> {
+    job: &'j J,
+    device: Device,
+    layers: Vec<J::Layer>,
+    /// Flat offset of each layer's first parameter, and the total.
+    offsets: Vec<usize>,
+    /// Width of the first layer's input, then of each layer's output.
+    widths: Vec<usize>,
+    structure_hash: [u8; 32],
+    train: Box<dyn Dataset<J::Item>>,
+    eval: Box<dyn Dataset<J::Item>>,
+}
+
+impl<'j, J: LayeredJob> BurnLayered<'j, J> {
+    pub fn new(job: &'j J, cfg: &TrainConfig) -> Result<Self, TrainError> {
+        let name = job.name().to_string();
+        let setup = |message: String| TrainError::JobSetup {
+            job: name.clone(),
+            message,
+        };
+        let data_error = |split: &'static str| {
+            let name = name.clone();
+            move |cause: BoxError| TrainError::JobData {
+                job: name.clone(),
+                split,
+                message: cause.to_string(),
+            }
+        };
+        let train = job.train_data(cfg).map_err(data_error("training"))?;
+        let eval = job.eval_data(cfg).map_err(data_error("evaluation"))?;
+        if eval.is_empty() || train.is_empty() {
+            return Err(setup("a dataset is empty".into()));
+        }
+        let device = Device::flex().autodiff();
+        device.seed(cfg.train.seed);
+        let layers = catch_job_panic(|| job.layers(cfg, &device))
+            .map_err(|p| setup(format!("building the layers panicked: {p}")))?;
+        if layers.is_empty() {
+            return Err(setup("the model has no layers".into()));
+        }
+        let mut offsets = vec![0];
+        let mut normalised = Vec::with_capacity(layers.len());
+        for layer in layers {
+            let len: usize = flat::layout(&layer).iter().map(|p| p.len).sum();
+            // Every parameter an autodiff leaf of our device, from its own values.
+            let values = flat::read(&layer, len);
+            normalised.push(flat::write(layer, &values, &device));
+            offsets.push(offsets.last().unwrap() + len);
+        }
+        if *offsets.last().unwrap() == 0 {
+            return Err(setup("the model has no float parameters to train".into()));
+        }
+        let structure_hash = structure_hash(&name, &normalised);
+        let mut me = BurnLayered {
+            job,
+            device,
+            layers: normalised,
+            offsets,
+            widths: Vec::new(),
+            structure_hash,
+            train,
+            eval,
+        };
+        me.widths = me.probe_widths().map_err(|e| setup(e.to_string()))?;
+        Ok(me)
+    }
+
+    /// One training sample through every layer (no gradients): the activation widths.
+    fn probe_widths(&self) -> Result<Vec<usize>, ReplicaError> {
+        let device = self.device.clone().inner();
+        let batch = batch_of(self.job, &*self.train, "training", &[0], &device)?;
+        let mut x = guarded(|| self.job.input(&batch))?;
+        let mut widths = vec![x.dims()[1]];
+        for layer in &self.layers {
+            let layer = layer.valid();
+            x = guarded(|| self.job.forward(&layer, x))?;
+            widths.push(x.dims()[1]);
+        }
+        Ok(widths)
+    }
+}
+
+/// The items of `samples` from `set`, batched on `device`.
+fn batch_of<J: LayeredJob>(
+    job: &J,
+    set: &dyn Dataset<J::Item>,
+    split: &'static str,
+    samples: &[u32],
+    device: &Device,
+) -> Result<J::Batch, ReplicaError> {
+    let mut items = Vec::with_capacity(samples.len());
+    for &i in samples {
+        items.push(set.get(i as usize).map_err(|e| ReplicaError::Dataset {
+            split,
+            index: i as usize,
+            message: e.to_string(),
+        })?);
+    }
+    guarded(|| job.batch(items, device))
+}
+
+impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
+    fn name(&self) -> String {
+        self.job.name().to_string()
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer_offsets(&self) -> Vec<usize> {
+        self.offsets.clone()
+    }
+
+    fn structure_hash(&self) -> [u8; 32] {
+        self.structure_hash
+    }
+
+    fn train_len(&self) -> usize {
+        self.train.len()
+    }
+
+    fn eval_samples(&self) -> Vec<u32> {
+        (0..self.eval.len() as u32).collect()
+    }
+
+    fn eval_units(&self, samples: usize) -> f64 {
+        samples as f64
+    }
+
+    fn loss_scale(&self, global_batch: usize) -> f32 {
+        1.0 / global_batch as f32
+    }
+
+    fn profile_layers(&self, n: usize, reps: usize) -> Result<Vec<f64>, TrainError> {
+        // Forward of each layer on the first `n` training samples, without gradients: the
+        // relative costs the balancer needs (backward is about proportional).
+        let device = self.device.clone().inner();
+        let samples: Vec<u32> = (0..n.min(self.train.len()) as u32).collect();
+        let fail = |e: ReplicaError| TrainError::JobSetup {
+            job: self.job.name().to_string(),
+            message: format!("profiling the layers: {e}"),
+        };
+        let batch =
+            batch_of(self.job, &*self.train, "training", &samples, &device).map_err(fail)?;
+        let layers: Vec<J::Layer> = self.layers.iter().map(|l| l.valid()).collect();
+        let mut times = vec![Vec::with_capacity(reps); layers.len()];
+        for rep in 0..=reps {
+            let mut x = guarded(|| self.job.input(&batch)).map_err(fail)?;
+            for (l, layer) in layers.iter().enumerate() {
+                let t0 = Instant::now();
+                x = guarded(|| self.job.forward(layer, x)).map_err(fail)?;
+                if rep > 0 {
+                    times[l].push(t0.elapsed().as_secs_f64());
+                }
+            }
+        }
+        Ok(times.into_iter().map(crate::metrics::median).collect())
+    }
+
+    fn activation_floats(&self) -> Vec<usize> {
+        let last = self.layers.len() - 1;
+        (0..=last)
+            .map(|l| if l == last { 0 } else { self.widths[l + 1] })
+            .collect()
+    }
+
+    fn layer_name(&self, layer: usize) -> String {
+        format!("layer {layer}")
+    }
+
+    fn stage(
+        &self,
+        layers: Range<usize>,
+        _seed: u64,
+    ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
+        // The seed was used once, for the whole model: every rank cuts the same initial values.
+        let num_params = self.offsets[layers.end] - self.offsets[layers.start];
+        Ok(Box::new(BurnStage {
+            owner: self,
+            first: layers.start == 0,
+            last: layers.end == self.layers.len(),
+            in_width: self.widths[layers.start],
+            out_width: self.widths[layers.end],
+            layers: self.layers[layers].to_vec(),
+            num_params,
+            pending: HashMap::new(),
+        }))
+    }
+}
+
+/// What a training forward keeps until its backward.
+struct Pending {
+    /// The input leaf (non-first stages), whose gradient goes back to the previous stage.
+    input: Option<Tensor<2>>,
+    output: PendingOutput,
+}
+
+enum PendingOutput {
+    Activations(Tensor<2>),
+    Loss(Tensor<1>),
+}
+
+/// Some consecutive layers of a [`LayeredJob`].
+struct BurnStage<'a, 'j, J: LayeredJob> {
+    owner: &'a BurnLayered<'j, J>,
+    first: bool,
+    last: bool,
+    in_width: usize,
+    out_width: usize,
+    layers: Vec<J::Layer>,
+    num_params: usize,
+    pending: HashMap<u64, Pending>,
+}
+
+impl<J: LayeredJob> BurnStage<'_, '_, J> {
+    /// The stage's input: the batch's (first stage) or the received activations, as a leaf that
+    /// requires a gradient when `train`.
+    fn input(
+        &self,
+        batch: Option<&J::Batch>,
+        received: Option<&[f32]>,
+        n: usize,
+        device: &Device,
+        train: bool,
+    ) -> Result<(Option<Tensor<2>>, Tensor<2>), ReplicaError> {
+        match (batch, received) {
+            (Some(b), None) if self.first => Ok((None, guarded(|| self.owner.job.input(b))?)),
+            (_, Some(values)) if !self.first => {
+                if values.len() != n * self.in_width {
+                    return Err(ReplicaError::Other(format!(
+                        "received {} activation values for {n} samples of width {}",
+                        values.len(),
+                        self.in_width
+                    )));
+                }
+                let t =
+                    Tensor::from_data(TensorData::new(values.to_vec(), [n, self.in_width]), device);
+                let t = if train { t.require_grad() } else { t };
+                Ok((train.then(|| t.clone()), t))
+            }
+            _ => Err(ReplicaError::Other(
+                "a stage got no input (internal: first-stage flag and input disagree)".into(),
+            )),
+        }
+    }
+
+    /// This stage's layers over `x`, checking each output's width against the probe's.
+    fn run_layers(&self, layers: &[J::Layer], mut x: Tensor<2>) -> Result<Tensor<2>, ReplicaError> {
+        for layer in layers {
+            x = guarded(|| self.owner.job.forward(layer, x))?;
+        }
+        let [_, width] = x.dims();
+        if !self.last && width != self.out_width {
+            return Err(ReplicaError::Other(format!(
+                "the stage's output has width {width}, but {} when the model was built (layers \
+                 must map [samples, width] to a width that does not depend on the batch)",
+                self.out_width
+            )));
+        }
+        Ok(x)
+    }
+}
+
+/// The f32 values of a tensor.
+fn values(t: &Tensor<2>) -> Result<Vec<f32>, ReplicaError> {
+    t.to_data()
+        .try_to_vec::<f32>()
+        .map_err(|e| ReplicaError::Other(format!("reading activations: {e:?}")))
+}
+
+impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
+    fn is_first(&self) -> bool {
+        self.first
+    }
+
+    fn is_last(&self) -> bool {
+        self.last
+    }
+
+    fn num_params(&self) -> usize {
+        self.num_params
+    }
+
+    fn params_flat(&self) -> Vec<f32> {
+        flat::read(&self.layers, self.num_params)
+    }
+
+    fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError> {
+        if params.len() != self.num_params {
+            return Err(ReplicaError::ParamLength {
+                what: "set_params_flat",
+                expected: self.num_params,
+                got: params.len(),
+            });
+        }
+        let layers = std::mem::take(&mut self.layers);
+        self.layers = flat::write(layers, params, &self.owner.device);
+        Ok(())
+    }
+
+    fn held(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn input_len(&self, n: usize) -> usize {
+        if self.first {
+            0
+        } else {
+            n * self.in_width
+        }
+    }
+
+    fn output_len(&self, n: usize) -> usize {
+        if self.last {
+            0
+        } else {
+            n * self.out_width
+        }
+    }
+
+    fn forward(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        let device = self.owner.device.clone();
+        let n = samples.len();
+        let t0 = Instant::now();
+        let batch = if self.first || self.last {
+            Some(batch_of(
+                self.owner.job,
+                &*self.owner.train,
+                "training",
+                samples,
+                &device,
+            )?)
+        } else {
+            None
+        };
+        let data_seconds = t0.elapsed().as_secs_f64();
+        let (leaf, x) = self.input(batch.as_ref(), input, n, &device, true)?;
+        let x = self.run_layers(&self.layers, x)?;
+        let (output, result) = if self.last {
+            let batch = batch.as_ref().expect("the last stage reads its batch");
+            let loss = guarded(|| self.owner.job.loss(x, batch))?;
+            scalar(&loss)?;
+            let scaled = guarded(|| loss.mul_scalar(n as f32 * scale))?;
+            let value = scalar(&scaled)?;
+            (PendingOutput::Loss(scaled), Forwarded::Loss(value))
+        } else {
+            let out = values(&x)?;
+            (PendingOutput::Activations(x), Forwarded::Activations(out))
+        };
+        self.pending.insert(
+            id,
+            Pending {
+                input: leaf,
+                output,
+            },
+        );
+        Ok((result, data_seconds))
+    }
+
+    fn backward(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad: &mut [f32],
+    ) -> Result<Option<Vec<f32>>, ReplicaError> {
+        let pending = self.pending.remove(&id).ok_or_else(|| {
+            ReplicaError::Other(format!("backward of micro-batch {id} without its forward"))
+        })?;
+        let grads = match (pending.output, grad_output) {
+            (PendingOutput::Loss(loss), None) => guarded(|| loss.backward())?,
+            (PendingOutput::Activations(out), Some(g)) => {
+                let dims = out.dims();
+                if g.len() != dims[0] * dims[1] {
+                    return Err(ReplicaError::Other(format!(
+                        "received {} gradient values for activations of shape {dims:?}",
+                        g.len()
+                    )));
+                }
+                let dout = Tensor::from_data(TensorData::new(g.to_vec(), dims), &self.owner.device);
+                guarded(|| (out * dout).sum().backward())?
+            }
+            _ => {
+                return Err(ReplicaError::Other(
+                    "backward got a gradient on the last stage or none on another".into(),
+                ))
+            }
+        };
+        let input_grad = match &pending.input {
+            Some(leaf) => {
+                let g = leaf.grad(&grads).ok_or_else(|| {
+                    ReplicaError::Other("the stage's input received no gradient".into())
+                })?;
+                Some(
+                    g.to_data()
+                        .try_to_vec::<f32>()
+                        .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}")))?,
+                )
+            }
+            None => None,
+        };
+        flat::read_grads(&self.layers, grads, grad);
+        Ok(input_grad)
+    }
+
+    fn evaluate(
+        &mut self,
+        samples: &[u32],
+        input: Option<&[f32]>,
+    ) -> Result<Evaluated, ReplicaError> {
+        let device = self.owner.device.clone().inner();
+        let n = samples.len();
+        let batch = if self.first || self.last {
+            Some(batch_of(
+                self.owner.job,
+                &*self.owner.eval,
+                "evaluation",
+                samples,
+                &device,
+            )?)
+        } else {
+            None
+        };
+        let (_, x) = self.input(batch.as_ref(), input, n, &device, false)?;
+        let layers: Vec<J::Layer> = self.layers.iter().map(|l| l.valid()).collect();
+        let x = self.run_layers(&layers, x)?;
+        if !self.last {
+            return Ok(Evaluated::Activations(values(&x)?));
+        }
+        let batch = batch.as_ref().expect("the last stage reads its batch");
+        let loss = scalar(&guarded(|| self.owner.job.loss(x.clone(), batch))?)?;
+        let metrics = guarded(|| self.owner.job.metrics(x, batch))?;
+        Ok(Evaluated::Sums(EvalSums {
+            loss: loss as f64 * n as f64,
+            metrics: metrics
+                .into_iter()
+                .map(|(name, sum)| (name.to_string(), sum))
+                .collect(),
+        }))
+    }
+}
+
+/// SHA-256 over the job's name and every layer's parameter names and shapes, in order.
+fn structure_hash<M: Module>(job: &str, layers: &[M]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"lockstep layered job structure v1\0");
+    h.update((job.len() as u64).to_le_bytes());
+    h.update(job.as_bytes());
+    for (l, layer) in layers.iter().enumerate() {
+        h.update((l as u64).to_le_bytes());
+        for p in flat::layout(layer) {
+            h.update((p.name.len() as u64).to_le_bytes());
+            h.update(p.name.as_bytes());
+            h.update((p.shape.len() as u64).to_le_bytes());
+            for &d in &p.shape {
+                h.update((d as u64).to_le_bytes());
+            }
+        }
+    }
+    h.finalize().into()
+}

@@ -1,0 +1,108 @@
+//! What the pipeline driver trains: a model that is a sequence of layers ([`Layered`]), cut into
+//! contiguous stages ([`LayerStage`]) between which only plain `f32` activations and their
+//! gradients travel.
+//!
+//! Two implementations: lockstep's character-level transformer (`transformer.rs`) and any user
+//! [`crate::job::LayeredJob`] (`job/layered_job.rs`). The driver never sees burn or the data: it
+//! hands a stage the sample indices of each micro-batch, the received activations, and gets back
+//! activations, a loss, input gradients and flat parameter gradients.
+
+use std::ops::Range;
+
+use crate::error::TrainError;
+use crate::job::{EvalSums, ReplicaError};
+
+/// A layer-sequence model with its data, as the pipeline driver sees it (object safe).
+pub trait Layered {
+    /// Named in errors and messages (the job, or the built-in dataset).
+    fn name(&self) -> String;
+    /// Layers a pipeline may cut between.
+    fn num_layers(&self) -> usize;
+    /// Flat offset of each layer's first parameter, plus the total at the end
+    /// (`num_layers() + 1` values): layer `l` owns `offsets[l]..offsets[l + 1]`.
+    fn layer_offsets(&self) -> Vec<usize>;
+    /// Architecture fingerprint (ranks and checkpoints compare it).
+    fn structure_hash(&self) -> [u8; 32];
+    /// Training samples (the sampler draws indices below this).
+    fn train_len(&self) -> usize;
+    /// The evaluation samples, in order (the same on every rank and layout).
+    fn eval_samples(&self) -> Vec<u32>;
+    /// What evaluation sums are divided by for `samples` evaluated samples (samples, or
+    /// predicted characters for the language model).
+    fn eval_units(&self, samples: usize) -> f64;
+    /// The loss scale of one micro-batch: its gradient is `scale ·` the gradient of its summed
+    /// loss, so that all micro-batches of a step add up to the gradient of the step's mean loss.
+    fn loss_scale(&self, global_batch: usize) -> f32;
+    /// Seconds of forward + backward of each layer on a micro-batch of `n` samples (balancing).
+    fn profile_layers(&self, n: usize, reps: usize) -> Result<Vec<f64>, TrainError>;
+    /// Output activations per sample of each layer (the plan's message sizes; 0 for the last).
+    fn activation_floats(&self) -> Vec<usize>;
+    /// A short name of each layer (messages, plan).
+    fn layer_name(&self, layer: usize) -> String;
+    /// Layers `layers`, initialised from `seed` exactly like the same slice of the whole model.
+    fn stage(
+        &self,
+        layers: Range<usize>,
+        seed: u64,
+    ) -> Result<Box<dyn LayerStage + '_>, TrainError>;
+}
+
+/// What a training forward produced.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Forwarded {
+    /// For the next stage.
+    Activations(Vec<f32>),
+    /// The scaled loss of the micro-batch (last stage).
+    Loss(f32),
+}
+
+/// What an evaluation forward produced.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Evaluated {
+    Activations(Vec<f32>),
+    /// Last stage: loss and metric sums over the chunk's samples.
+    Sums(EvalSums),
+}
+
+/// A contiguous range of layers on one rank, forward and backward split apart; a forward's graph
+/// is kept under its micro-batch id until the matching backward.
+pub trait LayerStage {
+    fn is_first(&self) -> bool;
+    fn is_last(&self) -> bool;
+    fn num_params(&self) -> usize;
+    fn params_flat(&self) -> Vec<f32>;
+    fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError>;
+    /// Micro-batches whose forward graphs are held.
+    fn held(&self) -> usize;
+    /// Floats this stage receives from the previous one for `n` samples (0 on the first stage),
+    /// and so sends back as their gradient.
+    fn input_len(&self, n: usize) -> usize;
+    /// Floats this stage sends to the next one for `n` samples (0 on the last stage), and so
+    /// receives back as their gradient.
+    fn output_len(&self, n: usize) -> usize;
+    /// Training forward of micro-batch `id` over the training samples `samples`; `input` is the
+    /// previous stage's activations (`None` on the first stage). Returns the seconds spent
+    /// reading data besides the result.
+    fn forward(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+    ) -> Result<(Forwarded, f64), ReplicaError>;
+    /// Backward of micro-batch `id`: `grad_output` from the next stage (`None` on the last);
+    /// writes the stage's parameter gradients into `grad` and returns the input gradient for the
+    /// previous stage (`None` on the first).
+    fn backward(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad: &mut [f32],
+    ) -> Result<Option<Vec<f32>>, ReplicaError>;
+    /// Evaluation forward (nothing kept) over the evaluation samples `samples`.
+    fn evaluate(
+        &mut self,
+        samples: &[u32],
+        input: Option<&[f32]>,
+    ) -> Result<Evaluated, ReplicaError>;
+}

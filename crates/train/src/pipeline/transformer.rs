@@ -1,0 +1,279 @@
+//! lockstep's built-in character-level transformer as a [`Layered`] model: embedding, blocks,
+//! head over a character corpus (the embedded Shakespeare plays, or `data.dir`).
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use lockstep_data::text::{CharCorpus, Split};
+use lockstep_model::{LayerKind, Stage, StageEval, StageInput, StageOutput, TransformerSpec};
+
+use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+use crate::job::{EvalSums, ReplicaError};
+
+/// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
+const EVAL_WINDOWS: usize = 512;
+
+/// The transformer a config describes, for a corpus with `vocab` characters.
+pub fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
+    let m = &cfg.model;
+    TransformerSpec {
+        vocab,
+        context: m.context,
+        d_model: m.d_model,
+        heads: m.heads,
+        blocks: m.blocks,
+        d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
+    }
+}
+
+/// The corpus of a validated text config: the embedded Shakespeare plays, or, when `data.dir` is
+/// set, that folder's `train.txt` and `val.txt` (plain or gzipped as `.txt.gz`).
+pub fn load_corpus(cfg: &TrainConfig) -> Result<CharCorpus, TrainError> {
+    if cfg.data.dir.is_empty() {
+        return Ok(lockstep_data::text::load_shakespeare_embedded()?);
+    }
+    let dir = PathBuf::from(&cfg.data.dir);
+    let read = |stem: &str| -> Result<Vec<u8>, TrainError> {
+        let gz = dir.join(format!("{stem}.txt.gz"));
+        let path = if gz.exists() {
+            gz
+        } else {
+            dir.join(format!("{stem}.txt"))
+        };
+        std::fs::read(&path).map_err(|cause| {
+            let e = if cause.kind() == std::io::ErrorKind::NotFound {
+                lockstep_data::DataError::NotFound {
+                    path,
+                    hint: "data.dir of a text dataset must hold train.txt and val.txt (or .txt.gz)",
+                }
+            } else {
+                lockstep_data::DataError::Io { path, cause }
+            };
+            TrainError::Data(e)
+        })
+    };
+    let name = dir.display().to_string();
+    Ok(lockstep_data::text::parse_char_corpus(
+        &name,
+        &read("train")?,
+        &read("val")?,
+    )?)
+}
+
+/// The transformer of a config with its corpus.
+pub struct Transformer {
+    spec: TransformerSpec,
+    corpus: CharCorpus,
+}
+
+impl Transformer {
+    /// Load the corpus and check that the spec fits it.
+    pub fn new(cfg: &TrainConfig) -> Result<Transformer, TrainError> {
+        let corpus = load_corpus(cfg)?;
+        let spec = transformer_spec(cfg, corpus.vocab_size());
+        spec.validate()?;
+        if corpus.num_windows(Split::Val, spec.context) == 0 {
+            return Err(TrainError::ValidationTooShort {
+                dataset: corpus.name.clone(),
+                chars: corpus.tokens(Split::Val).len(),
+                context: spec.context,
+            });
+        }
+        Ok(Transformer { spec, corpus })
+    }
+}
+
+impl Layered for Transformer {
+    fn name(&self) -> String {
+        self.corpus.name.clone()
+    }
+
+    fn num_layers(&self) -> usize {
+        self.spec.num_layers()
+    }
+
+    fn layer_offsets(&self) -> Vec<usize> {
+        self.spec.layer_offsets()
+    }
+
+    fn structure_hash(&self) -> [u8; 32] {
+        self.spec.structure_hash()
+    }
+
+    fn train_len(&self) -> usize {
+        self.corpus.num_windows(Split::Train, self.spec.context)
+    }
+
+    fn eval_samples(&self) -> Vec<u32> {
+        let available = self.corpus.num_windows(Split::Val, self.spec.context);
+        let k = EVAL_WINDOWS.min(available);
+        (0..k).map(|i| (i * available / k) as u32).collect()
+    }
+
+    fn eval_units(&self, samples: usize) -> f64 {
+        // Loss and accuracy are per predicted character.
+        (samples * self.spec.context) as f64
+    }
+
+    fn loss_scale(&self, global_batch: usize) -> f32 {
+        1.0 / (global_batch * self.spec.context) as f32
+    }
+
+    fn profile_layers(&self, n: usize, reps: usize) -> Result<Vec<f64>, TrainError> {
+        Ok(Stage::profile_layers(&self.spec, n, reps)?)
+    }
+
+    fn activation_floats(&self) -> Vec<usize> {
+        let last = self.spec.num_layers() - 1;
+        (0..=last)
+            .map(|l| {
+                if l == last {
+                    0
+                } else {
+                    self.spec.context * self.spec.d_model
+                }
+            })
+            .collect()
+    }
+
+    fn layer_name(&self, layer: usize) -> String {
+        match self.spec.layer_kind(layer) {
+            LayerKind::Embedding => "embedding".into(),
+            LayerKind::Block(b) => format!("block {b}"),
+            LayerKind::Head => "head".into(),
+        }
+    }
+
+    fn stage(
+        &self,
+        layers: Range<usize>,
+        seed: u64,
+    ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
+        Ok(Box::new(TransformerStage {
+            stage: Stage::new(&self.spec, layers, seed)?,
+            corpus: &self.corpus,
+            x: Vec::new(),
+            y: Vec::new(),
+        }))
+    }
+}
+
+/// Some layers of the transformer and the corpus they read tokens and targets from.
+struct TransformerStage<'a> {
+    stage: Stage,
+    corpus: &'a CharCorpus,
+    x: Vec<i64>,
+    y: Vec<i64>,
+}
+
+impl TransformerStage<'_> {
+    /// Tokens and targets of `samples` (first and last stages only).
+    fn gather(&mut self, split: Split, samples: &[u32]) {
+        if self.stage.is_first() || self.stage.is_last() {
+            let context = self.stage.spec().context;
+            self.corpus
+                .gather_windows(split, context, samples, &mut self.x, &mut self.y);
+        }
+    }
+}
+
+impl LayerStage for TransformerStage<'_> {
+    fn is_first(&self) -> bool {
+        self.stage.is_first()
+    }
+
+    fn is_last(&self) -> bool {
+        self.stage.is_last()
+    }
+
+    fn num_params(&self) -> usize {
+        self.stage.num_params()
+    }
+
+    fn params_flat(&self) -> Vec<f32> {
+        self.stage.params_flat()
+    }
+
+    fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError> {
+        Ok(self.stage.set_params_flat(params)?)
+    }
+
+    fn held(&self) -> usize {
+        self.stage.held()
+    }
+
+    fn input_len(&self, n: usize) -> usize {
+        if self.stage.is_first() {
+            0
+        } else {
+            self.stage.spec().activation_len(n)
+        }
+    }
+
+    fn output_len(&self, n: usize) -> usize {
+        if self.stage.is_last() {
+            0
+        } else {
+            self.stage.spec().activation_len(n)
+        }
+    }
+
+    fn forward(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        let t0 = Instant::now();
+        self.gather(Split::Train, samples);
+        let data_seconds = t0.elapsed().as_secs_f64();
+        let stage_input = match input {
+            Some(a) => StageInput::Activations(a),
+            None => StageInput::Tokens(&self.x),
+        };
+        let targets = self.stage.is_last().then_some(&self.y[..]);
+        let out = match self
+            .stage
+            .forward(id, stage_input, samples.len(), targets, scale)?
+        {
+            StageOutput::Activations(a) => Forwarded::Activations(a),
+            StageOutput::Loss(l) => Forwarded::Loss(l),
+        };
+        Ok((out, data_seconds))
+    }
+
+    fn backward(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad: &mut [f32],
+    ) -> Result<Option<Vec<f32>>, ReplicaError> {
+        Ok(self.stage.backward(id, grad_output, grad)?)
+    }
+
+    fn evaluate(
+        &mut self,
+        samples: &[u32],
+        input: Option<&[f32]>,
+    ) -> Result<Evaluated, ReplicaError> {
+        self.gather(Split::Val, samples);
+        let stage_input = match input {
+            Some(a) => StageInput::Activations(a),
+            None => StageInput::Tokens(&self.x),
+        };
+        let targets = self.stage.is_last().then_some(&self.y[..]);
+        Ok(
+            match self.stage.evaluate(stage_input, samples.len(), targets)? {
+                StageEval::Activations(a) => Evaluated::Activations(a),
+                StageEval::Scores { loss_sum, correct } => Evaluated::Sums(EvalSums {
+                    loss: loss_sum,
+                    metrics: vec![("accuracy".into(), correct as f64)],
+                }),
+            },
+        )
+    }
+}
