@@ -946,8 +946,8 @@ fn run_train_worker(
     .with_context(|| format!("rank {rank}"))?;
     if rank == 0 {
         // A language model's test figures are validation nats per character and next-character
-        // accuracy; a classifier's, its test accuracy.
-        let test = if summary.pipeline.is_some() {
+        // accuracy; a classifier's, its test accuracy; any job's, its own metrics.
+        let test = if job().evaluates_per_character(cfg) {
             format!(
                 "validation loss {:.4} nats/char, next-char accuracy {:.2}%",
                 summary.test_loss,

@@ -16,6 +16,10 @@
 //! summary.json and report.md/.html with your metrics; `scale` and `plan` work as well. See
 //! docs/library.md.
 //!
+//! A model written as a sequence of layers can implement [`LayeredJob`] instead and run as
+//! `lockstep::main(lockstep::Pipelined(MyJob))`: then `parallel.pp` cuts it into pipeline stages
+//! (GPipe or 1F1B) with the same parameter bits as one worker.
+//!
 //! Configuration: lockstep's config file (`[train]`, `[optimizer]`, `[dist]`, `[checkpoint]`,
 //! `[parallel]`) plus your job's own `[job]` table, read with [`TrainConfig::job_section`]. Your
 //! [`Job::config`] gives the defaults; `--config` and `--set` apply on top.

@@ -21,6 +21,10 @@ impl JobSpec for BuiltinJob {
         "lockstep".into()
     }
 
+    fn evaluates_per_character(&self, cfg: &TrainConfig) -> bool {
+        cfg.model.kind == "transformer"
+    }
+
     fn label(&self, cfg: &TrainConfig) -> String {
         cfg.data.dataset.clone()
     }

@@ -33,6 +33,11 @@ pub trait JobSpec: Send + Sync {
     fn label(&self, _cfg: &TrainConfig) -> String {
         self.name()
     }
+    /// Whether evaluation figures are per predicted character (a character-level language
+    /// model) rather than per sample; only changes how they are worded.
+    fn evaluates_per_character(&self, _cfg: &TrainConfig) -> bool {
+        false
+    }
     /// The job's default configuration, TOML (sections of lockstep's config and the job's own
     /// `[job]` table); `--config` and `--set` apply on top of it.
     fn default_config(&self) -> String {
