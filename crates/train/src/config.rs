@@ -1,11 +1,9 @@
 //! The training configuration: TOML with a default for every field, `--set key=value` overrides,
 //! and validation up front with errors that name the field.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-
-use crate::job::JobSpec;
 
 /// Errors in a configuration file or override; each names the field (or file) at fault.
 #[derive(Debug, thiserror::Error)]
@@ -28,7 +26,7 @@ pub enum ConfigError {
     },
 }
 
-fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field,
         message: message.into(),
@@ -270,96 +268,6 @@ impl Default for DistConfig {
 }
 
 impl TrainConfig {
-    /// Load `path` (or the built-in defaults when `None`), apply `key=value` overrides, validate.
-    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
-        let (text, origin) = match path {
-            Some(p) => (
-                std::fs::read_to_string(p).map_err(|cause| ConfigError::Read {
-                    path: p.to_path_buf(),
-                    cause,
-                })?,
-                p.display().to_string(),
-            ),
-            None => (String::new(), "built-in defaults".to_string()),
-        };
-        Self::from_toml_str(&text, &origin, overrides)
-    }
-
-    pub fn from_toml_str(
-        text: &str,
-        origin: &str,
-        overrides: &[String],
-    ) -> Result<Self, ConfigError> {
-        Self::from_toml_str_for(&crate::builtin::BuiltinJob, text, origin, overrides)
-    }
-
-    /// [`TrainConfig::load`] for `job`: its default config underneath the file, then the
-    /// overrides; lockstep's own sections are validated, then the job's settings by the job.
-    pub fn load_for(
-        job: &dyn JobSpec,
-        path: Option<&Path>,
-        overrides: &[String],
-    ) -> Result<Self, ConfigError> {
-        let (text, origin) = match path {
-            Some(p) => (
-                std::fs::read_to_string(p).map_err(|cause| ConfigError::Read {
-                    path: p.to_path_buf(),
-                    cause,
-                })?,
-                p.display().to_string(),
-            ),
-            None => (
-                String::new(),
-                format!("the defaults of job `{}`", job.name()),
-            ),
-        };
-        Self::from_toml_str_for(job, &text, &origin, overrides)
-    }
-
-    /// [`TrainConfig::from_toml_str`] for `job` (see [`TrainConfig::load_for`]).
-    pub fn from_toml_str_for(
-        job: &dyn JobSpec,
-        text: &str,
-        origin: &str,
-        overrides: &[String],
-    ) -> Result<Self, ConfigError> {
-        let parse = |text: &str, origin: &str| {
-            text.parse::<toml::Table>()
-                .map_err(|e: toml::de::Error| ConfigError::Parse {
-                    origin: origin.into(),
-                    message: e.to_string(),
-                })
-        };
-        let defaults = job.default_config();
-        let mut table = parse(
-            &defaults,
-            &format!("the default config of job `{}`", job.name()),
-        )?;
-        merge(&mut table, parse(text, origin)?);
-        for o in overrides {
-            apply_override(&mut table, o)?;
-        }
-        let both_micro = table_has(&table, "train", "microbatch")
-            && table_has(&table, "parallel", "microbatches");
-        let mut cfg: TrainConfig =
-            toml::Value::Table(table)
-                .try_into()
-                .map_err(|e: toml::de::Error| {
-                    let origin = if overrides.is_empty() {
-                        origin.to_string()
-                    } else {
-                        format!("{origin} with --set overrides")
-                    };
-                    ConfigError::Parse {
-                        origin,
-                        message: e.to_string().trim().to_string(),
-                    }
-                })?;
-        cfg.resolve_microbatches(both_micro)?;
-        job.validate(&cfg)?;
-        Ok(cfg)
-    }
-
     /// The job's `[job]` table as the job's own settings type.
     pub fn job_section<T: serde::de::DeserializeOwned>(&self) -> Result<T, ConfigError> {
         toml::Value::Table(self.job.clone())
@@ -372,7 +280,7 @@ impl TrainConfig {
 
     /// `parallel.microbatches`, when set, decides the micro-batch size (it must divide the batch;
     /// an explicit `train.microbatch` must agree with it).
-    fn resolve_microbatches(&mut self, both_given: bool) -> Result<(), ConfigError> {
+    pub(crate) fn resolve_microbatches(&mut self, both_given: bool) -> Result<(), ConfigError> {
         let m = self.parallel.microbatches;
         if m == 0 {
             return Ok(());
@@ -481,55 +389,7 @@ impl TrainConfig {
         self.train.global_batch / self.train.microbatch
     }
 
-    /// Full validation of a config of lockstep's built-in jobs.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        self.validate_builtin()
-    }
-
-    /// The built-in jobs: `[model]` and `[data]`, no `[job]`, then lockstep's own sections and
-    /// the memory the model needs.
-    pub fn validate_builtin(&self) -> Result<(), ConfigError> {
-        if let Some(key) = self.job.keys().next() {
-            return Err(invalid(
-                "job",
-                format!(
-                    "`job.{key}`: lockstep's built-in models take no [job] settings \
-                     (that table is for your own jobs built with the lockstep library)"
-                ),
-            ));
-        }
-        self.validate_model_and_data()?;
-        self.validate_sections()?;
-        crate::limits::check(self, crate::limits::host_memory_bytes())
-    }
-
-    /// A user job: lockstep's own sections (train, optimizer, dist, checkpoint, parallel). The
-    /// `[model]` and `[data]` sections belong to the built-in jobs and are ignored.
-    pub fn validate_common(&self) -> Result<(), ConfigError> {
-        if self.parallel.pp > 1 {
-            return Err(invalid(
-                "parallel.pp",
-                format!(
-                    "{} pipeline stages need a model written as a sequence of layers: implement \
-                     lockstep::LayeredJob and run lockstep::main(lockstep::Pipelined(job)); \
-                     this job runs data-parallel only (parallel.pp = 1)",
-                    self.parallel.pp
-                ),
-            ));
-        }
-        self.validate_common_layered()
-    }
-
-    /// A user's layered job ([`crate::job::LayeredJob`]): like [`TrainConfig::validate_common`],
-    /// with pipelines allowed (the stages are checked against the model's layers once the job
-    /// has built it).
-    pub fn validate_common_layered(&self) -> Result<(), ConfigError> {
-        self.validate_parallel(None)?;
-        self.validate_sections()?;
-        crate::limits::check_common(self)
-    }
-
-    fn validate_model_and_data(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate_model_and_data(&self) -> Result<(), ConfigError> {
         match self.model.kind.as_str() {
             "mlp" | "cnn" | "transformer" => {}
             other => {
@@ -587,7 +447,7 @@ impl TrainConfig {
     }
 
     /// train, optimizer, checkpoint and dist.
-    fn validate_sections(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate_sections(&self) -> Result<(), ConfigError> {
         let t = &self.train;
         if t.steps == 0 && t.epochs == 0 {
             return Err(invalid(
@@ -736,10 +596,9 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// Checks of `[parallel]` that need no world size (see [`crate::ParallelDims`] for the rest).
     /// Checks of `[parallel]` that need no world size (see [`crate::ParallelDims`] for the rest);
     /// with the model's layer count when it is known from the config (the built-in jobs).
-    fn validate_parallel(&self, layers: Option<usize>) -> Result<(), ConfigError> {
+    pub(crate) fn validate_parallel(&self, layers: Option<usize>) -> Result<(), ConfigError> {
         let p = &self.parallel;
         match p.schedule.as_str() {
             "gpipe" | "1f1b" => {}
@@ -800,7 +659,7 @@ impl TrainConfig {
     }
 }
 
-fn table_has(table: &toml::Table, section: &str, key: &str) -> bool {
+pub(crate) fn table_has(table: &toml::Table, section: &str, key: &str) -> bool {
     table
         .get(section)
         .and_then(|s| s.as_table())
@@ -809,7 +668,7 @@ fn table_has(table: &toml::Table, section: &str, key: &str) -> bool {
 
 /// Apply `a.b.c=value` to a TOML table. The value is parsed as a TOML value when it is one
 /// (numbers, booleans, arrays, quoted strings) and taken as a bare string otherwise.
-fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError> {
+pub(crate) fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError> {
     let (key, raw) = spec
         .split_once('=')
         .ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
@@ -922,7 +781,7 @@ mod tests {
 }
 
 /// Deep-merge `top` over `base`: tables merge key by key, anything else in `top` replaces.
-fn merge(base: &mut toml::Table, top: toml::Table) {
+pub(crate) fn merge(base: &mut toml::Table, top: toml::Table) {
     for (key, value) in top {
         match (base.get_mut(&key), value) {
             (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge(b, t),

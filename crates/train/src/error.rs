@@ -4,7 +4,7 @@ use lockstep_comm::exact::ExactError;
 use lockstep_comm::CommError;
 
 use crate::checkpoint::CheckpointError;
-use crate::job::ReplicaError;
+use crate::outcome::ReplicaError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {

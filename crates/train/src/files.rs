@@ -5,8 +5,6 @@
 use std::io::Write;
 use std::path::Path;
 
-use crate::error::TrainError;
-
 /// The disk, or the user's quota, is full.
 pub fn is_no_space(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
@@ -26,13 +24,4 @@ pub fn replace_via(tmp: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()>
         let _ = std::fs::remove_file(tmp);
     }
     result
-}
-
-/// [`replace_via`] with a temporary name next to `path`, for run outputs.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    replace_via(&tmp, path, bytes).map_err(|cause| TrainError::Io {
-        path: path.display().to_string(),
-        cause,
-    })
 }

@@ -55,7 +55,7 @@ use lockstep_comm::exact::{ExactError, ExactReducer};
 use lockstep_comm::{Communicator, ReduceOp};
 use lockstep_model::{Model, ModelError, TimedLoss};
 
-use crate::job::ReplicaError;
+use crate::outcome::ReplicaError;
 
 pub struct GradSync {
     reproducible: bool,

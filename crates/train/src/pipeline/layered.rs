@@ -3,14 +3,14 @@
 //! gradients travel.
 //!
 //! Two implementations: lockstep's character-level transformer (`transformer.rs`) and any user
-//! [`crate::job::LayeredJob`] (`job/layered_job.rs`). The driver never sees burn or the data: it
+//! `LayeredJob` (`job/layered_job.rs`). The driver never sees burn or the data: it
 //! hands a stage the sample indices of each micro-batch, the received activations, and gets back
 //! activations, a loss, input gradients and flat parameter gradients.
 
 use std::ops::Range;
 
 use crate::error::TrainError;
-use crate::job::{EvalSums, ReplicaError};
+use crate::outcome::{EvalSums, ReplicaError};
 
 /// A layer-sequence model with its data, as the pipeline driver sees it (object safe).
 pub trait Layered {

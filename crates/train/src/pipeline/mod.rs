@@ -8,7 +8,7 @@
 //! - `executor`: runs one stage's list for one step over the pipeline communicator, timed;
 //! - `layered`: what the loop trains — a [`layered::Layered`] model cut into
 //!   [`layered::LayerStage`]s (the built-in transformer in `transformer`, a user's
-//!   [`crate::job::LayeredJob`] in `job/layered_job.rs`);
+//!   `LayeredJob` in `job/layered_job.rs`);
 //! - `train`: the training loop (also used with one stage).
 
 pub mod balance;

@@ -11,7 +11,7 @@ use lockstep_model::{LayerKind, Stage, StageEval, StageInput, StageOutput, Trans
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use crate::config::TrainConfig;
 use crate::error::TrainError;
-use crate::job::{EvalSums, ReplicaError};
+use crate::outcome::{EvalSums, ReplicaError};
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
 const EVAL_WINDOWS: usize = 512;

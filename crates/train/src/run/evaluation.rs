@@ -12,8 +12,8 @@ use lockstep_comm::{Communicator, ReduceOp};
 
 use super::collect::gather_strings;
 use crate::error::TrainError;
-use crate::job::{EvalSums, ReplicaError};
 use crate::metrics::Eval;
+use crate::outcome::{EvalSums, ReplicaError};
 
 /// Units per 1.0 of a sum.
 const FIXED_POINT: f64 = (1u64 << 24) as f64;

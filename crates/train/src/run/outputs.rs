@@ -96,4 +96,11 @@ pub(crate) fn write_outputs(
     Ok(())
 }
 
-pub use crate::files::write_atomic;
+/// [`crate::files::replace_via`] with a temporary name next to `path`, for run outputs.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    crate::files::replace_via(&tmp, path, bytes).map_err(|cause| TrainError::Io {
+        path: path.display().to_string(),
+        cause,
+    })
+}
