@@ -119,7 +119,7 @@ pub fn format_table(r: &ScaleReport) -> String {
     );
     for p in &r.points {
         s += &format!(
-            "{:<label_w$} {:>7} {:>10.2} {:>11.0} {:>7.2}× {:>6.0}% {:>9.2} {:>9.2} {:>9.2} {:>6.0}% {:>9.2} {:>10.4} {:>8}\n",
+            "{:<label_w$} {:>7} {:>10.2} {:>11.0} {:>7.2}× {:>6.0}% {:>9.2} {:>9.2} {:>9.2} {:>6.0}% {:>9.2} {:>10} {:>8}\n",
             p.label,
             p.world_size,
             p.median_step_seconds * 1e3,
@@ -131,7 +131,11 @@ pub fn format_table(r: &ScaleReport) -> String {
             (p.communication + p.waiting) * 1e3,
             p.communication_fraction * 100.0,
             p.bubble * 1e3,
-            p.test_accuracy,
+            if p.test_accuracy.is_finite() {
+                format!("{:.4}", p.test_accuracy)
+            } else {
+                "—".into()
+            },
             &p.param_hash[..8.min(p.param_hash.len())]
         );
     }

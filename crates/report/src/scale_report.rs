@@ -248,7 +248,11 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
             p.world_size.to_string(),
             format!("{:.6}", p.final_loss),
             format!("{:.6}", p.test_loss),
-            format!("{:.4}", p.test_accuracy),
+            if p.test_accuracy.is_finite() {
+                format!("{:.4}", p.test_accuracy)
+            } else {
+                "—".to_string()
+            },
             format!("{:.1}", p.samples_per_sec),
             format!("{:.3}", p.wall_seconds),
             format!("`{}`", short(&p.param_hash)),

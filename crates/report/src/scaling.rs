@@ -165,6 +165,8 @@ pub struct ScalePoint {
     pub final_loss: f64,
     #[serde(default)]
     pub test_loss: f64,
+    /// The job's `accuracy` metric; NaN (`null`) for a job that reports none.
+    #[serde(default, with = "lockstep_train::metrics::nan_as_null")]
     pub test_accuracy: f64,
     /// Wall seconds of the whole run (summary.json).
     #[serde(default)]
