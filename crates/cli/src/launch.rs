@@ -3,8 +3,10 @@
 //!
 //! Workers are this same executable started as `lockstep worker …`; they learn their place from
 //! `LOCKSTEP_*` variables (see `cluster_env`). The launcher of node 0 serves the rendezvous store.
-//! Lines a worker prints as `@@progress {json}` / `@@result {json}` are protocol, not log: progress is
-//! drawn as one status line, results are handed back to the caller.
+//! Lines a worker prints with the protocol prefix are typed messages (`protocol.rs`), not log:
+//! progress is drawn as one status line, steps and resumes counted, bench rows handed back to the
+//! caller, and a failing worker's failure record (whom it timed out waiting for, whether a
+//! restart can help) used to blame the root cause.
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
@@ -15,12 +17,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use lockstep_comm::JobSecret;
 
-pub const PROGRESS_PREFIX: &str = "@@progress ";
-pub const RESULT_PREFIX: &str = "@@result ";
-/// Rank 0 reports each completed step (`@@step N`) and a resume (`@@resumed N`), so the launcher
-/// knows how much work a failure cost.
-pub const STEP_PREFIX: &str = "@@step ";
-pub const RESUMED_PREFIX: &str = "@@resumed ";
+use crate::protocol::{FailureRecord, Progress, WorkerMessage};
+
 /// Exit status of a worker that failed on bad input (config, data, checkpoint of another run):
 /// restarting cannot help.
 pub const EXIT_PERMANENT: i32 = 3;
@@ -28,8 +26,8 @@ pub const EXIT_PERMANENT: i32 = 3;
 /// What one launch of the worker group produced.
 #[derive(Debug, Default)]
 pub struct Outcome {
-    /// `@@result` payloads in arrival order.
-    pub results: Vec<String>,
+    /// Bench result rows in arrival order.
+    pub results: Vec<serde_json::Value>,
     /// Last step rank 0 reported complete, and the step it resumed from.
     pub last_step: Option<u64>,
     pub resumed_from: Option<u64>,
@@ -143,6 +141,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let mut stop_at: Option<Instant> = None;
     let mut stopped = false;
     let mut last_lines: Vec<Vec<String>> = vec![Vec::new(); world];
+    let mut records: Vec<Option<FailureRecord>> = vec![None; world];
 
     while running > 0 {
         if !stopped && stop_at.is_some_and(|t| Instant::now() >= t) {
@@ -159,21 +158,27 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             }
         }
         match rx.recv_timeout(Duration::from_millis(50)) {
-            Ok(Event::Line { rank, stderr, line }) => {
-                if let Some(p) = line.strip_prefix(PROGRESS_PREFIX) {
-                    draw_progress(p, fancy);
-                    progress_shown = fancy;
-                } else if let Some(n) = line.strip_prefix(STEP_PREFIX) {
-                    outcome.last_step = n.trim().parse().ok().or(outcome.last_step);
-                    last_progress = Instant::now();
-                } else if let Some(n) = line.strip_prefix(RESUMED_PREFIX) {
-                    outcome.resumed_from = n.trim().parse().ok();
-                } else if let Some(r) = line.strip_prefix(RESULT_PREFIX) {
-                    outcome.results.push(r.to_string());
-                } else {
+            Ok(Event::Line { rank, stderr, line }) => match WorkerMessage::parse(&line) {
+                Some(Ok(message)) => {
+                    let step_done = matches!(message, WorkerMessage::StepDone { .. });
+                    if let WorkerMessage::Progress(p) = &message {
+                        draw_progress(p, fancy);
+                        progress_shown = fancy;
+                    }
+                    handle(message, rank, &mut outcome, &mut records);
+                    if step_done {
+                        last_progress = Instant::now();
+                    }
+                }
+                parsed => {
                     if progress_shown {
                         eprint!("\r\x1b[2K");
                     }
+                    // A malformed protocol line is shown as what it is, with the parse error.
+                    let line = match parsed {
+                        Some(Err(e)) => e,
+                        _ => line,
+                    };
                     let keep = &mut last_lines[rank % world];
                     keep.push(line.clone());
                     if keep.len() > 5 {
@@ -185,7 +190,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                         println!("[rank {rank}] {line}");
                     }
                 }
-            }
+            },
             Ok(Event::Exited { rank, status }) => {
                 running -= 1;
                 if !status.success() && !stopped {
@@ -201,19 +206,25 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     // Drain remaining output lines.
     while let Ok(ev) = rx.recv_timeout(Duration::from_millis(100)) {
         if let Event::Line { rank, line, .. } = ev {
-            if let Some(r) = line.strip_prefix(RESULT_PREFIX) {
-                outcome.results.push(r.to_string());
-            } else if let Some(n) = line.strip_prefix(STEP_PREFIX) {
-                outcome.last_step = n.trim().parse().ok().or(outcome.last_step);
-            } else if !line.starts_with("@@") {
-                eprintln!("[rank {rank}] {line}");
+            match WorkerMessage::parse(&line) {
+                Some(Ok(WorkerMessage::Progress(_))) => {}
+                Some(Ok(message)) => handle(message, rank, &mut outcome, &mut records),
+                Some(Err(e)) => eprintln!("[rank {rank}] {e}"),
+                None => {
+                    let keep = &mut last_lines[rank % world];
+                    keep.push(line.clone());
+                    if keep.len() > 5 {
+                        keep.remove(0);
+                    }
+                    eprintln!("[rank {rank}] {line}");
+                }
             }
         }
     }
     if progress_shown {
         eprintln!();
     }
-    if let Some((rank, what)) = blame(&failures, &last_lines) {
+    if let Some((rank, what)) = blame(&failures, &records) {
         // Bad input or a full disk (exit status 3) and running out of memory (the allocator
         // aborts with this message) recur on every attempt: not worth a restart.
         let out_of_memory = |rank: usize| {
@@ -267,7 +278,10 @@ const FAILURE_GRACE: Duration = Duration::from_millis(500);
 /// (status 3) over the peers that lost it; among the rest, a rank that the failed
 /// workers all timed out *waiting for* but that never exited itself is hung, and is the cause;
 /// otherwise the first to exit.
-fn blame(failures: &[(usize, ExitStatus)], last_lines: &[Vec<String>]) -> Option<(usize, String)> {
+fn blame(
+    failures: &[(usize, ExitStatus)],
+    records: &[Option<FailureRecord>],
+) -> Option<(usize, String)> {
     use std::os::unix::process::ExitStatusExt;
     if let Some((rank, status)) = failures.iter().find(|(_, s)| s.signal().is_some()) {
         return Some((*rank, describe(*status)));
@@ -281,13 +295,7 @@ fn blame(failures: &[(usize, ExitStatus)], last_lines: &[Vec<String>]) -> Option
     }
     let waited_for: Vec<usize> = failures
         .iter()
-        .filter_map(|(r, _)| {
-            last_lines
-                .get(*r)?
-                .iter()
-                .rev()
-                .find_map(|l| waited_rank(l))
-        })
+        .filter_map(|(r, _)| records.get(*r)?.as_ref()?.waited_for)
         .collect();
     if let Some(&hung) = waited_for.first() {
         if waited_for.iter().all(|&r| r == hung) && !failures.iter().any(|(r, _)| *r == hung) {
@@ -304,15 +312,23 @@ fn blame(failures: &[(usize, ExitStatus)], last_lines: &[Vec<String>]) -> Option
     failures.first().map(|(r, s)| (*r, describe(*s)))
 }
 
-/// The rank in "timed out after …s waiting for rank N (…".
-fn waited_rank(line: &str) -> Option<usize> {
-    let rest = &line[line.find("timed out after")?..];
-    let after = &rest[rest.find("waiting for rank ")? + "waiting for rank ".len()..];
-    after
-        .split(|c: char| !c.is_ascii_digit())
-        .next()?
-        .parse()
-        .ok()
+/// A protocol message from `rank` into the outcome.
+fn handle(
+    message: WorkerMessage,
+    rank: usize,
+    outcome: &mut Outcome,
+    records: &mut [Option<FailureRecord>],
+) {
+    match message {
+        WorkerMessage::Progress(_) => {}
+        WorkerMessage::StepDone { step } => outcome.last_step = Some(step),
+        WorkerMessage::Resumed { step } => outcome.resumed_from = Some(step),
+        WorkerMessage::BenchRow { row } => outcome.results.push(row),
+        WorkerMessage::Failure(record) => {
+            let world = records.len();
+            records[rank % world] = Some(record);
+        }
+    }
 }
 
 struct Running {
@@ -376,19 +392,7 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-#[derive(serde::Deserialize)]
-struct ProgressLine {
-    step: u64,
-    total_steps: u64,
-    loss: f64,
-    samples_per_sec: f64,
-    eta_seconds: f64,
-}
-
-fn draw_progress(json: &str, fancy: bool) {
-    let Ok(p) = serde_json::from_str::<ProgressLine>(json) else {
-        return;
-    };
+fn draw_progress(p: &Progress, fancy: bool) {
     let width = 30usize;
     let filled = if p.total_steps == 0 {
         width
@@ -429,12 +433,25 @@ mod tests {
 
     #[test]
     fn a_worker_that_stopped_on_bad_input_is_blamed_over_the_peer_that_noticed_first() {
-        let lines = vec![Vec::new(), Vec::new()];
+        let lines = vec![None, None];
         let failures = [(0, exited(1)), (1, exited(EXIT_PERMANENT))];
         assert_eq!(blame(&failures, &lines).map(|b| b.0), Some(1));
         // Without one, the first to exit.
         let failures = [(0, exited(1)), (1, exited(1))];
         assert_eq!(blame(&failures, &lines).map(|b| b.0), Some(0));
+        // Everyone that failed timed out waiting for the same rank, which never exited: it hung.
+        let waiting = |peer| {
+            Some(FailureRecord {
+                waited_for: Some(peer),
+                permanent: false,
+                message: String::new(),
+            })
+        };
+        let records = vec![waiting(1), None, waiting(1)];
+        let failures = [(0, exited(1)), (2, exited(1))];
+        let (rank, what) = blame(&failures, &records).unwrap();
+        assert_eq!(rank, 1);
+        assert!(what.contains("stopped making progress (ranks 0, 2 timed out waiting for it)"));
         // A signal still wins: the worker was killed.
         let failures = [(1, exited(EXIT_PERMANENT)), (0, ExitStatus::from_raw(9))];
         assert_eq!(blame(&failures, &lines).map(|b| b.0), Some(0));

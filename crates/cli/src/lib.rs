@@ -9,6 +9,7 @@ mod inject;
 mod launch;
 mod orphan;
 mod plan;
+mod protocol;
 mod request;
 mod run_dir;
 mod scale;
@@ -30,7 +31,8 @@ use lockstep_train::faults::Fault;
 use lockstep_train::{Event, JobSpec, TrainConfig, WorkerContext};
 
 use crate::cluster_env::WorkerEnv;
-use crate::launch::{LaunchSpec, PROGRESS_PREFIX, RESULT_PREFIX, RESUMED_PREFIX, STEP_PREFIX};
+use crate::launch::LaunchSpec;
+use crate::protocol::{FailureRecord, WorkerMessage};
 
 #[derive(Parser)]
 #[command(
@@ -266,6 +268,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
         panic!("lockstep_cli::run called twice");
     }
     let cli = Cli::parse();
+    let launched_worker = matches!(cli.command, Some(Command::Worker { .. }));
     // Keep big step buffers in the heap instead of re-faulting them every step (see lockstep-model).
     lockstep_model::tune_allocator_for_training();
     let result = match cli.command {
@@ -298,12 +301,18 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
         // Not eprintln!: an orphaned worker's stderr may be a closed pipe, and a panic here
         // would replace the real exit status with 101.
         orphan::exit_if_orphaned("");
+        let permanent = is_bad_input(&e);
+        if launched_worker {
+            // For the launcher's blame and restart decision, typed; then the message for people.
+            let record = WorkerMessage::Failure(FailureRecord {
+                waited_for: protocol::waited_for(&e),
+                permanent,
+                message: format!("{e:#}"),
+            });
+            let _ = writeln!(std::io::stderr(), "{}", record.line());
+        }
         let _ = writeln!(std::io::stderr(), "lockstep: error: {e:#}");
-        std::process::exit(if is_bad_input(&e) {
-            launch::EXIT_PERMANENT
-        } else {
-            1
-        });
+        std::process::exit(if permanent { launch::EXIT_PERMANENT } else { 1 });
     }
     std::process::exit(0)
 }
@@ -773,7 +782,8 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let mut rows = Vec::new();
     for r in outcome.results {
         rows.push(
-            serde_json::from_str::<bench::Row>(&r).context("worker sent a malformed result row")?,
+            serde_json::from_value::<bench::Row>(r)
+                .context("worker sent a malformed result row")?,
         );
     }
     let report = bench::Report {
@@ -870,7 +880,8 @@ fn cmd_worker(role: WorkerRole) -> Result<()> {
                 parse_algorithm(&algorithm)?,
             )?;
             for r in rows {
-                println!("{RESULT_PREFIX}{}", serde_json::to_string(&r)?);
+                let row = serde_json::to_value(&r)?;
+                println!("{}", WorkerMessage::BenchRow { row }.line());
             }
             Ok(())
         }
@@ -897,14 +908,14 @@ fn run_train_worker(
     }
     let mut on_event = |e: Event| match e {
         Event::Progress(p) if under_launcher => {
-            let line = serde_json::json!({
-                "step": p.step,
-                "total_steps": p.total_steps,
-                "loss": p.loss,
-                "samples_per_sec": p.samples_per_sec,
-                "eta_seconds": p.eta_seconds,
+            let progress = WorkerMessage::Progress(protocol::Progress {
+                step: p.step,
+                total_steps: p.total_steps,
+                loss: p.loss,
+                samples_per_sec: p.samples_per_sec,
+                eta_seconds: p.eta_seconds,
             });
-            orphan::emit(rank, true, &format!("{PROGRESS_PREFIX}{line}"));
+            orphan::emit(rank, true, &progress.line());
         }
         Event::Progress(p) => orphan::emit(
             rank,
@@ -915,11 +926,11 @@ fn run_train_worker(
             ),
         ),
         Event::StepDone(step) if under_launcher => {
-            orphan::emit(rank, true, &format!("{STEP_PREFIX}{step}"))
+            orphan::emit(rank, true, &WorkerMessage::StepDone { step }.line())
         }
         Event::Resumed(step) => {
             if under_launcher {
-                orphan::emit(rank, true, &format!("{RESUMED_PREFIX}{step}"));
+                orphan::emit(rank, true, &WorkerMessage::Resumed { step }.line());
             }
             orphan::emit(
                 rank,
