@@ -1,0 +1,99 @@
+//! The test job's model as a `LayeredJob` (hidden linear + ReLU, then the output linear), so
+//! that the tests can cut it into pipeline stages and make a stage misbehave.
+
+#[path = "../common.rs"]
+mod common;
+
+use burn::data::dataset::Dataset;
+use burn::module::Module;
+use burn::nn::loss::{MseLoss, Reduction};
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Tensor};
+use common::{Item, Settings, INPUTS};
+use lockstep::{BoxError, TrainConfig};
+
+#[derive(Module, Debug)]
+struct Layer {
+    linear: Linear,
+    #[module(skip)]
+    relu: bool,
+}
+
+struct LayeredTestJob;
+
+impl lockstep::LayeredJob for LayeredTestJob {
+    type Layer = Layer;
+    type Item = Item;
+    type Batch = (Tensor<2>, Tensor<2>);
+
+    fn name(&self) -> &str {
+        "testjob-layered"
+    }
+
+    fn config(&self) -> &str {
+        common::CONFIG
+    }
+
+    fn validate(&self, cfg: &TrainConfig) -> Result<(), String> {
+        common::settings(cfg).map(drop)
+    }
+
+    fn layers(&self, cfg: &TrainConfig, device: &Device) -> Vec<Layer> {
+        let s: Settings = cfg.job_section().expect("validated");
+        vec![
+            Layer {
+                linear: LinearConfig::new(INPUTS, s.hidden).init(device),
+                relu: true,
+            },
+            Layer {
+                linear: LinearConfig::new(s.hidden, 1).init(device),
+                relu: false,
+            },
+        ]
+    }
+
+    fn train_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Item>>, BoxError> {
+        Ok(Box::new(common::train_set(cfg)?))
+    }
+
+    fn eval_data(&self, cfg: &TrainConfig) -> Result<Box<dyn Dataset<Item>>, BoxError> {
+        Ok(Box::new(common::eval_set(cfg)?))
+    }
+
+    fn batch(&self, items: Vec<Item>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+        common::batch(items, device)
+    }
+
+    fn input(&self, (x, _): &(Tensor<2>, Tensor<2>)) -> Tensor<2> {
+        x.clone()
+    }
+
+    fn forward(&self, layer: &Layer, x: Tensor<2>) -> Tensor<2> {
+        let y = layer.linear.forward(x);
+        if layer.relu {
+            relu(y)
+        } else {
+            y
+        }
+    }
+
+    fn loss(&self, output: Tensor<2>, (_, y): &(Tensor<2>, Tensor<2>)) -> Tensor<1> {
+        MseLoss::new().forward(output, y.clone(), Reduction::Mean)
+    }
+
+    fn metrics(
+        &self,
+        output: Tensor<2>,
+        (_, y): &(Tensor<2>, Tensor<2>),
+    ) -> Vec<(&'static str, f64)> {
+        vec![(
+            "mae",
+            (output - y.clone()).abs().sum().into_scalar::<f32>() as f64,
+        )]
+    }
+}
+
+fn main() {
+    lockstep::main(lockstep::Pipelined(LayeredTestJob))
+}

@@ -1,0 +1,115 @@
+//! What both test jobs share: the data (generated from the index), the `[job]` settings and
+//! the misbehaviours they can be switched to.
+
+use burn::data::dataset::InMemDataset;
+use burn::tensor::{Device, Tensor, TensorData};
+use lockstep::{BoxError, TrainConfig};
+use serde::Deserialize;
+
+pub const INPUTS: usize = 8;
+
+#[derive(Clone, Debug)]
+pub struct Item {
+    pub x: Vec<f32>,
+    pub y: f32,
+}
+
+/// The `[job]` table.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub hidden: usize,
+    pub train_samples: usize,
+    /// "none", "short-dataset", "wrong-shape", "nan-loss", "panic-in-data".
+    pub misbehave: String,
+}
+
+/// Deterministic inputs from the index; the target is a fixed smooth function of them. A
+/// poisoned item has a NaN target; a truncated one lacks its last input (a shape bug).
+pub fn item(i: usize, poison: bool, truncate: bool) -> Item {
+    let mut x = vec![0f32; INPUTS];
+    for (k, v) in x.iter_mut().enumerate() {
+        let h = (i as u64 * 2654435761 + k as u64 * 40503) % 1000;
+        *v = h as f32 / 500.0 - 1.0;
+    }
+    let y = x
+        .iter()
+        .enumerate()
+        .map(|(k, v)| v * (k as f32 - 3.5) / 4.0)
+        .sum::<f32>()
+        + (x[0] * x[1]);
+    if truncate {
+        x.pop();
+    }
+    Item {
+        x,
+        y: if poison { f32::NAN } else { y },
+    }
+}
+
+/// Sample whose target is NaN with `misbehave = "nan-loss"`.
+pub const POISONED: usize = 37;
+
+pub const MISBEHAVIOURS: [&str; 5] = [
+    "none",
+    "short-dataset",
+    "wrong-shape",
+    "nan-loss",
+    "panic-in-data",
+];
+
+pub fn settings(cfg: &TrainConfig) -> Result<Settings, String> {
+    let s: Settings = cfg.job_section().map_err(|e| e.to_string())?;
+    if MISBEHAVIOURS.contains(&s.misbehave.as_str()) {
+        Ok(s)
+    } else {
+        Err(format!(
+            "job.misbehave = `{}` is not a known misbehaviour",
+            s.misbehave
+        ))
+    }
+}
+
+pub fn train_set(cfg: &TrainConfig) -> Result<InMemDataset<Item>, BoxError> {
+    let s: Settings = cfg.job_section()?;
+    let n = if s.misbehave == "short-dataset" {
+        10
+    } else {
+        s.train_samples
+    };
+    let nan = s.misbehave == "nan-loss";
+    let short = s.misbehave == "wrong-shape";
+    Ok(InMemDataset::new(
+        (0..n)
+            .map(|i| item(i, nan && i == POISONED, short))
+            .collect(),
+    ))
+}
+
+pub fn eval_set(cfg: &TrainConfig) -> Result<InMemDataset<Item>, BoxError> {
+    let s: Settings = cfg.job_section()?;
+    if s.misbehave == "panic-in-data" {
+        panic!("the evaluation files are missing (deliberate)");
+    }
+    Ok(InMemDataset::new(
+        (0..128)
+            .map(|i| item(1_000_000 + i, false, false))
+            .collect(),
+    ))
+}
+
+pub fn batch(items: Vec<Item>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let n = items.len();
+    let width = items[0].x.len();
+    let x: Vec<f32> = items.iter().flat_map(|it| it.x.iter().copied()).collect();
+    let y: Vec<f32> = items.iter().map(|it| it.y).collect();
+    (
+        Tensor::from_data(TensorData::new(x, [n, width]), device),
+        Tensor::from_data(TensorData::new(y, [n, 1]), device),
+    )
+}
+
+pub const CONFIG: &str =
+    "[train]\nsteps = 12\nglobal_batch = 32\nmicrobatch = 8\nlr = 0.05\nwarmup_steps = 0\n\
+     eval_every = 6\n[checkpoint]\nevery = 4\n\
+     [job]\nhidden = 16\ntrain_samples = 512\nmisbehave = \"none\"\n";
