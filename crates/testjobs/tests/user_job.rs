@@ -157,7 +157,7 @@ fn a_panic_while_opening_the_data_is_a_final_error_naming_the_job() {
         &[
             "job `testjob`: opening the job panicked",
             "evaluation files are missing",
-            "main.rs",
+            "common.rs:",
         ],
     );
 }
