@@ -31,7 +31,7 @@ mod net;
 mod optim;
 /// Flat parameter/gradient access for any burn module (also for users' own models).
 pub mod flat {
-    pub use crate::params::{f32_slice, layout, read, read_grads, write, ParamInfo};
+    pub use crate::params::{f32_slice, hash_layout, layout, read, read_grads, write, ParamInfo};
 }
 mod params;
 mod rng;

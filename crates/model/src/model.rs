@@ -285,14 +285,7 @@ fn structure_hash(spec: &ModelSpec, layout: &[ParamInfo]) -> [u8; 32] {
     let mut h = Sha256::new();
     h.update(b"lockstep-model structure v1\0");
     h.update(spec.canonical_bytes());
-    for p in layout {
-        h.update((p.name.len() as u64).to_le_bytes());
-        h.update(p.name.as_bytes());
-        h.update((p.shape.len() as u64).to_le_bytes());
-        for &d in &p.shape {
-            h.update((d as u64).to_le_bytes());
-        }
-    }
+    params::hash_layout(&mut h, layout);
     h.finalize().into()
 }
 

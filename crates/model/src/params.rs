@@ -162,3 +162,17 @@ pub fn f32_slice(data: &TensorData) -> &[f32] {
     data.as_slice::<f32>()
         .expect("lockstep-model tensors are f32 by construction")
 }
+
+/// Feed every parameter's name and shape, in order, into `h`: the architecture part of a
+/// structure fingerprint (the values are not hashed).
+pub fn hash_layout(h: &mut sha2::Sha256, layout: &[ParamInfo]) {
+    use sha2::Digest;
+    for p in layout {
+        h.update((p.name.len() as u64).to_le_bytes());
+        h.update(p.name.as_bytes());
+        h.update((p.shape.len() as u64).to_le_bytes());
+        for &d in &p.shape {
+            h.update((d as u64).to_le_bytes());
+        }
+    }
+}

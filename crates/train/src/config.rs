@@ -637,6 +637,14 @@ impl TrainConfig {
                 ),
             ));
         }
+        p.check_stages(layers)
+    }
+}
+
+impl ParallelConfig {
+    /// `stage_cuts` against a model of `layers` layers.
+    pub fn check_stages(&self, layers: usize) -> Result<(), ConfigError> {
+        let p = self;
         if !p.stage_cuts.is_empty() {
             let ok = p.stage_cuts.len() == p.pp - 1
                 && p.stage_cuts.windows(2).all(|w| w[0] < w[1])

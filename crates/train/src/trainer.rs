@@ -13,7 +13,6 @@ use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
 use lockstep_model::{param_hash, TimedLoss};
 
-use crate::checkpoint::Identity;
 use crate::config::TrainConfig;
 use crate::context::WorkerContext;
 use crate::error::TrainError;
@@ -28,10 +27,10 @@ use crate::run::Ledger;
 
 /// Train `job` according to `cfg` as one rank of `ctx.comm`. Returns the summary (complete on
 /// rank 0; other ranks return it too, with the same global figures).
-pub fn train(
+pub fn train<'a>(
     job: &dyn JobSpec,
-    cfg: &TrainConfig,
-    ctx: WorkerContext<'_>,
+    cfg: &'a TrainConfig,
+    ctx: WorkerContext<'a>,
 ) -> Result<Summary, TrainError> {
     let name = job.name();
     let built = catch_job_panic(|| job.build(cfg)).map_err(|p| TrainError::JobSetup {
@@ -58,22 +57,14 @@ struct Plan<'a> {
 }
 
 /// The data-parallel loop over one rank's replica of a job (see the module doc).
-fn train_replica(
+fn train_replica<'a>(
     job: &str,
     mut replica: Box<dyn Replica + '_>,
-    cfg: &TrainConfig,
-    ctx: WorkerContext<'_>,
+    cfg: &'a TrainConfig,
+    ctx: WorkerContext<'a>,
 ) -> Result<Summary, TrainError> {
-    let WorkerContext {
-        comm,
-        host,
-        out_dir,
-        on_event,
-        resume,
-        faults,
-    } = ctx;
     let started = Instant::now();
-    let (rank, world) = (comm.rank(), comm.size());
+    let (rank, world) = (ctx.comm.rank(), ctx.comm.size());
     let t = &cfg.train;
     let setup = |message: String| TrainError::JobSetup {
         job: job.to_string(),
@@ -103,33 +94,20 @@ fn train_replica(
     let total_steps = total_steps(cfg, &sampler)?;
     let n_micro = cfg.microbatches_per_step();
 
+    let (comm, mut ledger) = Ledger::open(cfg, ctx, replica.structure_hash(), total_steps, started);
     check_same_structure(comm, replica.structure_hash())?;
     let mut params = replica.params_flat();
     comm.broadcast(&mut params, 0)?;
     replica
         .set_params_flat(&params)
         .map_err(|e| setup(e.to_string()))?;
-
-    let identity = Identity {
-        config: cfg.identity_hash(),
-        model: hex::encode(replica.structure_hash()),
-    };
-    let mut ledger = Ledger::new(
-        cfg,
-        rank,
-        out_dir,
-        identity,
-        faults,
-        on_event,
-        total_steps,
-        started,
-    );
     let mut optimizer = ledger.optimizer(params.len());
-    if resume && ledger.resume(comm, &mut params, &mut optimizer)? > 0 {
+    if ledger.resume(comm, &mut params, &mut optimizer)? > 0 {
         replica
             .set_params_flat(&params)
             .map_err(|e| setup(e.to_string()))?;
     }
+    let faults = ledger.faults;
     let slowdown = faults::slowdown(faults, rank);
     let plan = Plan {
         job,
@@ -204,7 +182,7 @@ fn train_replica(
 
     let hash = param_hash(&params);
     check_same_hash(comm, &hash)?;
-    ledger.finish(comm, &host, hash, |_, _| None)
+    ledger.finish(comm, hash, |_, _| None)
 }
 
 /// One step's gradient: this rank's micro-batches computed, every rank's summed into

@@ -131,18 +131,8 @@ impl<'j, J: Job> BurnReplica<'j, J> {
     /// Build the model on a device seeded with `train.seed` and open both datasets.
     pub fn new(job: &'j J, cfg: &TrainConfig) -> Result<Self, TrainError> {
         let name = Job::name(job).to_string();
-        let data_error = |split: &'static str| {
-            let name = name.clone();
-            move |cause: BoxError| TrainError::JobData {
-                job: name.clone(),
-                split,
-                message: cause.to_string(),
-            }
-        };
-        let train = job.train_data(cfg).map_err(data_error("training"))?;
-        let eval = job.eval_data(cfg).map_err(data_error("evaluation"))?;
-        let device = Device::flex().autodiff();
-        device.seed(cfg.train.seed);
+        let (train, eval) = open_data(&name, job.train_data(cfg), job.eval_data(cfg))?;
+        let device = seeded_device(cfg);
         let model =
             catch_job_panic(|| job.model(cfg, &device)).map_err(|p| TrainError::JobSetup {
                 job: name.clone(),
@@ -181,17 +171,55 @@ impl<'j, J: Job> BurnReplica<'j, J> {
         samples: &[u32],
         device: &Device,
     ) -> Result<J::Batch, ReplicaError> {
-        let mut items = Vec::with_capacity(samples.len());
-        for &i in samples {
-            let item = set.get(i as usize).map_err(|e| ReplicaError::Dataset {
-                split,
-                index: i as usize,
-                message: e.to_string(),
-            })?;
-            items.push(item);
-        }
-        guarded(|| self.job.batch(items, device))
+        batch_of(set, split, samples, |items| self.job.batch(items, device))
     }
+}
+
+/// Both datasets of a job, or the error naming the job and the split that failed to open.
+pub(super) type Datasets<I> = (Box<dyn Dataset<I>>, Box<dyn Dataset<I>>);
+
+pub(super) fn open_data<I>(
+    job: &str,
+    train: Result<Box<dyn Dataset<I>>, BoxError>,
+    eval: Result<Box<dyn Dataset<I>>, BoxError>,
+) -> Result<Datasets<I>, TrainError> {
+    let failed = |split: &'static str| {
+        move |cause: BoxError| TrainError::JobData {
+            job: job.to_string(),
+            split,
+            message: cause.to_string(),
+        }
+    };
+    Ok((
+        train.map_err(failed("training"))?,
+        eval.map_err(failed("evaluation"))?,
+    ))
+}
+
+/// The autodiff device a job's model is built on, seeded with `train.seed` so that burn's own
+/// initialisers give the same values on every run.
+pub(super) fn seeded_device(cfg: &TrainConfig) -> Device {
+    let device = Device::flex().autodiff();
+    device.seed(cfg.train.seed);
+    device
+}
+
+/// The items of `samples` from `set`, turned into a batch by the job's `batch` (guarded).
+pub(super) fn batch_of<I, B>(
+    set: &dyn Dataset<I>,
+    split: &'static str,
+    samples: &[u32],
+    batch: impl FnOnce(Vec<I>) -> B,
+) -> Result<B, ReplicaError> {
+    let mut items = Vec::with_capacity(samples.len());
+    for &i in samples {
+        items.push(set.get(i as usize).map_err(|e| ReplicaError::Dataset {
+            split,
+            index: i as usize,
+            message: e.to_string(),
+        })?);
+    }
+    guarded(|| batch(items))
 }
 
 /// Run the job's code, turning a panic (e.g. a shape mismatch inside burn) into an error.
@@ -298,13 +326,6 @@ fn structure_hash(job: &str, layout: &[ParamInfo]) -> [u8; 32] {
     h.update(b"lockstep job structure v1\0");
     h.update((job.len() as u64).to_le_bytes());
     h.update(job.as_bytes());
-    for p in layout {
-        h.update((p.name.len() as u64).to_le_bytes());
-        h.update(p.name.as_bytes());
-        h.update((p.shape.len() as u64).to_le_bytes());
-        for &d in &p.shape {
-            h.update((d as u64).to_le_bytes());
-        }
-    }
+    flat::hash_layout(&mut h, layout);
     h.finalize().into()
 }

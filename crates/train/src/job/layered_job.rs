@@ -18,7 +18,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use lockstep_model::flat;
 use sha2::{Digest, Sha256};
 
-use super::burn_job::{guarded, scalar, BoxError};
+use super::burn_job::{self, guarded, open_data, scalar, seeded_device, BoxError};
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
 use crate::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
@@ -124,21 +124,11 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
             job: name.clone(),
             message,
         };
-        let data_error = |split: &'static str| {
-            let name = name.clone();
-            move |cause: BoxError| TrainError::JobData {
-                job: name.clone(),
-                split,
-                message: cause.to_string(),
-            }
-        };
-        let train = job.train_data(cfg).map_err(data_error("training"))?;
-        let eval = job.eval_data(cfg).map_err(data_error("evaluation"))?;
+        let (train, eval) = open_data(&name, job.train_data(cfg), job.eval_data(cfg))?;
         if eval.is_empty() || train.is_empty() {
             return Err(setup("a dataset is empty".into()));
         }
-        let device = Device::flex().autodiff();
-        device.seed(cfg.train.seed);
+        let device = seeded_device(cfg);
         let layers = catch_job_panic(|| job.layers(cfg, &device))
             .map_err(|p| setup(format!("building the layers panicked: {p}")))?;
         if layers.is_empty() {
@@ -186,7 +176,7 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
     }
 }
 
-/// The items of `samples` from `set`, batched on `device`.
+/// The items of `samples` from `set`, batched on `device` by the job.
 fn batch_of<J: LayeredJob>(
     job: &J,
     set: &dyn Dataset<J::Item>,
@@ -194,15 +184,7 @@ fn batch_of<J: LayeredJob>(
     samples: &[u32],
     device: &Device,
 ) -> Result<J::Batch, ReplicaError> {
-    let mut items = Vec::with_capacity(samples.len());
-    for &i in samples {
-        items.push(set.get(i as usize).map_err(|e| ReplicaError::Dataset {
-            split,
-            index: i as usize,
-            message: e.to_string(),
-        })?);
-    }
-    guarded(|| job.batch(items, device))
+    burn_job::batch_of(set, split, samples, |items| job.batch(items, device))
 }
 
 impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
@@ -560,14 +542,7 @@ fn structure_hash<M: Module>(job: &str, layers: &[M]) -> [u8; 32] {
     h.update(job.as_bytes());
     for (l, layer) in layers.iter().enumerate() {
         h.update((l as u64).to_le_bytes());
-        for p in flat::layout(layer) {
-            h.update((p.name.len() as u64).to_le_bytes());
-            h.update(p.name.as_bytes());
-            h.update((p.shape.len() as u64).to_le_bytes());
-            for &d in &p.shape {
-                h.update((d as u64).to_le_bytes());
-            }
-        }
+        flat::hash_layout(&mut h, &flat::layout(layer));
     }
     h.finalize().into()
 }

@@ -30,9 +30,8 @@ use super::balance::{balance, stage_ranges};
 use super::executor::{run_schedule, StageWork};
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
-use crate::checkpoint::Identity;
 use crate::config::TrainConfig;
-use crate::context::{Event, WorkerContext};
+use crate::context::WorkerContext;
 use crate::error::TrainError;
 use crate::faults;
 use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary};
@@ -137,21 +136,13 @@ impl StageWork for Work<'_> {
 }
 
 /// Train `model` according to `cfg` as one rank of `ctx.comm` (see the module doc).
-pub fn train(
+pub fn train<'a>(
     model: &dyn Layered,
-    cfg: &TrainConfig,
-    ctx: WorkerContext<'_>,
+    cfg: &'a TrainConfig,
+    ctx: WorkerContext<'a>,
 ) -> Result<Summary, TrainError> {
-    let WorkerContext {
-        comm,
-        host,
-        out_dir,
-        on_event,
-        resume,
-        faults,
-    } = ctx;
     let started = Instant::now();
-    let (rank, world) = (comm.rank(), comm.size());
+    let (rank, world) = (ctx.comm.rank(), ctx.comm.size());
     let t = &cfg.train;
     let dims = ParallelDims::from_config(cfg, world)?;
     let me = dims.coords(rank);
@@ -170,6 +161,7 @@ pub fn train(
     let total_steps = total_steps(cfg, &sampler)?;
     let m_total = cfg.microbatches_per_step();
 
+    let (comm, mut ledger) = Ledger::open(cfg, ctx, model.structure_hash(), total_steps, started);
     check_same_structure(comm, model.structure_hash())?;
     // Stages of one replica talk point to point; each stage's replicas reduce gradients.
     let mut pp_comm = comm.split(me.replica as u32, me.stage as u32)?;
@@ -177,18 +169,18 @@ pub fn train(
 
     let (cuts, layer_seconds, cuts_from) = choose_cuts(cfg, model, comm, dims.pp)?;
     let ranges = stage_ranges(&cuts, model.num_layers());
-    if rank == 0 && dims.pp > 1 {
-        on_event(Event::Notice(format!(
+    if dims.pp > 1 {
+        ledger.notice(format!(
             "pipeline: {} × {} stages ({}), layers per stage {:?} ({cuts_from} cuts)",
             dims.dp, dims.pp, cfg.parallel.schedule, ranges
-        )));
+        ));
     }
-    if rank == 0 && cfg.dist.overlap {
-        on_event(Event::Notice(
+    if cfg.dist.overlap {
+        ledger.notice(
             "dist.overlap is not used by the layered loop: its gradients are reduced after \
              the pipeline schedule (same bits either way)"
                 .into(),
-        ));
+        );
     }
     let my_layers = ranges[me.stage].clone();
     let offsets = model.layer_offsets();
@@ -206,37 +198,23 @@ pub fn train(
         message: e.to_string(),
     };
     let mut params = stage.params_flat();
-    let identity = Identity {
-        config: cfg.identity_hash(),
-        model: hex::encode(model.structure_hash()),
-    };
-    let mut ledger = Ledger::new(
-        cfg,
-        rank,
-        out_dir,
-        identity,
-        faults,
-        on_event,
-        total_steps,
-        started,
-    );
     let mut optimizer = ledger.optimizer(params.len());
-    if resume {
-        // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice.
-        let mut full = vec![0f32; full_len];
-        let mut full_opt = ledger.optimizer(full_len);
-        if ledger.resume(comm, &mut full, &mut full_opt)? > 0 {
-            let mine = my_offset..my_offset + params.len();
-            params.copy_from_slice(&full[mine.clone()]);
-            for (dst, src) in optimizer.state_mut().into_iter().zip(full_opt.state()) {
-                dst.copy_from_slice(&src[mine.clone()]);
-            }
-            optimizer.set_steps_taken(full_opt.steps_taken());
-            stage.set_params_flat(&params).map_err(setup)?;
+    // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice.
+    let mut full = vec![0f32; full_len];
+    let mut full_opt = ledger.optimizer(full_len);
+    if ledger.resume(comm, &mut full, &mut full_opt)? > 0 {
+        let mine = my_offset..my_offset + params.len();
+        params.copy_from_slice(&full[mine.clone()]);
+        for (dst, src) in optimizer.state_mut().into_iter().zip(full_opt.state()) {
+            dst.copy_from_slice(&src[mine.clone()]);
         }
+        optimizer.set_steps_taken(full_opt.steps_taken());
+        stage.set_params_flat(&params).map_err(setup)?;
     }
+    drop(full);
     let start_step = ledger.start_step;
 
+    let faults = ledger.faults;
     let slowdown = faults::slowdown(faults, rank);
     let kind = ScheduleKind::from_config(&cfg.parallel.schedule);
     let my_micro = assign(m_total, dims.dp, me.replica);
@@ -389,7 +367,7 @@ pub fn train(
     comm.broadcast(&mut hash_bytes, 0)?;
     let hash = String::from_utf8_lossy(&hash_bytes).into_owned();
 
-    ledger.finish(comm, &host, hash, |_, ranks| {
+    ledger.finish(comm, hash, |_, ranks| {
         for r in ranks.iter_mut() {
             if let Some(p) = r.pipeline.as_mut() {
                 p.replica = dims.coords(r.rank).replica;
@@ -449,23 +427,7 @@ fn check_layers(cfg: &TrainConfig, layers: usize) -> Result<(), TrainError> {
             format!("{} stages but the model has only {layers} layers", p.pp),
         ));
     }
-    if !p.stage_cuts.is_empty() {
-        let ok = p.stage_cuts.len() == p.pp - 1
-            && p.stage_cuts.windows(2).all(|w| w[0] < w[1])
-            && p.stage_cuts.first().is_some_and(|&c| c >= 1)
-            && p.stage_cuts.last().is_some_and(|&c| c < layers);
-        if !ok {
-            return Err(invalid(
-                "parallel.stage_cuts",
-                format!(
-                    "{:?} are not {} increasing cuts within 1..{layers}",
-                    p.stage_cuts,
-                    p.pp - 1
-                ),
-            ));
-        }
-    }
-    Ok(())
+    Ok(p.check_stages(layers)?)
 }
 
 /// Collective over one replica's pipeline: replica 0's stages send their slices (stage order =

@@ -19,7 +19,7 @@ use super::outputs::{write_outputs, MetricsLog};
 use super::schedule::{optimizer_spec, RECORDS_RESERVED};
 use crate::checkpoint::{Checkpoint, Identity};
 use crate::config::TrainConfig;
-use crate::context::Event;
+use crate::context::{Event, WorkerContext};
 use crate::error::TrainError;
 use crate::faults::Fault;
 use crate::metrics::{Eval, PipelineSummary, RankSummary, StepRecord, Summary};
@@ -29,9 +29,13 @@ pub(crate) struct Ledger<'a> {
     cfg: &'a TrainConfig,
     rank: usize,
     out_dir: &'a Path,
+    host: String,
+    /// Continue from the newest good checkpoint, if there is one.
+    resume_requested: bool,
     ckpt_dir: PathBuf,
     identity: Identity,
-    faults: &'a [Fault],
+    /// Deliberately injected faults.
+    pub(crate) faults: &'a [Fault],
     on_event: &'a mut dyn FnMut(Event),
     started: Instant,
     pub(crate) start_step: u64,
@@ -44,23 +48,36 @@ pub(crate) struct Ledger<'a> {
 }
 
 impl<'a> Ledger<'a> {
-    pub(crate) fn new(
+    /// The ledger of a run of `total_steps` begun at `started`, for a model whose architecture
+    /// fingerprint is `structure_hash` (checkpoints are keyed by it and the config's identity);
+    /// takes the worker context apart and hands back its communicator.
+    pub(crate) fn open(
         cfg: &'a TrainConfig,
-        rank: usize,
-        out_dir: &'a Path,
-        identity: Identity,
-        faults: &'a [Fault],
-        on_event: &'a mut dyn FnMut(Event),
+        ctx: WorkerContext<'a>,
+        structure_hash: [u8; 32],
         total_steps: u64,
         started: Instant,
-    ) -> Self {
-        let t = &cfg.train;
-        Ledger {
-            cfg,
-            rank,
+    ) -> (&'a mut Communicator, Self) {
+        let WorkerContext {
+            comm,
+            host,
             out_dir,
+            on_event,
+            resume,
+            faults,
+        } = ctx;
+        let t = &cfg.train;
+        let ledger = Ledger {
+            cfg,
+            rank: comm.rank(),
+            out_dir,
+            host,
+            resume_requested: resume,
             ckpt_dir: checkpoint_dir(cfg, out_dir),
-            identity,
+            identity: Identity {
+                config: cfg.identity_hash(),
+                model: hex::encode(structure_hash),
+            },
             faults,
             on_event,
             started,
@@ -76,6 +93,14 @@ impl<'a> Ledger<'a> {
             metrics: MetricsLog::new(),
             evals: Vec::new(),
             last_loss: f64::NAN,
+        };
+        (comm, ledger)
+    }
+
+    /// A notice for the log (rank 0 only).
+    pub(crate) fn notice(&mut self, text: String) {
+        if self.rank == 0 {
+            (self.on_event)(Event::Notice(text));
         }
     }
 
@@ -84,14 +109,18 @@ impl<'a> Ledger<'a> {
         Optimizer::new(&optimizer_spec(self.cfg), len)
     }
 
-    /// Collective: rank 0 loads the newest good checkpoint of the whole model into `params` and
-    /// `optimizer` and broadcasts it; sets and returns the step to continue from (0: none).
+    /// Collective, when resuming was asked for: rank 0 loads the newest good checkpoint of the
+    /// whole model into `params` and `optimizer` and broadcasts it; sets and returns the step to
+    /// continue from (0: none, or not resuming).
     pub(crate) fn resume(
         &mut self,
         comm: &mut Communicator,
         params: &mut [f32],
         optimizer: &mut Optimizer,
     ) -> Result<u64, TrainError> {
+        if !self.resume_requested {
+            return Ok(0);
+        }
         let step = resume_from_checkpoint(
             comm,
             &self.ckpt_dir,
@@ -182,7 +211,6 @@ impl<'a> Ledger<'a> {
     pub(crate) fn finish(
         mut self,
         comm: &mut Communicator,
-        host: &str,
         param_hash: String,
         pipeline: impl FnOnce(&[StepRecord], &mut [RankSummary]) -> Option<PipelineSummary>,
     ) -> Result<Summary, TrainError> {
@@ -192,7 +220,7 @@ impl<'a> Ledger<'a> {
             &self.records,
             self.out_dir,
             self.start_step,
-            host,
+            &self.host,
         )?;
         let pipeline = pipeline(&all_records, &mut ranks);
         let end = RunEnd {
