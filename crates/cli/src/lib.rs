@@ -27,6 +27,7 @@ use clap::{Args, Parser, Subcommand};
 use lockstep_comm::store::StoreServer;
 use lockstep_comm::tcp::TcpOptions;
 use lockstep_comm::{Algorithm, JobSecret};
+use lockstep_train::config::TransportKind;
 use lockstep_train::faults::Fault;
 use lockstep_train::{Event, JobSpec, TrainConfig, WorkerContext};
 
@@ -346,7 +347,7 @@ fn check_layout(
             })?;
         }
         _ => {
-            if cfg.dist.transport == "mpi" {
+            if cfg.dist.transport == TransportKind::Mpi {
                 // MPI's ranks come from mpirun; processes spawned by lockstep's own launcher would
                 // each be a world of one. Refused up front (exit 3, no restarts).
                 return Err(lockstep_train::ConfigError::Invalid {
@@ -816,7 +817,12 @@ fn bench_under_mpi(a: &BenchArgs) -> Result<()> {
     } else {
         0.0
     };
-    let mut worker = worker::connect(w, "mpi", Duration::from_secs(60), &TcpOptions::default())?;
+    let mut worker = worker::connect(
+        w,
+        TransportKind::Mpi,
+        Duration::from_secs(60),
+        &TcpOptions::default(),
+    )?;
     if let Some(b) = a.segment_bytes {
         worker.comm.set_segment_bytes(b);
     }
@@ -869,7 +875,8 @@ fn cmd_worker(role: WorkerRole) -> Result<()> {
             segment_bytes,
         } => {
             let timeout = Duration::from_secs(60);
-            let mut worker = worker::connect(w, &transport, timeout, &tcp_options(&env)?)?;
+            let transport: TransportKind = transport.parse().map_err(anyhow::Error::msg)?;
+            let mut worker = worker::connect(w, transport, timeout, &tcp_options(&env)?)?;
             if let Some(b) = segment_bytes {
                 worker.comm.set_segment_bytes(b);
             }
@@ -899,10 +906,8 @@ fn run_train_worker(
     let env = environment();
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_secs);
     let rank = w.rank;
-    let mut worker = worker::connect(w, &cfg.dist.transport, timeout, &tcp_options(&env)?)?;
-    worker
-        .comm
-        .set_algorithm(parse_algorithm(&cfg.dist.algorithm)?);
+    let mut worker = worker::connect(w, cfg.dist.transport, timeout, &tcp_options(&env)?)?;
+    worker.comm.set_algorithm(cfg.dist.algorithm);
     if under_launcher {
         orphan::watch_launcher(rank);
     }

@@ -13,7 +13,10 @@ pub struct BadRequest(pub String);
 /// `local` is the workers started on this host; `nodes` the hosts of the job.
 pub fn check_world(cfg: &TrainConfig, local: usize, nodes: usize) -> Result<(), BadRequest> {
     use lockstep_comm::shm::MAX_WORLD;
-    let shm_possible = matches!(cfg.dist.transport.as_str(), "auto" | "shm");
+    let shm_possible = matches!(
+        cfg.dist.transport,
+        lockstep_train::config::TransportKind::Auto | lockstep_train::config::TransportKind::Shm
+    );
     if nodes == 1 && shm_possible && local > MAX_WORLD {
         return Err(BadRequest(format!(
             "--nproc {local}: shared memory connects at most {MAX_WORLD} workers on one host \

@@ -5,6 +5,7 @@
 //!    on this host (and `transport` allows it), TCP otherwise;
 //! 3. establish the transport mesh and wrap it in a communicator with the job's timeout.
 
+use lockstep_train::config::TransportKind;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,15 +66,14 @@ fn resolve(store: &str) -> Result<SocketAddr> {
 /// this long even when collectives have a short timeout.
 const MIN_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// `transport`: "auto", "shm", "tcp" or "mpi". `timeout`: for every collective (and for setup, at
-/// least [`MIN_SETUP_TIMEOUT`]).
+/// `timeout`: for every collective (and for setup, at least [`MIN_SETUP_TIMEOUT`]).
 pub fn connect(
     env: WorkerEnv,
-    transport: &str,
+    transport: TransportKind,
     timeout: Duration,
     tcp: &TcpOptions,
 ) -> Result<Worker> {
-    if transport == "mpi" {
+    if transport == TransportKind::Mpi {
         return connect_mpi(env, timeout);
     }
     if env.store.is_empty() {
@@ -111,10 +111,10 @@ pub fn connect(
         same_host &= other == me.as_bytes();
     }
     let use_shm = match transport {
-        "shm" if !same_host => bail!("dist.transport = \"shm\" but the ranks are on different hosts; use \"tcp\" or \"auto\""),
-        "shm" => true,
-        "tcp" => false,
-        _ => same_host,
+        TransportKind::Shm if !same_host => bail!("dist.transport = \"shm\" but the ranks are on different hosts; use \"tcp\" or \"auto\""),
+        TransportKind::Shm => true,
+        TransportKind::Tcp => false,
+        TransportKind::Auto | TransportKind::Mpi => same_host,
     };
     let t: Arc<dyn Transport> = if use_shm {
         Arc::new(

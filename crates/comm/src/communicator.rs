@@ -33,8 +33,9 @@ use crate::transport::{Tag, Transport};
 /// tree; at or above it, ring all-reduce and the pipelined chain.
 pub const DEFAULT_SMALL_MESSAGE_THRESHOLD: usize = 256 * 1024;
 
-/// All-reduce algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// All-reduce algorithm (in configs: "auto", "ring", "recursive-doubling").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Algorithm {
     /// Recursive doubling below the small-message threshold, ring at or above it.
     #[default]

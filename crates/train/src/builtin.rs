@@ -8,7 +8,7 @@
 use lockstep_data::Dataset;
 use lockstep_model::{Model, ModelSpec, ParamInfo};
 
-use crate::config::{ConfigError, TrainConfig};
+use crate::config::{ConfigError, ModelKind, TrainConfig};
 use crate::job::{Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
 use crate::TrainError;
 
@@ -22,7 +22,7 @@ impl JobSpec for BuiltinJob {
     }
 
     fn evaluates_per_character(&self, cfg: &TrainConfig) -> bool {
-        cfg.model.kind == "transformer"
+        cfg.model.kind == ModelKind::Transformer
     }
 
     fn label(&self, cfg: &TrainConfig) -> String {
@@ -34,7 +34,7 @@ impl JobSpec for BuiltinJob {
     }
 
     fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
-        if cfg.model.kind == "transformer" {
+        if cfg.model.kind == ModelKind::Transformer {
             let model = crate::pipeline::transformer::Transformer::new(cfg)?;
             return Ok(Trainable::Layered(Box::new(model)));
         }
@@ -140,8 +140,8 @@ impl Replica for Classifier {
 /// The classifier `cfg` describes for the shape and classes of `data`.
 pub fn model_spec(cfg: &TrainConfig, data: &Dataset) -> ModelSpec {
     let [c, h, w] = data.shape;
-    match cfg.model.kind.as_str() {
-        "cnn" => ModelSpec::Cnn {
+    match cfg.model.kind {
+        ModelKind::Cnn => ModelSpec::Cnn {
             channels: c,
             height: h,
             width: w,
@@ -149,7 +149,7 @@ pub fn model_spec(cfg: &TrainConfig, data: &Dataset) -> ModelSpec {
             hidden: cfg.model.cnn_hidden,
             classes: data.classes,
         },
-        _ => ModelSpec::Mlp {
+        ModelKind::Mlp | ModelKind::Transformer => ModelSpec::Mlp {
             input: c * h * w,
             hidden: cfg.model.hidden.clone(),
             classes: data.classes,

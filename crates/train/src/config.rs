@@ -33,6 +33,86 @@ pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> Config
     }
 }
 
+/// Declares a config enum: serde spelling, `name()` and `Display` from one table.
+macro_rules! config_enum {
+    ($(#[$doc:meta])* $name:ident { $($(#[$vdoc:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vdoc])* #[serde(rename = $text)] $variant),+
+        }
+
+        impl $name {
+            /// The config's spelling.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = String;
+            /// The config's spelling (for command-line flags).
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    other => Err(format!(
+                        "`{other}` is not one of {}",
+                        [$(concat!("\"", $text, "\"")),+].join(", ")
+                    )),
+                }
+            }
+        }
+    };
+}
+
+config_enum! {
+    /// lockstep's built-in model (`model.kind`).
+    ModelKind {
+        Mlp => "mlp",
+        Cnn => "cnn",
+        /// Character-level language model (needs a text dataset).
+        Transformer => "transformer",
+    }
+}
+
+config_enum! {
+    /// `optimizer.kind`.
+    OptimizerKind {
+        Sgd => "sgd",
+        AdamW => "adamw",
+    }
+}
+
+config_enum! {
+    /// How ranks reach each other (`dist.transport`).
+    TransportKind {
+        /// Shared memory when all ranks share a host, else TCP.
+        Auto => "auto",
+        Shm => "shm",
+        Tcp => "tcp",
+        /// MPI point-to-point under mpirun (cargo feature `mpi`).
+        Mpi => "mpi",
+    }
+}
+
+config_enum! {
+    /// Which schedule a pipeline runs (`parallel.schedule`).
+    ScheduleKind {
+        /// All forwards, then all backwards.
+        GPipe => "gpipe",
+        /// One forward, one backward in the steady state (fewer activations held).
+        OneFOneB => "1f1b",
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 #[derive(Default)]
@@ -63,7 +143,7 @@ pub struct ParallelConfig {
     /// Setting it sets the micro-batch size to `global_batch / microbatches`.
     pub microbatches: usize,
     /// Pipeline schedule: "gpipe" (all forwards, then all backwards) or "1f1b".
-    pub schedule: String,
+    pub schedule: ScheduleKind,
     /// First layer of stages 1..pp (pp − 1 increasing layer indices); empty = balance automatically
     /// from the measured cost of each layer.
     pub stage_cuts: Vec<usize>,
@@ -77,7 +157,7 @@ impl Default for ParallelConfig {
             dp: 0,
             pp: 1,
             microbatches: 0,
-            schedule: "1f1b".into(),
+            schedule: ScheduleKind::OneFOneB,
             stage_cuts: Vec::new(),
             profile_reps: 3,
         }
@@ -109,7 +189,7 @@ impl Default for CheckpointConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// "mlp", "cnn" or "transformer" (character-level language model; needs a text dataset).
-    pub kind: String,
+    pub kind: ModelKind,
     /// Hidden layer widths of the MLP.
     pub hidden: Vec<usize>,
     /// Output channels of each 3×3 conv (+ReLU, +2×2 max-pool) of the CNN.
@@ -166,7 +246,7 @@ pub struct TrainSection {
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
     /// "sgd" or "adamw".
-    pub kind: String,
+    pub kind: OptimizerKind,
     pub momentum: f32,
     pub nesterov: bool,
     pub weight_decay: f32,
@@ -196,15 +276,15 @@ pub struct DistConfig {
     pub timeout_secs: f64,
     /// "auto" (shared memory when all ranks share a host, else TCP), "shm", "tcp" or "mpi" (MPI
     /// point-to-point under mpirun; needs the cargo feature `mpi`).
-    pub transport: String,
+    pub transport: TransportKind,
     /// "auto", "ring" or "recursive-doubling".
-    pub algorithm: String,
+    pub algorithm: lockstep_comm::Algorithm,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
         Self {
-            kind: "mlp".into(),
+            kind: ModelKind::Mlp,
             hidden: vec![128, 64],
             conv: vec![16, 32],
             cnn_hidden: 64,
@@ -244,7 +324,7 @@ impl Default for TrainSection {
 impl Default for OptimizerConfig {
     fn default() -> Self {
         Self {
-            kind: "sgd".into(),
+            kind: OptimizerKind::Sgd,
             momentum: 0.9,
             nesterov: false,
             weight_decay: 0.0,
@@ -261,8 +341,8 @@ impl Default for DistConfig {
             bucket_elems: 1 << 16,
             overlap: false,
             timeout_secs: 60.0,
-            transport: "auto".into(),
-            algorithm: "auto".into(),
+            transport: TransportKind::Auto,
+            algorithm: lockstep_comm::Algorithm::Auto,
         }
     }
 }
@@ -274,7 +354,7 @@ impl TrainConfig {
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError::Parse {
                 origin: "[job]".into(),
-                message: e.to_string().trim().to_string(),
+                message: e.to_string().trim().replace('\n', " "),
             })
     }
 
@@ -390,17 +470,8 @@ impl TrainConfig {
     }
 
     pub(crate) fn validate_model_and_data(&self) -> Result<(), ConfigError> {
-        match self.model.kind.as_str() {
-            "mlp" | "cnn" | "transformer" => {}
-            other => {
-                return Err(invalid(
-                    "model.kind",
-                    format!("`{other}` is not one of \"mlp\", \"cnn\", \"transformer\""),
-                ))
-            }
-        }
         let text_data = self.data.dataset == "shakespeare";
-        if (self.model.kind == "transformer") != text_data {
+        if (self.model.kind == ModelKind::Transformer) != text_data {
             return Err(invalid(
                 "model.kind",
                 format!(
@@ -410,11 +481,11 @@ impl TrainConfig {
                 ),
             ));
         }
-        if self.model.kind == "transformer" {
+        if self.model.kind == ModelKind::Transformer {
             self.validate_transformer()?;
         }
         self.validate_parallel(Some(self.pipeline_layers()))?;
-        if self.model.kind == "cnn" && self.model.conv.is_empty() {
+        if self.model.kind == ModelKind::Cnn && self.model.conv.is_empty() {
             return Err(invalid("model.conv", "a CNN needs at least one conv layer"));
         }
         if self.model.hidden.contains(&0) {
@@ -486,15 +557,6 @@ impl TrainConfig {
             return Err(invalid("train.log_every", "must be ≥ 1"));
         }
         let o = &self.optimizer;
-        match o.kind.as_str() {
-            "sgd" | "adamw" => {}
-            other => {
-                return Err(invalid(
-                    "optimizer.kind",
-                    format!("`{other}` is not one of \"sgd\", \"adamw\""),
-                ))
-            }
-        }
         if !(0.0..1.0).contains(&o.momentum) {
             return Err(invalid(
                 "optimizer.momentum",
@@ -529,32 +591,12 @@ impl TrainConfig {
                 format!("{} must be a positive number of seconds", d.timeout_secs),
             ));
         }
-        match d.transport.as_str() {
-            "auto" | "shm" | "tcp" => {}
-            "mpi" if cfg!(feature = "mpi") => {}
-            "mpi" => {
-                return Err(invalid(
-                    "dist.transport",
-                    "\"mpi\" needs lockstep built with the cargo feature `mpi` \
-                     (cargo build --release -p lockstep-cli --features mpi; needs an MPI library)"
-                        .to_string(),
-                ))
-            }
-            other => {
-                return Err(invalid(
-                    "dist.transport",
-                    format!("`{other}` is not one of \"auto\", \"shm\", \"tcp\", \"mpi\""),
-                ))
-            }
-        }
-        match d.algorithm.as_str() {
-            "auto" | "ring" | "recursive-doubling" => {}
-            other => {
-                return Err(invalid(
-                    "dist.algorithm",
-                    format!("`{other}` is not one of \"auto\", \"ring\", \"recursive-doubling\""),
-                ))
-            }
+        if d.transport == TransportKind::Mpi && !cfg!(feature = "mpi") {
+            return Err(invalid(
+                "dist.transport",
+                "\"mpi\" needs lockstep built with the cargo feature `mpi` \
+                 (cargo build --release -p lockstep-cli --features mpi; needs an MPI library)",
+            ));
         }
         Ok(())
     }
@@ -563,7 +605,7 @@ impl TrainConfig {
 impl TrainConfig {
     /// Layers the pipeline can cut between: embedding, blocks, head (transformer); 1 otherwise.
     pub fn pipeline_layers(&self) -> usize {
-        if self.model.kind == "transformer" {
+        if self.model.kind == ModelKind::Transformer {
             self.model.blocks + 2
         } else {
             1
@@ -600,15 +642,6 @@ impl TrainConfig {
     /// with the model's layer count when it is known from the config (the built-in jobs).
     pub(crate) fn validate_parallel(&self, layers: Option<usize>) -> Result<(), ConfigError> {
         let p = &self.parallel;
-        match p.schedule.as_str() {
-            "gpipe" | "1f1b" => {}
-            other => {
-                return Err(invalid(
-                    "parallel.schedule",
-                    format!("`{other}` is not one of \"gpipe\", \"1f1b\""),
-                ))
-            }
-        }
         if p.pp == 0 {
             return Err(invalid("parallel.pp", "must be ≥ 1"));
         }
@@ -618,7 +651,7 @@ impl TrainConfig {
         let Some(layers) = layers else {
             return Ok(());
         };
-        if p.pp > 1 && self.model.kind != "transformer" {
+        if p.pp > 1 && self.model.kind != ModelKind::Transformer {
             return Err(invalid(
                 "parallel.pp",
                 format!(
@@ -739,7 +772,7 @@ mod tests {
         assert_eq!(c.train.steps, 20);
         assert_eq!(c.train.lr, 0.5);
         assert_eq!(c.model.hidden, vec![32]);
-        assert_eq!(c.optimizer.kind, "adamw");
+        assert_eq!(c.optimizer.kind, OptimizerKind::AdamW);
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! upper bound of the right order, not an exact figure: it refuses what cannot fit, not what is
 //! merely large.
 
-use crate::config::{ConfigError, TrainConfig};
+use crate::config::{ConfigError, ModelKind, TrainConfig};
 
 /// Longest wait a collective may be given: a week. `Duration`/`Instant` arithmetic and the
 /// store's longest wait stay finite.
@@ -171,10 +171,10 @@ fn check_model(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
     }
     let need = memory_estimate(cfg);
     if need > memory {
-        let field = match m.kind.as_str() {
-            "transformer" => "model.d_model",
-            "cnn" => "model.conv",
-            _ => "model.hidden",
+        let field = match m.kind {
+            ModelKind::Transformer => "model.d_model",
+            ModelKind::Cnn => "model.conv",
+            ModelKind::Mlp => "model.hidden",
         };
         return Err(invalid(
             field,
@@ -208,14 +208,14 @@ pub fn param_count(cfg: &TrainConfig) -> u128 {
     let m = &cfg.model;
     let ([c, h, w], classes) = input_shape(cfg);
     let dense = |widths: &[u128]| -> u128 { widths.windows(2).map(|p| p[0] * p[1] + p[1]).sum() };
-    match m.kind.as_str() {
-        "transformer" => {
+    match m.kind {
+        ModelKind::Transformer => {
             let (d, vocab, ctx) = (m.d_model as u128, 256u128, m.context as u128);
             let ff = if m.d_ff == 0 { 4 * d } else { m.d_ff as u128 };
             let block = 4 * d * d + 4 * d + 2 * d * ff + ff + d + 4 * d;
             vocab * d + ctx * d + m.blocks as u128 * block + 2 * d + d * vocab + vocab
         }
-        "cnn" => {
+        ModelKind::Cnn => {
             let mut params = 0u128;
             let (mut ch, mut hh, mut ww) = (c, h, w);
             for &out in &m.conv {
@@ -226,7 +226,7 @@ pub fn param_count(cfg: &TrainConfig) -> u128 {
             }
             params + dense(&[ch * hh * ww, m.cnn_hidden as u128, classes])
         }
-        _ => {
+        ModelKind::Mlp => {
             let widths: Vec<u128> = std::iter::once(c * h * w)
                 .chain(m.hidden.iter().map(|&x| x as u128))
                 .chain(std::iter::once(classes))
@@ -242,13 +242,13 @@ pub fn activation_bytes(cfg: &TrainConfig) -> u128 {
     let m = &cfg.model;
     let n = cfg.train.microbatch as u128;
     let ([c, h, w], classes) = input_shape(cfg);
-    let values: u128 = match m.kind.as_str() {
-        "transformer" => {
+    let values: u128 = match m.kind {
+        ModelKind::Transformer => {
             let (d, ctx, heads) = (m.d_model as u128, m.context as u128, m.heads as u128);
             let ff = if m.d_ff == 0 { 4 * d } else { m.d_ff as u128 };
             n * ctx * (m.blocks as u128 * (8 * d + 2 * ff + 3 * heads * ctx) + 3 * 256)
         }
-        "cnn" => {
+        ModelKind::Cnn => {
             let (mut hh, mut ww, mut sum) = (h, w, c * h * w);
             for &out in &m.conv {
                 sum += 3 * out as u128 * hh * ww;
@@ -257,7 +257,9 @@ pub fn activation_bytes(cfg: &TrainConfig) -> u128 {
             }
             n * (sum + 2 * m.cnn_hidden as u128 + classes)
         }
-        _ => n * (c * h * w + m.hidden.iter().map(|&x| 2 * x as u128).sum::<u128>() + classes),
+        ModelKind::Mlp => {
+            n * (c * h * w + m.hidden.iter().map(|&x| 2 * x as u128).sum::<u128>() + classes)
+        }
     };
     values * 4 * 4
 }

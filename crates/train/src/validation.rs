@@ -47,6 +47,7 @@ impl TrainConfig {
                 })?,
                 p.display().to_string(),
             ),
+            None if job.default_config().is_empty() => (String::new(), "built-in defaults".into()),
             None => (
                 String::new(),
                 format!("the defaults of job `{}`", job.name()),
@@ -91,7 +92,7 @@ impl TrainConfig {
                     };
                     ConfigError::Parse {
                         origin,
-                        message: e.to_string().trim().to_string(),
+                        message: e.to_string().trim().replace('\n', " "),
                     }
                 })?;
         cfg.resolve_microbatches(both_micro)?;

@@ -399,7 +399,7 @@ mod tests {
         let ring = place.all_reduce(&g, 64 * 1024, 4, &w, false);
         assert!((ring.seconds - 6e-3).abs() < 1e-6, "{}", ring.seconds);
         let forced = Workload {
-            algorithm: "ring".into(),
+            algorithm: lockstep_comm::Algorithm::Ring,
             ..workload(1)
         };
         assert!((place.all_reduce(&g, 10, 4, &forced, false).seconds - 6e-3).abs() < 1e-6);

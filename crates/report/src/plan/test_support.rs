@@ -14,7 +14,7 @@ pub(super) fn workload(params: usize) -> Workload {
         reproducible: true,
         overlap: false,
         bucket_elems: 1 << 16,
-        algorithm: "auto".into(),
+        algorithm: lockstep_comm::Algorithm::Auto,
         small_message_threshold: 256 * 1024,
         segment_bytes: 512 * 1024,
         layers: vec![Layer {

@@ -33,8 +33,8 @@ pub struct Workload {
     pub reproducible: bool,
     pub overlap: bool,
     pub bucket_elems: usize,
-    /// "auto", "ring" or "recursive-doubling" (`dist.algorithm`).
-    pub algorithm: String,
+    /// `dist.algorithm`.
+    pub algorithm: Algorithm,
     pub small_message_threshold: usize,
     pub segment_bytes: usize,
     /// Layers in order; more than one only for models the trainer can pipeline.
@@ -50,7 +50,7 @@ impl Workload {
             reproducible: cfg.dist.reproducible,
             overlap: cfg.dist.overlap,
             bucket_elems: cfg.dist.bucket_elems.max(1),
-            algorithm: cfg.dist.algorithm.clone(),
+            algorithm: cfg.dist.algorithm,
             small_message_threshold: DEFAULT_SMALL_MESSAGE_THRESHOLD,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             layers,
@@ -58,7 +58,7 @@ impl Workload {
     }
 
     pub(super) fn algorithm(&self) -> Algorithm {
-        self.algorithm.parse().unwrap_or_default()
+        self.algorithm
     }
 }
 

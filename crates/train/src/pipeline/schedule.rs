@@ -17,29 +17,7 @@
 //! [`simulate`] checks every schedule against strict rendezvous semantics (a send completes only
 //! when the peer receives), the worst case of any transport.
 
-/// Which schedule a pipeline runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScheduleKind {
-    GPipe,
-    OneFOneB,
-}
-
-impl ScheduleKind {
-    /// From the config value (`"gpipe"` | `"1f1b"`; validated by the config).
-    pub fn from_config(name: &str) -> ScheduleKind {
-        match name {
-            "gpipe" => ScheduleKind::GPipe,
-            _ => ScheduleKind::OneFOneB,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            ScheduleKind::GPipe => "gpipe",
-            ScheduleKind::OneFOneB => "1f1b",
-        }
-    }
-}
+pub use crate::config::ScheduleKind;
 
 /// One operation of a stage's list. Numbers are the replica's micro-batch indices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

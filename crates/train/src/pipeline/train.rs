@@ -216,7 +216,7 @@ pub fn train<'a>(
 
     let faults = ledger.faults;
     let slowdown = faults::slowdown(faults, rank);
-    let kind = ScheduleKind::from_config(&cfg.parallel.schedule);
+    let kind = cfg.parallel.schedule;
     let my_micro = assign(m_total, dims.dp, me.replica);
     let ops = schedule(kind, dims.pp, me.stage, my_micro.len());
     let mut grads = vec![vec![0f32; params.len()]; my_micro.len()];

@@ -3,7 +3,7 @@
 use lockstep_data::Sampler;
 use lockstep_model::OptimizerSpec;
 
-use crate::config::TrainConfig;
+use crate::config::{OptimizerKind, TrainConfig};
 use crate::error::TrainError;
 
 /// Step records reserved up front (more are added as the run goes; a run's length is no reason
@@ -34,14 +34,14 @@ pub(crate) fn total_steps(cfg: &TrainConfig, sampler: &Sampler) -> Result<u64, T
 
 pub fn optimizer_spec(cfg: &TrainConfig) -> OptimizerSpec {
     let o = &cfg.optimizer;
-    match o.kind.as_str() {
-        "adamw" => OptimizerSpec::AdamW {
+    match o.kind {
+        OptimizerKind::AdamW => OptimizerSpec::AdamW {
             beta1: o.beta1,
             beta2: o.beta2,
             eps: o.eps,
             weight_decay: o.weight_decay,
         },
-        _ => OptimizerSpec::Sgd {
+        OptimizerKind::Sgd => OptimizerSpec::Sgd {
             momentum: o.momentum,
             weight_decay: o.weight_decay,
             nesterov: o.nesterov,
