@@ -30,6 +30,7 @@ pub use lockstep_train::job::{
     BoxError, BurnLayered, BurnReplica, Computed, EvalSums, Job, JobSpec, LayeredJob, Pipelined,
     Replica, ReplicaError, Trainable,
 };
+pub use lockstep_train::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
 pub use lockstep_train::{ConfigError, TrainConfig};
 
 /// Run the lockstep command line for `job` (`train`, `scale`, `plan`, …; see `--help`) and exit:
