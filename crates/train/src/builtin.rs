@@ -26,7 +26,7 @@ impl JobSpec for BuiltinJob {
     }
 
     fn label(&self, cfg: &TrainConfig) -> String {
-        cfg.data.dataset.clone()
+        cfg.data.dataset.to_string()
     }
 
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {

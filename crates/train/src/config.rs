@@ -84,6 +84,20 @@ config_enum! {
 }
 
 config_enum! {
+    /// lockstep's built-in datasets (`data.dataset`).
+    DatasetKind {
+        /// sklearn digits, embedded (or `data.dir`/digits.csv.gz).
+        Digits => "digits",
+        /// IDX files from Debian's `dataset-fashion-mnist` (or `data.dir`).
+        FashionMnist => "fashion-mnist",
+        /// IDX files under `data.dir`.
+        Mnist => "mnist",
+        /// The embedded plays (or `data.dir`/{train,val}.txt): text for the transformer.
+        Shakespeare => "shakespeare",
+    }
+}
+
+config_enum! {
     /// `optimizer.kind`.
     OptimizerKind {
         Sgd => "sgd",
@@ -214,7 +228,7 @@ pub struct ModelConfig {
 pub struct DataConfig {
     /// "digits" (embedded), "fashion-mnist" or "mnist" (IDX files under `dir`), "shakespeare"
     /// (embedded text, for the transformer).
-    pub dataset: String,
+    pub dataset: DatasetKind,
     /// Where the files are; empty = the dataset's default location.
     pub dir: String,
     /// Held-out fraction for datasets without an official test split (digits).
@@ -299,7 +313,7 @@ impl Default for ModelConfig {
 impl Default for DataConfig {
     fn default() -> Self {
         Self {
-            dataset: "digits".into(),
+            dataset: DatasetKind::Digits,
             dir: String::new(),
             test_fraction: 0.2,
         }
@@ -470,7 +484,7 @@ impl TrainConfig {
     }
 
     pub(crate) fn validate_model_and_data(&self) -> Result<(), ConfigError> {
-        let text_data = self.data.dataset == "shakespeare";
+        let text_data = self.data.dataset == DatasetKind::Shakespeare;
         if (self.model.kind == ModelKind::Transformer) != text_data {
             return Err(invalid(
                 "model.kind",
@@ -491,18 +505,7 @@ impl TrainConfig {
         if self.model.hidden.contains(&0) {
             return Err(invalid("model.hidden", "layer widths must be ≥ 1"));
         }
-        match self.data.dataset.as_str() {
-            "digits" | "fashion-mnist" | "mnist" | "shakespeare" => {}
-            other => {
-                return Err(invalid(
-                    "data.dataset",
-                    format!(
-                        "`{other}` is not one of \"digits\", \"fashion-mnist\", \"mnist\", \"shakespeare\""
-                    ),
-                ))
-            }
-        }
-        if self.data.dataset == "mnist" && self.data.dir.is_empty() {
+        if self.data.dataset == DatasetKind::Mnist && self.data.dir.is_empty() {
             return Err(invalid(
                 "data.dir",
                 "dataset \"mnist\" needs data.dir: the folder holding its IDX files",

@@ -4,12 +4,12 @@ use std::path::PathBuf;
 
 use lockstep_data::{DataError, Dataset};
 
-use crate::config::DataConfig;
+use crate::config::{DataConfig, DatasetKind};
 
 /// Load `(train, test)` for a validated data config. `seed` makes the digits split deterministic.
 pub fn load(cfg: &DataConfig, seed: u64) -> Result<(Dataset, Dataset), DataError> {
-    match cfg.dataset.as_str() {
-        "digits" => {
+    match cfg.dataset {
+        DatasetKind::Digits => {
             let all = if cfg.dir.is_empty() {
                 lockstep_data::load_digits_embedded()?
             } else {
@@ -21,7 +21,8 @@ pub fn load(cfg: &DataConfig, seed: u64) -> Result<(Dataset, Dataset), DataError
                 seed,
             ))
         }
-        name @ ("fashion-mnist" | "mnist") => {
+        kind @ (DatasetKind::FashionMnist | DatasetKind::Mnist) => {
+            let name = kind.name();
             // MNIST has no packaged location here: its directory must be given in data.dir
             // (config validation enforces that).
             let dir = if cfg.dir.is_empty() {
@@ -49,6 +50,7 @@ pub fn load(cfg: &DataConfig, seed: u64) -> Result<(Dataset, Dataset), DataError
             )?;
             Ok((train, test))
         }
-        other => unreachable!("config validation admits no dataset `{other}`"),
+        // The text corpus is the transformer's (config validation pairs them).
+        DatasetKind::Shakespeare => unreachable!("the classifiers never load the text corpus"),
     }
 }

@@ -12,7 +12,7 @@
 //! upper bound of the right order, not an exact figure: it refuses what cannot fit, not what is
 //! merely large.
 
-use crate::config::{ConfigError, ModelKind, TrainConfig};
+use crate::config::{ConfigError, DatasetKind, ModelKind, TrainConfig};
 
 /// Longest wait a collective may be given: a week. `Duration`/`Instant` arithmetic and the
 /// store's longest wait stay finite.
@@ -197,9 +197,11 @@ fn gib(bytes: u128) -> String {
 
 /// Features per sample and classes of a built-in dataset (the largest the dataset can have).
 fn input_shape(cfg: &TrainConfig) -> ([u128; 3], u128) {
-    match cfg.data.dataset.as_str() {
-        "digits" => ([1, 8, 8], 10),
-        _ => ([1, 28, 28], 10),
+    match cfg.data.dataset {
+        DatasetKind::Digits => ([1, 8, 8], 10),
+        DatasetKind::FashionMnist | DatasetKind::Mnist | DatasetKind::Shakespeare => {
+            ([1, 28, 28], 10)
+        }
     }
 }
 
