@@ -76,3 +76,81 @@ fn a_batch_of_the_wrong_shape_in_the_first_stage_is_a_final_error() {
         &["job `testjob-layered`", "panicked", "expected 8, got 7"],
     );
 }
+
+/// Started by a cluster engine instead of `--nproc`: every process is one worker, told its rank by
+/// the engine's variables, rank 0 serving the rendezvous at MASTER_ADDR:MASTER_PORT.
+fn under_engine(
+    bin: &str,
+    out: &Path,
+    world: usize,
+    extra: &[&str],
+    vars: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let children: Vec<_> = (0..world)
+        .map(|r| {
+            let mut c = Command::new(bin);
+            c.args(["train", "--out", out.to_str().unwrap()])
+                .args(extra)
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("LOCKSTEP_SECRET", "7e".repeat(32))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            for (k, v) in vars(r) {
+                c.env(k, v);
+            }
+            c.spawn().unwrap()
+        })
+        .collect();
+    for (r, child) in children.into_iter().enumerate() {
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success(), "rank {r}: {}", stderr(&o));
+    }
+    hash(out)
+}
+
+#[test]
+fn user_binaries_run_under_torchrun_and_slurm_variables_with_the_one_worker_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A Job under torchrun-style variables, 2 processes.
+    let job = env!("CARGO_BIN_EXE_lockstep-testjob");
+    let one = tmp.path().join("job-one");
+    let o = Command::new(job)
+        .args(["train", "--nproc", "1", "--out", one.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let torch = under_engine(job, &tmp.path().join("torch"), 2, &[], |r| {
+        vec![
+            ("RANK", r.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_RANK", r.to_string()),
+        ]
+    });
+    assert_eq!(torch, hash(&one));
+    // A LayeredJob as a 2-stage pipeline under Slurm-style variables.
+    let layered_bin = env!("CARGO_BIN_EXE_lockstep-testjob-layered");
+    let one = tmp.path().join("layered-one");
+    assert!(layered(&one, "1", &["--set", "parallel.pp=1"])
+        .status
+        .success());
+    let slurm = under_engine(
+        layered_bin,
+        &tmp.path().join("slurm"),
+        2,
+        &["--set", "parallel.pp=2"],
+        |r| {
+            vec![
+                ("SLURM_PROCID", r.to_string()),
+                ("SLURM_NTASKS", "2".into()),
+                ("SLURM_LOCALID", r.to_string()),
+            ]
+        },
+    );
+    assert_eq!(slurm, hash(&one));
+}
