@@ -287,6 +287,22 @@ impl Communicator {
         })
     }
 
+    /// All-gather in place over the full-length `buf`, where this rank holds its chunk
+    /// ([`crate::collectives::chunk_range`]`(len, size, rank)`, as [`Communicator::reduce_scatter`]
+    /// leaves it) and receives every other rank's chunk into its place. The chunks may differ in
+    /// length by one; nothing is copied besides the received bytes. Returns this rank's chunk.
+    pub fn all_gather_chunks<T: Element>(&mut self, buf: &mut [T]) -> Result<Range<usize>> {
+        self.check_usable()?;
+        let (len, n) = (buf.len(), self.size());
+        let mine = crate::collectives::chunk_range(len, n, self.rank());
+        self.collective("all_gather_chunks", OpKind::AllGather, |g, tag, _| {
+            all_gather::ring_all_gather_blocks(g, tag, buf, 0, |i| {
+                crate::collectives::chunk_range(len, n, i)
+            })
+        })?;
+        Ok(mine)
+    }
+
     /// Reduce-scatter in place over the full-length `buf`. Returns the range of `buf` this rank
     /// owns ([`crate::collectives::chunk_range`]`(len, size, rank)`), which then holds the
     /// reduction over the group; the rest of `buf` is left with partial results.

@@ -163,6 +163,11 @@ pub struct ParallelConfig {
     pub stage_cuts: Vec<usize>,
     /// Timed repetitions per layer when balancing automatically.
     pub profile_reps: usize,
+    /// ZeRO sharding of the model state over each data-parallel group (never changes the bits):
+    /// 0 = none; 1 = optimizer state sharded (each replica updates its shard, the parameters
+    /// are all-gathered); 2 = also the reduced gradient (the exact sum is reduce-scattered);
+    /// 3 = also the parameters (gathered layer by layer; layered models only).
+    pub zero: u8,
 }
 
 impl Default for ParallelConfig {
@@ -174,6 +179,7 @@ impl Default for ParallelConfig {
             schedule: ScheduleKind::OneFOneB,
             stage_cuts: Vec::new(),
             profile_reps: 3,
+            zero: 0,
         }
     }
 }
@@ -651,6 +657,12 @@ impl TrainConfig {
         if p.profile_reps == 0 {
             return Err(invalid("parallel.profile_reps", "must be ≥ 1"));
         }
+        if p.zero > 3 {
+            return Err(invalid(
+                "parallel.zero",
+                format!("{} is not a ZeRO stage: use 0, 1, 2 or 3", p.zero),
+            ));
+        }
         let Some(layers) = layers else {
             return Ok(());
         };
@@ -671,6 +683,24 @@ impl TrainConfig {
                     "{} stages but the model has only {layers} layers (embedding + {} blocks + head)",
                     p.pp, self.model.blocks
                 ),
+            ));
+        }
+        if p.zero >= 3 && self.model.kind != ModelKind::Transformer {
+            return Err(invalid(
+                "parallel.zero",
+                format!(
+                    "ZeRO 3 gathers the parameters layer by layer, which needs a layered model: \
+                     model.kind = \"transformer\" (model `{}` runs data-parallel only; use \
+                     parallel.zero = 0, 1 or 2)",
+                    self.model.kind
+                ),
+            ));
+        }
+        if p.zero >= 2 && self.dist.overlap && self.model.kind != ModelKind::Transformer {
+            return Err(invalid(
+                "dist.overlap",
+                "parallel.zero = 2 reduce-scatters the gradient after backward, so it cannot \
+                 overlap with backward: set dist.overlap = false or parallel.zero ≤ 1",
             ));
         }
         p.check_stages(layers)

@@ -56,6 +56,7 @@ use lockstep_comm::{Communicator, ReduceOp};
 use lockstep_model::{Model, ModelError, TimedLoss};
 
 use crate::outcome::ReplicaError;
+use crate::zero::Zero;
 
 pub struct GradSync {
     reproducible: bool,
@@ -226,6 +227,41 @@ impl GradSync {
         let timing = SyncTiming {
             waiting: (t1 - t0).as_secs_f64(),
             communication: (t2 - t1).as_secs_f64(),
+            overlapped_communication: 0.0,
+        };
+        Ok((loss, timing))
+    }
+
+    /// [`GradSync::sync`] for a sharded run (`parallel.zero`, see [`crate::zero`]): the loss
+    /// exchange, then the gradients summed into `out`, which holds [`Zero::grad_range`] of the
+    /// `len`-value gradient (this rank's chunk from level 2: the exact sum reduce-scattered).
+    /// The values this rank holds have the bits [`GradSync::sync`] gives them.
+    pub fn sync_sharded(
+        &mut self,
+        comm: &mut Communicator,
+        local_grads: &[&[f32]],
+        local_losses: &[f32],
+        total_microbatches: usize,
+        zero: &Zero,
+        len: usize,
+        out: &mut [f32],
+    ) -> Result<(f64, SyncTiming), ExactError> {
+        let t0 = Instant::now();
+        let loss = self.exchange_loss(comm, local_losses, total_microbatches)?;
+        let t1 = Instant::now();
+        let buckets: Vec<Range<usize>> = self.reducer.buckets(len).map(|(s, e)| s..e).collect();
+        zero.reduce_gradients(
+            &mut self.reducer,
+            comm,
+            local_grads,
+            total_microbatches,
+            &buckets,
+            self.reproducible,
+            out,
+        )?;
+        let timing = SyncTiming {
+            waiting: (t1 - t0).as_secs_f64(),
+            communication: t1.elapsed().as_secs_f64(),
             overlapped_communication: 0.0,
         };
         Ok((loss, timing))

@@ -21,6 +21,7 @@ pub mod pipeline;
 mod run;
 pub mod trainer;
 mod validation;
+pub mod zero;
 
 pub use builtin::BuiltinJob;
 pub use config::{ConfigError, TrainConfig};

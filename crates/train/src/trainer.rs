@@ -24,6 +24,7 @@ use crate::run::collect::{check_same_hash, check_same_structure};
 use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
+use crate::zero::Zero;
 
 /// Train `job` according to `cfg` as one rank of `ctx.comm`. Returns the summary (complete on
 /// rank 0; other ranks return it too, with the same global figures).
@@ -54,6 +55,8 @@ struct Plan<'a> {
     scale: f32,
     /// Flat ranges of the parameter tensors (for streaming).
     tensors: Vec<Range<usize>>,
+    /// Number of parameters.
+    len: usize,
 }
 
 /// The data-parallel loop over one rank's replica of a job (see the module doc).
@@ -80,6 +83,26 @@ fn train_replica<'a>(
     if replica.eval_len() == 0 {
         return Err(setup("the evaluation dataset is empty".into()));
     }
+    if cfg.parallel.zero >= 3 {
+        return Err(crate::config::ConfigError::Invalid {
+            field: "parallel.zero",
+            message: format!(
+                "ZeRO 3 gathers the parameters layer by layer, which needs a model written as a \
+                 sequence of layers (lockstep::LayeredJob, or the built-in transformer); job \
+                 `{job}` is data-parallel only: use parallel.zero = 0, 1 or 2"
+            ),
+        }
+        .into());
+    }
+    if cfg.parallel.zero >= 2 && cfg.dist.overlap {
+        return Err(crate::config::ConfigError::Invalid {
+            field: "dist.overlap",
+            message: "parallel.zero = 2 reduce-scatters the gradient after backward, so it cannot \
+                      overlap with backward: set dist.overlap = false or parallel.zero ≤ 1"
+                .into(),
+        }
+        .into());
+    }
     if cfg.dist.overlap && !replica.streams_gradients() {
         return Err(crate::config::ConfigError::Invalid {
             field: "dist.overlap",
@@ -101,11 +124,17 @@ fn train_replica<'a>(
     replica
         .set_params_flat(&params)
         .map_err(|e| setup(e.to_string()))?;
-    let mut optimizer = ledger.optimizer(params.len());
-    if ledger.resume(comm, &mut params, &mut optimizer)? > 0 {
-        replica
-            .set_params_flat(&params)
-            .map_err(|e| setup(e.to_string()))?;
+    // ZeRO: the optimizer state (and from level 2 the reduced gradient) sharded over the ranks.
+    let zero = Zero::new(cfg.parallel.zero, params.len(), comm);
+    let mut optimizer = ledger.optimizer(zero.optimizer_len());
+    if ledger.resuming() {
+        let mut whole = ledger.optimizer(params.len());
+        if ledger.resume(comm, &mut params, &mut whole)? > 0 {
+            optimizer = zero.shard_of(&whole, 0);
+            replica
+                .set_params_flat(&params)
+                .map_err(|e| setup(e.to_string()))?;
+        }
     }
     let faults = ledger.faults;
     let slowdown = faults::slowdown(faults, rank);
@@ -120,10 +149,11 @@ fn train_replica<'a>(
             .iter()
             .map(|p| p.offset..p.offset + p.len)
             .collect(),
+        len: params.len(),
     };
     let mut sync = GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems);
     let mut grads: Vec<Vec<f32>> = vec![vec![0f32; params.len()]; plan.mine.len()];
-    let mut total_grad = vec![0f32; params.len()];
+    let mut total_grad = vec![0f32; zero.grad_len()];
 
     for step in ledger.start_step..total_steps {
         faults::at_step(faults, rank, step);
@@ -136,6 +166,7 @@ fn train_replica<'a>(
             &mut *replica,
             comm,
             &mut sync,
+            &zero,
             &mut grads,
             &mut total_grad,
         )?;
@@ -148,15 +179,19 @@ fn train_replica<'a>(
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
-        optimizer.step(&mut params, &total_grad, lr);
+        let gather_seconds = zero.step(&mut optimizer, &mut params, &total_grad, lr, comm)?;
         replica
             .set_params_flat(&params)
             .map_err(|e| setup(e.to_string()))?;
-        sec.optimizer = t0.elapsed().as_secs_f64();
+        sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
+        sec.communication += gather_seconds;
         let checkpoint_now = ledger.checkpoint_due(step);
-        if rank == 0 && checkpoint_now {
-            let state = optimizer.state().iter().map(|v| v.to_vec()).collect();
-            ledger.save_checkpoint(step, params.clone(), state, optimizer.steps_taken())?;
+        if checkpoint_now {
+            // Collective when sharded: the optimizer state's chunks gathered whole.
+            let state = zero.whole_state(&optimizer, comm)?;
+            if rank == 0 {
+                ledger.save_checkpoint(step, params.clone(), state, optimizer.steps_taken())?;
+            }
         }
         let eval = if ledger.eval_due(step) {
             Some(evaluate(comm, job, &mut *replica, step)?)
@@ -195,6 +230,7 @@ fn gradients(
     replica: &mut dyn Replica,
     comm: &mut Communicator,
     sync: &mut GradSync,
+    zero: &Zero,
     grads: &mut [Vec<f32>],
     total_grad: &mut [f32],
 ) -> Result<(f64, PhaseSeconds), TrainError> {
@@ -261,8 +297,12 @@ fn gradients(
         (o.loss, o.timing)
     } else {
         let grad_refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
-        sync.sync(comm, &grad_refs, &losses, plan.n_micro, total_grad)
-            .map_err(|e| sync_error(SyncError::Exact(e)))?
+        if zero.level() >= 2 {
+            sync.sync_sharded(comm, &grad_refs, &losses, plan.n_micro, zero, plan.len, total_grad)
+        } else {
+            sync.sync(comm, &grad_refs, &losses, plan.n_micro, total_grad)
+        }
+        .map_err(|e| sync_error(SyncError::Exact(e)))?
     };
     sec.waiting = timing.waiting;
     sec.communication = timing.communication;
@@ -303,8 +343,13 @@ impl StreamedCompute for ReplicaCompute<'_> {
     }
 }
 
-/// Shard the evaluation set over ranks (contiguous shares, chunks of 512) and combine the loss and
-/// the job's metrics over all ranks (`run::evaluation`).
+/// Evaluation samples per chunk: a chunk's sums are computed in one call, in float, so chunks are
+/// fixed whatever the world size and only whole chunks are shared out.
+const EVAL_CHUNK: usize = 512;
+
+/// Shard the evaluation set over ranks (contiguous shares of fixed chunks of [`EVAL_CHUNK`]
+/// samples, so every chunk's sums have the same bits on any world size) and combine the loss and
+/// the job's metrics over all ranks exactly (`run::evaluation`).
 fn evaluate(
     comm: &mut Communicator,
     job: &str,
@@ -312,7 +357,8 @@ fn evaluate(
     step: u64,
 ) -> Result<Eval, TrainError> {
     let total = replica.eval_len();
-    let shard = assign(total, comm.size(), comm.rank());
+    let chunks = assign(total.div_ceil(EVAL_CHUNK), comm.size(), comm.rank());
+    let shard = (chunks.start * EVAL_CHUNK).min(total)..(chunks.end * EVAL_CHUNK).min(total);
     let idx: Vec<u32> = (shard.start as u32..shard.end as u32).collect();
     let eval_error = |cause| TrainError::JobEval {
         job: job.to_string(),
@@ -320,7 +366,7 @@ fn evaluate(
         cause,
     };
     let mut mine = EvalTotals::default();
-    for chunk in idx.chunks(512) {
+    for chunk in idx.chunks(EVAL_CHUNK) {
         let sums = replica.evaluate(chunk).map_err(eval_error)?;
         mine.add(sums).map_err(eval_error)?;
     }

@@ -136,6 +136,14 @@ impl TrainConfig {
                 ),
             ));
         }
+        if self.parallel.zero >= 3 {
+            return Err(invalid(
+                "parallel.zero",
+                "ZeRO 3 gathers the parameters layer by layer, which needs a model written as a \
+                 sequence of layers: implement lockstep::LayeredJob and run \
+                 lockstep::main(lockstep::Pipelined(job)); use parallel.zero = 0, 1 or 2 here",
+            ));
+        }
         self.validate_common_layered()
     }
 

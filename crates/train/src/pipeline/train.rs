@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use lockstep_comm::exact::{ExactError, ExactReducer};
-use lockstep_comm::{Communicator, ReduceOp};
+use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
 use lockstep_model::param_hash;
 
@@ -41,6 +41,7 @@ use crate::run::collect::{check_same_structure, gather_strings};
 use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
+use crate::zero::Zero;
 
 /// Buckets of a stage's flat gradient (`layers` of a model whose layer offsets are `offsets`),
 /// each within one layer: every layer's range cut into `bucket_elems`-value pieces, relative to the
@@ -198,20 +199,22 @@ pub fn train<'a>(
         message: e.to_string(),
     };
     let mut params = stage.params_flat();
-    let mut optimizer = ledger.optimizer(params.len());
-    // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice.
-    let mut full = vec![0f32; full_len];
-    let mut full_opt = ledger.optimizer(full_len);
-    if ledger.resume(comm, &mut full, &mut full_opt)? > 0 {
-        let mine = my_offset..my_offset + params.len();
-        params.copy_from_slice(&full[mine.clone()]);
-        for (dst, src) in optimizer.state_mut().into_iter().zip(full_opt.state()) {
-            dst.copy_from_slice(&src[mine.clone()]);
+    // ZeRO: the stage's optimizer state (and from level 2 its reduced gradient) sharded over the
+    // stage's data-parallel group.
+    let zero = Zero::new(cfg.parallel.zero, params.len(), &dp_comm);
+    let mut optimizer = ledger.optimizer(zero.optimizer_len());
+    if ledger.resuming() {
+        // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice
+        // (and of the optimizer state its shard).
+        let mut full = vec![0f32; full_len];
+        let mut full_opt = ledger.optimizer(full_len);
+        if ledger.resume(comm, &mut full, &mut full_opt)? > 0 {
+            let n = params.len();
+            params.copy_from_slice(&full[my_offset..my_offset + n]);
+            optimizer = zero.shard_of(&full_opt, my_offset);
+            stage.set_params_flat(&params).map_err(setup)?;
         }
-        optimizer.set_steps_taken(full_opt.steps_taken());
-        stage.set_params_flat(&params).map_err(setup)?;
     }
-    drop(full);
     let start_step = ledger.start_step;
 
     let faults = ledger.faults;
@@ -220,7 +223,7 @@ pub fn train<'a>(
     let my_micro = assign(m_total, dims.dp, me.replica);
     let ops = schedule(kind, dims.pp, me.stage, my_micro.len());
     let mut grads = vec![vec![0f32; params.len()]; my_micro.len()];
-    let mut total_grad = vec![0f32; params.len()];
+    let mut total_grad = vec![0f32; zero.grad_len()];
     let mut reducer = ExactReducer::new(cfg.dist.bucket_elems);
     let mut loss_reducer = ExactReducer::new(1);
     let scale = model.loss_scale(t.global_batch);
@@ -272,27 +275,25 @@ pub fn train<'a>(
         let t1 = Instant::now();
         // The stage's gradients over its data-parallel group.
         let parts: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
-        if cfg.dist.reproducible {
-            reducer
-                .reduce_with_buckets(&mut dp_comm, &parts, m_total, &mut total_grad, &buckets)
-                .map_err(|e| sync_error(e, step))?;
-        } else {
-            total_grad.fill(0.0);
-            for p in &parts {
-                for (a, b) in total_grad.iter_mut().zip(p.iter()) {
-                    *a += b;
-                }
-            }
-            dp_comm.all_reduce(&mut total_grad, ReduceOp::Sum)?;
-        }
+        zero.reduce_gradients(
+            &mut reducer,
+            &mut dp_comm,
+            &parts,
+            m_total,
+            &buckets,
+            cfg.dist.reproducible,
+            &mut total_grad,
+        )
+        .map_err(|e| sync_error(e, step))?;
         sec.waiting = (t1 - t0).as_secs_f64();
         sec.communication = t1.elapsed().as_secs_f64();
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
-        optimizer.step(&mut params, &total_grad, lr);
+        let gather_seconds = zero.step(&mut optimizer, &mut params, &total_grad, lr, &mut dp_comm)?;
         stage.set_params_flat(&params).map_err(setup)?;
-        sec.optimizer = t0.elapsed().as_secs_f64();
+        sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
+        sec.communication += gather_seconds;
         let loss = loss[0] as f64;
 
         let checkpoint_now = ledger.checkpoint_due(step);
@@ -300,8 +301,8 @@ pub fn train<'a>(
             // Collective within replica 0's pipeline: rank 0 receives the whole model.
             let full = gather_model(&mut pp_comm, me.replica, &params, &stage_lens)?;
             let mut full_state = Vec::new();
-            for v in optimizer.state() {
-                full_state.push(gather_model(&mut pp_comm, me.replica, v, &stage_lens)?);
+            for v in zero.whole_state(&optimizer, &mut dp_comm)? {
+                full_state.push(gather_model(&mut pp_comm, me.replica, &v, &stage_lens)?);
             }
             if rank == 0 {
                 ledger.save_checkpoint(

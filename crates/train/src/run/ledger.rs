@@ -104,6 +104,11 @@ impl<'a> Ledger<'a> {
         }
     }
 
+    /// Will [`Ledger::resume`] look for a checkpoint (so the caller needs whole-model buffers)?
+    pub(crate) fn resuming(&self) -> bool {
+        self.resume_requested
+    }
+
     /// A fresh optimizer for `len` parameters, as the config says.
     pub(crate) fn optimizer(&self, len: usize) -> Optimizer {
         Optimizer::new(&optimizer_spec(self.cfg), len)

@@ -1,0 +1,210 @@
+//! ZeRO sharding (`parallel.zero`) end to end: every level and layout ends with the bits of the
+//! unsharded one-worker run (parameters, loss and validation curves), on the data-parallel loop
+//! (digits MLP, SGD with momentum and AdamW) and the layered loop (the transformer, with
+//! pipelines); checkpoints stay whole-model, so a sharded run recovers from a kill and resumes
+//! unsharded on another world size and back; invalid requests are refused before any worker starts.
+
+use std::path::Path;
+use std::process::Output;
+
+mod common;
+use common::{assert_ok, lockstep, summary};
+
+/// A 4-layer transformer, 4 micro-batches of 2 sequences per step (as in tests/pipeline.rs).
+const TINY_TRANSFORMER: &[&str] = &[
+    "model.d_model=32",
+    "model.heads=2",
+    "model.blocks=2",
+    "model.context=16",
+    "model.d_ff=64",
+    "train.global_batch=8",
+    "parallel.microbatches=4",
+    "parallel.pp=1",
+    "train.steps=6",
+    "train.eval_every=3",
+    "train.log_every=1",
+    "checkpoint.every=2",
+];
+
+/// The digits MLP, 6 micro-batches per step so 1..4 workers all get some (unevenly at 4).
+const SMALL_MLP: &[&str] = &[
+    "train.global_batch=48",
+    "train.microbatch=8",
+    "train.steps=8",
+    "train.eval_every=4",
+    "train.log_every=1",
+    "checkpoint.every=2",
+];
+
+fn run(config: &str, base: &[&str], out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
+    let config = format!("{}/../../configs/{config}", env!("CARGO_MANIFEST_DIR"));
+    let mut args = vec!["train", "--config", &config, "--nproc", nproc, "--out"];
+    let out = out.to_str().unwrap();
+    args.push(out);
+    for s in base.iter().chain(sets) {
+        args.extend_from_slice(&["--set", s]);
+    }
+    args.extend_from_slice(extra);
+    lockstep(&args).output().expect("spawn lockstep")
+}
+
+fn transformer(out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
+    run("shakespeare.toml", TINY_TRANSFORMER, out, nproc, sets, extra)
+}
+
+fn mlp(out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
+    run("digits-mlp.toml", SMALL_MLP, out, nproc, sets, extra)
+}
+
+fn ok(o: Output) -> Output {
+    assert_ok(&o);
+    o
+}
+
+fn hash(dir: &Path) -> String {
+    summary(dir)["param_hash"].as_str().unwrap().to_string()
+}
+
+/// `dir`'s run has the reference's parameters, loss and validation curve.
+fn same_run(dir: &Path, reference: &Path, name: &str) {
+    let (s, r) = (summary(dir), summary(reference));
+    assert_eq!(s["param_hash"], r["param_hash"], "{name}: parameters differ");
+    assert_eq!(s["final_loss"], r["final_loss"], "{name}: loss differs");
+    assert_eq!(s["evals"], r["evals"], "{name}: validation curve differs");
+}
+
+#[test]
+fn every_zero_level_of_the_data_parallel_loop_gives_the_one_worker_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    for optimizer in ["optimizer.kind=\"sgd\"", "optimizer.kind=\"adamw\""] {
+        let reference = tmp.path().join(format!("{optimizer}-one"));
+        ok(mlp(&reference, "1", &[optimizer], &[]));
+        for (nproc, zero) in [("2", "1"), ("2", "2"), ("3", "2"), ("4", "1")] {
+            let name = format!("{optimizer} {nproc} workers zero {zero}");
+            let dir = tmp.path().join(name.replace([' ', '"', '='], "-"));
+            let level = format!("parallel.zero={zero}");
+            ok(mlp(&dir, nproc, &[optimizer, &level], &[]));
+            same_run(&dir, &reference, &name);
+        }
+    }
+}
+
+#[test]
+fn every_zero_level_of_the_layered_loop_gives_the_one_worker_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("one");
+    ok(transformer(&reference, "1", &[], &[]));
+    let layouts: &[(&str, &[&str], &str)] = &[
+        ("2", &["parallel.zero=1"], "dp2-zero1"),
+        ("2", &["parallel.zero=2"], "dp2-zero2"),
+        ("3", &["parallel.zero=2"], "dp3-zero2"),
+        ("2", &["parallel.pp=2", "parallel.zero=1"], "pp2-zero1"),
+        (
+            "4",
+            &["parallel.pp=2", "parallel.zero=2", "parallel.schedule=gpipe"],
+            "dp2xpp2-zero2-gpipe",
+        ),
+        (
+            "4",
+            &["parallel.pp=2", "parallel.zero=1", "parallel.schedule=1f1b"],
+            "dp2xpp2-zero1-1f1b",
+        ),
+    ];
+    for (nproc, sets, name) in layouts {
+        let dir = tmp.path().join(name);
+        ok(transformer(&dir, nproc, sets, &[]));
+        same_run(&dir, &reference, name);
+    }
+}
+
+#[test]
+fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_sizes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference");
+    ok(transformer(&reference, "1", &[], &[]));
+    let want = hash(&reference);
+
+    // dp2 × zero 2: a worker dies at step 3; the group restarts from step 2's checkpoint.
+    let dir = tmp.path().join("killed");
+    let o = ok(transformer(
+        &dir,
+        "2",
+        &["parallel.zero=2"],
+        &["--inject", "kill:rank=1,step=3"],
+    ));
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(err.contains("resumed from the checkpoint of step 2"), "{err}");
+    assert_eq!(hash(&dir), want);
+    assert_eq!(summary(&dir)["restarts"], 1);
+
+    // dp2 × pp2 × zero 2 stops at step 5; it continues as one unsharded worker.
+    let dir = tmp.path().join("to-one");
+    let o = transformer(
+        &dir,
+        "4",
+        &["parallel.pp=2", "parallel.zero=2"],
+        &["--inject", "kill:rank=3,step=5", "--max-restarts", "0"],
+    );
+    assert!(!o.status.success());
+    ok(lockstep(&[
+        "train",
+        "--resume",
+        dir.to_str().unwrap(),
+        "--nproc",
+        "1",
+        "--set",
+        "parallel.pp=1",
+        "--set",
+        "parallel.zero=0",
+    ])
+    .output()
+    .unwrap());
+    assert_eq!(hash(&dir), want);
+
+    // And the reverse: one unsharded worker stops; 3 workers continue at zero 2.
+    let dir = tmp.path().join("to-three");
+    let o = transformer(
+        &dir,
+        "1",
+        &[],
+        &["--inject", "kill:rank=0,step=3", "--max-restarts", "0"],
+    );
+    assert!(!o.status.success());
+    ok(lockstep(&[
+        "train",
+        "--resume",
+        dir.to_str().unwrap(),
+        "--nproc",
+        "3",
+        "--set",
+        "parallel.zero=2",
+    ])
+    .output()
+    .unwrap());
+    assert_eq!(hash(&dir), want);
+}
+
+#[test]
+fn invalid_zero_requests_are_refused_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["parallel.zero=4"], &["parallel.zero", "4 is not a ZeRO stage"]),
+        (
+            &["parallel.zero=3"],
+            &["parallel.zero", "layered model", "model `mlp`"],
+        ),
+        (
+            &["parallel.zero=2", "dist.overlap=true"],
+            &["dist.overlap", "parallel.zero = 2"],
+        ),
+    ];
+    for (i, (sets, needles)) in cases.iter().enumerate() {
+        let o = mlp(&tmp.path().join(format!("bad{i}")), "2", sets, &[]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(3), "case {i}: exit 3\n{err}");
+        for n in *needles {
+            assert!(err.contains(n), "case {i}: `{n}` missing from\n{err}");
+        }
+        assert!(!err.contains("[rank"), "case {i}: a worker started\n{err}");
+    }
+}

@@ -1,0 +1,237 @@
+//! The exact sum reduce-scattered (ZeRO's gradient path) and reduce-scattered then all-gathered
+//! (the cheaper full reduction), over the in-process transport: world sizes × lengths × bucket
+//! sizes against the one-rank sum, integer closed forms, untouched non-owned values, bytes on
+//! the wire, and non-finite values reported on every rank.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockstep_comm::collectives::chunk_range;
+use lockstep_comm::exact::{ExactError, ExactReducer};
+use lockstep_comm::inproc::in_process_group;
+use lockstep_comm::Communicator;
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+fn spmd<R: Send>(n: usize, f: impl Fn(&mut Communicator) -> R + Sync) -> Vec<R> {
+    let transports = in_process_group(n);
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = transports
+            .into_iter()
+            .map(|t| {
+                s.spawn(move || {
+                    let mut comm = Communicator::new(Arc::new(t), TIMEOUT);
+                    f(&mut comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
+/// `m` micro-batch gradients of `len` values whose float sum depends on the order (mixed scales).
+fn parts(m: usize, len: usize) -> Vec<Vec<f32>> {
+    (0..m)
+        .map(|k| {
+            (0..len)
+                .map(|i| ((k * 31 + i * 17) as f32).sin() * 10f32.powi((k + i) as i32 % 5 - 2))
+                .collect()
+        })
+        .collect()
+}
+
+/// Contiguous share of `m` parts for rank `r` of `n` (any assignment must give the same bits).
+fn share(m: usize, n: usize, r: usize) -> Range<usize> {
+    chunk_range(m, n, r)
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The reference: one rank holding every part.
+fn one_rank_sum(all: &[Vec<f32>], len: usize, bucket: usize) -> Vec<f32> {
+    spmd(1, |comm| {
+        let refs: Vec<&[f32]> = all.iter().map(|p| p.as_slice()).collect();
+        let mut out = vec![0f32; len];
+        ExactReducer::new(bucket)
+            .reduce(comm, &refs, all.len(), &mut out)
+            .unwrap();
+        out
+    })
+    .remove(0)
+}
+
+#[test]
+fn reduce_scatter_owns_its_chunk_with_the_bits_of_the_whole_sum() {
+    for n in 1..=5 {
+        for len in [0usize, 1, 2, 7, 100, 1031] {
+            for bucket in [1usize, 3, 64, 4096] {
+                let m = 6;
+                let all = parts(m, len);
+                let want = one_rank_sum(&all, len, bucket);
+                let got = spmd(n, |comm| {
+                    let r = comm.rank();
+                    let refs: Vec<&[f32]> =
+                        all[share(m, n, r)].iter().map(|p| p.as_slice()).collect();
+                    let mut shard = vec![f32::NAN; chunk_range(len, n, r).len()];
+                    let mine = ExactReducer::new(bucket)
+                        .reduce_scatter(comm, &refs, m, len, &mut shard)
+                        .unwrap();
+                    (mine, shard)
+                });
+                let mut next = 0;
+                for (r, (mine, shard)) in got.iter().enumerate() {
+                    let case = format!("n={n} len={len} bucket={bucket} rank={r}");
+                    assert_eq!(*mine, chunk_range(len, n, r), "{case}");
+                    assert_eq!(mine.start, next, "{case}: chunks tile the vector");
+                    next = mine.end;
+                    assert_eq!(bits(shard), bits(&want[mine.clone()]), "{case}");
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_shard_of_the_wrong_length_is_refused_on_every_rank() {
+    let results = spmd(2, |comm| {
+        let part = vec![1f32; 10];
+        let mut shard = vec![0f32; 4]; // each rank owns 5
+        ExactReducer::new(4).reduce_scatter(comm, &[&part], 2, 10, &mut shard)
+    });
+    for r in results {
+        match r {
+            Err(ExactError::Invalid(m)) => assert!(m.contains("owns values"), "{m}"),
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn scattered_then_gathered_gives_every_rank_the_whole_sum() {
+    for n in 1..=5 {
+        for len in [0usize, 1, 5, 257, 4099] {
+            let m = 7;
+            let all = parts(m, len);
+            let want = one_rank_sum(&all, len, 256);
+            let buckets: Vec<Range<usize>> = ExactReducer::new(256)
+                .buckets(len)
+                .map(|(s, e)| s..e)
+                .collect();
+            let got = spmd(n, |comm| {
+                let refs: Vec<&[f32]> = all[share(m, n, comm.rank())]
+                    .iter()
+                    .map(|p| p.as_slice())
+                    .collect();
+                let mut out = vec![f32::NAN; len];
+                ExactReducer::new(256)
+                    .reduce_scattered_then_gathered(comm, &refs, m, &mut out, &buckets)
+                    .unwrap();
+                out
+            });
+            for (r, out) in got.iter().enumerate() {
+                assert_eq!(bits(out), bits(&want), "n={n} len={len} rank={r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn integer_parts_sum_to_their_closed_form() {
+    // Part k on element i holds (k + 1) · (i mod 13) − 6: exactly representable, so the exact sum
+    // is Σ_k (k+1)·(i mod 13) − 6·m = m(m+1)/2 · (i mod 13) − 6m.
+    let (m, len) = (8usize, 999usize);
+    let all: Vec<Vec<f32>> = (0..m)
+        .map(|k| {
+            (0..len)
+                .map(|i| ((k + 1) * (i % 13)) as f32 - 6.0)
+                .collect()
+        })
+        .collect();
+    for n in [2usize, 3, 4] {
+        let got = spmd(n, |comm| {
+            let refs: Vec<&[f32]> = all[share(m, n, comm.rank())]
+                .iter()
+                .map(|p| p.as_slice())
+                .collect();
+            let mine = chunk_range(len, n, comm.rank());
+            let mut shard = vec![0f32; mine.len()];
+            ExactReducer::new(100)
+                .reduce_scatter(comm, &refs, m, len, &mut shard)
+                .unwrap();
+            (mine, shard)
+        });
+        for (mine, shard) in got {
+            for (i, v) in mine.zip(shard) {
+                let want = (m * (m + 1) / 2 * (i % 13)) as f32 - 6.0 * m as f32;
+                assert_eq!(v, want, "n={n} element {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn scattered_then_gathered_sends_three_quarters_of_the_all_reduce_bytes() {
+    // Two ranks, 1 Mi values: all-reduce of i64 sends (n−1)/n · 2 · 8P = 8P bytes per rank;
+    // reduce-scatter of i64 + all-gather of f32 send (n−1)/n · (8 + 4)P = 6P. The exponent
+    // all-reduce adds a few bytes per bucket.
+    let len = 1 << 20;
+    let m = 2;
+    let all = parts(m, len);
+    let bucket = 1 << 16;
+    let buckets: Vec<Range<usize>> = ExactReducer::new(bucket)
+        .buckets(len)
+        .map(|(s, e)| s..e)
+        .collect();
+    let sent = spmd(2, |comm| {
+        let refs: Vec<&[f32]> = all[share(m, 2, comm.rank())]
+            .iter()
+            .map(|p| p.as_slice())
+            .collect();
+        let mut out = vec![0f32; len];
+        let mut reducer = ExactReducer::new(bucket);
+        let before = comm.stats().bytes_sent;
+        reducer.reduce(comm, &refs, m, &mut out).unwrap();
+        let full = comm.stats().bytes_sent - before;
+        let before = comm.stats().bytes_sent;
+        reducer
+            .reduce_scattered_then_gathered(comm, &refs, m, &mut out, &buckets)
+            .unwrap();
+        (full, comm.stats().bytes_sent - before)
+    });
+    for (full, cheaper) in sent {
+        let p = len as u64;
+        let slack = 4096;
+        assert!(full >= 8 * p && full <= 8 * p + slack, "all-reduce sent {full}");
+        assert!(
+            cheaper >= 6 * p && cheaper <= 6 * p + slack,
+            "reduce-scatter + all-gather sent {cheaper}"
+        );
+    }
+}
+
+#[test]
+fn a_non_finite_value_on_one_rank_is_reported_on_every_rank() {
+    let len = 300;
+    let results = spmd(3, |comm| {
+        let mut part = vec![1f32; len];
+        if comm.rank() == 2 {
+            part[150] = f32::NAN;
+        }
+        let mut shard = vec![0f32; chunk_range(len, 3, comm.rank()).len()];
+        ExactReducer::new(100).reduce_scatter(comm, &[&part], 3, len, &mut shard)
+    });
+    for r in results {
+        match r {
+            Err(ExactError::NonFinite { start, end }) => assert_eq!((start, end), (100, 200)),
+            other => panic!("expected NonFinite, got {other:?}"),
+        }
+    }
+}
