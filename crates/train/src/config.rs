@@ -663,6 +663,13 @@ impl TrainConfig {
                 format!("{} is not a ZeRO stage: use 0, 1, 2 or 3", p.zero),
             ));
         }
+        if p.zero == 3 && (layers.is_none() || self.model.kind == ModelKind::Transformer) {
+            return Err(invalid(
+                "parallel.zero",
+                "ZeRO 3 (parameters sharded and gathered layer by layer) is not implemented yet: \
+                 use parallel.zero = 1 or 2, which shard the optimizer state and the gradient",
+            ));
+        }
         let Some(layers) = layers else {
             return Ok(());
         };
