@@ -442,6 +442,8 @@ pub fn render_with_failures(
         s.imbalance
     ));
 
+    crate::memory::section(&mut doc, s, records);
+
     if let Some(p) = &s.pipeline {
         pipeline_section(&mut doc, s, p);
     }
@@ -658,7 +660,7 @@ mod tests {
     use super::*;
     use crate::svg::well_formed;
     use lockstep_train::metrics::{
-        Eval, PhaseSeconds, PipelineStep, RankPipeline, RankSummary, StepRecord,
+        Eval, PhaseSeconds, PipelineStep, RankMemory, RankPipeline, RankSummary, StepRecord,
     };
 
     fn records(world: usize, steps: u64) -> Vec<StepRecord> {
@@ -686,6 +688,7 @@ mod tests {
                         ..Default::default()
                     }),
                     pipeline: None,
+                    rss_bytes: Some((300 + rank as u64 * 10 + step) << 20),
                 })
             })
             .collect()
@@ -706,6 +709,13 @@ mod tests {
             step_seconds_mean: 0.01,
             step_seconds_max: 0.012,
             pipeline: None,
+            memory: Some(RankMemory {
+                params_bytes: 4 << 20,
+                grads_bytes: 16 << 20,
+                optimizer_bytes: 8 << 20,
+                activation_peak_bytes: 2 << 20,
+                peak_rss_bytes: (300 + 10 * r as u64) << 20,
+            }),
         }
     }
 
@@ -780,6 +790,10 @@ mod tests {
             "1 restart(s), 4 step(s) recomputed.",
             "- attempt 0 (2 workers): steps 0–8, then rank 1 killed by signal 9 at step 8",
             "- attempt 1 (2 workers): steps 4–10",
+            // Memory per rank: 30 MiB of model state, goal 1.5 × 30 + 512 MiB.
+            "## Memory",
+            "| 0 | 4.0 | 16.0 | 8.0 | 2.0 | 30.0 | 300.0 | 557.0 | yes |",
+            "| 1 | 4.0 | 16.0 | 8.0 | 2.0 | 30.0 | 310.0 | 557.0 | yes |",
         ] {
             assert!(md.contains(needle), "report.md lacks {needle:?}:\n{md}");
         }
@@ -794,6 +808,8 @@ mod tests {
             "id=\"throughput\"",
             "id=\"ranks\"",
             "id=\"failures\"",
+            "id=\"memory\"",
+            "aria-label=\"resident memory per step\"",
             "<polyline",
             "<rect",
             "<code>abc123</code>",

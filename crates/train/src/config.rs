@@ -163,6 +163,9 @@ pub struct ParallelConfig {
     pub stage_cuts: Vec<usize>,
     /// Timed repetitions per layer when balancing automatically.
     pub profile_reps: usize,
+    /// ZeRO level on the data-parallel axis (0 = none; 1 optimizer state, 2 + reduced
+    /// gradient, 3 + parameters sharded over the replicas).
+    pub zero: u8,
 }
 
 impl Default for ParallelConfig {
@@ -174,6 +177,7 @@ impl Default for ParallelConfig {
             schedule: ScheduleKind::OneFOneB,
             stage_cuts: Vec::new(),
             profile_reps: 3,
+            zero: 0,
         }
     }
 }
