@@ -1,6 +1,6 @@
-//! Memory per rank, written once for both reports: the run report's "Memory" section (a table
-//! per rank, a stacked bar per rank, resident memory over the steps) and the scale report's
-//! chart of every layout's ranks.
+//! Memory per rank, written once for both reports: the table columns and rows, the stacked bar
+//! per rank, resident memory over the steps (the run report's "Memory" section and the scale
+//! report's chart of every layout's ranks).
 //!
 //! The figures are `summary.json`'s `ranks[i].memory` (see `lockstep_train::memory`): what the
 //! training loop held, counted from its buffers, against the process's peak resident memory and
@@ -9,7 +9,6 @@
 use lockstep_train::memory::{RankMemory, BOUND_ALLOWANCE_BYTES, BOUND_FACTOR};
 use lockstep_train::metrics::{StepRecord, Summary};
 
-use crate::report::{Doc, Table};
 use crate::svg::{LineChart, Series, StackedBars, PALETTE};
 
 /// Segments of a rank's bar, with their colours: the model state, then what the process held
@@ -28,41 +27,40 @@ fn mib(bytes: u64) -> String {
     format!("{:.1}", bytes as f64 / MIB)
 }
 
-/// One row per `(label, memory)`: the held figures, the peak resident memory and the goal.
-pub(crate) fn table(rows: &[(String, RankMemory)]) -> Table {
-    let mut t = Table::new(&[
-        "rank",
-        "parameters MiB",
-        "gradients MiB",
-        "optimizer MiB",
-        "activations MiB",
-        "model state MiB",
-        "peak resident MiB",
-        "goal MiB",
-        "within goal",
-    ]);
-    for (label, m) in rows {
-        t.row(vec![
-            label.clone(),
-            mib(m.params_bytes),
-            mib(m.grads_bytes),
-            mib(m.optimizer_bytes),
-            mib(m.activation_peak_bytes),
-            mib(m.model_state_bytes()),
-            if m.peak_rss_bytes > 0 {
-                mib(m.peak_rss_bytes)
-            } else {
-                "—".into()
-            },
-            mib(m.bound_bytes()),
-            match m.peak_rss_bytes {
-                0 => "—".into(),
-                p if p <= m.bound_bytes() => "yes".into(),
-                _ => "no".into(),
-            },
-        ]);
-    }
-    t
+/// Columns of the memory table.
+pub(crate) const TABLE_HEAD: [&str; 9] = [
+    "rank",
+    "parameters MiB",
+    "gradients MiB",
+    "optimizer MiB",
+    "activations MiB",
+    "model state MiB",
+    "peak resident MiB",
+    "goal MiB",
+    "within goal",
+];
+
+/// The table row of `label`'s memory: the held figures, the peak resident memory and the goal.
+pub(crate) fn table_row(label: &str, m: &RankMemory) -> Vec<String> {
+    vec![
+        label.to_string(),
+        mib(m.params_bytes),
+        mib(m.grads_bytes),
+        mib(m.optimizer_bytes),
+        mib(m.activation_peak_bytes),
+        mib(m.model_state_bytes()),
+        if m.peak_rss_bytes > 0 {
+            mib(m.peak_rss_bytes)
+        } else {
+            "—".into()
+        },
+        mib(m.bound_bytes()),
+        match m.peak_rss_bytes {
+            0 => "—".into(),
+            p if p <= m.bound_bytes() => "yes".into(),
+            _ => "no".into(),
+        },
+    ]
 }
 
 /// A stacked bar per `(label, memory)`: the model state's parts and the rest of the peak
@@ -108,20 +106,8 @@ pub(crate) fn explanation() -> String {
     )
 }
 
-/// The run report's "Memory" section (nothing for a run recorded without memory figures).
-pub(crate) fn section(doc: &mut Doc, s: &Summary, records: &[StepRecord]) {
-    let rows: Vec<(String, RankMemory)> = s
-        .ranks
-        .iter()
-        .filter_map(|r| r.memory.map(|m| (r.rank.to_string(), m)))
-        .collect();
-    if rows.is_empty() {
-        return;
-    }
-    doc.section("memory", "Memory");
-    doc.para(&explanation());
-    doc.table(&table(&rows));
-    doc.figure(bars("memory per rank (peak)", &rows).render());
+/// Resident memory after every step, one line per rank (`None` when no record has it).
+pub(crate) fn rss_chart(s: &Summary, records: &[StepRecord]) -> Option<LineChart> {
     let mut chart = LineChart::new("resident memory per step", "step", "MiB").y_from_zero();
     let mut any = false;
     for (i, r) in s.ranks.iter().enumerate() {
@@ -136,7 +122,5 @@ pub(crate) fn section(doc: &mut Doc, s: &Summary, records: &[StepRecord]) {
             chart = chart.series(Series::new(format!("rank {}", r.rank), colour, points));
         }
     }
-    if any {
-        doc.figure(chart.render());
-    }
+    any.then_some(chart)
 }

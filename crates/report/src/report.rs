@@ -11,8 +11,9 @@
 
 use std::fmt::Write as _;
 
+use crate::memory;
 use crate::svg::{esc, LineChart, Series, Span, StackedBars, Timeline, PALETTE};
-use lockstep_train::metrics::{Eval, PipelineSummary, StepRecord, Summary};
+use lockstep_train::metrics::{Eval, PipelineSummary, RankMemory, StepRecord, Summary};
 
 /// Extra facts the launcher knows (restarts and failures).
 #[derive(Debug, Default, Clone)]
@@ -442,7 +443,7 @@ pub fn render_with_failures(
         s.imbalance
     ));
 
-    crate::memory::section(&mut doc, s, records);
+    memory_section(&mut doc, s, records);
 
     if let Some(p) = &s.pipeline {
         pipeline_section(&mut doc, s, p);
@@ -455,6 +456,35 @@ pub fn render_with_failures(
         &head.md(),
         &format!("<section id=\"headline\">{}</section>", head.html()),
     )
+}
+
+/// Every rank's memory against its peak resident memory (nothing for a run recorded without
+/// memory figures).
+fn memory_section(doc: &mut Doc, s: &Summary, records: &[StepRecord]) {
+    let rows: Vec<(String, RankMemory)> = s
+        .ranks
+        .iter()
+        .filter_map(|r| r.memory.map(|m| (r.rank.to_string(), m)))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    doc.section("memory", "Memory");
+    doc.para(&memory::explanation());
+    doc.table(&memory_table(&rows));
+    doc.figure(memory::bars("memory per rank (peak)", &rows).render());
+    if let Some(chart) = memory::rss_chart(s, records) {
+        doc.figure(chart.render());
+    }
+}
+
+/// The memory table of `(label, memory)` rows (run and scale reports).
+pub(crate) fn memory_table(rows: &[(String, RankMemory)]) -> Table {
+    let mut t = Table::new(&memory::TABLE_HEAD);
+    for (label, m) in rows {
+        t.row(memory::table_row(label, m));
+    }
+    t
 }
 
 /// Stages, their layers and costs, measured vs ideal bubble, per-rank pipeline totals.
@@ -660,7 +690,7 @@ mod tests {
     use super::*;
     use crate::svg::well_formed;
     use lockstep_train::metrics::{
-        Eval, PhaseSeconds, PipelineStep, RankMemory, RankPipeline, RankSummary, StepRecord,
+        Eval, PhaseSeconds, PipelineStep, RankPipeline, RankSummary, StepRecord,
     };
 
     fn records(world: usize, steps: u64) -> Vec<StepRecord> {

@@ -308,7 +308,7 @@ fn memory_section(doc: &mut Doc, points: &[ScalePoint]) {
     }
     doc.section("memory", "Memory per rank");
     doc.para(&crate::memory::explanation());
-    doc.table(&crate::memory::table(&rows));
+    doc.table(&crate::report::memory_table(&rows));
     doc.figure(crate::memory::bars("memory per rank, by layout (peak)", &rows).render());
 }
 
@@ -364,8 +364,8 @@ mod tests {
                     .map(|r| RankSummary {
                         memory: Some(RankMemory {
                             params_bytes: (8 / pp as u64) << 20,
-                            grads_bytes: 3 * (8 / pp as u64) << 20,
-                            optimizer_bytes: 2 * (8 / pp as u64) << 20,
+                            grads_bytes: (3 * (8 / pp as u64)) << 20,
+                            optimizer_bytes: (2 * (8 / pp as u64)) << 20,
                             activation_peak_bytes: 1 << 20,
                             peak_rss_bytes: (200 + r as u64) << 20,
                         }),
