@@ -34,7 +34,7 @@ for config in shakespeare shakespeare-large; do
         if [[ -n "${BASELINE_BIN:-}" ]]; then
             /usr/bin/time -v "$BASELINE_BIN" "${args[@]}" --out "$work/$name-before" \
                 >"$work/$name-before.log" 2>&1 || { cat "$work/$name-before.log" >&2; exit 1; }
-            before=$(awk -F': ' '/Maximum resident set size/ {print $2 * 1024}' "$work/$name-before.log")
+            before=$(awk -F': ' '/Maximum resident set size/ {printf "%d", $2 * 1024}' "$work/$name-before.log")
         fi
         echo "$name: ${secs} ms${before:+, baseline peak $before bytes}" >&2
         runs+=("$config" "$n" "$work/$name/summary.json" "$secs" "${before:-0}")
