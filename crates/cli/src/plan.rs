@@ -182,7 +182,8 @@ pub fn format_plan(p: &Plan, from: &Path) -> String {
             }
         );
     }
-    s += "  (memory of the fullest rank: state = parameters + gradients + optimizer + activations; \
+    s +=
+        "  (memory of the fullest rank: state = parameters + gradients + optimizer + activations; \
           peak = predicted resident)\n";
     if let Some(limit) = p.memory_limit_bytes {
         let out: Vec<String> = p

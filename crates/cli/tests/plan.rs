@@ -112,12 +112,18 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
     // A stated per-worker memory no layout fits: refused, saying what the smallest needs.
     let out = plan(&run, &["--workers-per-node", "2", "--memory-gib", "0.01"]);
     assert!(!out.status.success());
-    let (e, o) = (stderr(&out), String::from_utf8_lossy(&out.stdout).into_owned());
+    let (e, o) = (
+        stderr(&out),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    );
     assert!(
         e.contains("no layout fits in 0.01 GiB per worker") && e.contains("--memory-gib"),
         "{e}"
     );
-    assert!(o.contains("does not fit") && !o.contains("recommendation:"), "{o}");
+    assert!(
+        o.contains("does not fit") && !o.contains("recommendation:"),
+        "{o}"
+    );
     let e = stderr(&plan(&run, &["--workers-per-node", "2", "--memory-gib=0"]));
     assert!(e.contains("--memory-gib") && e.contains("positive"), "{e}");
 

@@ -421,7 +421,13 @@ mod tests {
             "Same result: all 3 runs ended with the same parameter hash aaaaaaaaaaaaaaaa"
         ));
         for id in [
-            "verdict", "speedup", "breakdown", "loss", "final", "memory", "hashes",
+            "verdict",
+            "speedup",
+            "breakdown",
+            "loss",
+            "final",
+            "memory",
+            "hashes",
         ] {
             assert!(
                 html.contains(&format!("<section id=\"{id}\">")),

@@ -79,18 +79,17 @@ impl ModelState {
     pub fn new(params: &[f32], optimizer: &Optimizer) -> Self {
         ModelState {
             params_bytes: params.len() as u64 * F32,
-            optimizer_bytes: optimizer
-                .state()
-                .iter()
-                .map(|v| v.len() as u64 * F32)
-                .sum(),
+            optimizer_bytes: optimizer.state().iter().map(|v| v.len() as u64 * F32).sum(),
             ..Default::default()
         }
     }
 
     /// Add gradient buffers (per micro-batch, reduced, …).
     pub fn grads<'g>(mut self, buffers: impl IntoIterator<Item = &'g [f32]>) -> Self {
-        self.grads_bytes += buffers.into_iter().map(|g| g.len() as u64 * F32).sum::<u64>();
+        self.grads_bytes += buffers
+            .into_iter()
+            .map(|g| g.len() as u64 * F32)
+            .sum::<u64>();
         self
     }
 
@@ -302,11 +301,7 @@ mod tests {
         assert_eq!(m.optimizer_bytes, 2 * m.params_bytes);
         assert_eq!(m.grads_bytes, 3 * 4000 + 8000);
         assert_eq!(m.activation_peak_bytes, 300);
-        assert_eq!(
-            m.model_state_bytes(),
-            4000 + 20000 + 8000 + 300,
-            "{m:?}"
-        );
+        assert_eq!(m.model_state_bytes(), 4000 + 20000 + 8000 + 300, "{m:?}");
         let sgd = Optimizer::new(
             &OptimizerSpec::Sgd {
                 momentum: 0.9,
@@ -315,7 +310,10 @@ mod tests {
             },
             params.len(),
         );
-        assert_eq!(ModelState::new(&params, &sgd).measure(1).optimizer_bytes, 4000);
+        assert_eq!(
+            ModelState::new(&params, &sgd).measure(1).optimizer_bytes,
+            4000
+        );
     }
 
     #[test]

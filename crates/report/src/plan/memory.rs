@@ -66,9 +66,16 @@ mod tests {
         assert_eq!(one.optimizer_bytes, 8000);
         assert_eq!(one.grads_bytes, (4 + 1) * 4000 + 8000);
         let dp2 = fullest_rank(&w, Layout { dp: 2, pp: 1 }, &[(0, 1)]);
-        assert_eq!(dp2.grads_bytes, (2 + 1) * 4000 + 8000, "2 local micro-batches");
+        assert_eq!(
+            dp2.grads_bytes,
+            (2 + 1) * 4000 + 8000,
+            "2 local micro-batches"
+        );
         let zero1 = fullest_rank(
-            &Workload { zero: 1, ..w.clone() },
+            &Workload {
+                zero: 1,
+                ..w.clone()
+            },
             Layout { dp: 2, pp: 1 },
             &[(0, 1)],
         );

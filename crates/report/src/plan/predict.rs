@@ -467,6 +467,9 @@ mod tests {
         let p = plan(&c, &w, &cal, Some(&layouts), Some(four.peak_rss_bytes - 1));
         assert!(p.recommendation.is_none());
         let note = p.memory_note.unwrap();
-        assert!(note.contains("no layout fits") && note.contains("dp=4"), "{note}");
+        assert!(
+            note.contains("no layout fits") && note.contains("dp=4"),
+            "{note}"
+        );
     }
 }

@@ -372,7 +372,9 @@ pub fn train<'a>(
     let held = ModelState::new(&params, &optimizer)
         .grads(grads.iter().map(Vec::as_slice).chain([&total_grad[..]]))
         .exact_scratch(cfg.dist.reproducible, total_grad.len())
-        .activations_per_microbatch(4 * (model.held_activation_floats(my_layers) * t.microbatch) as u64);
+        .activations_per_microbatch(
+            4 * (model.held_activation_floats(my_layers) * t.microbatch) as u64,
+        );
     ledger.finish(comm, hash, held, |_, ranks| {
         for r in ranks.iter_mut() {
             if let Some(p) = r.pipeline.as_mut() {
