@@ -214,6 +214,10 @@ struct PlanArgs {
     /// two and whole nodes, every pipeline depth the model allows].
     #[arg(long, value_name = "LIST")]
     layouts: Option<String>,
+    /// Memory of one worker, GiB: layouts whose fullest rank is predicted to need more are
+    /// marked as not fitting and never recommended.
+    #[arg(long, value_name = "GIB")]
+    memory_gib: Option<f64>,
     /// Write the plan (cluster, calibration, predictions, recommendation) as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,

@@ -28,12 +28,21 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         .map(plan::parse_layouts)
         .transpose()
         .context("--layouts")?;
-    let p = plan::plan(&cluster, &workload, &cal, layouts.as_deref());
+    let limit = match a.memory_gib {
+        Some(g) if !(g.is_finite() && g > 0.0) => {
+            bail!("--memory-gib: {g} is not a positive number of GiB")
+        }
+        g => g.map(plan::gib_bytes),
+    };
+    let p = plan::plan(&cluster, &workload, &cal, layouts.as_deref(), limit);
     print!("{}", format_plan(&p, &a.from));
     if let Some(path) = &a.json {
         lockstep_train::write_atomic(path, (serde_json::to_string_pretty(&p)? + "\n").as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("lockstep plan: wrote {}", path.display());
+    }
+    if let Some(note) = &p.memory_note {
+        bail!("{note} (--memory-gib)");
     }
     if p.recommendation.is_none() {
         bail!("no layout fits this cluster and config (see the skipped lines above)");
@@ -136,7 +145,7 @@ pub fn format_plan(p: &Plan, from: &Path) -> String {
         k.compute_scale
     );
     s += &format!(
-        "{:<14} {:>7} {:>5} {:>5} {:>9} {:>10} {:>9} {:>7} {:>8} {:>7}\n",
+        "{:<14} {:>7} {:>5} {:>5} {:>9} {:>10} {:>9} {:>7} {:>8} {:>7} {:>9} {:>9}\n",
         "layout",
         "workers",
         "nodes",
@@ -146,11 +155,14 @@ pub fn format_plan(p: &Plan, from: &Path) -> String {
         "comm_ms",
         "bubble",
         "speedup",
-        "effic."
+        "effic.",
+        "state_GiB",
+        "peak_GiB"
     );
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     for x in &p.predictions {
         s += &format!(
-            "{:<14} {:>7} {:>5} {:>5} {:>9} {:>10} {:>9} {:>6.0}% {:>7.2}× {:>6.0}%\n",
+            "{:<14} {:>7} {:>5} {:>5} {:>9} {:>10} {:>9} {:>6.0}% {:>7.2}× {:>6.0}% {:>9.3} {:>9.3}{}\n",
             x.layout.to_string(),
             x.workers,
             x.nodes_used,
@@ -160,8 +172,38 @@ pub fn format_plan(p: &Plan, from: &Path) -> String {
             ms(x.communication_s()),
             x.bubble_fraction * 100.0,
             x.speedup,
-            x.efficiency * 100.0
+            x.efficiency * 100.0,
+            gib(x.memory.model_state_bytes()),
+            gib(x.memory.peak_rss_bytes),
+            if x.fits_memory {
+                ""
+            } else {
+                "  does not fit"
+            }
         );
+    }
+    s +=
+        "  (memory of the fullest rank: state = parameters + gradients + optimizer + activations; \
+          peak = predicted resident)\n";
+    if let Some(limit) = p.memory_limit_bytes {
+        let out: Vec<String> = p
+            .predictions
+            .iter()
+            .filter(|x| !x.fits_memory)
+            .map(|x| x.layout.to_string())
+            .collect();
+        s += &format!(
+            "memory: {:.2} GiB per worker; {}\n",
+            gib(limit),
+            if out.is_empty() {
+                "every layout fits".to_string()
+            } else {
+                format!("not fitting (never recommended): {}", out.join(", "))
+            }
+        );
+    }
+    if let Some(note) = &p.memory_note {
+        s += &format!("{note}\n");
     }
     for x in &p.skipped {
         s += &format!("skipped {}: {}\n", x.layout, x.reason);

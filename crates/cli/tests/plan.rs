@@ -90,6 +90,43 @@ fn plan_calibrates_from_a_run_and_refuses_bad_descriptions_by_flag() {
         .unwrap()
         .contains("ms/step"));
 
+    // Memory: every rank's figures are in summary.json, counted from the buffers the loop holds
+    // (MLP 64-512-512-10: 301 066 parameters; SGD with momentum: one state vector; 2 of the 4
+    // micro-batches per rank: 2 gradients + the reduced one + its i64 accumulator).
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+    for r in summary["ranks"].as_array().unwrap() {
+        let m = &r["memory"];
+        let bytes = |k: &str| m[k].as_u64().unwrap_or_else(|| panic!("{k} in {m}"));
+        assert_eq!(bytes("params_bytes"), 301_066 * 4, "{m}");
+        assert_eq!(bytes("optimizer_bytes"), bytes("params_bytes"), "{m}");
+        assert_eq!(bytes("grads_bytes"), 5 * bytes("params_bytes"), "{m}");
+        assert!(bytes("activation_peak_bytes") > 0, "{m}");
+        let state: u64 = ["params_bytes", "grads_bytes", "optimizer_bytes"]
+            .iter()
+            .map(|k| bytes(k))
+            .sum();
+        assert!(bytes("peak_rss_bytes") > state, "{m}");
+    }
+    assert!(text.contains("peak_GiB"), "{text}");
+    // A stated per-worker memory no layout fits: refused, saying what the smallest needs.
+    let out = plan(&run, &["--workers-per-node", "2", "--memory-gib", "0.01"]);
+    assert!(!out.status.success());
+    let (e, o) = (
+        stderr(&out),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    );
+    assert!(
+        e.contains("no layout fits in 0.01 GiB per worker") && e.contains("--memory-gib"),
+        "{e}"
+    );
+    assert!(
+        o.contains("does not fit") && !o.contains("recommendation:"),
+        "{o}"
+    );
+    let e = stderr(&plan(&run, &["--workers-per-node", "2", "--memory-gib=0"]));
+    assert!(e.contains("--memory-gib") && e.contains("positive"), "{e}");
+
     // Bad cluster descriptions name the flag (and the key of a cluster file).
     let e = stderr(&plan(&run, &["--nodes", "2"]));
     assert!(

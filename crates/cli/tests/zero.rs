@@ -216,3 +216,40 @@ fn check_refused(o: &Output, i: usize, needles: &[&str]) {
     }
     assert!(!err.contains("[rank"), "case {i}: a worker started\n{err}");
 }
+
+/// What each rank reports holding (summary.json `ranks[i].memory`), largest over the ranks.
+fn held(dir: &Path, field: &str) -> u64 {
+    summary(dir)["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["memory"][field].as_u64().unwrap())
+        .max()
+        .unwrap()
+}
+
+#[test]
+fn sharding_shrinks_what_each_rank_holds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |zero: &str| {
+        let dir = tmp.path().join(format!("zero{zero}"));
+        ok(transformer(&dir, "2", &[&format!("parallel.zero={zero}")], &[]));
+        dir
+    };
+    let (z0, z1, z2) = (run("0"), run("1"), run("2"));
+    // AdamW: two moment vectors. Halved (to the odd value) over 2 replicas from level 1.
+    let (o0, o1, o2) = (
+        held(&z0, "optimizer_bytes"),
+        held(&z1, "optimizer_bytes"),
+        held(&z2, "optimizer_bytes"),
+    );
+    assert_eq!(o0, 2 * held(&z0, "params_bytes"));
+    assert!(o1 * 100 <= o0 * 51 && o1 == o2, "optimizer bytes {o0} → {o1}, {o2}");
+    // Level 2 keeps half of the reduced gradient: P/2 values (4 bytes each) fewer.
+    let p = held(&z0, "params_bytes");
+    let (g1, g2) = (held(&z1, "grads_bytes"), held(&z2, "grads_bytes"));
+    assert_eq!(held(&z0, "grads_bytes"), g1);
+    assert_eq!(g1 - g2, p / 2, "grads bytes {g1} → {g2} with {p} parameter bytes");
+    // The parameters stay whole on every replica below level 3.
+    assert_eq!(held(&z2, "params_bytes"), p);
+}

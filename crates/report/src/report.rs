@@ -11,8 +11,9 @@
 
 use std::fmt::Write as _;
 
+use crate::memory;
 use crate::svg::{esc, LineChart, Series, Span, StackedBars, Timeline, PALETTE};
-use lockstep_train::metrics::{Eval, PipelineSummary, StepRecord, Summary};
+use lockstep_train::metrics::{Eval, PipelineSummary, RankMemory, StepRecord, Summary};
 
 /// Extra facts the launcher knows (restarts and failures).
 #[derive(Debug, Default, Clone)]
@@ -442,6 +443,8 @@ pub fn render_with_failures(
         s.imbalance
     ));
 
+    memory_section(&mut doc, s, records);
+
     if let Some(p) = &s.pipeline {
         pipeline_section(&mut doc, s, p);
     }
@@ -453,6 +456,35 @@ pub fn render_with_failures(
         &head.md(),
         &format!("<section id=\"headline\">{}</section>", head.html()),
     )
+}
+
+/// Every rank's memory against its peak resident memory (nothing for a run recorded without
+/// memory figures).
+fn memory_section(doc: &mut Doc, s: &Summary, records: &[StepRecord]) {
+    let rows: Vec<(String, RankMemory)> = s
+        .ranks
+        .iter()
+        .filter_map(|r| r.memory.map(|m| (r.rank.to_string(), m)))
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    doc.section("memory", "Memory");
+    doc.para(&memory::explanation());
+    doc.table(&memory_table(&rows));
+    doc.figure(memory::bars("memory per rank (peak)", &rows).render());
+    if let Some(chart) = memory::rss_chart(s, records) {
+        doc.figure(chart.render());
+    }
+}
+
+/// The memory table of `(label, memory)` rows (run and scale reports).
+pub(crate) fn memory_table(rows: &[(String, RankMemory)]) -> Table {
+    let mut t = Table::new(&memory::TABLE_HEAD);
+    for (label, m) in rows {
+        t.row(memory::table_row(label, m));
+    }
+    t
 }
 
 /// Stages, their layers and costs, measured vs ideal bubble, per-rank pipeline totals.
@@ -686,6 +718,7 @@ mod tests {
                         ..Default::default()
                     }),
                     pipeline: None,
+                    rss_bytes: Some((300 + rank as u64 * 10 + step) << 20),
                 })
             })
             .collect()
@@ -706,6 +739,13 @@ mod tests {
             step_seconds_mean: 0.01,
             step_seconds_max: 0.012,
             pipeline: None,
+            memory: Some(RankMemory {
+                params_bytes: 4 << 20,
+                grads_bytes: 16 << 20,
+                optimizer_bytes: 8 << 20,
+                activation_peak_bytes: 2 << 20,
+                peak_rss_bytes: (300 + 10 * r as u64) << 20,
+            }),
         }
     }
 
@@ -780,6 +820,10 @@ mod tests {
             "1 restart(s), 4 step(s) recomputed.",
             "- attempt 0 (2 workers): steps 0–8, then rank 1 killed by signal 9 at step 8",
             "- attempt 1 (2 workers): steps 4–10",
+            // Memory per rank: 30 MiB of model state, goal 1.5 × 30 + 512 MiB.
+            "## Memory",
+            "| 0 | 4.0 | 16.0 | 8.0 | 2.0 | 30.0 | 300.0 | 557.0 | yes |",
+            "| 1 | 4.0 | 16.0 | 8.0 | 2.0 | 30.0 | 310.0 | 557.0 | yes |",
         ] {
             assert!(md.contains(needle), "report.md lacks {needle:?}:\n{md}");
         }
@@ -794,6 +838,8 @@ mod tests {
             "id=\"throughput\"",
             "id=\"ranks\"",
             "id=\"failures\"",
+            "id=\"memory\"",
+            "aria-label=\"resident memory per step\"",
             "<polyline",
             "<rect",
             "<code>abc123</code>",

@@ -261,6 +261,8 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
     }
     doc.table(&t);
 
+    memory_section(&mut doc, points);
+
     doc.section("hashes", "Reproducibility");
     match base {
         None => doc.para("No runs."),
@@ -289,12 +291,33 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
     doc.finish("lockstep scaling report", "", "")
 }
 
+/// Every layout's ranks: held memory against peak resident memory (runs without memory figures
+/// are left out; no section when none has them).
+fn memory_section(doc: &mut Doc, points: &[ScalePoint]) {
+    let rows: Vec<(String, lockstep_train::memory::RankMemory)> = points
+        .iter()
+        .flat_map(|p| {
+            p.memory
+                .iter()
+                .enumerate()
+                .map(move |(r, m)| (format!("{} rank {r}", p.label), *m))
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    doc.section("memory", "Memory per rank");
+    doc.para(&crate::memory::explanation());
+    doc.table(&crate::report::memory_table(&rows));
+    doc.figure(crate::memory::bars("memory per rank, by layout (peak)", &rows).render());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::scaling::{compare, Layout};
     use crate::svg::well_formed;
-    use lockstep_train::metrics::{PhaseSeconds, StepRecord, Summary};
+    use lockstep_train::metrics::{PhaseSeconds, RankMemory, RankSummary, StepRecord, Summary};
 
     fn run(name: &str, dp: usize, pp: usize, hash: &str, step_secs: f64, loss_shift: f64) -> Run {
         let world = dp * pp;
@@ -320,6 +343,7 @@ mod tests {
                     bytes_sent: 0,
                     eval: None,
                     pipeline: None,
+                    rss_bytes: None,
                 })
             })
             .collect();
@@ -336,6 +360,18 @@ mod tests {
                 test_loss: 0.234567,
                 test_accuracy: 0.9721,
                 wall_seconds: 1.25 / world as f64,
+                ranks: (0..world)
+                    .map(|r| RankSummary {
+                        memory: Some(RankMemory {
+                            params_bytes: (8 / pp as u64) << 20,
+                            grads_bytes: (3 * (8 / pp as u64)) << 20,
+                            optimizer_bytes: (2 * (8 / pp as u64)) << 20,
+                            activation_peak_bytes: 1 << 20,
+                            peak_rss_bytes: (200 + r as u64) << 20,
+                        }),
+                        ..crate::scaling::tests::rank_summary(r)
+                    })
+                    .collect(),
                 ..crate::scaling::tests::summary(world, hash)
             },
             records,
@@ -357,6 +393,7 @@ mod tests {
             "## Time per step by phase",
             "## Loss curves",
             "## Final metrics",
+            "## Memory per rank",
             "## Reproducibility",
         ] {
             assert!(md.contains(h), "report lacks {h}:\n{md}");
@@ -373,6 +410,9 @@ mod tests {
             "| dp-2 | 6.000 | 0.100 | 5.000 | 0.600 | 0.300 | 0.000 |",
             "| dp-1 | 1 | 0.123456 | 0.234567 | 0.9721 | 6400.0 | 1.250 | `aaaaaaaaaaaa` | yes |",
             "| dp2xpp2 | 4 | 0.123456 | 0.234567 | 0.9721 | 16000.0 | 0.312 | `aaaaaaaaaaaa` | yes |",
+            // Memory: 8 MiB of parameters on one stage, 4 on each of two; 14 MiB of state.
+            "| dp-1 rank 0 | 8.0 | 24.0 | 16.0 | 1.0 | 49.0 | 200.0 | 585.5 | yes |",
+            "| dp2xpp2 rank 3 | 4.0 | 12.0 | 8.0 | 1.0 | 25.0 | 203.0 | 549.5 | yes |",
         ] {
             assert!(md.contains(row), "report lacks {row:?}:\n{md}");
         }
@@ -380,7 +420,15 @@ mod tests {
         assert!(md.contains(
             "Same result: all 3 runs ended with the same parameter hash aaaaaaaaaaaaaaaa"
         ));
-        for id in ["verdict", "speedup", "breakdown", "loss", "final", "hashes"] {
+        for id in [
+            "verdict",
+            "speedup",
+            "breakdown",
+            "loss",
+            "final",
+            "memory",
+            "hashes",
+        ] {
             assert!(
                 html.contains(&format!("<section id=\"{id}\">")),
                 "html lacks section {id}"

@@ -14,7 +14,7 @@ use lockstep_train::metrics::median;
 use serde::{Deserialize, Serialize};
 
 use lockstep_train::config::{ConfigError, TrainConfig};
-use lockstep_train::metrics::{StepRecord, Summary};
+use lockstep_train::metrics::{RankMemory, StepRecord, Summary};
 use lockstep_train::parallel_dims::ParallelDims;
 
 /// One entry of a layout list.
@@ -173,6 +173,10 @@ pub struct ScalePoint {
     pub wall_seconds: f64,
     pub param_hash: String,
     pub same_result_as_first: bool,
+    /// Each rank's memory (summary.json's `ranks[i].memory`), in rank order; empty for runs
+    /// recorded without it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory: Vec<RankMemory>,
 }
 
 impl ScalePoint {
@@ -262,6 +266,7 @@ pub fn compare(runs: &[Run]) -> ScaleReport {
             wall_seconds: summary.wall_seconds,
             param_hash: summary.param_hash.clone(),
             same_result_as_first: true,
+            memory: summary.ranks.iter().filter_map(|r| r.memory).collect(),
         });
     }
     if let Some(first) = points.first().cloned() {
@@ -364,7 +369,7 @@ fn headline(points: &[ScalePoint], hashes_agree: bool) -> String {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use lockstep_train::metrics::{PhaseSeconds, PipelineStep};
+    use lockstep_train::metrics::{PhaseSeconds, PipelineStep, RankSummary};
 
     fn rec(rank: usize, step: u64, secs: f64, comm: f64) -> StepRecord {
         StepRecord {
@@ -383,6 +388,27 @@ pub(crate) mod tests {
             bytes_sent: 0,
             eval: None,
             pipeline: None,
+            rss_bytes: None,
+        }
+    }
+
+    /// A neutral rank for tests.
+    pub(crate) fn rank_summary(rank: usize) -> RankSummary {
+        RankSummary {
+            rank,
+            host: "h".into(),
+            samples: 0,
+            compute_seconds: 0.0,
+            communication_seconds: 0.0,
+            waiting_seconds: 0.0,
+            data_seconds: 0.0,
+            optimizer_seconds: 0.0,
+            overlapped_communication_seconds: 0.0,
+            bytes_sent: 0,
+            step_seconds_mean: 0.0,
+            step_seconds_max: 0.0,
+            pipeline: None,
+            memory: None,
         }
     }
 

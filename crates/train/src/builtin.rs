@@ -46,6 +46,7 @@ impl JobSpec for BuiltinJob {
             test,
             x: Vec::new(),
             y: Vec::new(),
+            held_per_sample: crate::limits::activation_values_per_sample(cfg) as u64,
         })))
     }
 }
@@ -57,6 +58,8 @@ struct Classifier {
     test: Dataset,
     x: Vec<f32>,
     y: Vec<u8>,
+    /// Activation values a training forward keeps per sample (`crate::memory`'s estimate).
+    held_per_sample: u64,
 }
 
 impl Replica for Classifier {
@@ -125,6 +128,10 @@ impl Replica for Classifier {
             data_seconds,
             ..Computed::default()
         }))
+    }
+
+    fn activation_bytes(&self, n: usize) -> u64 {
+        4 * self.held_per_sample * n as u64
     }
 
     fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError> {

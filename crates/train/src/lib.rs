@@ -14,6 +14,7 @@ pub mod files;
 pub mod grad_sync;
 pub mod job;
 pub mod limits;
+pub mod memory;
 pub mod metrics;
 pub mod outcome;
 pub mod parallel_dims;

@@ -7,12 +7,15 @@
 //! (exit status 3, never restarted) instead of a panic or an abort in every worker.
 //!
 //! Memory is estimated per worker, from the parameter count (parameters, the summed gradient, one
-//! gradient per local micro-batch, optimizer state and burn's own copies) and the activations of
-//! one micro-batch, against the host's physical memory (`/proc/meminfo`). The estimate is an
+//! gradient per local micro-batch, optimizer state — `crate::memory::predict`, the formula
+//! `lockstep plan` uses too — and burn's own copies) and the activations of one micro-batch, against the host's physical memory (`/proc/meminfo`). The estimate is an
 //! upper bound of the right order, not an exact figure: it refuses what cannot fit, not what is
 //! merely large.
 
+use lockstep_model::{LayerKind, TransformerSpec};
+
 use crate::config::{ConfigError, DatasetKind, ModelKind, TrainConfig};
+use crate::memory::{self, StateShape};
 
 /// Longest wait a collective may be given: a week. `Duration`/`Instant` arithmetic and the
 /// store's longest wait stay finite.
@@ -238,41 +241,68 @@ pub fn param_count(cfg: &TrainConfig) -> u128 {
     }
 }
 
-/// Activation bytes of one micro-batch's forward and backward (a generous multiple of the
-/// values the layers produce).
-pub fn activation_bytes(cfg: &TrainConfig) -> u128 {
+/// Margin on the activation estimate when refusing a config (burn's temporaries during backward).
+const ACTIVATION_MARGIN: u128 = 2;
+/// Parameter-sized copies burn keeps besides the loop's own buffers: `memory::BURN_COPIES` and
+/// the autodiff graph's references to the parameters.
+const BURN_COPIES: u128 = memory::BURN_COPIES as u128 + 1;
+
+/// The transformer `cfg` describes, with the largest vocabulary a character corpus can have.
+fn transformer_spec(cfg: &TrainConfig) -> TransformerSpec {
     let m = &cfg.model;
-    let n = cfg.train.microbatch as u128;
-    let ([c, h, w], classes) = input_shape(cfg);
-    let values: u128 = match m.kind {
-        ModelKind::Transformer => {
-            let (d, ctx, heads) = (m.d_model as u128, m.context as u128, m.heads as u128);
-            let ff = if m.d_ff == 0 { 4 * d } else { m.d_ff as u128 };
-            n * ctx * (m.blocks as u128 * (8 * d + 2 * ff + 3 * heads * ctx) + 3 * 256)
-        }
-        ModelKind::Cnn => {
-            let (mut hh, mut ww, mut sum) = (h, w, c * h * w);
-            for &out in &m.conv {
-                sum += 3 * out as u128 * hh * ww;
-                hh /= 2;
-                ww /= 2;
-            }
-            n * (sum + 2 * m.cnn_hidden as u128 + classes)
-        }
-        ModelKind::Mlp => {
-            n * (c * h * w + m.hidden.iter().map(|&x| 2 * x as u128).sum::<u128>() + classes)
-        }
-    };
-    values * 4 * 4
+    TransformerSpec {
+        vocab: 256,
+        context: m.context,
+        d_model: m.d_model,
+        heads: m.heads,
+        blocks: m.blocks,
+        d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
+    }
 }
 
-/// Bytes one worker needs at most: parameter-sized vectors (parameters, summed gradient, one
-/// gradient per micro-batch — all of them on a single worker —, optimizer state, burn's parameter,
-/// gradient and autodiff copies) plus activations.
+/// Activation values one sample's forward keeps for its backward (`crate::memory`'s estimate).
+pub fn activation_values_per_sample(cfg: &TrainConfig) -> u128 {
+    match cfg.model.kind {
+        ModelKind::Transformer => {
+            let spec = transformer_spec(cfg);
+            let kinds = std::iter::once(LayerKind::Embedding)
+                .chain((0..cfg.model.blocks).map(LayerKind::Block))
+                .chain(std::iter::once(LayerKind::Head));
+            memory::transformer_held_values(&spec, kinds)
+        }
+        _ => {
+            let (input, classes) = input_shape(cfg);
+            memory::classifier_held_floats(cfg, input, classes)
+        }
+    }
+}
+
+/// Activation bytes of one micro-batch's forward and backward, with a margin.
+pub fn activation_bytes(cfg: &TrainConfig) -> u128 {
+    activation_values_per_sample(cfg) * cfg.train.microbatch as u128 * 4 * ACTIVATION_MARGIN
+}
+
+/// Bytes one worker needs at most: the model state of one worker holding every micro-batch of a
+/// step ([`memory::predict`]: parameters, one gradient per micro-batch, the summed gradient and
+/// its fixed-point accumulator, optimizer state) plus burn's parameter-sized copies and the
+/// activations of one micro-batch with a margin.
 pub fn memory_estimate(cfg: &TrainConfig) -> u128 {
+    let params = param_count(cfg);
     let microbatches = (cfg.train.global_batch / cfg.train.microbatch.max(1)) as u128;
-    let copies = microbatches + 8;
-    param_count(cfg) * 4 * copies + activation_bytes(cfg)
+    // The shape's sizes are usize; the estimate is u128 so that no admitted width overflows it:
+    // the parameter-sized terms are scaled here rather than inside `predict`.
+    let per_param = memory::predict(&StateShape {
+        stage_params: 1,
+        local_microbatches: 0,
+        optimizer_vectors: memory::optimizer_vectors(cfg),
+        reproducible: cfg.dist.reproducible,
+        dp: 1,
+        zero: 0,
+        activation_bytes_per_microbatch: 0,
+        peak_held: 1,
+    })
+    .model_state_bytes() as u128;
+    params * (per_param + 4 * (microbatches + BURN_COPIES)) + activation_bytes(cfg)
 }
 
 #[cfg(test)]

@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::memory::RankMemory;
+
 /// Seconds one rank spent in each phase of one step.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 pub struct PhaseSeconds {
@@ -59,6 +61,10 @@ pub struct StepRecord {
     /// Pipeline figures (pipeline-parallel runs only).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub pipeline: Option<PipelineStep>,
+    /// Resident memory of this rank's process at the end of the step (`VmRSS`; filled in by the
+    /// run ledger, absent where unknown).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub rss_bytes: Option<u64>,
 }
 
 /// What one pipeline stage did in one step.
@@ -152,6 +158,9 @@ pub struct RankSummary {
     /// Pipeline totals of this rank (pipeline-parallel runs only).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub pipeline: Option<RankPipeline>,
+    /// What this rank held and its peak resident memory (absent in runs older than the field).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub memory: Option<RankMemory>,
 }
 
 /// Per-rank pipeline totals over the run.
@@ -252,6 +261,7 @@ pub fn rank_summaries(records: &[StepRecord], hosts: &[String]) -> Vec<RankSumma
                 },
                 step_seconds_max: step_max,
                 pipeline: rank_pipeline(&mine),
+                memory: None,
             }
         })
         .collect()
@@ -356,6 +366,7 @@ mod tests {
             bytes_sent: 10,
             eval: None,
             pipeline: None,
+            rss_bytes: None,
         }
     }
 

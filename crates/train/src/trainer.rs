@@ -19,6 +19,7 @@ use crate::error::TrainError;
 use crate::faults;
 use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
 use crate::job::{catch_job_panic, JobSpec, Replica, ReplicaError, Trainable};
+use crate::memory::ModelState;
 use crate::metrics::{Eval, PhaseSeconds, StepRecord, Summary};
 use crate::run::collect::{check_same_hash, check_same_structure};
 use crate::run::evaluation::{combine, EvalTotals};
@@ -211,13 +212,18 @@ fn train_replica<'a>(
             bytes_sent: comm.stats().bytes_sent - bytes_before,
             eval,
             pipeline: None,
+            rss_bytes: None,
         };
         ledger.end_step(comm, record, checkpoint_now)?;
     }
 
     let hash = param_hash(&params);
     check_same_hash(comm, &hash)?;
-    ledger.finish(comm, hash, |_, _| None)
+    let held = ModelState::new(&params, &optimizer)
+        .grads(grads.iter().map(Vec::as_slice).chain([&total_grad[..]]))
+        .exact_scratch(cfg.dist.reproducible, params.len())
+        .activations_per_microbatch(replica.activation_bytes(t.microbatch));
+    ledger.finish(comm, hash, held, |_, _| None)
 }
 
 /// One step's gradient: this rank's micro-batches computed, every rank's summed into

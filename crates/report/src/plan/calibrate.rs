@@ -256,6 +256,7 @@ mod tests {
             bytes_sent: 1000,
             eval: None,
             pipeline: None,
+            rss_bytes: None,
         }
     }
 

@@ -37,6 +37,12 @@
 //!   `(m + p − 1)·t` and a bubble of `(p−1)/(m+p−1)`. Then the dp all-reduce of the largest
 //!   stage (all stages' groups at once) and its optimizer step.
 //!
+//! - **Memory** per rank (`memory.rs`): the fullest rank's parameters, gradients (one buffer per
+//!   local micro-batch, the reduced gradient, the exact sum's `i64` accumulator), optimizer state
+//!   (sharded by `parallel.zero`) and the activations of the micro-batches its stage holds at once
+//!   (1F1B: `min(m, p − s)`, GPipe: `m`), plus burn's copies and the process's base for the
+//!   predicted peak resident memory; `--memory-gib` marks the layouts whose peak exceeds it.
+//!
 //! Calibration ([`calibrate`](fn@calibrate)) reads `c`, `o`, `x` and `κ` from a run's records:
 //! medians over the steady steps (warm-up skipped as in [`crate::scaling`]) of the critical rank's
 //! phases. `κ` is what is left of the measured synchronisation time after the model of *the
@@ -47,11 +53,12 @@
 
 // One file per part of the model, in the order a plan is made: describe the cluster and the
 // workload, list layouts, cut pipeline stages, cost the communication, calibrate from a run,
-// predict and recommend.
+// predict each rank's memory, predict and recommend.
 mod calibrate;
 mod cluster;
 mod cost;
 mod layout;
+mod memory;
 mod predict;
 mod stages;
 #[cfg(test)]
@@ -61,6 +68,7 @@ mod workload;
 pub use calibrate::{calibrate, Calibration};
 pub use cluster::{calibration_link, Cluster, ClusterSpec, Link};
 pub use layout::{candidate_layouts, parse_layouts, Layout};
+pub use memory::gib_bytes;
 pub use predict::{plan, predict, recommend, Plan, Prediction, Recommendation, Skipped};
 pub use stages::balanced_stages;
 pub use workload::{model_layers, Layer, Workload};

@@ -2,9 +2,11 @@
 //! (compute, pipeline schedule, network, CPU sync, optimizer and overhead), every layout's
 //! speedup against one worker, and the fastest layout with its reasons in one sentence.
 
+use lockstep_train::memory::RankMemory;
 use serde::{Deserialize, Serialize};
 
 use super::cost::{boundary_bytes, p2p_bytes_per_rank, sync_units, Placement};
+use super::memory::fullest_rank;
 use super::stages::{balanced_stages, even, stage_groups};
 use super::{candidate_layouts, Calibration, Cluster, Layout, Workload};
 
@@ -38,6 +40,17 @@ pub struct Prediction {
     pub speedup: f64,
     pub efficiency: f64,
     pub bytes_per_rank_step: f64,
+    /// The fullest rank's memory: model state, and (`peak_rss_bytes`) its predicted peak
+    /// resident memory.
+    #[serde(default)]
+    pub memory: RankMemory,
+    /// Whether that peak fits the stated per-worker memory (`--memory-gib`; true without one).
+    #[serde(default = "yes")]
+    pub fits_memory: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Prediction {
@@ -122,6 +135,7 @@ pub fn predict(
     let step_s = compute_s + bubble_s + p2p_s + sync_cpu_s + net.seconds + other_s;
     let schedule = compute_s + bubble_s + p2p_s;
     let p2p_bytes = p2p_bytes_per_rank(layout, &boundary_bytes(w, &stage_layers), m);
+    let memory = fullest_rank(w, layout, &stage_layers);
     Ok(Prediction {
         layout,
         workers: world,
@@ -144,6 +158,8 @@ pub fn predict(
         speedup: 1.0,
         efficiency: 1.0,
         bytes_per_rank_step: net.bytes_per_rank + p2p_bytes,
+        memory,
+        fits_memory: true,
     })
 }
 
@@ -172,14 +188,22 @@ pub struct Plan {
     pub predictions: Vec<Prediction>,
     pub skipped: Vec<Skipped>,
     pub recommendation: Option<Recommendation>,
+    /// The stated per-worker memory (`--memory-gib`), in bytes.
+    #[serde(default)]
+    pub memory_limit_bytes: Option<u64>,
+    /// Set when no predicted layout fits that memory: what the smallest would need.
+    #[serde(default)]
+    pub memory_note: Option<String>,
 }
 
-/// Predict `layouts` (default: [`candidate_layouts`]) and recommend the fastest.
+/// Predict `layouts` (default: [`candidate_layouts`]) and recommend the fastest of those whose
+/// fullest rank fits `memory_limit_bytes` per worker (all of them without a limit).
 pub fn plan(
     cluster: &Cluster,
     workload: &Workload,
     calibration: &Calibration,
     layouts: Option<&[Layout]>,
+    memory_limit_bytes: Option<u64>,
 ) -> Plan {
     let layouts = match layouts {
         Some(l) => l.to_vec(),
@@ -195,12 +219,32 @@ pub fn plan(
             Ok(mut p) => {
                 p.speedup = one / p.step_s;
                 p.efficiency = p.speedup / p.workers as f64;
+                p.fits_memory = memory_limit_bytes.is_none_or(|m| p.memory.peak_rss_bytes <= m);
                 predictions.push(p);
             }
             Err(reason) => skipped.push(Skipped { layout: l, reason }),
         }
     }
-    let recommendation = recommend(&predictions, cluster);
+    let fitting: Vec<Prediction> = predictions
+        .iter()
+        .filter(|p| p.fits_memory)
+        .cloned()
+        .collect();
+    let recommendation = recommend(&fitting, cluster);
+    let memory_note = match (memory_limit_bytes, fitting.is_empty()) {
+        (Some(limit), true) => predictions
+            .iter()
+            .min_by_key(|p| p.memory.peak_rss_bytes)
+            .map(|p| {
+                format!(
+                    "no layout fits in {:.2} GiB per worker: the smallest, {}, needs {:.2} GiB on its fullest rank",
+                    limit as f64 / GIB,
+                    p.layout,
+                    p.memory.peak_rss_bytes as f64 / GIB
+                )
+            }),
+        _ => None,
+    };
     Plan {
         cluster: cluster.clone(),
         workload: workload.clone(),
@@ -209,8 +253,12 @@ pub fn plan(
         predictions,
         skipped,
         recommendation,
+        memory_limit_bytes,
+        memory_note,
     }
 }
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// The fastest layout (fewer workers on a tie), with the reasons in one sentence.
 pub fn recommend(predictions: &[Prediction], cluster: &Cluster) -> Option<Recommendation> {
@@ -360,6 +408,7 @@ mod tests {
                 Layout { dp: 4, pp: 1 },
                 Layout { dp: 8, pp: 1 },
             ]),
+            None,
         );
         assert_eq!(
             p.recommendation.as_ref().unwrap().layout,
@@ -379,7 +428,7 @@ mod tests {
         assert_eq!(p.recommendation.as_ref().unwrap().step_s, best);
         // A slow network: the gradient (5.4 MB) costs more than the compute it saves.
         let slow = spec(4, 0.1).resolve().unwrap();
-        let p = plan(&slow, &w, &cal, None);
+        let p = plan(&slow, &w, &cal, None, None);
         let r = p.recommendation.unwrap();
         assert_eq!(r.layout, Layout { dp: 1, pp: 1 });
         assert!(r.why.contains("more workers do not pay"), "{}", r.why);
@@ -388,5 +437,39 @@ mod tests {
             assert!(close(x.speedup, p.single_worker_step_s / x.step_s));
             assert!(close(x.efficiency, x.speedup / x.workers as f64));
         }
+    }
+
+    #[test]
+    fn layouts_that_do_not_fit_the_stated_memory_are_not_recommended() {
+        // 20 M parameters with AdamW, 4 micro-batches: about 0.9 GB of state on one worker, less
+        // on each of 4 (one micro-batch's gradient each).
+        let w = workload(20_000_000);
+        let cal = flat_calibration(1e-4, 1);
+        let c = ClusterSpec {
+            nodes: Some(1),
+            workers_per_node: Some(4),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        let layouts = [Layout { dp: 1, pp: 1 }, Layout { dp: 4, pp: 1 }];
+        let free = plan(&c, &w, &cal, Some(&layouts), None);
+        assert!(free.predictions.iter().all(|p| p.fits_memory));
+        let (one, four) = (&free.predictions[0].memory, &free.predictions[1].memory);
+        assert!(four.peak_rss_bytes < one.peak_rss_bytes, "{one:?} {four:?}");
+        // A limit between the two: only dp = 4 fits, and it is recommended whatever its speed.
+        let limit = (one.peak_rss_bytes + four.peak_rss_bytes) / 2;
+        let p = plan(&c, &w, &cal, Some(&layouts), Some(limit));
+        assert!(!p.predictions[0].fits_memory && p.predictions[1].fits_memory);
+        assert_eq!(p.recommendation.unwrap().layout, Layout { dp: 4, pp: 1 });
+        assert_eq!(p.memory_note, None);
+        // A limit below both: nothing is recommended, and the note names the smallest need.
+        let p = plan(&c, &w, &cal, Some(&layouts), Some(four.peak_rss_bytes - 1));
+        assert!(p.recommendation.is_none());
+        let note = p.memory_note.unwrap();
+        assert!(
+            note.contains("no layout fits") && note.contains("dp=4"),
+            "{note}"
+        );
     }
 }

@@ -21,7 +21,11 @@ pub(super) fn workload(params: usize) -> Workload {
             name: "mlp".into(),
             params,
             activation_bytes_per_sample: 0,
+            held_activation_bytes_per_sample: 0,
         }],
+        optimizer_vectors: 2,
+        zero: 0,
+        schedule: lockstep_train::config::ScheduleKind::OneFOneB,
     }
 }
 
@@ -34,6 +38,7 @@ pub(super) fn pipeline_workload(layers: usize, act: usize) -> Workload {
                 name: format!("l{i}"),
                 params: 1000,
                 activation_bytes_per_sample: if i + 1 == layers { 0 } else { act },
+                held_activation_bytes_per_sample: 0,
             })
             .collect(),
         ..workload(1000 * layers)

@@ -1,6 +1,6 @@
 //! The workload: what one training step computes and moves, from the config (micro-batches,
-//! reproducible mode, buckets, collective algorithm) and the model's layers (parameters and
-//! activation bytes per sample), which [`model_layers`] reads from the model the trainer builds.
+//! reproducible mode, buckets, collective algorithm, optimizer, ZeRO level, schedule) and the
+//! model's layers (parameters, activation bytes per sample sent and held), which [`model_layers`] reads from the model the trainer builds.
 
 use std::fmt;
 
@@ -10,7 +10,7 @@ use lockstep_comm::Algorithm;
 use serde::{Deserialize, Serialize};
 
 use super::PlanError;
-use lockstep_train::config::TrainConfig;
+use lockstep_train::config::{ScheduleKind, TrainConfig};
 use lockstep_train::job::{JobSpec, Trainable};
 
 /// One layer a pipeline may cut after.
@@ -20,6 +20,10 @@ pub struct Layer {
     pub params: usize,
     /// Bytes this layer's output carries per sample to the next layer (0 for the last).
     pub activation_bytes_per_sample: usize,
+    /// Bytes a training forward of this layer keeps per sample for its backward (the model's
+    /// estimate; 0 when it gives none).
+    #[serde(default)]
+    pub held_activation_bytes_per_sample: usize,
 }
 
 /// What one training step moves and computes, from the config and the model's shape.
@@ -39,6 +43,19 @@ pub struct Workload {
     pub segment_bytes: usize,
     /// Layers in order; more than one only for models the trainer can pipeline.
     pub layers: Vec<Layer>,
+    /// Optimizer state vectors per parameter (AdamW 2, SGD with momentum 1, plain SGD 0).
+    #[serde(default)]
+    pub optimizer_vectors: usize,
+    /// `parallel.zero`: the ZeRO level on the data-parallel axis.
+    #[serde(default)]
+    pub zero: u8,
+    /// `parallel.schedule` (how many micro-batches a pipeline stage holds at once).
+    #[serde(default = "default_schedule")]
+    pub schedule: ScheduleKind,
+}
+
+fn default_schedule() -> ScheduleKind {
+    ScheduleKind::OneFOneB
 }
 
 impl Workload {
@@ -54,6 +71,9 @@ impl Workload {
             small_message_threshold: DEFAULT_SMALL_MESSAGE_THRESHOLD,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             layers,
+            optimizer_vectors: lockstep_train::memory::optimizer_vectors(cfg),
+            zero: cfg.parallel.zero,
+            schedule: cfg.parallel.schedule,
         }
     }
 
@@ -77,6 +97,7 @@ pub fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<Vec<Layer>, 
                     name: model.layer_name(l),
                     params: offsets[l + 1] - offsets[l],
                     activation_bytes_per_sample: floats[l] * 4,
+                    held_activation_bytes_per_sample: model.held_activation_floats(l..l + 1) * 4,
                 })
                 .collect()
         }
@@ -84,6 +105,7 @@ pub fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<Vec<Layer>, 
             name: job.label(cfg),
             params: replica.layout().iter().map(|p| p.len).sum(),
             activation_bytes_per_sample: 0,
+            held_activation_bytes_per_sample: replica.activation_bytes(1) as usize,
         }],
     })
 }

@@ -106,4 +106,9 @@ pub trait Replica {
     }
     /// Evaluation without gradients on the evaluation samples `samples`.
     fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError>;
+    /// Optional: an estimate of the bytes the autodiff graph of one training micro-batch of `n`
+    /// samples keeps until its backward (reported as `activation_peak_bytes`); 0 = unknown.
+    fn activation_bytes(&self, _n: usize) -> u64 {
+        0
+    }
 }

@@ -37,6 +37,13 @@ pub trait Layered {
     fn profile_layers(&self, n: usize, reps: usize) -> Result<Vec<f64>, TrainError>;
     /// Output activations per sample of each layer (the plan's message sizes; 0 for the last).
     fn activation_floats(&self) -> Vec<usize>;
+    /// Values per sample that a training forward of `layers` keeps in its autodiff graph until
+    /// the backward (memory accounting and `lockstep plan`; an estimate). The default counts
+    /// only each layer's output, a lower bound; a model that knows its saved tensors says so.
+    fn held_activation_floats(&self, layers: Range<usize>) -> usize {
+        let floats = self.activation_floats();
+        layers.map(|l| floats.get(l).copied().unwrap_or(0)).sum()
+    }
     /// A short name of each layer (messages, plan).
     fn layer_name(&self, layer: usize) -> String;
     /// Layers `layers`, initialised from `seed` exactly like the same slice of the whole model.

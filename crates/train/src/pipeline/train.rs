@@ -34,6 +34,7 @@ use crate::config::TrainConfig;
 use crate::context::WorkerContext;
 use crate::error::TrainError;
 use crate::faults;
+use crate::memory::ModelState;
 use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary};
 use crate::outcome::ReplicaError;
 use crate::parallel_dims::ParallelDims;
@@ -343,6 +344,7 @@ pub fn train<'a>(
             bytes_sent: bytes_after - bytes_before,
             eval,
             pipeline: Some(timing.pipeline),
+            rss_bytes: None,
         };
         ledger.end_step(comm, record, checkpoint_now)?;
     }
@@ -368,7 +370,13 @@ pub fn train<'a>(
     comm.broadcast(&mut hash_bytes, 0)?;
     let hash = String::from_utf8_lossy(&hash_bytes).into_owned();
 
-    ledger.finish(comm, hash, |_, ranks| {
+    let held = ModelState::new(&params, &optimizer)
+        .grads(grads.iter().map(Vec::as_slice).chain([&total_grad[..]]))
+        .exact_scratch(cfg.dist.reproducible, params.len())
+        .activations_per_microbatch(
+            4 * (model.held_activation_floats(my_layers) * t.microbatch) as u64,
+        );
+    ledger.finish(comm, hash, held, |_, ranks| {
         for r in ranks.iter_mut() {
             if let Some(p) = r.pipeline.as_mut() {
                 p.replica = dims.coords(r.rank).replica;

@@ -139,6 +139,10 @@ impl Layered for Transformer {
             .collect()
     }
 
+    fn held_activation_floats(&self, layers: Range<usize>) -> usize {
+        crate::memory::transformer_held_floats(&self.spec, layers)
+    }
+
     fn layer_name(&self, layer: usize) -> String {
         match self.spec.layer_kind(layer) {
             LayerKind::Embedding => "embedding".into(),

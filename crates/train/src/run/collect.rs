@@ -3,6 +3,7 @@
 use lockstep_comm::Communicator;
 
 use crate::error::TrainError;
+use crate::memory::RankMemory;
 use crate::metrics::StepRecord;
 
 /// All ranks must build the same model: compare everyone's structure hash with rank 0's.
@@ -80,4 +81,33 @@ pub(crate) fn gather_records(
     }
     all.sort_by_key(|r| (r.step, r.rank));
     Ok(all)
+}
+
+/// Every rank's memory figures, in rank order.
+pub(crate) fn gather_memory(
+    comm: &mut Communicator,
+    mine: RankMemory,
+) -> Result<Vec<RankMemory>, TrainError> {
+    let m = mine;
+    // Byte counts travel as i64 (the communicator's integer element); they are far below 2^63.
+    let fields = [
+        m.params_bytes,
+        m.grads_bytes,
+        m.optimizer_bytes,
+        m.activation_peak_bytes,
+        m.peak_rss_bytes,
+    ]
+    .map(|v| v as i64);
+    let mut all = vec![0i64; fields.len() * comm.size()];
+    comm.all_gather(&fields[..], &mut all)?;
+    Ok(all
+        .chunks(fields.len())
+        .map(|f| RankMemory {
+            params_bytes: f[0] as u64,
+            grads_bytes: f[1] as u64,
+            optimizer_bytes: f[2] as u64,
+            activation_peak_bytes: f[3] as u64,
+            peak_rss_bytes: f[4] as u64,
+        })
+        .collect())
 }

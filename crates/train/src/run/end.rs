@@ -7,11 +7,12 @@ use std::time::Instant;
 
 use lockstep_comm::Communicator;
 
-use super::collect::gather_strings;
+use super::collect::{gather_memory, gather_strings};
 use super::outputs::MetricsLog;
 use crate::config::TrainConfig;
 use crate::context::{Event, Progress};
 use crate::error::TrainError;
+use crate::memory::RankMemory;
 use crate::metrics::{
     imbalance, imbalance_within_stages, rank_summaries, Eval, PipelineSummary, RankSummary,
     StepRecord, Summary,
@@ -52,8 +53,8 @@ pub(crate) fn emit_progress(
     }
 }
 
-/// Collective: flush the last records to metrics.jsonl and gather every rank's records and host;
-/// returns all records of this attempt and the per-rank totals.
+/// Collective: flush the last records to metrics.jsonl and gather every rank's records, host and
+/// memory; returns all records of this attempt and the per-rank totals.
 pub(crate) fn gather_run(
     comm: &mut Communicator,
     metrics: &mut MetricsLog,
@@ -61,11 +62,16 @@ pub(crate) fn gather_run(
     out_dir: &Path,
     start_step: u64,
     host: &str,
+    memory: RankMemory,
 ) -> Result<(Vec<StepRecord>, Vec<RankSummary>), TrainError> {
     metrics.flush(comm, records, out_dir, start_step)?;
     let all = metrics.gathered().to_vec();
     let hosts = gather_strings(comm, host)?;
-    let ranks = rank_summaries(&all, &hosts);
+    let memories = gather_memory(comm, memory)?;
+    let mut ranks = rank_summaries(&all, &hosts);
+    for (r, m) in ranks.iter_mut().zip(memories) {
+        r.memory = Some(m);
+    }
     Ok((all, ranks))
 }
 

@@ -22,6 +22,7 @@ use crate::config::TrainConfig;
 use crate::context::{Event, WorkerContext};
 use crate::error::TrainError;
 use crate::faults::Fault;
+use crate::memory::{current_rss_bytes, ModelState};
 use crate::metrics::{Eval, PipelineSummary, RankSummary, StepRecord, Summary};
 
 /// One rank's bookkeeping over one attempt of a run.
@@ -186,9 +187,10 @@ impl<'a> Ledger<'a> {
     pub(crate) fn end_step(
         &mut self,
         comm: &mut Communicator,
-        record: StepRecord,
+        mut record: StepRecord,
         checkpointed: bool,
     ) -> Result<(), TrainError> {
+        record.rss_bytes = current_rss_bytes();
         let (step, loss) = (record.step, record.loss);
         if let Some(e) = &record.eval {
             self.evals.push((step + 1, e.clone()));
@@ -210,15 +212,23 @@ impl<'a> Ledger<'a> {
         Ok(())
     }
 
-    /// Collective, at the end: every rank's records and host gathered, the summary built (with
+    /// Collective, at the end: every rank's records, host and memory (what `held` counts, with
+    /// the most micro-batches this rank held at once) gathered, the summary built (with
     /// `pipeline`'s figures from all records and ranks, for a pipeline) and, on rank 0, written
     /// with the resolved config.
     pub(crate) fn finish(
         mut self,
         comm: &mut Communicator,
         param_hash: String,
+        held: ModelState,
         pipeline: impl FnOnce(&[StepRecord], &mut [RankSummary]) -> Option<PipelineSummary>,
     ) -> Result<Summary, TrainError> {
+        let peak_held = self
+            .records
+            .iter()
+            .filter_map(|r| r.pipeline.map(|p| p.peak_activations))
+            .max()
+            .unwrap_or(1);
         let (all_records, mut ranks) = gather_run(
             comm,
             &mut self.metrics,
@@ -226,6 +236,7 @@ impl<'a> Ledger<'a> {
             self.out_dir,
             self.start_step,
             &self.host,
+            held.measure(peak_held),
         )?;
         let pipeline = pipeline(&all_records, &mut ranks);
         let end = RunEnd {
