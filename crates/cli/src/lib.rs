@@ -305,8 +305,15 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
     if let Err(e) = result {
         // Not eprintln!: an orphaned worker's stderr may be a closed pipe, and a panic here
         // would replace the real exit status with 101.
-        orphan::exit_if_orphaned("");
         let permanent = is_bad_input(&e);
+        // A worker that failed for want of a peer may be part of an orphaned group whose
+        // re-parenting is still under way: give the kernel a moment to tell (see orphan.rs).
+        let settle = if launched_worker && !permanent {
+            std::time::Duration::from_millis(500)
+        } else {
+            std::time::Duration::ZERO
+        };
+        orphan::exit_if_orphaned("", settle);
         if launched_worker {
             // For the launcher's blame and restart decision, typed; then the message for people.
             let record = WorkerMessage::Failure(FailureRecord {

@@ -53,8 +53,14 @@ pub fn is_orphaned() -> bool {
         .is_some_and(|&launcher| unsafe { libc::getppid() } != launcher)
 }
 
-/// Leave as an orphan if this worker is one.
-pub fn exit_if_orphaned(rank_hint: &str) {
+/// Leave as an orphan if this worker is one, waiting up to `settle` for the kernel to say so:
+/// a killed launcher's pipes close before its children are re-parented, so a peer that saw the
+/// pipe close and left can make this worker fail while `getppid` still names the dying launcher.
+pub fn exit_if_orphaned(rank_hint: &str, settle: Duration) {
+    let deadline = std::time::Instant::now() + settle;
+    while !is_orphaned() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     if is_orphaned() {
         let _ = writeln!(
             std::io::stderr(),
