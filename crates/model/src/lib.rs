@@ -39,6 +39,8 @@ mod schedule;
 mod spec;
 mod stage;
 mod streaming;
+mod tensor_parallel;
+mod tp_stage;
 mod transformer;
 
 pub use alloc::tune_allocator_for_training;
@@ -49,4 +51,8 @@ pub use params::ParamInfo;
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
 pub use stage::{Stage, StageEval, StageInput, StageOutput};
+pub use tensor_parallel::{
+    gather_map, scatter_map, LocalPieceSum, LocalTensor, PieceSum, TpLayout, TpSplit,
+};
+pub use tp_stage::TpStage;
 pub use transformer::{LayerKind, TransformerSpec};

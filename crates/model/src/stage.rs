@@ -313,84 +313,107 @@ impl Stage {
         Ok(out)
     }
 
-    /// The stage input as a tensor: token ids embedded (first stage) or activations as a fresh
-    /// leaf, which requires a gradient when training (its gradient goes back a stage).
+    /// The stage input as a tensor (see [`input_tensor`]).
     fn input_tensor(
         &self,
         input: StageInput<'_>,
         n: usize,
         training: bool,
     ) -> Result<(Option<Tensor<3>>, Tensor<3>), E> {
-        let (t, d) = (self.spec.context, self.spec.d_model);
-        match (input, self.is_first()) {
-            (StageInput::Tokens(ids), true) => {
-                if ids.len() != n * t || n == 0 {
-                    return Err(E::InputLength {
-                        n,
-                        per_sample: t,
-                        expected: n * t,
-                        got: ids.len(),
-                    });
-                }
-                if let Some(&bad) = ids
-                    .iter()
-                    .find(|&&i| i < 0 || i as usize >= self.spec.vocab)
-                {
-                    return Err(E::InvalidSpec(format!(
-                        "token id {bad} outside the vocabulary of {}",
-                        self.spec.vocab
-                    )));
-                }
-                let tokens = Tensor::<2, Int>::from_data(
-                    TensorData::new(ids.to_vec(), [n, t]),
-                    &self.device,
-                );
-                Ok((None, self.net.embed(tokens)))
-            }
-            (StageInput::Activations(a), false) => {
-                if a.len() != n * t * d || n == 0 {
-                    return Err(E::InputLength {
-                        n,
-                        per_sample: t * d,
-                        expected: n * t * d,
-                        got: a.len(),
-                    });
-                }
-                let x =
-                    Tensor::<3>::from_data(TensorData::new(a.to_vec(), [n, t, d]), &self.device);
-                if training {
-                    let leaf = x.require_grad();
-                    Ok((Some(leaf.clone()), leaf))
-                } else {
-                    Ok((None, x))
-                }
-            }
-            (StageInput::Tokens(_), false) => Err(E::InvalidSpec(
-                "token ids given to a stage without the embedding".into(),
-            )),
-            (StageInput::Activations(_), true) => Err(E::InvalidSpec(
-                "activations given to the first stage (it embeds token ids)".into(),
-            )),
-        }
+        input_tensor(
+            &self.spec,
+            self.is_first(),
+            input,
+            n,
+            training,
+            &self.device,
+            |t| self.net.embed(t),
+        )
     }
 
     fn check_targets<'t>(&self, targets: Option<&'t [i64]>, n: usize) -> Result<&'t [i64], E> {
-        let t = targets.ok_or_else(|| E::InvalidSpec("the last stage needs targets".into()))?;
-        let want = n * self.spec.context;
-        if t.len() != want {
-            return Err(E::LabelLength {
-                expected: want,
-                got: t.len(),
-            });
-        }
-        if let Some(&bad) = t.iter().find(|&&i| i < 0 || i as usize >= self.spec.vocab) {
-            return Err(E::InvalidSpec(format!(
-                "target id {bad} outside the vocabulary of {}",
-                self.spec.vocab
-            )));
-        }
-        Ok(t)
+        check_targets(&self.spec, targets, n)
     }
+}
+
+/// A stage input as a tensor: token ids embedded by `embed` (first stage) or activations as a
+/// fresh leaf, which requires a gradient when training (its gradient goes back a stage).
+pub(crate) fn input_tensor(
+    spec: &TransformerSpec,
+    is_first: bool,
+    input: StageInput<'_>,
+    n: usize,
+    training: bool,
+    device: &Device,
+    embed: impl FnOnce(Tensor<2, Int>) -> Tensor<3>,
+) -> Result<(Option<Tensor<3>>, Tensor<3>), E> {
+    let (t, d) = (spec.context, spec.d_model);
+    match (input, is_first) {
+        (StageInput::Tokens(ids), true) => {
+            if ids.len() != n * t || n == 0 {
+                return Err(E::InputLength {
+                    n,
+                    per_sample: t,
+                    expected: n * t,
+                    got: ids.len(),
+                });
+            }
+            if let Some(&bad) = ids.iter().find(|&&i| i < 0 || i as usize >= spec.vocab) {
+                return Err(E::InvalidSpec(format!(
+                    "token id {bad} outside the vocabulary of {}",
+                    spec.vocab
+                )));
+            }
+            let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids.to_vec(), [n, t]), device);
+            Ok((None, embed(tokens)))
+        }
+        (StageInput::Activations(a), false) => {
+            if a.len() != n * t * d || n == 0 {
+                return Err(E::InputLength {
+                    n,
+                    per_sample: t * d,
+                    expected: n * t * d,
+                    got: a.len(),
+                });
+            }
+            let x = Tensor::<3>::from_data(TensorData::new(a.to_vec(), [n, t, d]), device);
+            if training {
+                let leaf = x.require_grad();
+                Ok((Some(leaf.clone()), leaf))
+            } else {
+                Ok((None, x))
+            }
+        }
+        (StageInput::Tokens(_), false) => Err(E::InvalidSpec(
+            "token ids given to a stage without the embedding".into(),
+        )),
+        (StageInput::Activations(_), true) => Err(E::InvalidSpec(
+            "activations given to the first stage (it embeds token ids)".into(),
+        )),
+    }
+}
+
+/// The last stage's targets: `n · context` ids within the vocabulary.
+pub(crate) fn check_targets<'t>(
+    spec: &TransformerSpec,
+    targets: Option<&'t [i64]>,
+    n: usize,
+) -> Result<&'t [i64], E> {
+    let t = targets.ok_or_else(|| E::InvalidSpec("the last stage needs targets".into()))?;
+    let want = n * spec.context;
+    if t.len() != want {
+        return Err(E::LabelLength {
+            expected: want,
+            got: t.len(),
+        });
+    }
+    if let Some(&bad) = t.iter().find(|&&i| i < 0 || i as usize >= spec.vocab) {
+        return Err(E::InvalidSpec(format!(
+            "target id {bad} outside the vocabulary of {}",
+            spec.vocab
+        )));
+    }
+    Ok(t)
 }
 
 #[cfg(test)]
