@@ -1,7 +1,8 @@
 //! Tensor parallelism end to end on a small transformer split into `model.tp_pieces = 4` fixed
 //! pieces per block: tp2, tp4, tp2×pp2 and dp2×tp2 end with the one-worker run's parameters,
 //! loss and validation curve, bit for bit; bad layouts are refused before any worker starts; a
-//! tp2×pp2 checkpoint resumes on one worker with the same bits.
+//! tp2×pp2 checkpoint resumes on one worker, and a one-worker checkpoint as tp4, with the same
+//! bits.
 
 use std::path::Path;
 use std::process::Output;
@@ -178,7 +179,7 @@ fn bad_tensor_parallel_layouts_are_refused_before_any_worker_starts() {
 }
 
 #[test]
-fn a_tp2xpp2_checkpoint_resumes_on_one_worker_with_the_same_bits() {
+fn checkpoints_move_between_one_worker_and_tensor_parallel_layouts() {
     let tmp = tempfile::tempdir().unwrap();
     let reference = tmp.path().join("reference");
     ok(train(&reference, "1", &["model.tp_pieces=4"], &[]));
@@ -209,6 +210,33 @@ fn a_tp2xpp2_checkpoint_resumes_on_one_worker_with_the_same_bits() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         err.contains("resumed from the checkpoint of step 4"),
+        "{err}"
+    );
+    assert_eq!(hash(&dir), want);
+
+    // And the reverse: one worker stops at step 3 after the checkpoint of step 2; tp4 ends it.
+    let dir = tmp.path().join("spread");
+    let o = train(
+        &dir,
+        "1",
+        &["model.tp_pieces=4"],
+        &["--inject", "kill:rank=0,step=3", "--max-restarts", "0"],
+    );
+    assert!(!o.status.success());
+    let o = ok(lockstep(&[
+        "train",
+        "--resume",
+        dir.to_str().unwrap(),
+        "--nproc",
+        "4",
+        "--set",
+        "parallel.tp=4",
+    ])
+    .output()
+    .unwrap());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("resumed from the checkpoint of step 2"),
         "{err}"
     );
     assert_eq!(hash(&dir), want);
