@@ -9,10 +9,7 @@
 
 use std::ops::Range;
 
-use lockstep_comm::CommError;
 use lockstep_model::PieceSum;
-
-use super::tensor_parallel::CommFailure;
 
 use crate::error::TrainError;
 use crate::outcome::{EvalSums, ReplicaError};
@@ -57,9 +54,8 @@ pub trait Layered {
     }
     /// Layers `layers` as tensor-parallel rank `tp_rank` of `tp`, computing its share of the
     /// [`Layered::tp_pieces`] fixed pieces and summing them with the group's through `sum`
-    /// (which leaves a communication failure in `failure`, for
-    /// [`LayerStage::take_comm_error`]); initialised from `seed` like the same slices of the
-    /// whole model.
+    /// (which can fail; the driver learns why from its own side of `sum`); initialised from
+    /// `seed` like the same slices of the whole model.
     fn tp_stage(
         &self,
         layers: Range<usize>,
@@ -67,9 +63,8 @@ pub trait Layered {
         tp: usize,
         tp_rank: usize,
         sum: Box<dyn PieceSum>,
-        failure: CommFailure,
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
-        let _ = (layers, seed, tp_rank, sum, failure);
+        let _ = (layers, seed, tp_rank, sum);
         Err(TrainError::JobSetup {
             job: self.name(),
             message: format!("this model has no tensor-parallel form (parallel.tp = {tp})"),
@@ -145,11 +140,6 @@ pub trait LayerStage {
     /// its own (`None`: the layer buckets of the canonical vector).
     fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
         let _ = bucket_elems;
-        None
-    }
-    /// The communication failure behind the last error of a tensor-parallel stage, if that was
-    /// the cause (so the driver reports a link failure, not a job error).
-    fn take_comm_error(&mut self) -> Option<CommError> {
         None
     }
 }

@@ -8,33 +8,49 @@
 //! One rank holding all pieces computes the same bits with `exact::sum_local`, so the result
 //! depends only on the multiset of pieces, never on the number of tp ranks.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::rc::Rc;
 
 use lockstep_comm::exact::{ExactError, ExactReducer};
 use lockstep_comm::{CommError, Communicator};
-use lockstep_model::{scatter_map, PieceSum};
+use lockstep_model::{param_hash, PieceSum};
 
 use crate::error::TrainError;
 
-/// Where a [`GroupPieceSum`] leaves the communication failure that made a sum fail.
-pub type CommFailure = Rc<RefCell<Option<CommError>>>;
+/// What a [`GroupPieceSum`] (inside a stage, behind the model crate's `PieceSum`) tells the
+/// driver: the communication failure behind a failed sum (so that it is reported as a link
+/// failure naming the peer, not as a job error) and the bytes it has sent.
+#[derive(Default)]
+pub struct TpLink {
+    failure: RefCell<Option<CommError>>,
+    bytes_sent: Cell<u64>,
+}
+
+impl TpLink {
+    /// The communication failure behind the last failed sum, if that was the cause.
+    pub fn take_failure(&self) -> Option<CommError> {
+        self.failure.borrow_mut().take()
+    }
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent.get()
+    }
+}
 
 /// [`PieceSum`] over a tensor-parallel group's communicator.
 pub struct GroupPieceSum {
     comm: Communicator,
     reducer: ExactReducer,
-    failure: CommFailure,
+    link: Rc<TpLink>,
 }
 
 impl GroupPieceSum {
-    /// Sums over `comm` (the tp group); a communication failure is also left in `failure`.
-    pub fn new(comm: Communicator, failure: CommFailure) -> Self {
+    /// Sums over `comm` (the tp group), reporting to `link`.
+    pub fn new(comm: Communicator, link: Rc<TpLink>) -> Self {
         GroupPieceSum {
             comm,
             reducer: ExactReducer::new(usize::MAX),
-            failure,
+            link,
         }
     }
 }
@@ -48,17 +64,19 @@ impl PieceSum for GroupPieceSum {
     ) -> Result<(), String> {
         // One bucket: the whole tensor shares one exponent.
         let whole = 0..out.len();
-        match self.reducer.reduce_with_buckets(
+        let result = self.reducer.reduce_with_buckets(
             &mut self.comm,
             local,
             total,
             out,
             std::slice::from_ref(&whole),
-        ) {
+        );
+        self.link.bytes_sent.set(self.comm.stats().bytes_sent);
+        match result {
             Ok(()) => Ok(()),
             Err(ExactError::Comm(c)) => {
                 let message = c.to_string();
-                *self.failure.borrow_mut() = Some(c);
+                *self.link.failure.borrow_mut() = Some(c);
                 Err(message)
             }
             Err(other) => Err(other.to_string()),
@@ -68,7 +86,9 @@ impl PieceSum for GroupPieceSum {
 
 /// Collective over a tensor-parallel group: tp rank 0 receives every rank's local vector and
 /// returns the stage's canonical flat vector (`stage_len` values) built from them with `maps`
-/// (every rank's index map, known to tp rank 0); the others return `None`.
+/// (every rank's index map, known to tp rank 0); the others return `None`. The replicated
+/// tensors, which every rank holds, must agree bit for bit (checked: a difference is reported
+/// as diverged replicas).
 pub fn gather_stage(
     tp: &mut Communicator,
     mine: &[f32],
@@ -80,11 +100,45 @@ pub fn gather_stage(
         return Ok(None);
     }
     let mut stage = vec![0f32; stage_len];
-    scatter_map(mine, &maps[0], &mut stage);
-    for (r, map) in maps.iter().enumerate().skip(1) {
-        let mut buf = vec![0f32; map.iter().map(|m| m.len()).sum()];
-        tp.recv(r, &mut buf)?;
-        scatter_map(&buf, map, &mut stage);
+    let mut written = vec![false; stage_len];
+    for (r, map) in maps.iter().enumerate() {
+        let mut buf = Vec::new();
+        let values = if r == 0 {
+            mine
+        } else {
+            buf.resize(map.iter().map(|m| m.len()).sum(), 0f32);
+            tp.recv(r, &mut buf)?;
+            &buf
+        };
+        let mut local = values.iter();
+        let mut differs = Vec::new();
+        for i in map.iter().flat_map(|m| m.clone()) {
+            let v = *local.next().expect("a local vector as long as its map");
+            if written[i] {
+                if v.to_bits() != stage[i].to_bits() {
+                    differs.push((i, v, stage[i]));
+                }
+            } else {
+                (stage[i], written[i]) = (v, true);
+            }
+        }
+        if !differs.is_empty() {
+            let (theirs, ours): (Vec<f32>, Vec<f32>) =
+                differs.iter().map(|&(_, a, b)| (a, b)).unzip();
+            return Err(TrainError::Diverged {
+                rank: tp.global_rank_of(r),
+                theirs: format!(
+                    "{} (replicated values {}.. of its stage)",
+                    param_hash(&theirs),
+                    differs[0].0
+                ),
+                ours: format!(
+                    "{} (compared on rank {}, tp rank 0 of the same stage)",
+                    param_hash(&ours),
+                    tp.global_rank_of(0)
+                ),
+            });
+        }
     }
     Ok(Some(stage))
 }
@@ -130,7 +184,8 @@ mod tests {
 
     use lockstep_comm::inproc::in_process_group;
     use lockstep_model::{
-        gather_map, LocalPieceSum, StageInput, StageOutput, TpSplit, TpStage, TransformerSpec,
+        gather_map, scatter_map, LocalPieceSum, StageInput, StageOutput, TpLayout, TpSplit,
+        TpStage, TransformerSpec,
     };
 
     use super::*;
@@ -186,7 +241,7 @@ mod tests {
                 let per = PIECES / tp;
                 let mine: Vec<&[f32]> = refs[r * per..(r + 1) * per].to_vec();
                 let mut out = vec![0f32; len];
-                let mut sum = GroupPieceSum::new(comm, CommFailure::default());
+                let mut sum = GroupPieceSum::new(comm, Rc::default());
                 sum.sum_pieces(&mine, PIECES, &mut out).unwrap();
                 out
             });
@@ -200,7 +255,7 @@ mod tests {
         let bad_refs: Vec<&[f32]> = bad.iter().map(|p| p.as_slice()).collect();
         let errors = on_ranks(2, |r, comm| {
             let mut out = vec![0f32; len];
-            let mut sum = GroupPieceSum::new(comm, CommFailure::default());
+            let mut sum = GroupPieceSum::new(comm, Rc::default());
             sum.sum_pieces(&bad_refs[r * 2..r * 2 + 2], PIECES, &mut out)
                 .unwrap_err()
         });
@@ -236,7 +291,7 @@ mod tests {
         let s = spec();
         let n = 2;
         let sum: Box<dyn PieceSum> = match comm {
-            Some(c) => Box::new(GroupPieceSum::new(c, CommFailure::default())),
+            Some(c) => Box::new(GroupPieceSum::new(c, Rc::default())),
             None => Box::new(LocalPieceSum),
         };
         let split = TpSplit::new(&s, PIECES, tp, r).unwrap();
@@ -307,5 +362,31 @@ mod tests {
     #[test]
     fn the_whole_model_split_over_ranks_gives_the_one_rank_bits() {
         check_layers(0..spec().num_layers());
+    }
+
+    #[test]
+    fn a_stage_is_gathered_whole_and_diverged_replicated_tensors_are_named() {
+        let s = spec();
+        let layers = 1..3;
+        let stage_len: usize = s.layout(layers.clone()).iter().map(|p| p.len).sum();
+        let whole: Vec<f32> = (0..stage_len).map(|i| i as f32 * 0.5 - 7.0).collect();
+        for corrupt in [false, true] {
+            let results = on_ranks(2, |r, mut comm| {
+                let split = TpSplit::new(&s, PIECES, 2, r).unwrap();
+                let my_map = TpLayout::new(&s, layers.clone(), split).index_map();
+                let mut mine = gather_map(&whole, &my_map);
+                if corrupt && r == 1 {
+                    mine[0] += 1.0; // ln1_gain of the first block: replicated
+                }
+                let maps = exchange_maps(&mut comm, &my_map).unwrap();
+                gather_stage(&mut comm, &mine, &maps, stage_len).map_err(|e| e.to_string())
+            });
+            assert_eq!(results[1], Ok(None), "only tp rank 0 assembles");
+            match (&results[0], corrupt) {
+                (Ok(Some(got)), false) => assert_eq!(bits(got), bits(&whole)),
+                (Err(e), true) => assert!(e.contains("rank 1") && e.contains("diverged"), "{e}"),
+                (other, _) => panic!("corrupt = {corrupt}: {other:?}"),
+            }
+        }
     }
 }

@@ -24,6 +24,7 @@
 //! replica's pipeline.
 
 use std::ops::Range;
+use std::rc::Rc;
 use std::time::Instant;
 
 use lockstep_comm::exact::{ExactError, ExactReducer};
@@ -35,7 +36,7 @@ use super::balance::{balance, stage_ranges};
 use super::executor::{run_schedule, StageWork};
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
-use super::tensor_parallel::{exchange_maps, gather_stage, CommFailure, GroupPieceSum};
+use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use crate::config::TrainConfig;
 use crate::context::WorkerContext;
 use crate::error::TrainError;
@@ -81,13 +82,15 @@ struct Work<'a> {
     step: u64,
     scale: f32,
     grads: &'a mut [Vec<f32>],
+    /// Where a tensor-parallel stage's piece sums leave a communication failure.
+    link: &'a TpLink,
     losses: Vec<f32>,
     data_seconds: f64,
 }
 
 impl Work<'_> {
     fn error(&mut self, mb: usize, cause: ReplicaError) -> TrainError {
-        if let Some(c) = self.stage.take_comm_error() {
+        if let Some(c) = self.link.take_failure() {
             return TrainError::Comm(c);
         }
         let k = self.first_microbatch + mb;
@@ -229,11 +232,11 @@ pub fn train<'a>(
         .iter()
         .map(|r| offsets[r.end] - offsets[r.start])
         .collect();
+    let tp_link = Rc::new(TpLink::default());
     let mut stage = match sum_comm {
         Some(sums) => {
-            let failure = CommFailure::default();
-            let sum = Box::new(GroupPieceSum::new(sums, failure.clone()));
-            model.tp_stage(my_layers.clone(), t.seed, dims.tp, me.tp_rank, sum, failure)?
+            let sum = Box::new(GroupPieceSum::new(sums, tp_link.clone()));
+            model.tp_stage(my_layers.clone(), t.seed, dims.tp, me.tp_rank, sum)?
         }
         None => model.stage(my_layers.clone(), t.seed)?,
     };
@@ -290,8 +293,11 @@ pub fn train<'a>(
     for step in start_step..total_steps {
         faults::at_step(faults, rank, step);
         let step_start = Instant::now();
-        let bytes_before =
-            comm.stats().bytes_sent + pp_comm.stats().bytes_sent + dp_comm.stats().bytes_sent;
+        let bytes_before = comm.stats().bytes_sent
+            + pp_comm.stats().bytes_sent
+            + dp_comm.stats().bytes_sent
+            + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
+            + tp_link.bytes_sent();
         let mut sec = PhaseSeconds::default();
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, t.microbatch);
@@ -307,6 +313,7 @@ pub fn train<'a>(
             grads: &mut grads,
             losses: vec![0.0; my_micro.len()],
             data_seconds: 0.0,
+            link: &tp_link,
         };
         let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
         let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
@@ -393,6 +400,7 @@ pub fn train<'a>(
                 model,
                 dims,
                 me,
+                &tp_link,
                 t.microbatch,
                 step,
             )?)
@@ -400,8 +408,11 @@ pub fn train<'a>(
             None
         };
         let step_seconds = step_start.elapsed().as_secs_f64();
-        let bytes_after =
-            comm.stats().bytes_sent + pp_comm.stats().bytes_sent + dp_comm.stats().bytes_sent;
+        let bytes_after = comm.stats().bytes_sent
+            + pp_comm.stats().bytes_sent
+            + dp_comm.stats().bytes_sent
+            + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
+            + tp_link.bytes_sent();
         let record = StepRecord {
             rank,
             step,
@@ -571,12 +582,13 @@ fn evaluate(
     model: &dyn Layered,
     dims: ParallelDims,
     me: crate::Coords,
+    link: &TpLink,
     chunk: usize,
     step: u64,
 ) -> Result<Eval, TrainError> {
     let job = model.name();
     let replica = me.replica;
-    let eval_error = |stage: &mut dyn LayerStage, cause| match stage.take_comm_error() {
+    let eval_error = |cause| match link.take_failure() {
         Some(c) => TrainError::Comm(c),
         None => TrainError::JobEval {
             job: job.clone(),
@@ -598,14 +610,12 @@ fn evaluate(
         let input = (!stage.is_first()).then_some(&acts[..]);
         let evaluated = match stage.evaluate(piece, input) {
             Ok(e) => e,
-            Err(cause) => return Err(eval_error(stage, cause)),
+            Err(cause) => return Err(eval_error(cause)),
         };
         match evaluated {
             Evaluated::Activations(out) => pp.send(s + 1, &out)?,
             // A tensor-parallel group's ranks hold the same sums: its tp rank 0 counts them.
-            Evaluated::Sums(sums) if me.tp_rank == 0 => {
-                mine.add(sums).map_err(|c| eval_error(stage, c))?
-            }
+            Evaluated::Sums(sums) if me.tp_rank == 0 => mine.add(sums).map_err(eval_error)?,
             Evaluated::Sums(_) => {}
         }
     }

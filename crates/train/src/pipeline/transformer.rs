@@ -14,7 +14,6 @@ use lockstep_model::{
 };
 
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
-use super::tensor_parallel::CommFailure;
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::outcome::{EvalSums, ReplicaError};
@@ -167,21 +166,13 @@ impl Layered for Transformer {
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
         if self.tp_pieces > 1 {
             // The canonical split on one rank: all pieces, summed locally.
-            return self.tp_stage(
-                layers,
-                seed,
-                1,
-                0,
-                Box::new(LocalPieceSum),
-                CommFailure::default(),
-            );
+            return self.tp_stage(layers, seed, 1, 0, Box::new(LocalPieceSum));
         }
         Ok(Box::new(TransformerStage {
             stage: Inner::Whole(Box::new(Stage::new(&self.spec, layers, seed)?)),
             corpus: &self.corpus,
             x: Vec::new(),
             y: Vec::new(),
-            failure: None,
         }))
     }
 
@@ -196,7 +187,6 @@ impl Layered for Transformer {
         tp: usize,
         tp_rank: usize,
         sum: Box<dyn PieceSum>,
-        failure: CommFailure,
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
         let split = TpSplit::new(&self.spec, self.tp_pieces, tp, tp_rank)?;
         Ok(Box::new(TransformerStage {
@@ -206,7 +196,6 @@ impl Layered for Transformer {
             corpus: &self.corpus,
             x: Vec::new(),
             y: Vec::new(),
-            failure: Some(failure),
         }))
     }
 }
@@ -223,7 +212,6 @@ struct TransformerStage<'a> {
     corpus: &'a CharCorpus,
     x: Vec<i64>,
     y: Vec<i64>,
-    failure: Option<CommFailure>,
 }
 
 /// The same call on either kind of stage.
@@ -368,9 +356,5 @@ impl LayerStage for TransformerStage<'_> {
             Inner::Whole(_) => None,
             Inner::Pieces(s) => Some(s.layout().grad_buckets(bucket_elems)),
         }
-    }
-
-    fn take_comm_error(&mut self) -> Option<lockstep_comm::CommError> {
-        self.failure.as_ref().and_then(|f| f.borrow_mut().take())
     }
 }
