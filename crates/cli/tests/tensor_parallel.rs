@@ -1,8 +1,8 @@
 //! Tensor parallelism end to end on a small transformer split into `model.tp_pieces = 4` fixed
 //! pieces per block: tp2, tp4, tp2×pp2 and dp2×tp2 end with the one-worker run's parameters,
 //! loss and validation curve, bit for bit; bad layouts are refused before any worker starts; a
-//! tp2×pp2 checkpoint resumes on one worker, and a one-worker checkpoint as tp4, with the same
-//! bits.
+//! killed tp rank recovers; a tp2×pp2 checkpoint resumes on one worker, and a one-worker
+//! checkpoint as tp4, with the same bits.
 
 use std::path::Path;
 use std::process::Output;
@@ -179,11 +179,28 @@ fn bad_tensor_parallel_layouts_are_refused_before_any_worker_starts() {
 }
 
 #[test]
-fn checkpoints_move_between_one_worker_and_tensor_parallel_layouts() {
+fn a_killed_tp_rank_recovers_and_checkpoints_move_between_layouts() {
     let tmp = tempfile::tempdir().unwrap();
     let reference = tmp.path().join("reference");
     ok(train(&reference, "1", &["model.tp_pieces=4"], &[]));
     let want = hash(&reference);
+
+    // A tp rank dies at step 3: its partner fails in a piece sum (a link failure, not a job
+    // error), the group restarts from the checkpoint of step 2 and ends with the same bits.
+    let dir = tmp.path().join("killed");
+    let o = ok(train(
+        &dir,
+        "2",
+        &["model.tp_pieces=4", "parallel.tp=2"],
+        &["--inject", "kill:rank=1,step=3"],
+    ));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("resumed from the checkpoint of step 2"),
+        "{err}"
+    );
+    assert_eq!(summary(&dir)["restarts"], 1);
+    assert_eq!(hash(&dir), want);
 
     // tp2 × pp2 stops at step 5 (no restarts) after the checkpoint of step 4; one worker ends it.
     let dir = tmp.path().join("moved");
