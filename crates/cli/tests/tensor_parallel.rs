@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Output;
 
 mod common;
-use common::{assert_ok, lockstep, summary};
+use common::{assert_ok, lockstep, param_hash as hash, summary, train_transformer};
 
 /// A 4-layer model (embedding, 2 blocks of 4 heads, head), 4 micro-batches of 2 sequences.
 const TINY: &[&str] = &[
@@ -28,23 +28,7 @@ const TINY: &[&str] = &[
 ];
 
 fn train(out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
-    let mut args = vec![
-        "train",
-        "--config",
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../configs/shakespeare.toml"
-        ),
-        "--nproc",
-        nproc,
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    for s in TINY.iter().chain(sets) {
-        args.extend_from_slice(&["--set", s]);
-    }
-    args.extend_from_slice(extra);
-    lockstep(&args).output().expect("spawn lockstep")
+    train_transformer(out, nproc, TINY, sets, extra)
 }
 
 fn ok(o: Output) -> Output {
@@ -52,8 +36,29 @@ fn ok(o: Output) -> Output {
     o
 }
 
-fn hash(dir: &Path) -> String {
-    summary(dir)["param_hash"].as_str().unwrap().to_string()
+/// Train with `sets` until `kill` stops it (no restarts), then resume on `nproc` workers with
+/// `resume`; the resumed run's standard error.
+fn stop_then_resume(
+    dir: &Path,
+    sets: &[&str],
+    kill: (&str, &str),
+    nproc: &str,
+    resume: &[&str],
+) -> String {
+    let (first_nproc, fault) = kill;
+    let o = train(
+        dir,
+        first_nproc,
+        sets,
+        &["--inject", fault, "--max-restarts", "0"],
+    );
+    assert!(!o.status.success());
+    let mut args = vec!["train", "--resume", dir.to_str().unwrap(), "--nproc", nproc];
+    for s in resume {
+        args.extend_from_slice(&["--set", s]);
+    }
+    let o = ok(lockstep(&args).output().unwrap());
+    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 #[test]
@@ -204,27 +209,13 @@ fn a_killed_tp_rank_recovers_and_checkpoints_move_between_layouts() {
 
     // tp2 × pp2 stops at step 5 (no restarts) after the checkpoint of step 4; one worker ends it.
     let dir = tmp.path().join("moved");
-    let o = train(
+    let err = stop_then_resume(
         &dir,
-        "4",
         &["model.tp_pieces=4", "parallel.tp=2", "parallel.pp=2"],
-        &["--inject", "kill:rank=3,step=5", "--max-restarts", "0"],
-    );
-    assert!(!o.status.success());
-    let o = ok(lockstep(&[
-        "train",
-        "--resume",
-        dir.to_str().unwrap(),
-        "--nproc",
+        ("4", "kill:rank=3,step=5"),
         "1",
-        "--set",
-        "parallel.tp=1",
-        "--set",
-        "parallel.pp=1",
-    ])
-    .output()
-    .unwrap());
-    let err = String::from_utf8_lossy(&o.stderr);
+        &["parallel.tp=1", "parallel.pp=1"],
+    );
     assert!(
         err.contains("resumed from the checkpoint of step 4"),
         "{err}"
@@ -233,25 +224,13 @@ fn a_killed_tp_rank_recovers_and_checkpoints_move_between_layouts() {
 
     // And the reverse: one worker stops at step 3 after the checkpoint of step 2; tp4 ends it.
     let dir = tmp.path().join("spread");
-    let o = train(
+    let err = stop_then_resume(
         &dir,
-        "1",
         &["model.tp_pieces=4"],
-        &["--inject", "kill:rank=0,step=3", "--max-restarts", "0"],
-    );
-    assert!(!o.status.success());
-    let o = ok(lockstep(&[
-        "train",
-        "--resume",
-        dir.to_str().unwrap(),
-        "--nproc",
+        ("1", "kill:rank=0,step=3"),
         "4",
-        "--set",
-        "parallel.tp=4",
-    ])
-    .output()
-    .unwrap());
-    let err = String::from_utf8_lossy(&o.stderr);
+        &["parallel.tp=4"],
+    );
     assert!(
         err.contains("resumed from the checkpoint of step 2"),
         "{err}"

@@ -265,14 +265,15 @@ mod tests {
         );
     }
 
+    /// 4 heads of 6, an MLP of 32: 4 pieces of one head and 8 columns.
     fn spec() -> TransformerSpec {
         TransformerSpec {
-            vocab: 13,
-            context: 8,
-            d_model: 16,
+            vocab: 11,
+            context: 6,
+            d_model: 24,
             heads: 4,
             blocks: 2,
-            d_ff: 24,
+            d_ff: 32,
         }
     }
 
