@@ -344,16 +344,17 @@ fn check_layout(
         Some(w) if w.engine != cluster_env::Engine::Launcher => {
             lockstep_train::ParallelDims::from_config(cfg, w.world_size).with_context(|| {
                 let dp = match cfg.parallel.dp {
-                    0 => "world / pp".to_string(),
+                    0 => "world / (tp · pp)".to_string(),
                     dp => dp.to_string(),
                 };
                 format!(
                     "rank {}: {} started {} ranks, which does not fit the config's layout \
-                     (parallel.pp = {}, parallel.dp = {dp})",
+                     (parallel.pp = {}, parallel.tp = {}, parallel.dp = {dp})",
                     w.rank,
                     w.engine.name(),
                     w.world_size,
                     cfg.parallel.pp,
+                    cfg.parallel.tp,
                 )
             })?;
         }
@@ -371,6 +372,17 @@ fn check_layout(
             }
             lockstep_train::ParallelDims::from_config(cfg, launched_world)?;
         }
+    }
+    if elastic && cfg.parallel.tp > 1 {
+        return Err(lockstep_train::ConfigError::Invalid {
+            field: "parallel.tp",
+            message: format!(
+                "an elastic world (--nproc MIN:MAX) needs parallel.tp = 1: with {} \
+                 tensor-parallel ranks a lost worker leaves its stage without some pieces",
+                cfg.parallel.tp
+            ),
+        }
+        .into());
     }
     if elastic && cfg.parallel.pp > 1 {
         return Err(lockstep_train::ConfigError::Invalid {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Output;
 
 mod common;
-use common::{assert_ok, lockstep, summary};
+use common::{assert_ok, lockstep, param_hash as hash, summary, train_transformer};
 
 /// A 4-layer model (embedding, 2 blocks, head), 4 micro-batches of 2 sequences per step.
 const TINY: &[&str] = &[
@@ -25,32 +25,12 @@ const TINY: &[&str] = &[
 ];
 
 fn train(out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
-    let mut args = vec![
-        "train",
-        "--config",
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../configs/shakespeare.toml"
-        ),
-        "--nproc",
-        nproc,
-        "--out",
-        out.to_str().unwrap(),
-    ];
-    for s in TINY.iter().chain(sets) {
-        args.extend_from_slice(&["--set", s]);
-    }
-    args.extend_from_slice(extra);
-    lockstep(&args).output().expect("spawn lockstep")
+    train_transformer(out, nproc, TINY, sets, extra)
 }
 
 fn ok(o: Output) -> Output {
     assert_ok(&o);
     o
-}
-
-fn hash(dir: &Path) -> String {
-    summary(dir)["param_hash"].as_str().unwrap().to_string()
 }
 
 #[test]

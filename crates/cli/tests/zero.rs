@@ -253,3 +253,16 @@ fn sharding_shrinks_what_each_rank_holds() {
     // The parameters stay whole on every replica below level 3.
     assert_eq!(held(&z2, "params_bytes"), p);
 }
+
+#[test]
+fn zero_composes_with_tensor_parallelism() {
+    // The canonical split of 4 pieces (model.tp_pieces) on every run, one worker included.
+    let tmp = tempfile::tempdir().unwrap();
+    let pieces = ["model.tp_pieces=2", "model.heads=2"];
+    let reference = tmp.path().join("one");
+    ok(transformer(&reference, "1", &pieces, &[]));
+    let dir = tmp.path().join("dp2xtp2-zero2");
+    let sets = [pieces[0], pieces[1], "parallel.tp=2", "parallel.zero=2"];
+    ok(transformer(&dir, "4", &sets, &[]));
+    same_run(&dir, &reference, "dp2 × tp2 × zero 2");
+}

@@ -427,6 +427,37 @@ impl ExactReducer {
     }
 }
 
+/// The exact sum of `parts` that one process holds all of, with one shared exponent for the whole
+/// vector: bitwise what [`ExactReducer::reduce_with_buckets`] with the single bucket
+/// `0..out.len()` gives when the same `total_parts` parts are spread over any number of ranks, but
+/// without communication. Tensor parallelism sums a layer's fixed pieces with it on one worker
+/// (and with that one-bucket reduction over its tensor-parallel group on several).
+pub fn sum_local(parts: &[&[f32]], total_parts: usize, out: &mut [f32]) -> Result<(), ExactError> {
+    check_parts(parts, total_parts, out.len())?;
+    let e_max = parts
+        .iter()
+        .map(|p| max_exponent(p))
+        .max()
+        .unwrap_or(ALL_ZERO);
+    if e_max == NON_FINITE {
+        return Err(ExactError::NonFinite {
+            start: 0,
+            end: out.len(),
+        });
+    }
+    if e_max == ALL_ZERO {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let shift = shift_for(e_max, total_parts);
+    let mut acc = vec![0i64; out.len()];
+    for p in parts {
+        accumulate_fixed(&mut acc, p, shift);
+    }
+    finish_fixed(&acc, shift, out);
+    Ok(())
+}
+
 /// Every part must have the output's length, and no rank can hold more parts than the job.
 fn check_parts(local_parts: &[&[f32]], total_parts: usize, len: usize) -> Result<(), ExactError> {
     if let Some(bad) = local_parts.iter().find(|p| p.len() != len) {

@@ -62,4 +62,12 @@ pub enum ModelError {
         /// Batch size.
         n: usize,
     },
+    /// An exact sum of tensor-parallel pieces failed (a non-finite value, or the group's
+    /// communication; the training crate keeps the communication error itself).
+    #[error("exact sum of {what}: {message}")]
+    PieceSum {
+        /// Which tensor was summed.
+        what: String,
+        message: String,
+    },
 }

@@ -18,6 +18,11 @@
 //! backward has produced it (output layer first), through an identity custom op on every
 //! parameter (burn's `extension` feature; see the `streaming` module for how it is scheduled).
 //!
+//! Tensor parallelism: [`TpStage`] computes the transformer's blocks as the fixed pieces of a
+//! canonical split (`tensor_parallel` module), summing pieces through the [`PieceSum`] trait —
+//! locally here ([`LocalPieceSum`]), over a tensor-parallel group in `lockstep-train`; this crate
+//! never sees a rank.
+//!
 //! Speed: training binaries should call [`tune_allocator_for_training`] once at start-up (or
 //! install a global allocator such as mimalloc); glibc's default `mmap` threshold makes every
 //! step page-fault its buffers again.
@@ -39,6 +44,8 @@ mod schedule;
 mod spec;
 mod stage;
 mod streaming;
+mod tensor_parallel;
+mod tp_stage;
 mod transformer;
 
 pub use alloc::tune_allocator_for_training;
@@ -49,4 +56,8 @@ pub use params::ParamInfo;
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
 pub use stage::{Stage, StageEval, StageInput, StageOutput};
+pub use tensor_parallel::{
+    gather_map, scatter_map, LocalPieceSum, LocalTensor, PieceSum, TpLayout, TpSplit,
+};
+pub use tp_stage::TpStage;
 pub use transformer::{LayerKind, TransformerSpec};

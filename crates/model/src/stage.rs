@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Gradients, Int, Tensor, TensorData};
 
 use crate::loss;
 use crate::params::{self, ParamInfo};
@@ -58,9 +58,57 @@ struct Pending {
     output: PendingOutput,
 }
 
-enum PendingOutput {
+pub(crate) enum PendingOutput {
     Activations(Tensor<3>),
     Loss(Tensor<1>),
+}
+
+/// The last stage's loss `scale · Σ cross-entropy` of `logits` against `targets` (`n`
+/// sequences), refused when not finite.
+pub(crate) fn scaled_loss(
+    logits: Tensor<2>,
+    targets: &[i64],
+    scale: f32,
+    n: usize,
+    device: &Device,
+) -> Result<(PendingOutput, StageOutput), E> {
+    let loss = loss::scaled_cross_entropy_ids(logits, targets.to_vec(), scale, device);
+    let value = params::f32_slice(&loss.to_data())[0];
+    if !value.is_finite() {
+        return Err(E::NonFiniteLoss { loss: value, n });
+    }
+    Ok((PendingOutput::Loss(loss), StageOutput::Loss(value)))
+}
+
+/// Backward from a stage's output: the loss itself (last stage), or `sum(output · grad_output)`,
+/// whose gradient with respect to the output is exactly `grad_output`.
+pub(crate) fn start_backward(
+    output: PendingOutput,
+    grad_output: Option<&[f32]>,
+    device: &Device,
+) -> Result<Gradients, E> {
+    match (output, grad_output) {
+        (PendingOutput::Loss(loss), None) => Ok(loss.backward()),
+        (PendingOutput::Activations(out), Some(g)) => {
+            let dims = out.dims();
+            if g.len() != dims.iter().product::<usize>() {
+                return Err(E::InputLength {
+                    n: dims[0],
+                    per_sample: dims[1] * dims[2],
+                    expected: dims.iter().product(),
+                    got: g.len(),
+                });
+            }
+            let g = Tensor::<3>::from_data(TensorData::new(g.to_vec(), dims), device);
+            Ok((out * g).sum().backward())
+        }
+        (PendingOutput::Loss(_), Some(_)) => Err(E::InvalidSpec(
+            "the last stage's backward takes no output gradient".into(),
+        )),
+        (PendingOutput::Activations(_), None) => Err(E::InvalidSpec(
+            "a non-last stage's backward needs the next stage's input gradient".into(),
+        )),
+    }
 }
 
 /// What an evaluation forward computed, before it is read out.
@@ -183,14 +231,7 @@ impl Stage {
         let x = self.net.blocks(x, &self.spec);
         let (output, result) = if self.is_last() {
             let targets = self.check_targets(targets, n)?;
-            let logits = self.net.logits(x);
-            let loss =
-                loss::scaled_cross_entropy_ids(logits, targets.to_vec(), scale, &self.device);
-            let value = params::f32_slice(&loss.to_data())[0];
-            if !value.is_finite() {
-                return Err(E::NonFiniteLoss { loss: value, n });
-            }
-            (PendingOutput::Loss(loss), StageOutput::Loss(value))
+            scaled_loss(self.net.logits(x), targets, scale, n, &self.device)?
         } else {
             let values = params::f32_slice(&x.to_data()).to_vec();
             (
@@ -227,32 +268,7 @@ impl Stage {
         let pending = self.pending.remove(&id).ok_or_else(|| {
             E::InvalidSpec(format!("backward of micro-batch {id} without its forward"))
         })?;
-        let grads = match (pending.output, grad_output) {
-            (PendingOutput::Loss(loss), None) => loss.backward(),
-            (PendingOutput::Activations(out), Some(g)) => {
-                let dims = out.dims();
-                if g.len() != dims.iter().product::<usize>() {
-                    return Err(E::InputLength {
-                        n: dims[0],
-                        per_sample: dims[1] * dims[2],
-                        expected: dims.iter().product(),
-                        got: g.len(),
-                    });
-                }
-                let g = Tensor::<3>::from_data(TensorData::new(g.to_vec(), dims), &self.device);
-                (out * g).sum().backward()
-            }
-            (PendingOutput::Loss(_), Some(_)) => {
-                return Err(E::InvalidSpec(
-                    "the last stage's backward takes no output gradient".into(),
-                ))
-            }
-            (PendingOutput::Activations(_), None) => {
-                return Err(E::InvalidSpec(
-                    "a non-last stage's backward needs the next stage's input gradient".into(),
-                ))
-            }
-        };
+        let grads = start_backward(pending.output, grad_output, &self.device)?;
         let input_grad = pending.input.map(|leaf| {
             leaf.grad(&grads)
                 .map(|g| params::f32_slice(&g.into_data()).to_vec())
@@ -348,82 +364,205 @@ impl Stage {
         n: usize,
         training: bool,
     ) -> Result<(Option<Tensor<3>>, Tensor<3>), E> {
-        let (t, d) = (self.spec.context, self.spec.d_model);
         let device = if training {
             self.device.clone()
         } else {
             self.device.clone().without_autodiff()
         };
-        match (input, self.is_first()) {
-            (StageInput::Tokens(ids), true) => {
-                if ids.len() != n * t || n == 0 {
-                    return Err(E::InputLength {
-                        n,
-                        per_sample: t,
-                        expected: n * t,
-                        got: ids.len(),
-                    });
-                }
-                if let Some(&bad) = ids
-                    .iter()
-                    .find(|&&i| i < 0 || i as usize >= self.spec.vocab)
-                {
-                    return Err(E::InvalidSpec(format!(
-                        "token id {bad} outside the vocabulary of {}",
-                        self.spec.vocab
-                    )));
-                }
-                let tokens =
-                    Tensor::<2, Int>::from_data(TensorData::new(ids.to_vec(), [n, t]), &device);
-                Ok((None, net.embed(tokens)))
-            }
-            (StageInput::Activations(a), false) => {
-                if a.len() != n * t * d || n == 0 {
-                    return Err(E::InputLength {
-                        n,
-                        per_sample: t * d,
-                        expected: n * t * d,
-                        got: a.len(),
-                    });
-                }
-                let x = Tensor::<3>::from_data(TensorData::new(a.to_vec(), [n, t, d]), &device);
-                if training {
-                    let leaf = x.require_grad();
-                    Ok((Some(leaf.clone()), leaf))
-                } else {
-                    Ok((None, x))
-                }
-            }
-            (StageInput::Tokens(_), false) => Err(E::InvalidSpec(
-                "token ids given to a stage without the embedding".into(),
-            )),
-            (StageInput::Activations(_), true) => Err(E::InvalidSpec(
-                "activations given to the first stage (it embeds token ids)".into(),
-            )),
-        }
+        input_tensor(
+            &self.spec,
+            self.is_first(),
+            input,
+            n,
+            training,
+            &device,
+            |t| net.embed(t),
+        )
     }
 
     fn check_targets<'t>(&self, targets: Option<&'t [i64]>, n: usize) -> Result<&'t [i64], E> {
-        let t = targets.ok_or_else(|| E::InvalidSpec("the last stage needs targets".into()))?;
-        let want = n * self.spec.context;
-        if t.len() != want {
-            return Err(E::LabelLength {
-                expected: want,
-                got: t.len(),
-            });
+        check_targets(&self.spec, targets, n)
+    }
+}
+
+/// A stage input as a tensor: token ids embedded by `embed` (first stage) or activations as a
+/// fresh leaf, which requires a gradient when training (its gradient goes back a stage).
+pub(crate) fn input_tensor(
+    spec: &TransformerSpec,
+    is_first: bool,
+    input: StageInput<'_>,
+    n: usize,
+    training: bool,
+    device: &Device,
+    embed: impl FnOnce(Tensor<2, Int>) -> Tensor<3>,
+) -> Result<(Option<Tensor<3>>, Tensor<3>), E> {
+    let (t, d) = (spec.context, spec.d_model);
+    match (input, is_first) {
+        (StageInput::Tokens(ids), true) => {
+            if ids.len() != n * t || n == 0 {
+                return Err(E::InputLength {
+                    n,
+                    per_sample: t,
+                    expected: n * t,
+                    got: ids.len(),
+                });
+            }
+            if let Some(&bad) = ids.iter().find(|&&i| i < 0 || i as usize >= spec.vocab) {
+                return Err(E::InvalidSpec(format!(
+                    "token id {bad} outside the vocabulary of {}",
+                    spec.vocab
+                )));
+            }
+            let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids.to_vec(), [n, t]), device);
+            Ok((None, embed(tokens)))
         }
-        if let Some(&bad) = t.iter().find(|&&i| i < 0 || i as usize >= self.spec.vocab) {
-            return Err(E::InvalidSpec(format!(
-                "target id {bad} outside the vocabulary of {}",
-                self.spec.vocab
-            )));
+        (StageInput::Activations(a), false) => {
+            if a.len() != n * t * d || n == 0 {
+                return Err(E::InputLength {
+                    n,
+                    per_sample: t * d,
+                    expected: n * t * d,
+                    got: a.len(),
+                });
+            }
+            let x = Tensor::<3>::from_data(TensorData::new(a.to_vec(), [n, t, d]), device);
+            if training {
+                let leaf = x.require_grad();
+                Ok((Some(leaf.clone()), leaf))
+            } else {
+                Ok((None, x))
+            }
         }
-        Ok(t)
+        (StageInput::Tokens(_), false) => Err(E::InvalidSpec(
+            "token ids given to a stage without the embedding".into(),
+        )),
+        (StageInput::Activations(_), true) => Err(E::InvalidSpec(
+            "activations given to the first stage (it embeds token ids)".into(),
+        )),
+    }
+}
+
+/// The last stage's targets: `n · context` ids within the vocabulary.
+pub(crate) fn check_targets<'t>(
+    spec: &TransformerSpec,
+    targets: Option<&'t [i64]>,
+    n: usize,
+) -> Result<&'t [i64], E> {
+    let t = targets.ok_or_else(|| E::InvalidSpec("the last stage needs targets".into()))?;
+    let want = n * spec.context;
+    if t.len() != want {
+        return Err(E::LabelLength {
+            expected: want,
+            got: t.len(),
+        });
+    }
+    if let Some(&bad) = t.iter().find(|&&i| i < 0 || i as usize >= spec.vocab) {
+        return Err(E::InvalidSpec(format!(
+            "target id {bad} outside the vocabulary of {}",
+            spec.vocab
+        )));
+    }
+    Ok(t)
+}
+
+/// A chain of stages through one micro-batch, for the tests of [`Stage`] and
+/// [`crate::TpStage`] (the same contract).
+#[cfg(test)]
+pub(crate) mod chain {
+    use super::*;
+
+    /// What a chained stage does.
+    pub(crate) trait Link {
+        fn fwd(&mut self, input: StageInput<'_>, n: usize, y: Option<&[i64]>) -> StageOutput;
+        fn bwd(&mut self, grad_output: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>);
+        fn held(&self) -> usize;
+    }
+
+    impl Link for Stage {
+        fn fwd(&mut self, input: StageInput<'_>, n: usize, y: Option<&[i64]>) -> StageOutput {
+            self.forward(9, input, n, y, 0.25).unwrap()
+        }
+        fn bwd(&mut self, g: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>) {
+            let mut gp = vec![0f32; self.num_params()];
+            (self.backward(9, g, &mut gp).unwrap(), gp)
+        }
+        fn held(&self) -> usize {
+            Stage::held(self)
+        }
+    }
+
+    /// Tokens and targets of `n` sequences.
+    pub(crate) fn batch(n: usize, s: &TransformerSpec) -> (Vec<i64>, Vec<i64>) {
+        let x: Vec<i64> = (0..n * s.context)
+            .map(|i| ((i * 5 + 3) % s.vocab) as i64)
+            .collect();
+        let y: Vec<i64> = (0..n * s.context)
+            .map(|i| ((i * 3 + 1) % s.vocab) as i64)
+            .collect();
+        (x, y)
+    }
+
+    /// The stages `make` builds for the layers between `cuts`, through one micro-batch of 2
+    /// sequences: the loss, each stage's parameter gradients, the stages.
+    pub(crate) fn run<S: Link>(
+        cuts: &[usize],
+        s: &TransformerSpec,
+        make: impl Fn(Range<usize>) -> S,
+    ) -> (f32, Vec<Vec<f32>>, Vec<S>) {
+        let bounds: Vec<usize> = std::iter::once(0)
+            .chain(cuts.iter().copied())
+            .chain(std::iter::once(s.num_layers()))
+            .collect();
+        let mut stages: Vec<S> = bounds.windows(2).map(|w| make(w[0]..w[1])).collect();
+        let n = 2;
+        let (x, y) = batch(n, s);
+        let mut act = Vec::new();
+        let mut loss = f32::NAN;
+        let last = stages.len() - 1;
+        for (i, st) in stages.iter_mut().enumerate() {
+            let input = if i == 0 {
+                StageInput::Tokens(&x)
+            } else {
+                StageInput::Activations(&act)
+            };
+            match st.fwd(input, n, (i == last).then_some(&y[..])) {
+                StageOutput::Activations(a) => act = a,
+                StageOutput::Loss(l) => loss = l,
+            }
+        }
+        let mut grads: Vec<Vec<f32>> = Vec::new();
+        let mut g: Option<Vec<f32>> = None;
+        for st in stages.iter_mut().rev() {
+            let (input_grad, gp) = st.bwd(g.as_deref());
+            g = input_grad;
+            grads.push(gp);
+            assert_eq!(st.held(), 0);
+        }
+        assert!(g.is_none(), "the first stage returns no input gradient");
+        grads.reverse();
+        (loss, grads, stages)
+    }
+
+    /// `run(cuts)` (loss, whole-model gradient) gives the uncut bits for every one of `cuts`.
+    pub(crate) fn assert_cuts_agree(run: impl Fn(&[usize]) -> (f32, Vec<f32>), cuts: &[&[usize]]) {
+        let (loss, whole) = run(&[]);
+        assert!(loss.is_finite() && whole.iter().any(|&g| g != 0.0));
+        for cuts in cuts {
+            let (l, g) = run(cuts);
+            assert_eq!(l.to_bits(), loss.to_bits(), "loss with cuts {cuts:?}");
+            assert!(
+                g.iter()
+                    .zip(&whole)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "gradients differ with cuts {cuts:?}"
+            );
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::chain::{self, batch};
     use super::*;
 
     fn spec() -> TransformerSpec {
@@ -437,73 +576,19 @@ mod tests {
         }
     }
 
-    fn batch(n: usize, s: &TransformerSpec) -> (Vec<i64>, Vec<i64>) {
-        let x: Vec<i64> = (0..n * s.context)
-            .map(|i| ((i * 5 + 3) % s.vocab) as i64)
-            .collect();
-        let y: Vec<i64> = (0..n * s.context)
-            .map(|i| ((i * 3 + 1) % s.vocab) as i64)
-            .collect();
-        (x, y)
-    }
-
     /// Run `cuts` as a chain of stages on one micro-batch; return (loss, whole-model gradient).
     fn run_cut(cuts: &[usize], s: &TransformerSpec) -> (f32, Vec<f32>) {
-        let bounds: Vec<usize> = std::iter::once(0)
-            .chain(cuts.iter().copied())
-            .chain(std::iter::once(s.num_layers()))
-            .collect();
-        let mut stages: Vec<Stage> = bounds
-            .windows(2)
-            .map(|w| Stage::new(s, w[0]..w[1], 3).unwrap())
-            .collect();
-        let n = 2;
-        let (x, y) = batch(n, s);
-        let mut act = Vec::new();
-        let mut loss = f32::NAN;
-        let last = stages.len() - 1;
-        for (i, st) in stages.iter_mut().enumerate() {
-            let input = if i == 0 {
-                StageInput::Tokens(&x)
-            } else {
-                StageInput::Activations(&act)
-            };
-            match st
-                .forward(9, input, n, (i == last).then_some(&y[..]), 0.25)
-                .unwrap()
-            {
-                StageOutput::Activations(a) => act = a,
-                StageOutput::Loss(l) => loss = l,
-            }
-        }
-        let mut grads: Vec<Vec<f32>> = Vec::new();
-        let mut g: Option<Vec<f32>> = None;
-        for st in stages.iter_mut().rev() {
-            let mut gp = vec![0f32; st.num_params()];
-            g = st.backward(9, g.as_deref(), &mut gp).unwrap();
-            grads.push(gp);
-            assert_eq!(st.held(), 0);
-        }
-        assert!(g.is_none(), "the first stage returns no input gradient");
-        grads.reverse();
+        let (loss, grads, _) = chain::run(cuts, s, |layers| Stage::new(s, layers, 3).unwrap());
         (loss, grads.concat())
     }
 
     #[test]
     fn cut_models_give_the_uncut_gradients_bit_for_bit() {
         let s = spec();
-        let (loss, whole) = run_cut(&[], &s);
-        assert!(loss.is_finite() && whole.iter().any(|&g| g != 0.0));
-        for cuts in [vec![1], vec![2], vec![4], vec![1, 3], vec![1, 2, 3, 4]] {
-            let (l, g) = run_cut(&cuts, &s);
-            assert_eq!(l.to_bits(), loss.to_bits(), "loss with cuts {cuts:?}");
-            assert!(
-                g.iter()
-                    .zip(&whole)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "gradients differ with cuts {cuts:?}"
-            );
-        }
+        chain::assert_cuts_agree(
+            |cuts| run_cut(cuts, &s),
+            &[&[1], &[2], &[4], &[1, 3], &[1, 2, 3, 4]],
+        );
     }
 
     #[test]

@@ -333,10 +333,7 @@ impl StageNet {
             .embed
             .as_ref()
             .expect("embed() on a stage without the embedding");
-        let [_, t] = tokens.dims();
-        let x = embedding(e.tok.val(), tokens);
-        let pos: Tensor<3> = e.pos.val().narrow(0, 0, t).unsqueeze();
-        x + pos
+        embed_tokens(e.tok.val(), e.pos.val(), tokens)
     }
 
     /// The stage's blocks on the residual stream.
@@ -358,14 +355,39 @@ impl StageNet {
             .head
             .as_ref()
             .expect("logits() on a stage without the head");
-        let x = layer_norm(x, h.ln_gain.val(), h.ln_bias.val());
-        let [n, t, d] = x.dims();
-        x.reshape([n * t, d]).matmul(h.out_w.val()) + h.out_b.val().unsqueeze()
+        head_logits(
+            x,
+            h.ln_gain.val(),
+            h.ln_bias.val(),
+            h.out_w.val(),
+            h.out_b.val(),
+        )
     }
 }
 
+/// Token ids `[n, t]` → token plus position embeddings `[n, t, d]`.
+pub(crate) fn embed_tokens(tok: Tensor<2>, pos: Tensor<2>, tokens: Tensor<2, Int>) -> Tensor<3> {
+    let [_, t] = tokens.dims();
+    let x = embedding(tok, tokens);
+    let pos: Tensor<3> = pos.narrow(0, 0, t).unsqueeze();
+    x + pos
+}
+
+/// The head: final layer norm and output projection, `[n, t, d]` → logits `[n·t, vocab]`.
+pub(crate) fn head_logits(
+    x: Tensor<3>,
+    gain: Tensor<1>,
+    bias: Tensor<1>,
+    out_w: Tensor<2>,
+    out_b: Tensor<1>,
+) -> Tensor<2> {
+    let x = layer_norm(x, gain, bias);
+    let [n, t, d] = x.dims();
+    x.reshape([n * t, d]).matmul(out_w) + out_b.unsqueeze()
+}
+
 /// Additive mask `[1, 1, t, t]`: 0 where a position may attend (itself and earlier), −1e9 after.
-fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
+pub(crate) fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
     let mut m = vec![0f32; t * t];
     for i in 0..t {
         for j in i + 1..t {
@@ -375,7 +397,7 @@ fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
     Tensor::from_data(TensorData::new(m, [1, 1, t, t]), device)
 }
 
-fn layer_norm(x: Tensor<3>, gain: Tensor<1>, bias: Tensor<1>) -> Tensor<3> {
+pub(crate) fn layer_norm(x: Tensor<3>, gain: Tensor<1>, bias: Tensor<1>) -> Tensor<3> {
     let mean = x.clone().mean_dim(2);
     let centred = x - mean;
     let var = centred.clone().square().mean_dim(2);
@@ -384,20 +406,22 @@ fn layer_norm(x: Tensor<3>, gain: Tensor<1>, bias: Tensor<1>) -> Tensor<3> {
 }
 
 /// `x W + b` over the last dimension of `[n, t, d_in]`.
-fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>) -> Tensor<3> {
+pub(crate) fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>) -> Tensor<3> {
     let [n, t, d] = x.dims();
     let out = w.dims()[1];
     (x.reshape([n * t, d]).matmul(w) + b.unsqueeze()).reshape([n, t, out])
 }
 
-fn block_forward(b: &Block, x: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3> {
-    let [n, t, d] = x.dims();
-    let dh = d / heads;
-    let h = layer_norm(x.clone(), b.ln1_gain.val(), b.ln1_bias.val());
-    let qkv = linear3(h, b.qkv_w.val(), b.qkv_b.val());
+/// Causal self-attention of `heads` heads over `qkv = [Q | K | V]` (`[n, t, 3·w]`, each of the
+/// three `w = heads · dh` wide): `[n, t, w]`, heads side by side. The whole layer's heads, or
+/// one tensor-parallel piece's.
+pub(crate) fn attend(qkv: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3> {
+    let [n, t, w3] = qkv.dims();
+    let w = w3 / 3;
+    let dh = w / heads;
     let split = |k: usize| -> Tensor<4> {
         qkv.clone()
-            .narrow(2, k * d, d)
+            .narrow(2, k * w, w)
             .reshape([n, t, heads, dh])
             .swap_dims(1, 2)
     };
@@ -406,10 +430,15 @@ fn block_forward(b: &Block, x: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Ten
         .matmul(k.swap_dims(2, 3))
         .mul_scalar(1.0 / (dh as f32).sqrt())
         + mask.clone();
-    let attended = softmax(scores, 3)
+    softmax(scores, 3)
         .matmul(v)
         .swap_dims(1, 2)
-        .reshape([n, t, d]);
+        .reshape([n, t, w])
+}
+
+fn block_forward(b: &Block, x: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3> {
+    let h = layer_norm(x.clone(), b.ln1_gain.val(), b.ln1_bias.val());
+    let attended = attend(linear3(h, b.qkv_w.val(), b.qkv_b.val()), heads, mask);
     let x = x + linear3(attended, b.proj_w.val(), b.proj_b.val());
     let h = layer_norm(x.clone(), b.ln2_gain.val(), b.ln2_bias.val());
     let m = linear3(

@@ -153,6 +153,9 @@ pub struct ParallelConfig {
     pub dp: usize,
     /// Pipeline stages (1 = no pipeline). More than 1 needs `model.kind = "transformer"`.
     pub pp: usize,
+    /// Tensor-parallel ranks per stage (1 = none); must divide `model.tp_pieces`, whose fixed
+    /// pieces the ranks share (the transformer only).
+    pub tp: usize,
     /// Micro-batches per global batch (over all replicas); 0 = `train.global_batch / train.microbatch`.
     /// Setting it sets the micro-batch size to `global_batch / microbatches`.
     pub microbatches: usize,
@@ -175,6 +178,7 @@ impl Default for ParallelConfig {
         Self {
             dp: 0,
             pp: 1,
+            tp: 1,
             microbatches: 0,
             schedule: ScheduleKind::OneFOneB,
             stage_cuts: Vec::new(),
@@ -227,6 +231,11 @@ pub struct ModelConfig {
     pub context: usize,
     /// Transformer: hidden width of each block's MLP; 0 = 4 · `d_model`.
     pub d_ff: usize,
+    /// Transformer: the canonical tensor-parallel split. 1 = blocks computed whole; T > 1 = each
+    /// block's attention and MLP computed as T fixed pieces (heads, MLP columns) whose outputs
+    /// are summed exactly, on any number of `parallel.tp` ranks (which must divide T) with the
+    /// same bits. Must divide `heads` and `d_ff`.
+    pub tp_pieces: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -313,6 +322,7 @@ impl Default for ModelConfig {
             blocks: 4,
             context: 64,
             d_ff: 0,
+            tp_pieces: 1,
         }
     }
 }
@@ -644,6 +654,20 @@ impl TrainConfig {
                 format!("{} must be ≥ 2", m.context),
             ));
         }
+        let d_ff = if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff };
+        if m.tp_pieces == 0
+            || !m.heads.is_multiple_of(m.tp_pieces)
+            || !d_ff.is_multiple_of(m.tp_pieces)
+        {
+            return Err(invalid(
+                "model.tp_pieces",
+                format!(
+                    "{} must be ≥ 1 and divide model.heads = {} and model.d_ff = {d_ff} (each \
+                     tensor-parallel piece owns whole heads and an equal share of the MLP)",
+                    m.tp_pieces, m.heads
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -670,9 +694,49 @@ impl TrainConfig {
                  use parallel.zero = 1 or 2, which shard the optimizer state and the gradient",
             ));
         }
+        if p.tp == 0 {
+            return Err(invalid("parallel.tp", "must be ≥ 1"));
+        }
         let Some(layers) = layers else {
+            if p.tp > 1 {
+                return Err(invalid(
+                    "parallel.tp",
+                    format!(
+                        "{} tensor-parallel ranks need the built-in transformer \
+                         (model.kind = \"transformer\" with model.tp_pieces); a user's job runs \
+                         with parallel.tp = 1",
+                        p.tp
+                    ),
+                ));
+            }
             return Ok(());
         };
+        let m = &self.model;
+        if (p.tp > 1 || m.tp_pieces > 1) && m.kind != ModelKind::Transformer {
+            return Err(invalid(
+                if p.tp > 1 {
+                    "parallel.tp"
+                } else {
+                    "model.tp_pieces"
+                },
+                format!(
+                    "tensor parallelism (parallel.tp = {}, model.tp_pieces = {}) needs \
+                     model.kind = \"transformer\" (model `{}` runs data-parallel only)",
+                    p.tp, m.tp_pieces, m.kind
+                ),
+            ));
+        }
+        if !m.tp_pieces.is_multiple_of(p.tp) {
+            return Err(invalid(
+                "parallel.tp",
+                format!(
+                    "{} tensor-parallel ranks must divide model.tp_pieces = {} (each rank \
+                     computes an equal share of the fixed pieces; set model.tp_pieces to a \
+                     multiple of parallel.tp)",
+                    p.tp, m.tp_pieces
+                ),
+            ));
+        }
         if p.pp > 1 && self.model.kind != ModelKind::Transformer {
             return Err(invalid(
                 "parallel.pp",

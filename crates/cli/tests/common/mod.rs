@@ -40,3 +40,36 @@ pub fn summary(dir: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(dir.join("summary.json")).expect("summary.json written");
     serde_json::from_str(&text).expect("summary.json is JSON")
 }
+
+/// `lockstep train` of `configs/shakespeare.toml` (the transformer) on `nproc` workers into
+/// `out`, with `--set` for each of `base` then `sets`, then the `extra` arguments.
+pub fn train_transformer(
+    out: &Path,
+    nproc: &str,
+    base: &[&str],
+    sets: &[&str],
+    extra: &[&str],
+) -> Output {
+    let mut args = vec![
+        "train",
+        "--config",
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/shakespeare.toml"
+        ),
+        "--nproc",
+        nproc,
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    for s in base.iter().chain(sets) {
+        args.extend_from_slice(&["--set", s]);
+    }
+    args.extend_from_slice(extra);
+    lockstep(&args).output().expect("spawn lockstep")
+}
+
+/// The run's `param_hash`.
+pub fn param_hash(dir: &Path) -> String {
+    summary(dir)["param_hash"].as_str().unwrap().to_string()
+}

@@ -9,6 +9,8 @@
 
 use std::ops::Range;
 
+use lockstep_model::PieceSum;
+
 use crate::error::TrainError;
 use crate::outcome::{EvalSums, ReplicaError};
 
@@ -52,6 +54,29 @@ pub trait Layered {
         layers: Range<usize>,
         seed: u64,
     ) -> Result<Box<dyn LayerStage + '_>, TrainError>;
+    /// The fixed tensor-parallel pieces of each layer (1: computed whole; the built-in
+    /// transformer's `model.tp_pieces`).
+    fn tp_pieces(&self) -> usize {
+        1
+    }
+    /// Layers `layers` as tensor-parallel rank `tp_rank` of `tp`, computing its share of the
+    /// [`Layered::tp_pieces`] fixed pieces and summing them with the group's through `sum`
+    /// (which can fail; the driver learns why from its own side of `sum`); initialised from
+    /// `seed` like the same slices of the whole model.
+    fn tp_stage(
+        &self,
+        layers: Range<usize>,
+        seed: u64,
+        tp: usize,
+        tp_rank: usize,
+        sum: Box<dyn PieceSum>,
+    ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
+        let _ = (layers, seed, tp_rank, sum);
+        Err(TrainError::JobSetup {
+            job: self.name(),
+            message: format!("this model has no tensor-parallel form (parallel.tp = {tp})"),
+        })
+    }
 }
 
 /// What a training forward produced.
@@ -112,4 +137,16 @@ pub trait LayerStage {
         samples: &[u32],
         input: Option<&[f32]>,
     ) -> Result<Evaluated, ReplicaError>;
+    /// Ranges of the stage's canonical flat vector (its layers' slice of the whole model) whose
+    /// concatenation is [`LayerStage::params_flat`]: all of it, unless a tensor-parallel rank
+    /// holds only its pieces.
+    fn index_map(&self) -> Vec<Range<usize>> {
+        std::iter::once(0..self.num_params()).collect()
+    }
+    /// Buckets of the local flat gradient for the exact data-parallel sum, when the stage needs
+    /// its own (`None`: the layer buckets of the canonical vector).
+    fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
+        let _ = bucket_elems;
+        None
+    }
 }

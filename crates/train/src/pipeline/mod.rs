@@ -1,6 +1,7 @@
 //! Pipeline parallelism: the model's layer sequence cut into stages on neighbouring ranks,
 //! micro-batches flowing through them under a GPipe or 1F1B schedule, combined with data
-//! parallelism across replicas (`dp × pp` ranks, mapped by [`crate::ParallelDims`]).
+//! parallelism across replicas and tensor parallelism within a stage (`dp × tp × pp` ranks, mapped
+//! by [`crate::ParallelDims`]).
 //!
 //! - `schedule`: the per-stage operation lists and a rendezvous simulator that proves them
 //!   deadlock-free;
@@ -9,11 +10,14 @@
 //! - `layered`: what the loop trains — a [`layered::Layered`] model cut into
 //!   [`layered::LayerStage`]s (the built-in transformer in `transformer`, a user's
 //!   `LayeredJob` in `job/layered_job.rs`);
+//! - `tensor_parallel`: the exact piece sum over a stage's tensor-parallel group and the gather
+//!   of a stage's canonical parameters from its tp ranks;
 //! - `train`: the training loop (also used with one stage).
 
 pub mod balance;
 pub mod executor;
 pub mod layered;
 pub mod schedule;
+pub mod tensor_parallel;
 pub mod train;
 pub mod transformer;

@@ -1,14 +1,19 @@
 //! The training loop of a layered model (the built-in transformer, a user's `LayeredJob`) on a
-//! `dp × pp` layout.
+//! `dp × tp × pp` layout (tensor parallelism: the transformer with `model.tp_pieces > 1` only).
 //!
-//! Per step, on every rank (replica `r`, stage `s`):
+//! Per step, on every rank (replica `r`, stage `s`, tp rank `k`):
 //! 1. the global batch (a function of seed and step only) is cut into the fixed micro-batches;
 //!    replica `r` takes its contiguous share of them;
 //! 2. the stage runs its schedule (GPipe or 1F1B) over those micro-batches with its pipeline
-//!    neighbours, keeping one gradient per micro-batch;
+//!    neighbours (tp rank `k` of each stage), keeping one gradient per micro-batch; a tensor-
+//!    parallel stage computes its share of the fixed pieces and sums pieces exactly with its tp
+//!    group inside forward and backward, so every tp rank holds the same activations, loss and
+//!    replicated gradients;
 //! 3. the loss (last stages only) is summed exactly over all ranks; the stage's micro-batch
 //!    gradients are summed exactly over the stage's data-parallel group, in buckets that never
-//!    straddle a layer boundary — so every layout, including one stage on one rank, sums the same
+//!    straddle a layer boundary (nor, with tensor parallelism, a piece: the stage's own buckets,
+//!    over the group of ranks with the same stage and tp rank) — so every layout, including one
+//!    stage on one rank, sums the same
 //!    multiset of per-micro-batch gradients with the same shared exponents, and the parameters
 //!    come out bitwise identical;
 //! 4. the optimizer steps the stage's slice of the flat parameter vector (elementwise, so the
@@ -19,17 +24,19 @@
 //! replica's pipeline.
 
 use std::ops::Range;
+use std::rc::Rc;
 use std::time::Instant;
 
 use lockstep_comm::exact::{ExactError, ExactReducer};
 use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
-use lockstep_model::param_hash;
+use lockstep_model::{gather_map, param_hash, scatter_map};
 
 use super::balance::{balance, stage_ranges};
 use super::executor::{run_schedule, StageWork};
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
+use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use crate::config::TrainConfig;
 use crate::context::WorkerContext;
 use crate::error::TrainError;
@@ -77,12 +84,17 @@ struct Work<'a> {
     step: u64,
     scale: f32,
     grads: &'a mut [Vec<f32>],
+    /// Where a tensor-parallel stage's piece sums leave a communication failure.
+    link: &'a TpLink,
     losses: Vec<f32>,
     data_seconds: f64,
 }
 
 impl Work<'_> {
-    fn error(&self, mb: usize, cause: ReplicaError) -> TrainError {
+    fn error(&mut self, mb: usize, cause: ReplicaError) -> TrainError {
+        if let Some(c) = self.link.take_failure() {
+            return TrainError::Comm(c);
+        }
         let k = self.first_microbatch + mb;
         TrainError::Job {
             job: self.job.to_string(),
@@ -100,10 +112,14 @@ impl StageWork for Work<'_> {
         mb: usize,
         input: Option<&[f32]>,
     ) -> Result<Option<Vec<f32>>, TrainError> {
-        let (out, data_seconds) = self
-            .stage
-            .forward(mb as u64, self.pieces[mb], input, self.scale)
-            .map_err(|e| self.error(mb, e))?;
+        let (out, data_seconds) =
+            match self
+                .stage
+                .forward(mb as u64, self.pieces[mb], input, self.scale)
+            {
+                Ok(r) => r,
+                Err(e) => return Err(self.error(mb, e)),
+            };
         self.data_seconds += data_seconds;
         match out {
             Forwarded::Activations(a) => Ok(Some(a)),
@@ -119,9 +135,13 @@ impl StageWork for Work<'_> {
         mb: usize,
         grad_output: Option<&[f32]>,
     ) -> Result<Option<Vec<f32>>, TrainError> {
-        self.stage
+        match self
+            .stage
             .backward(mb as u64, grad_output, &mut self.grads[mb])
-            .map_err(|e| self.error(mb, e))
+        {
+            Ok(g) => Ok(g),
+            Err(e) => Err(self.error(mb, e)),
+        }
     }
 
     fn input_len(&self, mb: usize) -> usize {
@@ -150,6 +170,16 @@ pub fn train<'a>(
     let me = dims.coords(rank);
     let job = model.name();
     check_layers(cfg, model.num_layers())?;
+    if !model.tp_pieces().is_multiple_of(dims.tp) {
+        return Err(TrainError::Config(crate::config::ConfigError::Invalid {
+            field: "parallel.tp",
+            message: format!(
+                "{} tensor-parallel ranks must divide the model's {} fixed pieces",
+                dims.tp,
+                model.tp_pieces()
+            ),
+        }));
+    }
 
     let samples = model.train_len();
     if samples < t.global_batch {
@@ -165,9 +195,21 @@ pub fn train<'a>(
 
     let (comm, mut ledger) = Ledger::open(cfg, ctx, model.structure_hash(), total_steps, started);
     check_same_structure(comm, model.structure_hash())?;
-    // Stages of one replica talk point to point; each stage's replicas reduce gradients.
-    let mut pp_comm = comm.split(me.replica as u32, me.stage as u32)?;
-    let mut dp_comm = comm.split(me.stage as u32, me.replica as u32)?;
+    // Stages of one replica talk point to point (tp rank to tp rank); each (stage, tp rank)'s
+    // replicas reduce gradients; a stage's tp ranks sum pieces (in the stage) and gather the
+    // stage's parameters (here).
+    let colors = dims.colors(me);
+    let mut pp_comm = comm.split(colors.pp, me.stage as u32)?;
+    let mut dp_comm = comm.split(colors.dp, me.replica as u32)?;
+    let pieces = model.tp_pieces();
+    let (mut tp_comm, sum_comm) = if pieces > 1 {
+        (
+            Some(comm.split(colors.tp, me.tp_rank as u32)?),
+            Some(comm.split(colors.tp, me.tp_rank as u32)?),
+        )
+    } else {
+        (None, None)
+    };
 
     let (cuts, layer_seconds, cuts_from) = choose_cuts(cfg, model, comm, dims.pp)?;
     let ranges = stage_ranges(&cuts, model.num_layers());
@@ -192,27 +234,54 @@ pub fn train<'a>(
         .iter()
         .map(|r| offsets[r.end] - offsets[r.start])
         .collect();
-    let buckets = layer_buckets(&offsets, my_layers.clone(), cfg.dist.bucket_elems);
-
-    let mut stage = model.stage(my_layers.clone(), t.seed)?;
+    let tp_link = Rc::new(TpLink::default());
+    let mut stage = match sum_comm {
+        Some(sums) => {
+            let sum = Box::new(GroupPieceSum::new(sums, tp_link.clone()));
+            model.tp_stage(my_layers.clone(), t.seed, dims.tp, me.tp_rank, sum)?
+        }
+        None => model.stage(my_layers.clone(), t.seed)?,
+    };
+    if pieces > 1 {
+        ledger.notice(format!(
+            "tensor parallelism: blocks computed as {pieces} fixed pieces (model.tp_pieces), \
+             {} per rank over {} tensor-parallel ranks per stage",
+            pieces / dims.tp,
+            dims.tp
+        ));
+    }
+    let buckets = stage
+        .grad_buckets(cfg.dist.bucket_elems)
+        .unwrap_or_else(|| layer_buckets(&offsets, my_layers.clone(), cfg.dist.bucket_elems));
+    // Where the local parameters sit in the stage's canonical vector (tp rank 0 knows them all).
+    let my_map = stage.index_map();
+    let maps = match tp_comm.as_mut() {
+        Some(tp) => exchange_maps(tp, &my_map)?,
+        None => vec![my_map.clone()],
+    };
     let setup = |e: ReplicaError| TrainError::JobSetup {
         job: job.clone(),
         message: e.to_string(),
     };
     let mut params = stage.params_flat();
     // ZeRO: the stage's optimizer state (and from level 2 its reduced gradient) sharded over the
-    // stage's data-parallel group.
+    // stage's data-parallel group (of the rank's local vector, with tensor parallelism).
     let zero = Zero::new(cfg.parallel.zero, params.len(), &dp_comm);
     let mut optimizer = ledger.optimizer(zero.optimizer_len());
     if ledger.resuming() {
         // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice
-        // (and of the optimizer state its shard).
+        // (its tp rank's values of it) and of the optimizer state its shard.
         let mut full = vec![0f32; full_len];
         let mut full_opt = ledger.optimizer(full_len);
         if ledger.resume(comm, &mut full, &mut full_opt)? > 0 {
-            let n = params.len();
-            params.copy_from_slice(&full[my_offset..my_offset + n]);
-            optimizer = zero.shard_of(&full_opt, my_offset);
+            let mine = my_offset..my_offset + stage_lens[me.stage];
+            params.copy_from_slice(&gather_map(&full[mine.clone()], &my_map));
+            let mut local = ledger.optimizer(params.len());
+            for (dst, src) in local.state_mut().into_iter().zip(full_opt.state()) {
+                dst.copy_from_slice(&gather_map(&src[mine.clone()], &my_map));
+            }
+            local.set_steps_taken(full_opt.steps_taken());
+            optimizer = zero.shard_of(&local, 0);
             stage.set_params_flat(&params).map_err(setup)?;
         }
     }
@@ -233,8 +302,11 @@ pub fn train<'a>(
     for step in start_step..total_steps {
         faults::at_step(faults, rank, step);
         let step_start = Instant::now();
-        let bytes_before =
-            comm.stats().bytes_sent + pp_comm.stats().bytes_sent + dp_comm.stats().bytes_sent;
+        let bytes_before = comm.stats().bytes_sent
+            + pp_comm.stats().bytes_sent
+            + dp_comm.stats().bytes_sent
+            + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
+            + tp_link.bytes_sent();
         let mut sec = PhaseSeconds::default();
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, t.microbatch);
@@ -250,6 +322,7 @@ pub fn train<'a>(
             grads: &mut grads,
             losses: vec![0.0; my_micro.len()],
             data_seconds: 0.0,
+            link: &tp_link,
         };
         let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
         let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
@@ -264,7 +337,8 @@ pub fn train<'a>(
 
         // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
         let t0 = Instant::now();
-        let loss_parts: Vec<&[f32]> = if is_last {
+        // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
+        let loss_parts: Vec<&[f32]> = if is_last && me.tp_rank == 0 {
             losses.iter().map(std::slice::from_ref).collect()
         } else {
             Vec::new()
@@ -299,11 +373,21 @@ pub fn train<'a>(
 
         let checkpoint_now = ledger.checkpoint_due(step);
         if checkpoint_now {
-            // Collective within replica 0's pipeline: rank 0 receives the whole model.
-            let full = gather_model(&mut pp_comm, me.replica, &params, &stage_lens)?;
+            // Collective within replica 0: rank 0 receives the whole model.
+            let mut whole = |v: &[f32]| {
+                gather_whole(
+                    tp_comm.as_mut(),
+                    &mut pp_comm,
+                    me.replica,
+                    v,
+                    &maps,
+                    &stage_lens,
+                )
+            };
+            let full = whole(&params)?;
             let mut full_state = Vec::new();
             for v in zero.whole_state(&optimizer, &mut dp_comm)? {
-                full_state.push(gather_model(&mut pp_comm, me.replica, &v, &stage_lens)?);
+                full_state.push(whole(&v)?);
             }
             if rank == 0 {
                 ledger.save_checkpoint(
@@ -322,7 +406,8 @@ pub fn train<'a>(
                 &mut *stage,
                 model,
                 dims,
-                me.replica,
+                me,
+                &tp_link,
                 t.microbatch,
                 step,
             )?)
@@ -330,8 +415,11 @@ pub fn train<'a>(
             None
         };
         let step_seconds = step_start.elapsed().as_secs_f64();
-        let bytes_after =
-            comm.stats().bytes_sent + pp_comm.stats().bytes_sent + dp_comm.stats().bytes_sent;
+        let bytes_after = comm.stats().bytes_sent
+            + pp_comm.stats().bytes_sent
+            + dp_comm.stats().bytes_sent
+            + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
+            + tp_link.bytes_sent();
         let record = StepRecord {
             rank,
             step,
@@ -354,15 +442,19 @@ pub fn train<'a>(
     let hashes = gather_strings(&mut dp_comm, &stage_hash)?;
     if let Some(r) = hashes.iter().position(|h| h != &hashes[0]) {
         return Err(TrainError::Diverged {
-            rank: dims.rank_of(crate::Coords {
-                replica: r,
-                stage: me.stage,
-            }),
+            rank: dims.rank_of(crate::Coords { replica: r, ..me }),
             theirs: hashes[r].clone(),
             ours: hashes[0].clone(),
         });
     }
-    let full = gather_model(&mut pp_comm, me.replica, &params, &stage_lens)?;
+    let full = gather_whole(
+        tp_comm.as_mut(),
+        &mut pp_comm,
+        me.replica,
+        &params,
+        &maps,
+        &stage_lens,
+    )?;
     let mut hash_bytes = [0u8; 64];
     if let Some(full) = &full {
         hash_bytes.copy_from_slice(param_hash(full).as_bytes());
@@ -439,6 +531,35 @@ fn check_layers(cfg: &TrainConfig, layers: usize) -> Result<(), TrainError> {
     Ok(p.check_stages(layers)?)
 }
 
+/// Collective over replica 0 (its tensor-parallel groups, then its pipeline of tp ranks 0): rank
+/// 0 returns the whole model built from every rank's local parameters (`maps`: each tp rank's
+/// index map, known to tp rank 0; without a tp group, this rank's); everyone else gets `None`.
+fn gather_whole(
+    tp: Option<&mut Communicator>,
+    pp: &mut Communicator,
+    replica: usize,
+    mine: &[f32],
+    maps: &[Vec<Range<usize>>],
+    stage_lens: &[usize],
+) -> Result<Option<Vec<f32>>, TrainError> {
+    if replica != 0 {
+        return Ok(None);
+    }
+    let stage_len = stage_lens[pp.rank()];
+    let stage = match tp {
+        Some(tp) => gather_stage(tp, mine, maps, stage_len)?,
+        None => {
+            let mut stage = vec![0f32; stage_len];
+            scatter_map(mine, &maps[0], &mut stage);
+            Some(stage)
+        }
+    };
+    match stage {
+        Some(stage) => gather_model(pp, replica, &stage, stage_lens),
+        None => Ok(None),
+    }
+}
+
 /// Collective over one replica's pipeline: replica 0's stages send their slices (stage order =
 /// flat order) to stage 0, which returns the whole vector; everyone else gets `None`. Other
 /// replicas hold identical copies and take no part.
@@ -474,15 +595,20 @@ fn evaluate(
     stage: &mut dyn LayerStage,
     model: &dyn Layered,
     dims: ParallelDims,
-    replica: usize,
+    me: crate::Coords,
+    link: &TpLink,
     chunk: usize,
     step: u64,
 ) -> Result<Eval, TrainError> {
     let job = model.name();
-    let eval_error = |cause| TrainError::JobEval {
-        job: job.clone(),
-        step: step + 1,
-        cause,
+    let replica = me.replica;
+    let eval_error = |cause| match link.take_failure() {
+        Some(c) => TrainError::Comm(c),
+        None => TrainError::JobEval {
+            job: job.clone(),
+            step: step + 1,
+            cause,
+        },
     };
     let all = model.eval_samples();
     let chunks: Vec<&[u32]> = all.chunks(chunk.max(1)).collect();
@@ -496,9 +622,15 @@ fn evaluate(
             pp.recv(s - 1, &mut acts)?;
         }
         let input = (!stage.is_first()).then_some(&acts[..]);
-        match stage.evaluate(piece, input).map_err(eval_error)? {
+        let evaluated = match stage.evaluate(piece, input) {
+            Ok(e) => e,
+            Err(cause) => return Err(eval_error(cause)),
+        };
+        match evaluated {
             Evaluated::Activations(out) => pp.send(s + 1, &out)?,
-            Evaluated::Sums(sums) => mine.add(sums).map_err(eval_error)?,
+            // A tensor-parallel group's ranks hold the same sums: its tp rank 0 counts them.
+            Evaluated::Sums(sums) if me.tp_rank == 0 => mine.add(sums).map_err(eval_error)?,
+            Evaluated::Sums(_) => {}
         }
     }
     combine(comm, mine, model.eval_units(all.len()), &job, step)

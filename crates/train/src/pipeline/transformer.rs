@@ -1,12 +1,17 @@
 //! lockstep's built-in character-level transformer as a [`Layered`] model: embedding, blocks,
-//! head over a character corpus (the embedded Shakespeare plays, or `data.dir`).
+//! head over a character corpus (the embedded Shakespeare plays, or `data.dir`). With
+//! `model.tp_pieces > 1` its stages are `lockstep_model::TpStage`s (the canonical split, this
+//! rank's share of the pieces), also on one rank.
 
 use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use lockstep_data::text::{CharCorpus, Split};
-use lockstep_model::{LayerKind, Stage, StageEval, StageInput, StageOutput, TransformerSpec};
+use lockstep_model::{
+    LayerKind, LocalPieceSum, PieceSum, Stage, StageEval, StageInput, StageOutput, TpSplit,
+    TpStage, TransformerSpec,
+};
 
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use crate::config::TrainConfig;
@@ -67,6 +72,8 @@ pub fn load_corpus(cfg: &TrainConfig) -> Result<CharCorpus, TrainError> {
 pub struct Transformer {
     spec: TransformerSpec,
     corpus: CharCorpus,
+    /// `model.tp_pieces`.
+    tp_pieces: usize,
 }
 
 impl Transformer {
@@ -82,7 +89,12 @@ impl Transformer {
                 context: spec.context,
             });
         }
-        Ok(Transformer { spec, corpus })
+        TpSplit::new(&spec, cfg.model.tp_pieces, 1, 0)?;
+        Ok(Transformer {
+            spec,
+            corpus,
+            tp_pieces: cfg.model.tp_pieces,
+        })
     }
 }
 
@@ -156,8 +168,35 @@ impl Layered for Transformer {
         layers: Range<usize>,
         seed: u64,
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
+        if self.tp_pieces > 1 {
+            // The canonical split on one rank: all pieces, summed locally.
+            return self.tp_stage(layers, seed, 1, 0, Box::new(LocalPieceSum));
+        }
         Ok(Box::new(TransformerStage {
-            stage: Stage::new(&self.spec, layers, seed)?,
+            stage: Inner::Whole(Box::new(Stage::new(&self.spec, layers, seed)?)),
+            corpus: &self.corpus,
+            x: Vec::new(),
+            y: Vec::new(),
+        }))
+    }
+
+    fn tp_pieces(&self) -> usize {
+        self.tp_pieces
+    }
+
+    fn tp_stage(
+        &self,
+        layers: Range<usize>,
+        seed: u64,
+        tp: usize,
+        tp_rank: usize,
+        sum: Box<dyn PieceSum>,
+    ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
+        let split = TpSplit::new(&self.spec, self.tp_pieces, tp, tp_rank)?;
+        Ok(Box::new(TransformerStage {
+            stage: Inner::Pieces(Box::new(TpStage::new(
+                &self.spec, layers, seed, split, sum,
+            )?)),
             corpus: &self.corpus,
             x: Vec::new(),
             y: Vec::new(),
@@ -165,12 +204,40 @@ impl Layered for Transformer {
     }
 }
 
+/// The layers of a stage: computed whole, or as pieces of the canonical split.
+enum Inner {
+    Whole(Box<Stage>),
+    Pieces(Box<TpStage>),
+}
+
 /// Some layers of the transformer and the corpus they read tokens and targets from.
 struct TransformerStage<'a> {
-    stage: Stage,
+    stage: Inner,
     corpus: &'a CharCorpus,
     x: Vec<i64>,
     y: Vec<i64>,
+}
+
+/// The same call on either kind of stage.
+macro_rules! on_stage {
+    ($inner:expr, $s:ident => $call:expr) => {
+        match $inner {
+            Inner::Whole($s) => $call,
+            Inner::Pieces($s) => $call,
+        }
+    };
+}
+
+impl Inner {
+    fn spec(&self) -> &TransformerSpec {
+        on_stage!(self, s => s.spec())
+    }
+    fn is_first(&self) -> bool {
+        on_stage!(self, s => s.is_first())
+    }
+    fn is_last(&self) -> bool {
+        on_stage!(self, s => s.is_last())
+    }
 }
 
 impl TransformerStage<'_> {
@@ -194,19 +261,19 @@ impl LayerStage for TransformerStage<'_> {
     }
 
     fn num_params(&self) -> usize {
-        self.stage.num_params()
+        on_stage!(&self.stage, s => s.num_params())
     }
 
     fn params_flat(&self) -> Vec<f32> {
-        self.stage.params_flat()
+        on_stage!(&self.stage, s => s.params_flat())
     }
 
     fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError> {
-        Ok(self.stage.set_params_flat(params)?)
+        Ok(on_stage!(&mut self.stage, s => s.set_params_flat(params))?)
     }
 
     fn held(&self) -> usize {
-        self.stage.held()
+        on_stage!(&self.stage, s => s.held())
     }
 
     fn input_len(&self, n: usize) -> usize {
@@ -240,9 +307,8 @@ impl LayerStage for TransformerStage<'_> {
             None => StageInput::Tokens(&self.x),
         };
         let targets = self.stage.is_last().then_some(&self.y[..]);
-        let out = match self
-            .stage
-            .forward(id, stage_input, samples.len(), targets, scale)?
+        let n = samples.len();
+        let out = match on_stage!(&mut self.stage, s => s.forward(id, stage_input, n, targets, scale))?
         {
             StageOutput::Activations(a) => Forwarded::Activations(a),
             StageOutput::Loss(l) => Forwarded::Loss(l),
@@ -256,7 +322,7 @@ impl LayerStage for TransformerStage<'_> {
         grad_output: Option<&[f32]>,
         grad: &mut [f32],
     ) -> Result<Option<Vec<f32>>, ReplicaError> {
-        Ok(self.stage.backward(id, grad_output, grad)?)
+        Ok(on_stage!(&mut self.stage, s => s.backward(id, grad_output, grad))?)
     }
 
     fn evaluate(
@@ -271,7 +337,8 @@ impl LayerStage for TransformerStage<'_> {
         };
         let targets = self.stage.is_last().then_some(&self.y[..]);
         Ok(
-            match self.stage.evaluate(stage_input, samples.len(), targets)? {
+            match on_stage!(&mut self.stage, s => s.evaluate(stage_input, samples.len(), targets))?
+            {
                 StageEval::Activations(a) => Evaluated::Activations(a),
                 StageEval::Scores { loss_sum, correct } => Evaluated::Sums(EvalSums {
                     loss: loss_sum,
@@ -279,5 +346,19 @@ impl LayerStage for TransformerStage<'_> {
                 }),
             },
         )
+    }
+
+    fn index_map(&self) -> Vec<Range<usize>> {
+        match &self.stage {
+            Inner::Whole(s) => std::iter::once(0..s.num_params()).collect(),
+            Inner::Pieces(s) => s.layout().index_map(),
+        }
+    }
+
+    fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
+        match &self.stage {
+            Inner::Whole(_) => None,
+            Inner::Pieces(s) => Some(s.layout().grad_buckets(bucket_elems)),
+        }
     }
 }
