@@ -491,7 +491,18 @@ impl TpStage {
         } else {
             None
         };
-        let (_, _, last) = self.run(input, n, false)?;
+        // On detached copies of the parameters (same storage): a forward on tracked leaves
+        // would record an autodiff graph that no backward ever frees (memory climbing through
+        // every validation pass).
+        let detached = self.params.iter().map(|p| p.clone().detach()).collect();
+        let tracked = std::mem::replace(&mut self.params, detached);
+        let ran = self.run(input, n, false);
+        self.params = tracked;
+        let (_, _, last) = ran?;
+        debug_assert!(
+            !last.x_out.is_require_grad(),
+            "evaluation must record no autodiff graph"
+        );
         let Some(targets) = targets else {
             return Ok(StageEval::Activations(values(last.x_out)));
         };
