@@ -847,6 +847,18 @@ fn parse_value(raw: &str) -> toml::Value {
     }
 }
 
+/// Deep-merge `top` over `base`: tables merge key by key, anything else in `top` replaces.
+pub(crate) fn merge(base: &mut toml::Table, top: toml::Table) {
+    for (key, value) in top {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge(b, t),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -922,17 +934,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("broken.toml"), "{e}");
-    }
-}
-
-/// Deep-merge `top` over `base`: tables merge key by key, anything else in `top` replaces.
-pub(crate) fn merge(base: &mut toml::Table, top: toml::Table) {
-    for (key, value) in top {
-        match (base.get_mut(&key), value) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge(b, t),
-            (_, value) => {
-                base.insert(key, value);
-            }
-        }
     }
 }

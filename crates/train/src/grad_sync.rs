@@ -236,6 +236,7 @@ impl GradSync {
     /// exchange, then the gradients summed into `out`, which holds [`Zero::grad_range`] of the
     /// `len`-value gradient (this rank's chunk from level 2: the exact sum reduce-scattered).
     /// The values this rank holds have the bits [`GradSync::sync`] gives them.
+    #[allow(clippy::too_many_arguments)]
     pub fn sync_sharded(
         &mut self,
         comm: &mut Communicator,

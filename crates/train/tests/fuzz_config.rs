@@ -78,7 +78,7 @@ fn usable(c: &TrainConfig) {
     assert!(c.dist.timeout_secs <= MAX_TIMEOUT_SECS);
     let _ = std::time::Instant::now() + d;
     assert!(c.train.steps <= limits::MAX_STEPS);
-    assert!(c.train.global_batch % c.train.microbatch == 0);
+    assert!(c.train.global_batch.is_multiple_of(c.train.microbatch));
     assert!(limits::memory_estimate(c) <= limits::host_memory_bytes());
     // Identity and serialisation work on anything accepted.
     let again = TrainConfig::from_toml_str(&c.to_toml(), "resolved", &[]).expect("round trip");

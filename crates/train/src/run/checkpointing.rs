@@ -15,7 +15,7 @@ use crate::faults::{self, Fault};
 /// after the last step, so that a finished run can be extended from where it ended.
 pub(crate) fn checkpoint_due(cfg: &TrainConfig, step: u64, total_steps: u64) -> bool {
     let every = cfg.checkpoint.every;
-    every > 0 && ((step + 1) % every == 0 || step + 1 == total_steps)
+    every > 0 && ((step + 1).is_multiple_of(every) || step + 1 == total_steps)
 }
 
 /// Where checkpoints live: `checkpoint.dir`, or `<run dir>/checkpoints`.

@@ -155,7 +155,7 @@ impl<'a> Ledger<'a> {
     /// Is the model evaluated after `step`? Every `train.eval_every` steps and after the last.
     pub(crate) fn eval_due(&self, step: u64) -> bool {
         let every = self.cfg.train.eval_every;
-        (every > 0 && (step + 1) % every == 0) || step + 1 == self.total_steps
+        (every > 0 && (step + 1).is_multiple_of(every)) || step + 1 == self.total_steps
     }
 
     /// Rank 0: write the checkpoint taken after `step` of the whole model.
