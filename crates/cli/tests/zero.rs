@@ -109,6 +109,18 @@ fn every_zero_level_of_the_layered_loop_gives_the_one_worker_bits() {
             &["parallel.pp=2", "parallel.zero=1", "parallel.schedule=1f1b"],
             "dp2xpp2-zero1-1f1b",
         ),
+        ("2", &["parallel.zero=3"], "dp2-zero3"),
+        ("3", &["parallel.zero=3"], "dp3-zero3"),
+        (
+            "4",
+            &["parallel.pp=2", "parallel.zero=3", "parallel.schedule=gpipe"],
+            "dp2xpp2-zero3-gpipe",
+        ),
+        (
+            "4",
+            &["parallel.pp=2", "parallel.zero=3", "parallel.schedule=1f1b"],
+            "dp2xpp2-zero3-1f1b",
+        ),
     ];
     for (nproc, sets, name) in layouts {
         let dir = tmp.path().join(name);
@@ -161,6 +173,18 @@ fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_siz
     .unwrap());
     assert_eq!(hash(&dir), want);
 
+    // dp2 × zero 3: killed at step 3, recovers to the same bits; a 2×2 zero 3 run stops and
+    // continues as tp2 × pp2 (the check) and, below, one worker continues it.
+    let dir = tmp.path().join("zero3-killed");
+    ok(transformer(
+        &dir,
+        "2",
+        &["parallel.zero=3"],
+        &["--inject", "kill:rank=0,step=3"],
+    ));
+    assert_eq!(hash(&dir), want);
+    assert_eq!(summary(&dir)["restarts"], 1);
+
     // And the reverse: one unsharded worker stops; 3 workers continue at zero 2.
     let dir = tmp.path().join("to-three");
     let o = transformer(
@@ -202,9 +226,10 @@ fn invalid_zero_requests_are_refused_before_any_worker_starts() {
         let o = mlp(&tmp.path().join(format!("bad{i}")), "2", sets, &[]);
         check_refused(&o, i, needles);
     }
-    // ZeRO 3 is not there yet: refused, not silently run as another level.
-    let o = transformer(&tmp.path().join("zero3"), "2", &["parallel.zero=3"], &[]);
-    check_refused(&o, 99, &["parallel.zero", "not implemented yet"]);
+    // ZeRO 3 with tensor parallelism is not there yet: refused, not run as something else.
+    let sets = ["parallel.zero=3", "parallel.tp=2", "model.tp_pieces=2"];
+    let o = transformer(&tmp.path().join("zero3"), "2", &sets, &[]);
+    check_refused(&o, 99, &["parallel.zero", "tensor parallelism"]);
 }
 
 /// `o` is a refusal before any worker started (exit 3) whose message holds every needle.
@@ -250,8 +275,50 @@ fn sharding_shrinks_what_each_rank_holds() {
     let (g1, g2) = (held(&z1, "grads_bytes"), held(&z2, "grads_bytes"));
     assert_eq!(held(&z0, "grads_bytes"), g1);
     assert_eq!(g1 - g2, p / 2, "grads bytes {g1} → {g2} with {p} parameter bytes");
-    // The parameters stay whole on every replica below level 3.
+    // The parameters stay whole on every replica below level 3; at 3 each keeps its chunks.
     assert_eq!(held(&z2, "params_bytes"), p);
+    let z3 = run("3");
+    let p3 = held(&z3, "params_bytes");
+    assert!(p3 * 100 <= p * 51, "parameter bytes {p} → {p3} at zero 3");
+    assert_eq!(held(&z3, "optimizer_bytes"), 2 * p3);
+    let state = |d: &Path| {
+        ["params_bytes", "grads_bytes", "optimizer_bytes"]
+            .iter()
+            .map(|f| held(d, f))
+            .sum::<u64>()
+    };
+    assert!(state(&z3) < state(&z2) && state(&z2) < state(&z1) && state(&z1) < state(&z0));
+}
+
+#[test]
+fn a_zero3_checkpoint_resumes_as_tp2_x_pp2_and_on_one_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pieces = ["model.tp_pieces=2", "model.heads=2"];
+    let reference = tmp.path().join("one");
+    ok(transformer(&reference, "1", &pieces, &[]));
+    let want = hash(&reference);
+    for (name, resume) in [
+        ("as-tp2xpp2", &["parallel.tp=2", "parallel.pp=2", "parallel.zero=0"][..]),
+        ("as-one", &["parallel.tp=1", "parallel.pp=1", "parallel.zero=0"][..]),
+    ] {
+        // dp2 × pp2 × zero 3 (the canonical 2-piece split computed by each rank) stops at step 5.
+        let dir = tmp.path().join(name);
+        let sets = [pieces[0], pieces[1], "parallel.pp=2", "parallel.zero=3"];
+        let o = transformer(
+            &dir,
+            "4",
+            &sets,
+            &["--inject", "kill:rank=3,step=5", "--max-restarts", "0"],
+        );
+        assert!(!o.status.success(), "{name}: the kill must stop the run");
+        let nproc = if name == "as-one" { "1" } else { "4" };
+        let mut args = vec!["train", "--resume", dir.to_str().unwrap(), "--nproc", nproc];
+        for s in resume {
+            args.extend_from_slice(&["--set", s]);
+        }
+        ok(lockstep(&args).output().unwrap());
+        assert_eq!(hash(&dir), want, "{name}");
+    }
 }
 
 #[test]

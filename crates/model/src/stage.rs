@@ -126,6 +126,9 @@ pub struct Stage {
     layout: Vec<ParamInfo>,
     num_params: usize,
     pending: HashMap<u64, Pending>,
+    /// The parameters' tensors were dropped ([`Stage::release_params`]); the next
+    /// [`Stage::set_params_flat`] builds them again.
+    released: bool,
 }
 
 impl std::fmt::Debug for Stage {
@@ -161,6 +164,7 @@ impl Stage {
             layout,
             num_params,
             pending: HashMap::new(),
+            released: false,
         })
     }
 
@@ -189,6 +193,7 @@ impl Stage {
     }
 
     pub fn params_flat(&self) -> Vec<f32> {
+        assert!(!self.released, "the stage's parameters were released");
         params::read(&self.net, self.num_params)
     }
 
@@ -206,9 +211,26 @@ impl Stage {
             "parameters replaced with {} forward graphs pending",
             self.pending.len()
         );
-        let net = std::mem::replace(&mut self.net, StageNet::empty());
+        let net = if self.released {
+            StageNet::zeros(&self.spec, self.layers.clone(), &self.device)
+        } else {
+            std::mem::replace(&mut self.net, StageNet::empty())
+        };
         self.net = params::write(net, p, &self.device);
+        self.released = false;
         Ok(())
+    }
+
+    /// Drop the parameters' tensors until the next [`Stage::set_params_flat`] (ZeRO 3 keeps only
+    /// its chunk of them between steps). Refused while graphs are pending (they use them).
+    pub fn release_params(&mut self) {
+        assert!(
+            self.pending.is_empty(),
+            "parameters released with {} forward graphs pending",
+            self.pending.len()
+        );
+        self.net = StageNet::empty();
+        self.released = true;
     }
 
     /// Forward of micro-batch `id` (`n` sequences), keeping its graph for [`Stage::backward`].

@@ -687,11 +687,14 @@ impl TrainConfig {
                 format!("{} is not a ZeRO stage: use 0, 1, 2 or 3", p.zero),
             ));
         }
-        if p.zero == 3 && (layers.is_none() || self.model.kind == ModelKind::Transformer) {
+        if p.zero == 3 && p.tp > 1 {
             return Err(invalid(
                 "parallel.zero",
-                "ZeRO 3 (parameters sharded and gathered layer by layer) is not implemented yet: \
-                 use parallel.zero = 1 or 2, which shard the optimizer state and the gradient",
+                format!(
+                    "ZeRO 3 is not combined with tensor parallelism (parallel.tp = {}) yet: \
+                     use parallel.zero = 1 or 2 with tp, or tp = 1 with zero 3",
+                    p.tp
+                ),
             ));
         }
         if p.tp == 0 {

@@ -233,7 +233,7 @@ impl GradSync {
     }
 
     /// [`GradSync::sync`] for a sharded run (`parallel.zero`, see [`crate::zero`]): the loss
-    /// exchange, then the gradients summed into `out`, which holds [`Zero::grad_range`] of the
+    /// exchange, then the gradients summed into `out`, which holds [`Zero::grad_len`] values of the
     /// `len`-value gradient (this rank's chunk from level 2: the exact sum reduce-scattered).
     /// The values this rank holds have the bits [`GradSync::sync`] gives them.
     #[allow(clippy::too_many_arguments)]

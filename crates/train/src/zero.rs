@@ -11,7 +11,7 @@
 //! | 0 | whole | whole | whole | exact all-reduce of `i64` sums: `2·(n−1)/n·8P` bytes sent |
 //! | 1 | chunk | whole | whole | the same, then all-gather of the updated `f32` chunks: `+(n−1)/n·4P` |
 //! | 2 | chunk | chunk | whole | exact reduce-scatter `(n−1)/n·8P`, all-gather `(n−1)/n·4P` |
-//! | 3 | chunk | chunk | chunk, gathered layer by layer (layered models; see the pipeline loop) | |
+//! | 3 | chunk of each layer | chunk of each layer | chunk of each layer between steps | per layer: all-gather `(n−1)/n·4P` before the step, exact reduce-scatter `(n−1)/n·8P` |
 //!
 //! Why the bits cannot change: the exact sum of a chunk is the same whether it is all-reduced or
 //! reduce-scattered (`ExactReducer::reduce_scatter_with_buckets` converts the owned chunk with the
@@ -20,6 +20,12 @@
 //! unsharded update. Checkpoints stay whole-model: the chunks of the optimizer state are gathered
 //! before a save ([`Zero::whole_state`]) and a resumed whole state is cut into chunks again
 //! ([`Zero::shard_of`]), so a sharded run resumes unsharded, on another world size, and back.
+//!
+//! Level 3 (the layered loop) chunks each layer of a stage on its own ([`Zero::by_segments`]): the
+//! stage's parameters are gathered layer by layer ([`Zero::gather`]) before a step's compute and
+//! released after its last backward, so between steps a rank holds its chunks only. burn's
+//! autodiff graphs keep a layer's weights from a micro-batch's forward to its backward, so within
+//! a step the stage's parameters are whole.
 
 use std::ops::Range;
 
@@ -33,22 +39,46 @@ use lockstep_model::Optimizer;
 pub struct Zero {
     level: u8,
     len: usize,
-    /// This rank's chunk of `0..len`.
-    chunk: Range<usize>,
+    /// Ranges of the vector chunked independently over the group: the whole vector, or at level
+    /// 3 every layer (so a layer is gathered by one all-gather of its own).
+    segments: Vec<Range<usize>>,
+    /// This rank's chunk of each segment, as ranges of the whole vector.
+    chunks: Vec<Range<usize>>,
 }
 
 impl Zero {
-    /// Sharding of `len` values over the data-parallel group `dp` at ZeRO `level` (0..=3).
+    /// Sharding of `len` values over the data-parallel group `dp` at ZeRO `level` (0..=2; the
+    /// whole vector is one segment).
     pub fn new(level: u8, len: usize, dp: &Communicator) -> Zero {
-        Zero::for_rank(level, len, dp.size(), dp.rank())
+        Zero::for_rank(level, one_segment(len), dp.size(), dp.rank())
     }
 
-    /// [`Zero::new`] for rank `rank` of a group of `size`.
-    pub fn for_rank(level: u8, len: usize, size: usize, rank: usize) -> Zero {
+    /// Sharding of a vector made of `segments` (consecutive ranges from 0, e.g. a stage's layers)
+    /// over `dp`, each segment chunked on its own (ZeRO 3: layers are gathered one by one).
+    pub fn by_segments(level: u8, segments: Vec<Range<usize>>, dp: &Communicator) -> Zero {
+        Zero::for_rank(level, segments, dp.size(), dp.rank())
+    }
+
+    /// [`Zero::by_segments`] for rank `rank` of a group of `size`.
+    pub fn for_rank(level: u8, segments: Vec<Range<usize>>, size: usize, rank: usize) -> Zero {
+        let len = segments.last().map_or(0, |s| s.end);
+        debug_assert!(
+            segments.windows(2).all(|w| w[0].end == w[1].start)
+                && segments.first().is_none_or(|s| s.start == 0),
+            "segments must tile 0..{len}"
+        );
+        let chunks = segments
+            .iter()
+            .map(|s| {
+                let c = chunk_range(s.len(), size.max(1), rank);
+                s.start + c.start..s.start + c.end
+            })
+            .collect();
         Zero {
             level,
             len,
-            chunk: chunk_range(len, size.max(1), rank),
+            segments,
+            chunks,
         }
     }
 
@@ -56,38 +86,84 @@ impl Zero {
         self.level
     }
 
-    /// The values the optimizer updates on this rank (and holds state for).
-    pub fn update_range(&self) -> Range<usize> {
-        if self.level >= 1 {
-            self.chunk.clone()
+    /// Values of the whole vector.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Values of the exact reducer's accumulator: the largest segment (the sum is reduced a
+    /// segment at a time from level 2 on, the whole vector at once below).
+    pub fn scratch_len(&self) -> usize {
+        if self.level >= 2 {
+            self.segments.iter().map(|s| s.len()).max().unwrap_or(0)
         } else {
-            0..self.len
+            self.len
         }
     }
 
-    /// The values of the reduced gradient this rank holds.
-    pub fn grad_range(&self) -> Range<usize> {
-        if self.level >= 2 {
-            self.chunk.clone()
-        } else {
-            0..self.len
-        }
+    /// Values of this rank's chunks, in all.
+    fn owned_len(&self) -> usize {
+        self.chunks.iter().map(|c| c.len()).sum()
     }
 
     /// Values of optimizer state per state vector on this rank.
     pub fn optimizer_len(&self) -> usize {
-        self.update_range().len()
+        if self.level >= 1 {
+            self.owned_len()
+        } else {
+            self.len
+        }
     }
 
     /// Values of the reduced gradient on this rank.
     pub fn grad_len(&self) -> usize {
-        self.grad_range().len()
+        if self.level >= 2 {
+            self.owned_len()
+        } else {
+            self.len
+        }
+    }
+
+    /// Values of the parameters this rank keeps between steps (its chunks at level 3).
+    pub fn params_len(&self) -> usize {
+        if self.level >= 3 {
+            self.owned_len()
+        } else {
+            self.len
+        }
+    }
+
+    /// This rank's chunks of a whole vector, concatenated.
+    pub fn take_owned(&self, whole: &[f32]) -> Vec<f32> {
+        self.chunks
+            .iter()
+            .flat_map(|c| whole[c.clone()].iter().copied())
+            .collect()
+    }
+
+    /// Collective over the group: the whole vector from every rank's chunks (`owned`, as
+    /// [`Zero::take_owned`] cut them), one all-gather per segment.
+    pub fn gather(&self, owned: &[f32], dp: &mut Communicator) -> Result<Vec<f32>, CommError> {
+        let mut whole = vec![0f32; self.len];
+        let mut at = 0;
+        for c in &self.chunks {
+            whole[c.clone()].copy_from_slice(&owned[at..at + c.len()]);
+            at += c.len();
+        }
+        for s in &self.segments {
+            dp.all_gather_chunks(&mut whole[s.clone()])?;
+        }
+        Ok(whole)
     }
 
     /// Sum the local micro-batch gradients `parts` (whole vectors) over the group into `grad`
-    /// ([`Zero::grad_len`] values covering [`Zero::grad_range`]): exactly with `buckets` in
-    /// reproducible mode (all-reduced below level 2, reduce-scattered from level 2), else a plain
-    /// `f32` sum.
+    /// ([`Zero::grad_len`] values: the whole vector below level 2, this rank's chunks from level
+    /// 2): exactly with `buckets` in reproducible mode (all-reduced below level 2, reduce-scattered
+    /// segment by segment from level 2; buckets never straddle a segment), else a plain `f32` sum.
     #[allow(clippy::too_many_arguments)]
     pub fn reduce_gradients(
         &self,
@@ -99,34 +175,56 @@ impl Zero {
         reproducible: bool,
         grad: &mut [f32],
     ) -> Result<(), ExactError> {
-        match (reproducible, self.level >= 2) {
-            (true, false) => reducer.reduce_with_buckets(dp, parts, total_parts, grad, buckets),
-            (true, true) => reducer
-                .reduce_scatter_with_buckets(dp, parts, total_parts, grad, buckets)
-                .map(|_| ()),
-            (false, scatter) => {
-                let mut sum = vec![0f32; self.len];
-                for p in parts {
+        if self.level < 2 {
+            if reproducible {
+                return reducer.reduce_with_buckets(dp, parts, total_parts, grad, buckets);
+            }
+            grad.fill(0.0);
+            for p in parts {
+                for (a, b) in grad.iter_mut().zip(p.iter()) {
+                    *a += b;
+                }
+            }
+            dp.all_reduce(grad, ReduceOp::Sum)?;
+            return Ok(());
+        }
+        let mut at = 0;
+        for (seg, chunk) in self.segments.iter().zip(&self.chunks) {
+            let out = &mut grad[at..at + chunk.len()];
+            at += chunk.len();
+            let seg_parts: Vec<&[f32]> = parts.iter().map(|p| &p[seg.clone()]).collect();
+            if reproducible {
+                let seg_buckets: Vec<Range<usize>> = buckets
+                    .iter()
+                    .filter(|b| b.start >= seg.start && b.end <= seg.end)
+                    .map(|b| b.start - seg.start..b.end - seg.start)
+                    .collect();
+                reducer.reduce_scatter_with_buckets(
+                    dp,
+                    &seg_parts,
+                    total_parts,
+                    out,
+                    &seg_buckets,
+                )?;
+            } else {
+                let mut sum = vec![0f32; seg.len()];
+                for p in &seg_parts {
                     for (a, b) in sum.iter_mut().zip(p.iter()) {
                         *a += b;
                     }
                 }
-                if scatter {
-                    let mine = dp.reduce_scatter(&mut sum, ReduceOp::Sum)?;
-                    grad.copy_from_slice(&sum[mine]);
-                } else {
-                    dp.all_reduce(&mut sum, ReduceOp::Sum)?;
-                    grad.copy_from_slice(&sum);
-                }
-                Ok(())
+                let mine = dp.reduce_scatter(&mut sum, ReduceOp::Sum)?;
+                out.copy_from_slice(&sum[mine]);
             }
         }
+        Ok(())
     }
 
-    /// One optimizer step: on the whole vector at level 0; from level 1 on this rank's chunk only
-    /// (with `grad` as [`Zero::reduce_gradients`] left it), after which the chunks are all-gathered
-    /// so every replica holds the whole updated `params` again. Returns the seconds spent in that
-    /// all-gather (communication, not optimizer work).
+    /// One optimizer step with `grad` as [`Zero::reduce_gradients`] left it: on the whole
+    /// `params` at level 0; at levels 1 and 2 on this rank's chunk, after which the chunks are
+    /// all-gathered so every replica holds the whole updated `params` again; at level 3 `params`
+    /// are this rank's chunks and stay so. Returns the seconds spent in the all-gather
+    /// (communication, not optimizer work).
     pub fn step(
         &self,
         optimizer: &mut Optimizer,
@@ -135,11 +233,12 @@ impl Zero {
         lr: f32,
         dp: &mut Communicator,
     ) -> Result<f64, CommError> {
-        if self.level == 0 {
+        if self.level == 0 || self.level >= 3 {
             optimizer.step(params, grad, lr);
             return Ok(0.0);
         }
-        let chunk = self.chunk.clone();
+        // Levels 1 and 2: one segment, one chunk.
+        let chunk = self.chunks[0].clone();
         let grad = if self.level >= 2 {
             grad
         } else {
@@ -162,12 +261,10 @@ impl Zero {
             .into_iter()
             .map(|v| {
                 if self.level == 0 {
-                    return Ok(v.to_vec());
+                    Ok(v.to_vec())
+                } else {
+                    self.gather(v, dp)
                 }
-                let mut whole = vec![0f32; self.len];
-                whole[self.chunk.clone()].copy_from_slice(v);
-                dp.all_gather_chunks(&mut whole)?;
-                Ok(whole)
             })
             .collect()
     }
@@ -175,15 +272,23 @@ impl Zero {
     /// This rank's optimizer, cut from a resumed one whose vectors hold this sharded vector at
     /// `offset` (0 for a whole model; a pipeline stage's first value otherwise).
     pub fn shard_of(&self, whole: &Optimizer, offset: usize) -> Optimizer {
-        let r = self.update_range();
-        let range = offset + r.start..offset + r.end;
-        let mut mine = Optimizer::new(whole.spec(), range.len());
+        let mut mine = Optimizer::new(whole.spec(), self.optimizer_len());
         for (dst, src) in mine.state_mut().into_iter().zip(whole.state()) {
-            dst.copy_from_slice(&src[range.clone()]);
+            let src = &src[offset..offset + self.len];
+            if self.level == 0 {
+                dst.copy_from_slice(src);
+            } else {
+                dst.copy_from_slice(&self.take_owned(src));
+            }
         }
         mine.set_steps_taken(whole.steps_taken());
         mine
     }
+}
+
+/// The whole vector of `len` values as the one segment levels 0–2 chunk.
+fn one_segment(len: usize) -> Vec<Range<usize>> {
+    std::iter::once(0..len).collect()
 }
 
 #[cfg(test)]
@@ -191,18 +296,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ranges_follow_the_level() {
-        let z = |level| Zero::for_rank(level, 10, 3, 1);
-        assert_eq!(z(0).update_range(), 0..10);
-        assert_eq!(z(0).grad_range(), 0..10);
-        assert_eq!(z(1).update_range(), 4..7);
-        assert_eq!(z(1).grad_range(), 0..10);
-        assert_eq!(z(2).update_range(), 4..7);
-        assert_eq!(z(2).grad_range(), 4..7);
-        assert_eq!(z(3).optimizer_len(), 3);
+    fn what_a_rank_holds_follows_the_level() {
+        let z = |level| Zero::for_rank(level, one_segment(10), 3, 1);
+        assert_eq!((z(0).optimizer_len(), z(0).grad_len(), z(0).params_len()), (10, 10, 10));
+        assert_eq!((z(1).optimizer_len(), z(1).grad_len(), z(1).params_len()), (3, 10, 10));
+        assert_eq!((z(2).optimizer_len(), z(2).grad_len(), z(2).params_len()), (3, 3, 10));
         // The chunks tile the vector.
-        let ends: Vec<_> = (0..3).map(|r| Zero::for_rank(2, 10, 3, r).chunk).collect();
-        assert_eq!(ends, vec![0..4, 4..7, 7..10]);
+        let chunks: Vec<_> = (0..3)
+            .map(|r| Zero::for_rank(2, one_segment(10), 3, r).chunks)
+            .collect();
+        assert_eq!(chunks, vec![one_segment(4), vec![4..7], vec![7..10]]);
+        // Level 3 by layers: each layer chunked on its own.
+        let layers = vec![0..5, 5..6, 6..10];
+        let z3 = Zero::for_rank(3, layers, 2, 1);
+        assert_eq!(z3.chunks, vec![3..5, 6..6, 8..10]);
+        assert_eq!((z3.optimizer_len(), z3.grad_len(), z3.params_len()), (4, 4, 4));
+        let whole: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        assert_eq!(z3.take_owned(&whole), vec![3.0, 4.0, 8.0, 9.0]);
     }
 
     #[test]
@@ -220,13 +330,16 @@ mod tests {
             }
         }
         whole.set_steps_taken(5);
-        let mine = Zero::for_rank(1, 7, 2, 1).shard_of(&whole, 0);
+        let mine = Zero::for_rank(1, one_segment(7), 2, 1).shard_of(&whole, 0);
         assert_eq!(mine.state()[0], &[4.0, 5.0, 6.0][..]);
         assert_eq!(mine.state()[1], &[104.0, 105.0, 106.0][..]);
         assert_eq!(mine.steps_taken(), 5);
         // A stage's 4 values at offset 3, sharded over 2: rank 0 holds 3..5.
-        let stage = Zero::for_rank(2, 4, 2, 0).shard_of(&whole, 3);
+        let stage = Zero::for_rank(2, one_segment(4), 2, 0).shard_of(&whole, 3);
         assert_eq!(stage.state()[0], &[3.0, 4.0][..]);
-        assert_eq!(Zero::for_rank(0, 4, 2, 0).shard_of(&whole, 3).state()[1], &[103.0, 104.0, 105.0, 106.0][..]);
+        assert_eq!(
+            Zero::for_rank(0, one_segment(4), 2, 0).shard_of(&whole, 3).state()[1],
+            &[103.0, 104.0, 105.0, 106.0][..]
+        );
     }
 }

@@ -104,6 +104,9 @@ pub trait LayerStage {
     fn num_params(&self) -> usize;
     fn params_flat(&self) -> Vec<f32>;
     fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError>;
+    /// Drop the parameters until the next `set_params_flat`, if the stage can (ZeRO 3 holds only
+    /// its chunk between steps). Default: keep them (a user's burn layers stay as they are).
+    fn release_params(&mut self) {}
     /// Micro-batches whose forward graphs are held.
     fn held(&self) -> usize;
     /// Floats this stage receives from the previous one for `n` samples (0 on the first stage),

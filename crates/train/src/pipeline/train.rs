@@ -266,7 +266,15 @@ pub fn train<'a>(
     let mut params = stage.params_flat();
     // ZeRO: the stage's optimizer state (and from level 2 its reduced gradient) sharded over the
     // stage's data-parallel group (of the rank's local vector, with tensor parallelism).
-    let zero = Zero::new(cfg.parallel.zero, params.len(), &dp_comm);
+    // At level 3 every layer is chunked on its own, so a layer is gathered by one all-gather.
+    let zero = if cfg.parallel.zero >= 3 {
+        let base = offsets[my_layers.start];
+        let layers = my_layers.clone();
+        let segments = layers.map(|l| offsets[l] - base..offsets[l + 1] - base).collect();
+        Zero::by_segments(3, segments, &dp_comm)
+    } else {
+        Zero::new(cfg.parallel.zero, params.len(), &dp_comm)
+    };
     let mut optimizer = ledger.optimizer(zero.optimizer_len());
     if ledger.resuming() {
         // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice
@@ -285,6 +293,12 @@ pub fn train<'a>(
             stage.set_params_flat(&params).map_err(setup)?;
         }
     }
+    let stage_len = params.len();
+    if zero.level() >= 3 {
+        // ZeRO 3: between steps this rank keeps only its chunks of the stage's parameters.
+        params = zero.take_owned(&params);
+        stage.release_params();
+    }
     let start_step = ledger.start_step;
 
     let faults = ledger.faults;
@@ -292,7 +306,7 @@ pub fn train<'a>(
     let kind = cfg.parallel.schedule;
     let my_micro = assign(m_total, dims.dp, me.replica);
     let ops = schedule(kind, dims.pp, me.stage, my_micro.len());
-    let mut grads = vec![vec![0f32; params.len()]; my_micro.len()];
+    let mut grads = vec![vec![0f32; stage_len]; my_micro.len()];
     let mut total_grad = vec![0f32; zero.grad_len()];
     let mut reducer = ExactReducer::new(cfg.dist.bucket_elems);
     let mut loss_reducer = ExactReducer::new(1);
@@ -308,6 +322,13 @@ pub fn train<'a>(
             + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
             + tp_link.bytes_sent();
         let mut sec = PhaseSeconds::default();
+        if zero.level() >= 3 {
+            // The stage's parameters for this step's compute, gathered layer by layer.
+            let t0 = Instant::now();
+            let whole = zero.gather(&params, &mut dp_comm)?;
+            stage.set_params_flat(&whole).map_err(setup)?;
+            sec.communication += t0.elapsed().as_secs_f64();
+        }
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, t.microbatch);
         let mine = &pieces[my_micro.clone()];
@@ -326,6 +347,10 @@ pub fn train<'a>(
         };
         let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
         let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
+        if zero.level() >= 3 {
+            // Freed after use: the last backward of the step is done.
+            stage.release_params();
+        }
         sec.data = data_seconds;
         sec.forward = (timing.forward - data_seconds).max(0.0);
         sec.backward = timing.backward;
@@ -361,18 +386,27 @@ pub fn train<'a>(
         )
         .map_err(|e| sync_error(e, step))?;
         sec.waiting = (t1 - t0).as_secs_f64();
-        sec.communication = t1.elapsed().as_secs_f64();
+        sec.communication += t1.elapsed().as_secs_f64();
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
         let gather_seconds = zero.step(&mut optimizer, &mut params, &total_grad, lr, &mut dp_comm)?;
-        stage.set_params_flat(&params).map_err(setup)?;
+        if zero.level() < 3 {
+            stage.set_params_flat(&params).map_err(setup)?;
+        }
         sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
         sec.communication += gather_seconds;
         let loss = loss[0] as f64;
 
         let checkpoint_now = ledger.checkpoint_due(step);
         if checkpoint_now {
+            let gathered;
+            let stage_params: &[f32] = if zero.level() >= 3 {
+                gathered = zero.gather(&params, &mut dp_comm)?;
+                &gathered
+            } else {
+                &params
+            };
             // Collective within replica 0: rank 0 receives the whole model.
             let mut whole = |v: &[f32]| {
                 gather_whole(
@@ -384,7 +418,7 @@ pub fn train<'a>(
                     &stage_lens,
                 )
             };
-            let full = whole(&params)?;
+            let full = whole(stage_params)?;
             let mut full_state = Vec::new();
             for v in zero.whole_state(&optimizer, &mut dp_comm)? {
                 full_state.push(whole(&v)?);
@@ -400,7 +434,11 @@ pub fn train<'a>(
         }
 
         let eval = if ledger.eval_due(step) {
-            Some(evaluate(
+            if zero.level() >= 3 {
+                let whole = zero.gather(&params, &mut dp_comm)?;
+                stage.set_params_flat(&whole).map_err(setup)?;
+            }
+            let eval = evaluate(
                 comm,
                 &mut pp_comm,
                 &mut *stage,
@@ -410,7 +448,11 @@ pub fn train<'a>(
                 &tp_link,
                 t.microbatch,
                 step,
-            )?)
+            )?;
+            if zero.level() >= 3 {
+                stage.release_params();
+            }
+            Some(eval)
         } else {
             None
         };
@@ -438,6 +480,15 @@ pub fn train<'a>(
     }
 
     // Replicas of a stage must agree; then rank 0 hashes the whole model and tells everyone.
+    let held = ModelState::new(&params, &optimizer)
+        .grads(grads.iter().map(Vec::as_slice).chain([&total_grad[..]]))
+        .exact_scratch(cfg.dist.reproducible, zero.scratch_len())
+        .activations_per_microbatch(
+            4 * (model.held_activation_floats(my_layers.clone()) * t.microbatch) as u64,
+        );
+    if zero.level() >= 3 {
+        params = zero.gather(&params, &mut dp_comm)?;
+    }
     let stage_hash = param_hash(&params);
     let hashes = gather_strings(&mut dp_comm, &stage_hash)?;
     if let Some(r) = hashes.iter().position(|h| h != &hashes[0]) {
@@ -462,12 +513,6 @@ pub fn train<'a>(
     comm.broadcast(&mut hash_bytes, 0)?;
     let hash = String::from_utf8_lossy(&hash_bytes).into_owned();
 
-    let held = ModelState::new(&params, &optimizer)
-        .grads(grads.iter().map(Vec::as_slice).chain([&total_grad[..]]))
-        .exact_scratch(cfg.dist.reproducible, params.len())
-        .activations_per_microbatch(
-            4 * (model.held_activation_floats(my_layers) * t.microbatch) as u64,
-        );
     ledger.finish(comm, hash, held, |_, ranks| {
         for r in ranks.iter_mut() {
             if let Some(p) = r.pipeline.as_mut() {

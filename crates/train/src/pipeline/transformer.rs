@@ -272,6 +272,13 @@ impl LayerStage for TransformerStage<'_> {
         Ok(on_stage!(&mut self.stage, s => s.set_params_flat(params))?)
     }
 
+    fn release_params(&mut self) {
+        // The tensor-parallel stage keeps its pieces (ZeRO 3 is not combined with tp).
+        if let Inner::Whole(s) = &mut self.stage {
+            s.release_params();
+        }
+    }
+
     fn held(&self) -> usize {
         on_stage!(&self.stage, s => s.held())
     }
