@@ -36,7 +36,14 @@ const SMALL_MLP: &[&str] = &[
     "checkpoint.every=2",
 ];
 
-fn run(config: &str, base: &[&str], out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
+fn run(
+    config: &str,
+    base: &[&str],
+    out: &Path,
+    nproc: &str,
+    sets: &[&str],
+    extra: &[&str],
+) -> Output {
     let config = format!("{}/../../configs/{config}", env!("CARGO_MANIFEST_DIR"));
     let mut args = vec!["train", "--config", &config, "--nproc", nproc, "--out"];
     let out = out.to_str().unwrap();
@@ -49,7 +56,14 @@ fn run(config: &str, base: &[&str], out: &Path, nproc: &str, sets: &[&str], extr
 }
 
 fn transformer(out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
-    run("shakespeare.toml", TINY_TRANSFORMER, out, nproc, sets, extra)
+    run(
+        "shakespeare.toml",
+        TINY_TRANSFORMER,
+        out,
+        nproc,
+        sets,
+        extra,
+    )
 }
 
 fn mlp(out: &Path, nproc: &str, sets: &[&str], extra: &[&str]) -> Output {
@@ -68,7 +82,10 @@ fn hash(dir: &Path) -> String {
 /// `dir`'s run has the reference's parameters, loss and validation curve.
 fn same_run(dir: &Path, reference: &Path, name: &str) {
     let (s, r) = (summary(dir), summary(reference));
-    assert_eq!(s["param_hash"], r["param_hash"], "{name}: parameters differ");
+    assert_eq!(
+        s["param_hash"], r["param_hash"],
+        "{name}: parameters differ"
+    );
     assert_eq!(s["final_loss"], r["final_loss"], "{name}: loss differs");
     assert_eq!(s["evals"], r["evals"], "{name}: validation curve differs");
 }
@@ -101,7 +118,11 @@ fn every_zero_level_of_the_layered_loop_gives_the_one_worker_bits() {
         ("2", &["parallel.pp=2", "parallel.zero=1"], "pp2-zero1"),
         (
             "4",
-            &["parallel.pp=2", "parallel.zero=2", "parallel.schedule=gpipe"],
+            &[
+                "parallel.pp=2",
+                "parallel.zero=2",
+                "parallel.schedule=gpipe",
+            ],
             "dp2xpp2-zero2-gpipe",
         ),
         (
@@ -113,7 +134,11 @@ fn every_zero_level_of_the_layered_loop_gives_the_one_worker_bits() {
         ("3", &["parallel.zero=3"], "dp3-zero3"),
         (
             "4",
-            &["parallel.pp=2", "parallel.zero=3", "parallel.schedule=gpipe"],
+            &[
+                "parallel.pp=2",
+                "parallel.zero=3",
+                "parallel.schedule=gpipe",
+            ],
             "dp2xpp2-zero3-gpipe",
         ),
         (
@@ -145,7 +170,10 @@ fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_siz
         &["--inject", "kill:rank=1,step=3"],
     ));
     let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(err.contains("resumed from the checkpoint of step 2"), "{err}");
+    assert!(
+        err.contains("resumed from the checkpoint of step 2"),
+        "{err}"
+    );
     assert_eq!(hash(&dir), want);
     assert_eq!(summary(&dir)["restarts"], 1);
 
@@ -212,7 +240,10 @@ fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_siz
 fn invalid_zero_requests_are_refused_before_any_worker_starts() {
     let tmp = tempfile::tempdir().unwrap();
     let cases: &[(&[&str], &[&str])] = &[
-        (&["parallel.zero=4"], &["parallel.zero", "4 is not a ZeRO stage"]),
+        (
+            &["parallel.zero=4"],
+            &["parallel.zero", "4 is not a ZeRO stage"],
+        ),
         (
             &["parallel.zero=3"],
             &["parallel.zero", "layered model", "model `mlp`"],
@@ -258,7 +289,12 @@ fn sharding_shrinks_what_each_rank_holds() {
     let tmp = tempfile::tempdir().unwrap();
     let run = |zero: &str| {
         let dir = tmp.path().join(format!("zero{zero}"));
-        ok(transformer(&dir, "2", &[&format!("parallel.zero={zero}")], &[]));
+        ok(transformer(
+            &dir,
+            "2",
+            &[&format!("parallel.zero={zero}")],
+            &[],
+        ));
         dir
     };
     let (z0, z1, z2) = (run("0"), run("1"), run("2"));
@@ -269,12 +305,19 @@ fn sharding_shrinks_what_each_rank_holds() {
         held(&z2, "optimizer_bytes"),
     );
     assert_eq!(o0, 2 * held(&z0, "params_bytes"));
-    assert!(o1 * 100 <= o0 * 51 && o1 == o2, "optimizer bytes {o0} → {o1}, {o2}");
+    assert!(
+        o1 * 100 <= o0 * 51 && o1 == o2,
+        "optimizer bytes {o0} → {o1}, {o2}"
+    );
     // Level 2 keeps half of the reduced gradient: P/2 values (4 bytes each) fewer.
     let p = held(&z0, "params_bytes");
     let (g1, g2) = (held(&z1, "grads_bytes"), held(&z2, "grads_bytes"));
     assert_eq!(held(&z0, "grads_bytes"), g1);
-    assert_eq!(g1 - g2, p / 2, "grads bytes {g1} → {g2} with {p} parameter bytes");
+    assert_eq!(
+        g1 - g2,
+        p / 2,
+        "grads bytes {g1} → {g2} with {p} parameter bytes"
+    );
     // The parameters stay whole on every replica below level 3; at 3 each keeps its chunks.
     assert_eq!(held(&z2, "params_bytes"), p);
     let z3 = run("3");
@@ -298,8 +341,14 @@ fn a_zero3_checkpoint_resumes_as_tp2_x_pp2_and_on_one_worker() {
     ok(transformer(&reference, "1", &pieces, &[]));
     let want = hash(&reference);
     for (name, resume) in [
-        ("as-tp2xpp2", &["parallel.tp=2", "parallel.pp=2", "parallel.zero=0"][..]),
-        ("as-one", &["parallel.tp=1", "parallel.pp=1", "parallel.zero=0"][..]),
+        (
+            "as-tp2xpp2",
+            &["parallel.tp=2", "parallel.pp=2", "parallel.zero=0"][..],
+        ),
+        (
+            "as-one",
+            &["parallel.tp=1", "parallel.pp=1", "parallel.zero=0"][..],
+        ),
     ] {
         // dp2 × pp2 × zero 3 (the canonical 2-piece split computed by each rank) stops at step 5.
         let dir = tmp.path().join(name);

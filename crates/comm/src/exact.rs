@@ -217,7 +217,8 @@ impl ExactReducer {
         out: &mut [f32],
         buckets: &[Range<usize>],
     ) -> Result<(), ExactError> {
-        let ranges = self.exponents_and_fixed(comm, local_parts, total_parts, out.len(), buckets)?;
+        let ranges =
+            self.exponents_and_fixed(comm, local_parts, total_parts, out.len(), buckets)?;
         // Step 3: exact global sum (integer addition: any order, same bits).
         comm.all_reduce(&mut self.acc, ReduceOp::Sum)?;
         // Step 4: back to f32.

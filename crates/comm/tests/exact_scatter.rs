@@ -209,7 +209,10 @@ fn scattered_then_gathered_sends_three_quarters_of_the_all_reduce_bytes() {
     for (full, cheaper) in sent {
         let p = len as u64;
         let slack = 4096;
-        assert!(full >= 8 * p && full <= 8 * p + slack, "all-reduce sent {full}");
+        assert!(
+            full >= 8 * p && full <= 8 * p + slack,
+            "all-reduce sent {full}"
+        );
         assert!(
             cheaper >= 6 * p && cheaper <= 6 * p + slack,
             "reduce-scatter + all-gather sent {cheaper}"

@@ -304,7 +304,15 @@ fn gradients(
     } else {
         let grad_refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
         if zero.level() >= 2 {
-            sync.sync_sharded(comm, &grad_refs, &losses, plan.n_micro, zero, plan.len, total_grad)
+            sync.sync_sharded(
+                comm,
+                &grad_refs,
+                &losses,
+                plan.n_micro,
+                zero,
+                plan.len,
+                total_grad,
+            )
         } else {
             sync.sync(comm, &grad_refs, &losses, plan.n_micro, total_grad)
         }

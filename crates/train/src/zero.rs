@@ -298,9 +298,18 @@ mod tests {
     #[test]
     fn what_a_rank_holds_follows_the_level() {
         let z = |level| Zero::for_rank(level, one_segment(10), 3, 1);
-        assert_eq!((z(0).optimizer_len(), z(0).grad_len(), z(0).params_len()), (10, 10, 10));
-        assert_eq!((z(1).optimizer_len(), z(1).grad_len(), z(1).params_len()), (3, 10, 10));
-        assert_eq!((z(2).optimizer_len(), z(2).grad_len(), z(2).params_len()), (3, 3, 10));
+        assert_eq!(
+            (z(0).optimizer_len(), z(0).grad_len(), z(0).params_len()),
+            (10, 10, 10)
+        );
+        assert_eq!(
+            (z(1).optimizer_len(), z(1).grad_len(), z(1).params_len()),
+            (3, 10, 10)
+        );
+        assert_eq!(
+            (z(2).optimizer_len(), z(2).grad_len(), z(2).params_len()),
+            (3, 3, 10)
+        );
         // The chunks tile the vector.
         let chunks: Vec<_> = (0..3)
             .map(|r| Zero::for_rank(2, one_segment(10), 3, r).chunks)
@@ -310,7 +319,10 @@ mod tests {
         let layers = vec![0..5, 5..6, 6..10];
         let z3 = Zero::for_rank(3, layers, 2, 1);
         assert_eq!(z3.chunks, vec![3..5, 6..6, 8..10]);
-        assert_eq!((z3.optimizer_len(), z3.grad_len(), z3.params_len()), (4, 4, 4));
+        assert_eq!(
+            (z3.optimizer_len(), z3.grad_len(), z3.params_len()),
+            (4, 4, 4)
+        );
         let whole: Vec<f32> = (0..10).map(|i| i as f32).collect();
         assert_eq!(z3.take_owned(&whole), vec![3.0, 4.0, 8.0, 9.0]);
     }
@@ -338,7 +350,9 @@ mod tests {
         let stage = Zero::for_rank(2, one_segment(4), 2, 0).shard_of(&whole, 3);
         assert_eq!(stage.state()[0], &[3.0, 4.0][..]);
         assert_eq!(
-            Zero::for_rank(0, one_segment(4), 2, 0).shard_of(&whole, 3).state()[1],
+            Zero::for_rank(0, one_segment(4), 2, 0)
+                .shard_of(&whole, 3)
+                .state()[1],
             &[103.0, 104.0, 105.0, 106.0][..]
         );
     }

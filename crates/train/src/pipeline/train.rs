@@ -270,7 +270,9 @@ pub fn train<'a>(
     let zero = if cfg.parallel.zero >= 3 {
         let base = offsets[my_layers.start];
         let layers = my_layers.clone();
-        let segments = layers.map(|l| offsets[l] - base..offsets[l + 1] - base).collect();
+        let segments = layers
+            .map(|l| offsets[l] - base..offsets[l + 1] - base)
+            .collect();
         Zero::by_segments(3, segments, &dp_comm)
     } else {
         Zero::new(cfg.parallel.zero, params.len(), &dp_comm)
@@ -390,7 +392,8 @@ pub fn train<'a>(
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
-        let gather_seconds = zero.step(&mut optimizer, &mut params, &total_grad, lr, &mut dp_comm)?;
+        let gather_seconds =
+            zero.step(&mut optimizer, &mut params, &total_grad, lr, &mut dp_comm)?;
         if zero.level() < 3 {
             stage.set_params_flat(&params).map_err(setup)?;
         }
