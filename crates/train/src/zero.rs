@@ -179,12 +179,7 @@ impl Zero {
             if reproducible {
                 return reducer.reduce_with_buckets(dp, parts, total_parts, grad, buckets);
             }
-            grad.fill(0.0);
-            for p in parts {
-                for (a, b) in grad.iter_mut().zip(p.iter()) {
-                    *a += b;
-                }
-            }
+            local_sum(parts, grad);
             dp.all_reduce(grad, ReduceOp::Sum)?;
             return Ok(());
         }
@@ -208,11 +203,7 @@ impl Zero {
                 )?;
             } else {
                 let mut sum = vec![0f32; seg.len()];
-                for p in &seg_parts {
-                    for (a, b) in sum.iter_mut().zip(p.iter()) {
-                        *a += b;
-                    }
-                }
+                local_sum(&seg_parts, &mut sum);
                 let mine = dp.reduce_scatter(&mut sum, ReduceOp::Sum)?;
                 out.copy_from_slice(&sum[mine]);
             }
@@ -283,6 +274,16 @@ impl Zero {
         }
         mine.set_steps_taken(whole.steps_taken());
         mine
+    }
+}
+
+/// `out` = the plain `f32` sum of `parts`, in order (plain mode: deterministic at a fixed layout).
+fn local_sum(parts: &[&[f32]], out: &mut [f32]) {
+    out.fill(0.0);
+    for p in parts {
+        for (a, b) in out.iter_mut().zip(p.iter()) {
+            *a += b;
+        }
     }
 }
 
