@@ -12,7 +12,8 @@
 //!    `all_reduce(max)` of B × i32 (latency-bound, B·4 bytes);
 //! 2. each rank converts every local micro-batch gradient to fixed point with
 //!    `shift = 62 − headroom − e_max` (headroom = ⌈log2 M⌉ bits, so the sum of M values can't overflow)
-//!    and adds them into an `i64` accumulator: exact;
+//!    and adds them into an `i64` accumulator: exact (all local parts in one pass, each sum stored
+//!    once);
 //! 3. `all_reduce(sum)` of P × i64 (bandwidth-bound, 2× the bytes of an f32 all-reduce);
 //! 4. convert back: `f32(f64(sum) · 2^−shift)`.
 //!
@@ -24,10 +25,16 @@
 //! f32 chunks ((n−1)/n·4·P bytes): the whole sum, same bits as `reduce`, for 1.5× the bytes of a
 //! plain f32 all-reduce instead of 2×.
 //!
+//! [`ExactReducer::reduce_cheapest`] picks between the two by [`scatter_pays`] (the all-reduce's
+//! fewer rounds win for small vectors), and on a group of one runs
+//! [`ExactReducer::reduce_local_with_buckets`]: steps 2–4 fused into one pass per bucket (each
+//! value's `i64` sum converted back as soon as it is formed), no `i64` vector, no communication —
+//! the same bits, since every step is the same arithmetic on the same values.
+//!
 //! [`ExactReducer::reduce_bucket`] runs the same four steps for one bucket alone (`all_reduce(max)` of
-//! one i32, then `all_reduce(sum)` of that bucket's i64 values, skipped when the bucket is zero on
-//! every rank), so a caller can reduce buckets one by one as their values become available (overlap
-//! with backward). Because exponents are per bucket and integer sums are exact, reducing every bucket
+//! one i32, then that bucket's i64 values reduce-scattered and the finished f32 chunks all-gathered
+//! when [`scatter_pays`], else all-reduced; skipped when the bucket is zero on every rank), so a
+//! caller can reduce buckets one by one as their values become available (overlap with backward). Because exponents are per bucket and integer sums are exact, reducing every bucket
 //! of [`ExactReducer::buckets`] this way gives the same bits as one `reduce` of the whole vector; it
 //! costs two latency-bound collectives per bucket instead of two in all.
 //!
@@ -40,7 +47,7 @@
 
 use std::ops::Range;
 
-use crate::communicator::Communicator;
+use crate::communicator::{Algorithm, Communicator};
 use crate::element::ReduceOp;
 use crate::error::CommError;
 
@@ -302,20 +309,7 @@ impl ExactReducer {
         buckets: &[Range<usize>],
     ) -> Result<Vec<(usize, usize)>, ExactError> {
         check_parts(local_parts, total_parts, len)?;
-        let mut expected_start = 0;
-        for b in buckets {
-            if b.start != expected_start || b.end <= b.start {
-                return Err(ExactError::Invalid(format!(
-                    "bucket {b:?} does not continue the tiling of 0..{len} at {expected_start}"
-                )));
-            }
-            expected_start = b.end;
-        }
-        if expected_start != len {
-            return Err(ExactError::Invalid(format!(
-                "buckets end at {expected_start}, the vector has {len} values"
-            )));
-        }
+        check_tiling(buckets, len)?;
         let ranges: Vec<(usize, usize)> = buckets.iter().map(|b| (b.start, b.end)).collect();
 
         // Step 1: shared exponent per bucket.
@@ -333,18 +327,16 @@ impl ExactReducer {
             return Err(ExactError::NonFinite { start, end });
         }
 
-        // Step 2: local exact accumulation.
-        self.acc.clear();
+        // Step 2: local exact accumulation, every local part in one pass over the accumulator
+        // (which is overwritten, not cleared first: its capacity is kept from step to step).
         self.acc.resize(len, 0);
         for (b, &(s, e)) in ranges.iter().enumerate() {
             let e_max = self.exponents[b];
             if e_max == ALL_ZERO {
+                self.acc[s..e].fill(0);
                 continue;
             }
-            let shift = shift_for(e_max, total_parts);
-            for p in local_parts {
-                accumulate_fixed(&mut self.acc[s..e], &p[s..e], shift);
-            }
+            fixed_sum(&mut self.acc[s..e], local_parts, s..e, shift_for(e_max, total_parts));
         }
         Ok(ranges)
     }
@@ -417,15 +409,153 @@ impl ExactReducer {
 
         // Steps 2–4 for this bucket.
         let shift = shift_for(e_max, total_parts);
-        self.acc.clear();
         self.acc.resize(e - s, 0);
-        for p in local_parts {
-            accumulate_fixed(&mut self.acc, &p[s..e], shift);
+        fixed_sum(&mut self.acc[..e - s], local_parts, s..e, shift);
+        let acc = &mut self.acc[..e - s];
+        if scatter_pays(comm, e - s) {
+            let mine = comm.reduce_scatter(acc, ReduceOp::Sum)?;
+            let dst = &mut out[s..e];
+            finish_fixed(&acc[mine.clone()], shift, &mut dst[mine]);
+            comm.all_gather_chunks(dst)?;
+        } else {
+            comm.all_reduce(acc, ReduceOp::Sum)?;
+            finish_fixed(acc, shift, &mut out[s..e]);
         }
-        comm.all_reduce(&mut self.acc, ReduceOp::Sum)?;
-        finish_fixed(&self.acc, shift, &mut out[s..e]);
         Ok(())
     }
+
+    /// The whole exact sum on every rank with the cheaper of the two schedules that give it
+    /// (same bits either way): [`ExactReducer::reduce_scattered_then_gathered`] (1.5× the bytes
+    /// of a plain `f32` all-reduce) when [`scatter_pays`], else
+    /// [`ExactReducer::reduce_with_buckets`] (one all-reduce of the `i64` sums: fewer messages
+    /// for a small vector); on a group of one, [`ExactReducer::reduce_local_with_buckets`].
+    pub fn reduce_cheapest(
+        &mut self,
+        comm: &mut Communicator,
+        local_parts: &[&[f32]],
+        total_parts: usize,
+        out: &mut [f32],
+        buckets: &[Range<usize>],
+    ) -> Result<(), ExactError> {
+        if comm.size() == 1 {
+            self.reduce_local_with_buckets(local_parts, total_parts, out, buckets)
+        } else if scatter_pays(comm, out.len()) {
+            self.reduce_scattered_then_gathered(comm, local_parts, total_parts, out, buckets)
+        } else {
+            self.reduce_with_buckets(comm, local_parts, total_parts, out, buckets)
+        }
+    }
+
+    /// [`ExactReducer::reduce_with_buckets`] on a group of one: the same bits, with steps 2–4
+    /// fused into one pass per bucket (each value's fixed-point sum is converted back as soon as
+    /// it is formed, never stored), and no communication.
+    pub fn reduce_local_with_buckets(
+        &mut self,
+        local_parts: &[&[f32]],
+        total_parts: usize,
+        out: &mut [f32],
+        buckets: &[Range<usize>],
+    ) -> Result<(), ExactError> {
+        let len = out.len();
+        check_parts(local_parts, total_parts, len)?;
+        check_tiling(buckets, len)?;
+        for b in buckets {
+            let e_max = local_parts
+                .iter()
+                .map(|p| max_exponent(&p[b.clone()]))
+                .max()
+                .unwrap_or(ALL_ZERO);
+            if e_max == NON_FINITE {
+                return Err(ExactError::NonFinite {
+                    start: b.start,
+                    end: b.end,
+                });
+            }
+            let dst = &mut out[b.clone()];
+            if e_max == ALL_ZERO {
+                dst.fill(0.0);
+            } else {
+                fixed_sum_finished(dst, local_parts, b.clone(), shift_for(e_max, total_parts));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether an exact sum of `len` values over `comm` moves fewer bytes as a reduce-scatter of its
+/// `i64` sums and an all-gather of the finished `f32` values than as one all-reduce of the sums:
+/// on a group of several ranks, when the all-reduce would run as a ring anyway (the algorithm
+/// forced to `ring`, or `auto` at or above the small-message threshold). Below it, or with
+/// `recursive-doubling` forced, the all-reduce's fewer rounds win. A function of the group's
+/// settings and `len` only, so every rank chooses alike.
+pub fn scatter_pays(comm: &Communicator, len: usize) -> bool {
+    comm.size() > 1
+        && match comm.algorithm() {
+            Algorithm::Ring => true,
+            Algorithm::RecursiveDoubling => false,
+            Algorithm::Auto => len.saturating_mul(8) >= comm.small_message_threshold(),
+        }
+}
+
+/// `acc[i] = Σ_p round(p[range.start + i] · 2^shift)` over the local parts, in one pass over
+/// `acc` (no clearing, one store per value): bitwise [`accumulate_fixed`] of each part in turn
+/// into zeros, since every term is rounded on its own and integer addition is exact.
+fn fixed_sum(acc: &mut [i64], parts: &[&[f32]], range: Range<usize>, shift: i32) {
+    debug_assert_eq!(acc.len(), range.len());
+    let (s1, s2) = split_shift(shift);
+    let (m1, m2) = (pow2(s1), pow2(s2));
+    let fixed = |v: f32| round_to_i64((v as f64) * m1 * m2);
+    match parts {
+        [] => acc.fill(0),
+        [a] => {
+            for (o, &x) in acc.iter_mut().zip(&a[range]) {
+                *o = fixed(x);
+            }
+        }
+        [a, b, rest @ ..] => {
+            for (o, (&x, &y)) in acc
+                .iter_mut()
+                .zip(a[range.clone()].iter().zip(&b[range.clone()]))
+            {
+                *o = fixed(x) + fixed(y);
+            }
+            for p in rest {
+                accumulate_fixed(acc, &p[range.clone()], shift);
+            }
+        }
+    }
+}
+
+/// `out[i] = f32(f64(Σ_p round(p[range.start + i] · 2^shift)) · 2^−shift)`: [`fixed_sum`]
+/// followed by [`finish_fixed`] in one pass, in blocks small enough to stay in cache.
+fn fixed_sum_finished(out: &mut [f32], parts: &[&[f32]], range: Range<usize>, shift: i32) {
+    const BLOCK: usize = 1024;
+    let mut acc = [0i64; BLOCK];
+    for (k, dst) in out.chunks_mut(BLOCK).enumerate() {
+        let start = range.start + k * BLOCK;
+        let acc = &mut acc[..dst.len()];
+        fixed_sum(acc, parts, start..start + dst.len(), shift);
+        finish_fixed(acc, shift, dst);
+    }
+}
+
+/// `buckets` must tile `0..len` in order.
+fn check_tiling(buckets: &[Range<usize>], len: usize) -> Result<(), ExactError> {
+    let mut expected_start = 0;
+    for b in buckets {
+        if b.start != expected_start || b.end <= b.start {
+            return Err(ExactError::Invalid(format!(
+                "bucket {b:?} does not continue the tiling of 0..{len} at {expected_start}"
+            )));
+        }
+        expected_start = b.end;
+    }
+    if expected_start != len {
+        return Err(ExactError::Invalid(format!(
+            "buckets end at {expected_start}, the vector has {len} values"
+        )));
+    }
+    Ok(())
 }
 
 /// The exact sum of `parts` that one process holds all of, with one shared exponent for the whole
@@ -623,6 +753,39 @@ mod tests {
         for i in 0..5 {
             let exact: f64 = parts.iter().map(|p| p[i] as f64).sum();
             assert!((f32::from_bits(a[i]) as f64 - exact).abs() <= exact.abs() * 1e-7 + 1e-12);
+        }
+    }
+
+    #[test]
+    fn the_fused_sums_are_the_sums_part_by_part() {
+        let parts: Vec<Vec<f32>> = (0..5)
+            .map(|k| {
+                (0..2100)
+                    .map(|i| ((k * 13 + i * 7) as f32).cos() * 10f32.powi((i % 7) as i32 - 3))
+                    .collect()
+            })
+            .collect();
+        for count in 0..=5 {
+            let refs: Vec<&[f32]> = parts[..count].iter().map(|p| p.as_slice()).collect();
+            let e_max = parts.iter().map(|p| max_exponent(p)).max().unwrap();
+            let shift = shift_for(e_max, 5);
+            let range = 37..2100;
+            let mut want = vec![0i64; range.len()];
+            for p in &refs {
+                accumulate_fixed(&mut want, &p[range.clone()], shift);
+            }
+            let mut acc = vec![-1i64; range.len()];
+            fixed_sum(&mut acc, &refs, range.clone(), shift);
+            assert_eq!(acc, want, "{count} parts");
+            let mut finished = vec![0f32; range.len()];
+            finish_fixed(&want, shift, &mut finished);
+            let mut fused = vec![f32::NAN; range.len()];
+            fixed_sum_finished(&mut fused, &refs, range, shift);
+            assert_eq!(
+                fused.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                finished.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{count} parts"
+            );
         }
     }
 

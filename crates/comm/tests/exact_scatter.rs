@@ -1,16 +1,18 @@
 //! The exact sum reduce-scattered (ZeRO's gradient path) and reduce-scattered then all-gathered
 //! (the cheaper full reduction), over the in-process transport: world sizes × lengths × bucket
 //! sizes against the one-rank sum, integer closed forms, untouched non-owned values, bytes on
-//! the wire, and non-finite values reported on every rank.
+//! the wire, and non-finite values reported on every rank; the cheapest schedule
+//! (`reduce_cheapest`, `reduce_bucket`: scattered where that saves bytes, fused on one rank) against
+//! the all-reduce's bits at every algorithm setting.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockstep_comm::collectives::chunk_range;
-use lockstep_comm::exact::{ExactError, ExactReducer};
+use lockstep_comm::exact::{scatter_pays, ExactError, ExactReducer};
 use lockstep_comm::inproc::in_process_group;
-use lockstep_comm::Communicator;
+use lockstep_comm::{Algorithm, Communicator};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -236,5 +238,114 @@ fn a_non_finite_value_on_one_rank_is_reported_on_every_rank() {
             Err(ExactError::NonFinite { start, end }) => assert_eq!((start, end), (100, 200)),
             other => panic!("expected NonFinite, got {other:?}"),
         }
+    }
+}
+
+#[test]
+fn the_cheapest_schedule_and_each_bucket_alone_give_the_bits_of_the_all_reduce() {
+    // Lengths on both sides of the small-message threshold (256 KiB of i64 = 32,768 values),
+    // every algorithm setting, world sizes 1–4 (one rank: the fused local pass).
+    for n in 1..=4 {
+        for len in [0usize, 1, 5, 4099, 40_000] {
+            for bucket in [256usize, 1 << 15] {
+                let m = 7;
+                let all = parts(m, len);
+                let want = one_rank_sum(&all, len, bucket);
+                for alg in [Algorithm::Auto, Algorithm::Ring, Algorithm::RecursiveDoubling] {
+                    let got = spmd(n, |comm| {
+                        comm.set_algorithm(alg);
+                        let refs: Vec<&[f32]> = all[share(m, n, comm.rank())]
+                            .iter()
+                            .map(|p| p.as_slice())
+                            .collect();
+                        let mut reducer = ExactReducer::new(bucket);
+                        let buckets: Vec<Range<usize>> =
+                            reducer.buckets(len).map(|(s, e)| s..e).collect();
+                        let mut whole = vec![f32::NAN; len];
+                        reducer
+                            .reduce_cheapest(comm, &refs, m, &mut whole, &buckets)
+                            .unwrap();
+                        let mut by_bucket = vec![f32::NAN; len];
+                        for b in buckets.iter().rev() {
+                            reducer
+                                .reduce_bucket(comm, &refs, m, b.clone(), &mut by_bucket)
+                                .unwrap();
+                        }
+                        (whole, by_bucket)
+                    });
+                    for (r, (whole, by_bucket)) in got.iter().enumerate() {
+                        let case = format!("n={n} len={len} bucket={bucket} {alg:?} rank={r}");
+                        assert_eq!(bits(whole), bits(&want), "{case}: reduce_cheapest");
+                        assert_eq!(bits(by_bucket), bits(&want), "{case}: reduce_bucket");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_cheapest_schedule_scatters_only_where_it_saves_bytes() {
+    let comms = spmd(2, |comm| {
+        let small = scatter_pays(comm, 32_767);
+        let large = scatter_pays(comm, 32_768);
+        comm.set_algorithm(Algorithm::RecursiveDoubling);
+        let rd = scatter_pays(comm, 1 << 20);
+        comm.set_algorithm(Algorithm::Ring);
+        let ring = scatter_pays(comm, 1);
+        (small, large, rd, ring)
+    });
+    for c in comms {
+        assert_eq!(c, (false, true, false, true), "(small, large, rd, ring)");
+    }
+    assert!(!spmd(1, |comm| scatter_pays(comm, 1 << 20))[0], "one rank never");
+
+    // Two ranks, 1 Mi values: 6 bytes per value, as reduce_scattered_then_gathered.
+    let len = 1 << 20;
+    let all = parts(2, len);
+    let sent = spmd(2, |comm| {
+        let part = all[comm.rank()].as_slice();
+        let mut reducer = ExactReducer::new(1 << 16);
+        let buckets: Vec<Range<usize>> = reducer.buckets(len).map(|(s, e)| s..e).collect();
+        let mut out = vec![0f32; len];
+        let before = comm.stats().bytes_sent;
+        reducer
+            .reduce_cheapest(comm, &[part], 2, &mut out, &buckets)
+            .unwrap();
+        comm.stats().bytes_sent - before
+    });
+    for s in sent {
+        assert!((6 * len as u64..6 * len as u64 + 4096).contains(&s), "{s}");
+    }
+}
+
+#[test]
+fn one_rank_reports_a_non_finite_bucket_and_zero_buckets_stay_zero() {
+    let mut a = vec![0f32; 300];
+    let mut b = vec![0f32; 300];
+    a[20] = 1.5;
+    b[250] = -0.25;
+    let got = spmd(1, |comm| {
+        let mut reducer = ExactReducer::new(100);
+        let buckets: Vec<Range<usize>> = reducer.buckets(300).map(|(s, e)| s..e).collect();
+        let mut out = vec![f32::NAN; 300];
+        reducer
+            .reduce_cheapest(comm, &[&a, &b], 2, &mut out, &buckets)
+            .unwrap();
+        let mut bad = b.clone();
+        bad[150] = f32::INFINITY;
+        let err = reducer
+            .reduce_cheapest(comm, &[&a, &bad], 2, &mut vec![0f32; 300], &buckets)
+            .unwrap_err();
+        (out, err)
+    });
+    let (out, err) = &got[0];
+    let mut want = vec![0f32; 300];
+    want[20] = 1.5;
+    want[250] = -0.25;
+    assert_eq!(bits(out), bits(&want), "zero buckets are zero, values exact");
+    match err {
+        ExactError::NonFinite { start, end } => assert_eq!((*start, *end), (100, 200)),
+        other => panic!("expected NonFinite, got {other:?}"),
     }
 }

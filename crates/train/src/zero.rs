@@ -8,7 +8,7 @@
 //!
 //! | level | optimizer state | reduced gradient | parameters | per step, besides the local gradients |
 //! |---|---|---|---|---|
-//! | 0 | whole | whole | whole | exact all-reduce of `i64` sums: `2·(n−1)/n·8P` bytes sent |
+//! | 0 | whole | whole | whole | exact reduce-scatter of `i64` sums, all-gather of the finished `f32` sums: `(n−1)/n·(8 + 4)P` bytes sent |
 //! | 1 | chunk | whole | whole | the same, then all-gather of the updated `f32` chunks: `+(n−1)/n·4P` |
 //! | 2 | chunk | chunk | whole | exact reduce-scatter `(n−1)/n·8P`, all-gather `(n−1)/n·4P` |
 //! | 3 | chunk of each layer | chunk of each layer | chunk of each layer between steps | per layer: all-gather `(n−1)/n·4P` before the step, exact reduce-scatter `(n−1)/n·8P` |
@@ -177,7 +177,7 @@ impl Zero {
     ) -> Result<(), ExactError> {
         if self.level < 2 {
             if reproducible {
-                return reducer.reduce_with_buckets(dp, parts, total_parts, grad, buckets);
+                return reducer.reduce_cheapest(dp, parts, total_parts, grad, buckets);
             }
             local_sum(parts, grad);
             dp.all_reduce(grad, ReduceOp::Sum)?;

@@ -125,19 +125,7 @@ impl<'a> Placement<'a> {
         };
         let seg_elems = (w.segment_bytes / esz).max(1);
         if ring {
-            // ring.rs: 2(n−1) steps; every chunk is cut into as many segments as the largest.
-            let chunk0 = elems.div_ceil(n);
-            let nseg = chunk0.div_ceil(seg_elems).max(1);
-            let seg = (chunk0.div_ceil(nseg) * esz) as f64;
-            let flows: Vec<(usize, usize, f64)> = groups
-                .iter()
-                .flat_map(|g| (0..n).map(move |i| (g[i], g[(i + 1) % n], seg)))
-                .collect();
-            Cost {
-                seconds: self.round_seconds(&flows, fresh)
-                    + (2 * (n - 1) * nseg - 1) as f64 * self.round_seconds(&flows, false),
-                bytes_per_rank: 2.0 * (n - 1) as f64 / n as f64 * (elems * esz) as f64,
-            }
+            self.ring_phases(groups, elems, esz, w, fresh, 2)
         } else {
             // recursive_doubling.rs: fold, log2 p butterfly exchanges, unfold; whole buffer each.
             let p = 1usize << n.ilog2();
@@ -188,6 +176,55 @@ impl<'a> Placement<'a> {
         }
     }
 
+    /// `phases` ring phases (ring.rs; 1: a reduce-scatter or an all-gather, 2: an all-reduce) of
+    /// `elems` elements of `esz` bytes in every group at once: `phases·(n−1)` steps, every chunk
+    /// cut into as many segments as the largest.
+    fn ring_phases(
+        &self,
+        groups: &[Vec<usize>],
+        elems: usize,
+        esz: usize,
+        w: &Workload,
+        fresh: bool,
+        phases: usize,
+    ) -> Cost {
+        let n = groups.first().map_or(1, Vec::len);
+        if n <= 1 || elems == 0 {
+            return Cost::default();
+        }
+        let seg_elems = (w.segment_bytes / esz).max(1);
+        let chunk0 = elems.div_ceil(n);
+        let nseg = chunk0.div_ceil(seg_elems).max(1);
+        let seg = (chunk0.div_ceil(nseg) * esz) as f64;
+        let flows: Vec<(usize, usize, f64)> = groups
+            .iter()
+            .flat_map(|g| (0..n).map(move |i| (g[i], g[(i + 1) % n], seg)))
+            .collect();
+        Cost {
+            seconds: self.round_seconds(&flows, fresh)
+                + (phases * (n - 1) * nseg - 1) as f64 * self.round_seconds(&flows, false),
+            bytes_per_rank: phases as f64 * (n - 1) as f64 / n as f64 * (elems * esz) as f64,
+        }
+    }
+
+    /// The exact sum of `elems` values after their exponents are agreed, as
+    /// `lockstep_comm::exact` runs it: where `scatter_pays` (the `i64` all-reduce would be a
+    /// ring), a ring reduce-scatter of the `i64` sums and a ring all-gather of the `f32` results;
+    /// otherwise one all-reduce of the `i64` sums.
+    fn exact_sum(&self, groups: &[Vec<usize>], elems: usize, w: &Workload, fresh: bool) -> Cost {
+        let scatter = match w.algorithm() {
+            Algorithm::Auto => elems * 8 >= w.small_message_threshold,
+            Algorithm::Ring => true,
+            Algorithm::RecursiveDoubling => false,
+        };
+        if scatter {
+            self.ring_phases(groups, elems, 8, w, fresh, 1)
+                + self.ring_phases(groups, elems, 4, w, false, 1)
+        } else {
+            self.all_reduce(groups, elems, 8, w, fresh)
+        }
+    }
+
     /// The loss exchange of every step (`GradSync::exchange_loss`): an exact one-value sum, i.e.
     /// an all-reduce of one i32 exponent and one of one i64.
     pub(super) fn loss_exchange(&self, world: usize, w: &Workload) -> Cost {
@@ -202,11 +239,11 @@ impl<'a> Placement<'a> {
         let be = w.bucket_elems;
         if w.reproducible && !w.overlap {
             return self.all_reduce(groups, params.div_ceil(be), 4, w, false)
-                + self.all_reduce(groups, params, 8, w, true);
+                + self.exact_sum(groups, params, w, true);
         }
         let bucket = |len: usize, fresh: bool| -> Cost {
             if w.reproducible {
-                self.all_reduce(groups, 1, 4, w, false) + self.all_reduce(groups, len, 8, w, fresh)
+                self.all_reduce(groups, 1, 4, w, false) + self.exact_sum(groups, len, w, fresh)
             } else {
                 self.all_reduce(groups, len, 4, w, fresh)
             }
@@ -408,9 +445,10 @@ mod tests {
     #[test]
     fn bytes_per_step_equal_what_the_bench_mlp_runs_sent() {
         // MLP 784-512-512-10 (669,706 parameters), reproducible: measured on 2 and 4 workers
-        // (runs of configs/bench-mlp784.toml): 5,357,704 and 8,036,584 bytes per rank and step.
+        // (runs of configs/bench-mlp784.toml, the i64 sums reduce-scattered and the f32 sums
+        // all-gathered): 4,018,292 and 6,027,466 bytes per rank and step.
         let w = workload(669_706);
-        for (n, measured) in [(2usize, 5_357_704.0), (4, 8_036_584.0)] {
+        for (n, measured) in [(2usize, 4_018_292.0), (4, 6_027_466.0)] {
             let c = one_node(n, Link::new(1e-5, 1e9));
             let place = Placement::new(&c, n);
             let g = vec![(0..n).collect::<Vec<_>>()];
