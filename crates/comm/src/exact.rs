@@ -336,7 +336,12 @@ impl ExactReducer {
                 self.acc[s..e].fill(0);
                 continue;
             }
-            fixed_sum(&mut self.acc[s..e], local_parts, s..e, shift_for(e_max, total_parts));
+            fixed_sum(
+                &mut self.acc[s..e],
+                local_parts,
+                s..e,
+                shift_for(e_max, total_parts),
+            );
         }
         Ok(ranges)
     }

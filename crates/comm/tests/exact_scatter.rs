@@ -251,7 +251,11 @@ fn the_cheapest_schedule_and_each_bucket_alone_give_the_bits_of_the_all_reduce()
                 let m = 7;
                 let all = parts(m, len);
                 let want = one_rank_sum(&all, len, bucket);
-                for alg in [Algorithm::Auto, Algorithm::Ring, Algorithm::RecursiveDoubling] {
+                for alg in [
+                    Algorithm::Auto,
+                    Algorithm::Ring,
+                    Algorithm::RecursiveDoubling,
+                ] {
                     let got = spmd(n, |comm| {
                         comm.set_algorithm(alg);
                         let refs: Vec<&[f32]> = all[share(m, n, comm.rank())]
@@ -298,7 +302,10 @@ fn the_cheapest_schedule_scatters_only_where_it_saves_bytes() {
     for c in comms {
         assert_eq!(c, (false, true, false, true), "(small, large, rd, ring)");
     }
-    assert!(!spmd(1, |comm| scatter_pays(comm, 1 << 20))[0], "one rank never");
+    assert!(
+        !spmd(1, |comm| scatter_pays(comm, 1 << 20))[0],
+        "one rank never"
+    );
 
     // Two ranks, 1 Mi values: 6 bytes per value, as reduce_scattered_then_gathered.
     let len = 1 << 20;
@@ -343,7 +350,11 @@ fn one_rank_reports_a_non_finite_bucket_and_zero_buckets_stay_zero() {
     let mut want = vec![0f32; 300];
     want[20] = 1.5;
     want[250] = -0.25;
-    assert_eq!(bits(out), bits(&want), "zero buckets are zero, values exact");
+    assert_eq!(
+        bits(out),
+        bits(&want),
+        "zero buckets are zero, values exact"
+    );
     match err {
         ExactError::NonFinite { start, end } => assert_eq!((*start, *end), (100, 200)),
         other => panic!("expected NonFinite, got {other:?}"),
