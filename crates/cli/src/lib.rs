@@ -4,6 +4,7 @@
 //! workers. The only place that reads argv and the environment.
 
 mod bench;
+mod bench_train;
 mod cluster_env;
 mod inject;
 mod launch;
@@ -54,6 +55,8 @@ enum Command {
     BenchCollectives(BenchArgs),
     /// Run the same training at several worker counts and compare speed, balance and result.
     Scale(ScaleArgs),
+    /// Training benchmark: 1 worker, N exact, N plain and N never communicating, interleaved.
+    Bench(bench_train::BenchTrainArgs),
     /// Print a fresh job secret (64 hex digits) for multi-node jobs or external launchers.
     Secret,
     /// Predict step time, speedup and efficiency of layouts on a described cluster, calibrated
@@ -296,6 +299,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
         Some(Command::Train(a)) => cmd_train(a),
         Some(Command::BenchCollectives(a)) => cmd_bench(a),
         Some(Command::Scale(a)) => cmd_scale(a),
+        Some(Command::Bench(a)) => bench_train::run(a),
         Some(Command::Secret) => JobSecret::generate()
             .map(|s| println!("{}", s.to_hex()))
             .map_err(Into::into),

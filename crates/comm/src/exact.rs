@@ -766,7 +766,7 @@ mod tests {
         let parts: Vec<Vec<f32>> = (0..5)
             .map(|k| {
                 (0..2100)
-                    .map(|i| ((k * 13 + i * 7) as f32).cos() * 10f32.powi((i % 7) as i32 - 3))
+                    .map(|i| ((k * 13 + i * 7) as f32).cos() * 10f32.powi(i % 7 - 3))
                     .collect()
             })
             .collect();

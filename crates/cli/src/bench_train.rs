@@ -1,0 +1,487 @@
+//! `lockstep bench`: the training benchmark behind the README's "Benchmarks" figures, in one
+//! invocation so that its cases see the same machine.
+//!
+//! Four cases on one config: one worker (`1x1`), `N` workers exact (`Nx1-exact`, the default
+//! `dist.reproducible = true`), `N` workers plain (`Nx1-plain`, `dist.reproducible = false`), and
+//! the no-communication bound (`Nx1-nocomm`): `N` independent one-worker jobs started together,
+//! each with `1/N` of the global batch, so every process computes and steps the optimizer exactly
+//! as a worker of the `N`-worker job does, on the same shared cores, but never talks to another —
+//! the speed `N` workers would reach if gradient exchange were free. No setting is needed for it
+//! (a one-worker job never communicates), so nothing in `lockstep train` can be left in a
+//! "do not communicate" mode by mistake.
+//!
+//! Every case is a real `lockstep train` run (a child process of this binary, logs in the runs
+//! directory). The cases are interleaved: repetition `k` runs all of them, starting one case
+//! further along each time, so a machine that slows down or speeds up during the benchmark (other
+//! jobs on shared cores) moves every case alike instead of one. A run's speed is the global batch
+//! over the median step time of its slowest rank, warm-up steps skipped, as `lockstep scale`
+//! computes it (`lockstep_report::scaling`); the no-communication case takes the slowest of its
+//! independent jobs.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use lockstep_report::scaling::{self, Layout, Run};
+use lockstep_train::metrics::median;
+use lockstep_train::TrainConfig;
+use serde::Serialize;
+
+/// `lockstep bench`'s arguments.
+#[derive(Args, Clone)]
+pub struct BenchTrainArgs {
+    /// TOML config to benchmark.
+    #[arg(long, default_value = "configs/bench-mlp784.toml")]
+    config: PathBuf,
+    /// Workers of the parallel cases (the baseline is always one worker).
+    #[arg(long, default_value_t = 2)]
+    nproc: usize,
+    /// Repetitions of every case (interleaved).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Compute threads per worker, the same in every case.
+    #[arg(long, default_value_t = 1)]
+    threads_per_worker: usize,
+    /// Override a config value in every case, e.g. --set train.steps=100 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Where the JSON results go.
+    #[arg(long, default_value = "bench.json")]
+    out: PathBuf,
+    /// Scratch directory for the runs and their logs (replaced run by run).
+    #[arg(long, default_value = "runs/bench")]
+    runs: PathBuf,
+}
+
+/// The benchmark's results (`--out`).
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub config: String,
+    pub sets: Vec<String>,
+    pub nproc: usize,
+    pub reps: usize,
+    pub threads_per_worker: usize,
+    pub global_batch: usize,
+    pub steps: u64,
+    /// Steps skipped as warm-up in every run.
+    pub warmup_steps: u64,
+    pub machine: Machine,
+    pub cases: Vec<CaseResult>,
+    pub ratios: Vec<Ratio>,
+    /// Whether the exact `N`-worker runs ended with the one-worker parameters (same `param_hash`).
+    pub exact_matches_one_worker: bool,
+}
+
+/// Facts about the host the figures belong to.
+#[derive(Debug, Serialize)]
+pub struct Machine {
+    /// Logical CPUs this process may use.
+    pub cores: usize,
+    /// `model name` from /proc/cpuinfo ("unknown" elsewhere).
+    pub cpu_model: String,
+    /// 1-minute load average when the benchmark started (other work on the machine).
+    pub load_average: Option<f64>,
+}
+
+/// One case over all repetitions.
+#[derive(Debug, Serialize)]
+pub struct CaseResult {
+    pub name: String,
+    pub workers: usize,
+    pub reproducible: bool,
+    /// False for the no-communication bound.
+    pub communicates: bool,
+    pub samples_per_sec: Spread,
+    pub median_step_ms: Spread,
+    /// `param_hash` of every repetition (of the first job, for the no-communication bound).
+    pub param_hashes: Vec<String>,
+}
+
+/// Per-repetition values and their median, min and max.
+#[derive(Debug, Serialize)]
+pub struct Spread {
+    pub per_rep: Vec<f64>,
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    fn of(per_rep: Vec<f64>) -> Spread {
+        Spread {
+            median: median(per_rep.clone()),
+            min: per_rep.iter().copied().fold(f64::INFINITY, f64::min),
+            max: per_rep.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            per_rep,
+        }
+    }
+}
+
+/// `of` over `to` in samples/s: the ratio of the medians, and the ratios within each repetition
+/// (the cases of one repetition ran back to back).
+#[derive(Debug, Serialize)]
+pub struct Ratio {
+    pub name: String,
+    pub of: String,
+    pub to: String,
+    pub of_medians: f64,
+    pub per_rep: Spread,
+}
+
+/// What one case runs.
+struct Case {
+    name: String,
+    /// Workers of one job.
+    workers: usize,
+    /// Independent jobs started together (the no-communication bound) or 1.
+    jobs: usize,
+    reproducible: bool,
+}
+
+impl Case {
+    fn communicates(&self) -> bool {
+        self.jobs == 1 && self.workers > 1
+    }
+
+    /// The case's overrides after the user's.
+    fn sets(&self, user: &[String], global_batch: usize) -> Vec<String> {
+        let mut sets = user.to_vec();
+        sets.push(format!("dist.reproducible={}", self.reproducible));
+        if self.jobs > 1 {
+            sets.push(format!("train.global_batch={}", global_batch / self.jobs));
+        }
+        sets
+    }
+}
+
+fn cases(n: usize) -> Vec<Case> {
+    let case = |name: String, workers, jobs, reproducible| Case {
+        name,
+        workers,
+        jobs,
+        reproducible,
+    };
+    vec![
+        case("1x1".into(), 1, 1, true),
+        case(format!("{n}x1-exact"), n, 1, true),
+        case(format!("{n}x1-plain"), n, 1, false),
+        case(format!("{n}x1-nocomm"), 1, n, false),
+    ]
+}
+
+/// Run the benchmark: print the table, write the JSON.
+pub fn run(a: BenchTrainArgs) -> Result<()> {
+    if a.nproc < 2 {
+        bail!(
+            "--nproc {}: the parallel cases need at least 2 workers",
+            a.nproc
+        );
+    }
+    if a.reps == 0 {
+        bail!("--reps 0: at least one repetition is needed");
+    }
+    let cases = cases(a.nproc);
+    // Every case's config is checked before the first run (bad input: exit status 3).
+    let base = TrainConfig::load_for(crate::job(), Some(&a.config), &a.sets)?;
+    let (global_batch, microbatch) = (base.train.global_batch, base.train.microbatch);
+    if global_batch % (a.nproc * microbatch) != 0 {
+        return Err(lockstep_train::ConfigError::Invalid {
+            field: "train.global_batch",
+            message: format!(
+                "{global_batch} must be a multiple of --nproc ({}) × train.microbatch \
+                 ({microbatch}), so that each no-communication job gets whole micro-batches",
+                a.nproc
+            ),
+        }
+        .into());
+    }
+    for c in &cases {
+        TrainConfig::load_for(
+            crate::job(),
+            Some(&a.config),
+            &c.sets(&a.sets, global_batch),
+        )
+        .with_context(|| format!("case {}", c.name))?;
+    }
+    std::fs::create_dir_all(&a.runs).with_context(|| format!("creating {}", a.runs.display()))?;
+    let machine = machine();
+    eprintln!(
+        "lockstep bench: {} cases × {} repetitions on {} ({} cores, {}), runs in {}",
+        cases.len(),
+        a.reps,
+        a.config.display(),
+        machine.cores,
+        machine.cpu_model,
+        a.runs.display()
+    );
+
+    // [case][rep] = (samples/s, median step seconds, param hash)
+    let mut results: Vec<Vec<(f64, f64, String)>> = vec![Vec::new(); cases.len()];
+    let mut steps = 0;
+    for rep in 0..a.reps {
+        for i in 0..cases.len() {
+            let c = (i + rep) % cases.len();
+            let case = &cases[c];
+            eprintln!(
+                "lockstep bench: repetition {}/{}: {}",
+                rep + 1,
+                a.reps,
+                case.name
+            );
+            let runs = run_case(&a, case, rep, global_batch)?;
+            steps = runs[0].summary.steps;
+            results[c].push(measure(case, &runs));
+        }
+    }
+
+    let report = assemble(&a, cases, results, global_batch, steps, machine);
+    print!("{}", format_table(&report));
+    let json = serde_json::to_string_pretty(&report)? + "\n";
+    lockstep_train::write_atomic(&a.out, json.as_bytes())
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    eprintln!("lockstep bench: wrote {}", a.out.display());
+    Ok(())
+}
+
+/// Run one repetition of `case`: its job(s) as `lockstep train` child processes, all started
+/// before any is waited for; returns each job's run.
+fn run_case(a: &BenchTrainArgs, case: &Case, rep: usize, global_batch: usize) -> Result<Vec<Run>> {
+    let exe = std::env::current_exe().context("finding this program to run `train`")?;
+    let mut children = Vec::new();
+    for j in 0..case.jobs {
+        let dir = a.runs.join(format!("{}-r{}-j{}", case.name, rep + 1, j));
+        let log_path = dir.with_extension("log");
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let mut cmd = Command::new(&exe);
+        cmd.arg("train")
+            .arg("--config")
+            .arg(&a.config)
+            .args(["--nproc", &case.workers.to_string()])
+            .args(["--threads-per-worker", &a.threads_per_worker.to_string()])
+            .args(["--max-restarts", "0", "--overwrite"])
+            .arg("--out")
+            .arg(&dir);
+        for s in case.sets(&a.sets, global_batch) {
+            cmd.args(["--set", &s]);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", exe.display()))?;
+        children.push((child, dir, log_path));
+    }
+    let mut runs = Vec::new();
+    let mut failed = None;
+    for (mut child, dir, log_path) in children {
+        let status = child.wait().context("waiting for a benchmark run")?;
+        if !status.success() && failed.is_none() {
+            failed = Some((status, log_path));
+        } else if status.success() {
+            let (summary, records) = crate::scale::load_run(&dir)?;
+            runs.push(Run {
+                layout: Layout {
+                    name: case.name.clone(),
+                    dp: case.workers,
+                    pp: 1,
+                },
+                summary,
+                records,
+            });
+        }
+    }
+    if let Some((status, log)) = failed {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(10).collect();
+        bail!(
+            "case {} (repetition {}) failed ({status}); the end of {}:\n{}",
+            case.name,
+            rep + 1,
+            log.display(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    }
+    Ok(runs)
+}
+
+/// A repetition's samples/s, median step seconds and parameter hash: of its one job, or of the
+/// slowest of its independent jobs (whose global batches add up to the case's).
+fn measure(case: &Case, runs: &[Run]) -> (f64, f64, String) {
+    let points = scaling::compare(runs);
+    let step = points
+        .points
+        .iter()
+        .map(|p| p.median_step_seconds)
+        .fold(0.0, f64::max);
+    let batch: usize = runs.iter().map(|r| r.summary.global_batch).sum();
+    debug_assert_eq!(runs.len(), case.jobs);
+    (
+        batch as f64 / step,
+        step,
+        runs[0].summary.param_hash.clone(),
+    )
+}
+
+fn assemble(
+    a: &BenchTrainArgs,
+    cases: Vec<Case>,
+    results: Vec<Vec<(f64, f64, String)>>,
+    global_batch: usize,
+    steps: u64,
+    machine: Machine,
+) -> BenchReport {
+    let case_results: Vec<CaseResult> = cases
+        .iter()
+        .zip(&results)
+        .map(|(c, r)| CaseResult {
+            name: c.name.clone(),
+            workers: c.workers * c.jobs,
+            reproducible: c.reproducible,
+            communicates: c.communicates(),
+            samples_per_sec: Spread::of(r.iter().map(|x| x.0).collect()),
+            median_step_ms: Spread::of(r.iter().map(|x| x.1 * 1e3).collect()),
+            param_hashes: r.iter().map(|x| x.2.clone()).collect(),
+        })
+        .collect();
+    let ratio = |name: &str, of: usize, to: usize| Ratio {
+        name: name.into(),
+        of: cases[of].name.clone(),
+        to: cases[to].name.clone(),
+        of_medians: case_results[of].samples_per_sec.median
+            / case_results[to].samples_per_sec.median,
+        per_rep: Spread::of(
+            results[of]
+                .iter()
+                .zip(&results[to])
+                .map(|(x, y)| x.0 / y.0)
+                .collect(),
+        ),
+    };
+    let ratios = vec![
+        ratio("exact/plain", 1, 2),
+        ratio("exact/1x1", 1, 0),
+        ratio("plain/1x1", 2, 0),
+        ratio("exact/nocomm", 1, 3),
+        ratio("plain/nocomm", 2, 3),
+    ];
+    let one = &case_results[0].param_hashes;
+    let exact_matches_one_worker = case_results[1]
+        .param_hashes
+        .iter()
+        .chain(one)
+        .all(|h| *h == one[0]);
+    BenchReport {
+        config: a.config.display().to_string(),
+        sets: a.sets.clone(),
+        nproc: a.nproc,
+        reps: a.reps,
+        threads_per_worker: a.threads_per_worker,
+        global_batch,
+        steps,
+        warmup_steps: scaling::warmup_steps(steps),
+        machine,
+        cases: case_results,
+        ratios,
+        exact_matches_one_worker,
+    }
+}
+
+fn machine() -> Machine {
+    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let load_average = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok());
+    Machine {
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cpu_model,
+        load_average,
+    }
+}
+
+/// The table `lockstep bench` prints.
+pub fn format_table(r: &BenchReport) -> String {
+    let mut s = format!(
+        "{} × {} repetitions, interleaved; {} steps (first {} skipped), global batch {}, \
+         {} thread(s) per worker; {} cores ({})\n",
+        r.config,
+        r.reps,
+        r.steps,
+        r.warmup_steps,
+        r.global_batch,
+        r.threads_per_worker,
+        r.machine.cores,
+        r.machine.cpu_model
+    );
+    s += &format!(
+        "{:<12} {:>7} {:>12} {:>17} {:>9} {:>8}\n",
+        "case", "workers", "samples/s", "min–max", "step_ms", "hash"
+    );
+    for c in &r.cases {
+        let sps = &c.samples_per_sec;
+        s += &format!(
+            "{:<12} {:>7} {:>12.0} {:>17} {:>9.2} {:>8}\n",
+            c.name,
+            c.workers,
+            sps.median,
+            format!("{:.0}–{:.0}", sps.min, sps.max),
+            c.median_step_ms.median,
+            c.param_hashes.first().map_or("", |h| &h[..8.min(h.len())])
+        );
+    }
+    for q in &r.ratios {
+        s += &format!(
+            "{:<13} {:.3} (per repetition {:.3}–{:.3})\n",
+            q.name, q.of_medians, q.per_rep.min, q.per_rep.max
+        );
+    }
+    s += &format!(
+        "{} ends with the 1x1 parameters: {}\n",
+        r.cases[1].name,
+        if r.exact_matches_one_worker {
+            "yes"
+        } else {
+            "NO"
+        }
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cases_split_the_batch_only_for_the_bound() {
+        let c = cases(2);
+        let names: Vec<&str> = c.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["1x1", "2x1-exact", "2x1-plain", "2x1-nocomm"]);
+        assert_eq!(
+            c[3].sets(&["train.steps=3".into()], 256),
+            [
+                "train.steps=3",
+                "dist.reproducible=false",
+                "train.global_batch=128"
+            ]
+        );
+        assert_eq!(c[1].sets(&[], 256), ["dist.reproducible=true"]);
+        assert!(c[1].communicates() && !c[3].communicates() && !c[0].communicates());
+    }
+
+    #[test]
+    fn a_spread_has_the_median_and_the_range() {
+        let s = Spread::of(vec![3.0, 1.0, 2.0, 10.0]);
+        assert_eq!((s.median, s.min, s.max), (2.5, 1.0, 10.0));
+        assert_eq!(s.per_rep, [3.0, 1.0, 2.0, 10.0]);
+    }
+}
