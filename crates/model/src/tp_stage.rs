@@ -25,7 +25,6 @@ use std::ops::Range;
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::loss;
 use crate::params;
 use crate::stage::{
     check_targets, input_tensor, scaled_loss, start_backward, EvalForward, PendingOutput,

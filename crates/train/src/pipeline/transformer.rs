@@ -184,6 +184,10 @@ impl Layered for Transformer {
         self.tp_pieces
     }
 
+    fn tp_split_params(&self, layer: usize) -> usize {
+        lockstep_model::split_params(&self.spec, layer)
+    }
+
     fn tp_stage(
         &self,
         layers: Range<usize>,
