@@ -161,7 +161,22 @@ impl TpStage {
     }
 
     pub fn params_flat(&self) -> Vec<f32> {
+        assert!(
+            self.params.len() == self.layout.tensors.len(),
+            "the stage's parameters were released"
+        );
         self.params.iter().flat_map(|p| values(p.clone())).collect()
+    }
+
+    /// Drop the local parameters (ZeRO 3 between steps: the training loop keeps its chunks);
+    /// [`TpStage::set_params_flat`] brings them back. Refused while graphs are pending.
+    pub fn release_params(&mut self) {
+        assert!(
+            self.pending.is_empty(),
+            "parameters released with {} forward graphs pending",
+            self.pending.len()
+        );
+        self.params = Vec::new();
     }
 
     /// Replace the local parameters. Refused while graphs are pending.
