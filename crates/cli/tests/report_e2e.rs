@@ -93,9 +93,10 @@ fn a_sweep_writes_reports_whose_numbers_are_the_runs() {
         );
         assert!(md.contains(&row), "scale_report.md lacks {row:?}:\n{md}");
         let speed = format!(
-            "| {label} | {} | {} × {} | {:.3} | {:.1} | {:.2}× | {:.1}% |",
+            "| {label} | {} | {} × {} × {} | {:.3} | {:.1} | {:.2}× | {:.1}% |",
             p["world_size"],
             p["dp"],
+            p["tp"],
             p["pp"],
             f(&p["median_step_seconds"]) * 1e3,
             f(&p["samples_per_sec"]),
