@@ -166,6 +166,7 @@ mod tests {
                 "train.steps=5",
                 "parallel.pp=3",
                 "parallel.dp=2",
+                "parallel.tp=1",
                 "parallel.pp=1"
             ],
             "the layout's overrides come last and win"
@@ -179,8 +180,15 @@ mod tests {
 
     #[test]
     fn bad_layouts_fail_before_any_run() {
-        let e = format!("{:#}", plan(Some("dp,tp"), &[1, 2], None, &[]).unwrap_err());
-        assert!(e.starts_with("--layouts: layout `tp`"), "{e}");
+        let e = format!("{:#}", plan(Some("dp,tq"), &[1, 2], None, &[]).unwrap_err());
+        assert!(e.starts_with("--layouts: layout `tq`"), "{e}");
+        // Tensor parallelism of a model without pieces: the config's own error, naming the layout.
+        let e = format!("{:#}", plan(Some("tp"), &[1, 2], None, &[]).unwrap_err());
+        assert!(
+            e.contains("layout tp-2 (2 workers: 1 replica(s) × 2 tensor-parallel ranks)")
+                && e.contains("tp_pieces"),
+            "{e}"
+        );
         // A pipeline of the default MLP: the config's own validation error, naming the layout.
         let e = plan(Some("dp,pp"), &[1, 2], None, &[]).unwrap_err();
         let text = format!("{e:#}");
@@ -201,6 +209,18 @@ mod tests {
         assert!(e.starts_with("layout dp-8 (8 workers)"), "{e}");
         // A bad --set is reported too, before any run.
         assert!(plan(None, &[1], None, &["train.steps=x".into()]).is_err());
+    }
+
+    #[test]
+    fn tensor_parallel_layouts_pass_the_configs_check() {
+        let config = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/shakespeare.toml"
+        ));
+        let sets = ["model.tp_pieces=4".to_string()];
+        let p = plan(Some("dp,tp,dp2xtp2,tp2xpp2"), &[1, 2], Some(config), &sets).unwrap();
+        assert_eq!(names(&p), ["dp-1", "dp-2", "tp-2", "dp2xtp2", "tp2xpp2"]);
+        assert_eq!((p[3].dp, p[3].tp, p[3].pp), (2, 2, 1));
     }
 
     #[test]

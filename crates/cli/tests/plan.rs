@@ -202,3 +202,97 @@ fn plan_without_a_run_names_the_missing_file() {
     let e = stderr(&out);
     assert!(e.contains("config.toml"), "{e}");
 }
+
+/// `lockstep plan` predicts a tensor-parallel rank's memory from a run without tensor
+/// parallelism: against a real tp2 run's `summary.json` (`ranks[i].memory`), parameters,
+/// gradients and optimizer state agree exactly (the split matrices halve; the embedding, head,
+/// layer norms and the biases added after a piece sum stay whole on each rank) and activations
+/// within 1% (the same per-layer estimate the loop counts). A tp run cannot calibrate the plan
+/// (its reason is given), and a tp width that does not divide `model.tp_pieces` is skipped.
+#[test]
+fn plan_predicts_a_tensor_parallel_ranks_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tiny = [
+        "model.d_model=32",
+        "model.heads=4",
+        "model.blocks=2",
+        "model.context=16",
+        "model.d_ff=64",
+        "model.tp_pieces=4",
+        "train.global_batch=8",
+        "parallel.microbatches=4",
+        "train.steps=8",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "parallel.pp=1",
+    ];
+    let (one, tp2) = (tmp.path().join("one"), tmp.path().join("tp2"));
+    assert_ok(&common::train_transformer(&one, "1", &tiny, &[], &[]));
+    assert_ok(&common::train_transformer(
+        &tp2,
+        "2",
+        &tiny,
+        &["parallel.tp=2"],
+        &[],
+    ));
+    let json = tmp.path().join("plan.json");
+    let out = plan(
+        &one,
+        &[
+            "--workers-per-node",
+            "4",
+            "--layouts",
+            "1,tp2,tp3,dp2xtp2",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("dp=1×tp=2 ") && text.contains("dp=2×tp=2 "),
+        "{text}"
+    );
+    assert!(
+        text.contains("skipped dp=1×tp=3: tp = 3 needs a transformer whose model.tp_pieces"),
+        "{text}"
+    );
+    let p: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let predicted = |tp: u64, dp: u64| {
+        p["predictions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["layout"]["tp"] == tp && x["layout"]["dp"] == dp)
+            .unwrap_or_else(|| panic!("dp {dp} × tp {tp} predicted: {p}"))["memory"]
+            .clone()
+    };
+    let (whole, split) = (predicted(1, 1), predicted(2, 1));
+    let get = |m: &serde_json::Value, k: &str| m[k].as_u64().unwrap_or_else(|| panic!("{k}"));
+    assert!(get(&split, "params_bytes") < get(&whole, "params_bytes"));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tp2.join("summary.json")).unwrap()).unwrap();
+    let ranks = summary["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for r in ranks {
+        let m = &r["memory"];
+        for k in ["params_bytes", "grads_bytes", "optimizer_bytes"] {
+            assert_eq!(get(m, k), get(&split, k), "{k}: run {m}, plan {split}");
+        }
+        let (a, b) = (
+            get(m, "activation_peak_bytes") as f64,
+            get(&split, "activation_peak_bytes") as f64,
+        );
+        assert!(
+            (a / b - 1.0).abs() <= 0.01,
+            "activations: run {a}, plan {b}"
+        );
+    }
+    // A tensor-parallel run cannot calibrate the plan.
+    let e = stderr(&plan(&tp2, &["--workers-per-node", "2"]));
+    assert!(
+        e.contains("tensor-parallel (tp = 2)") && e.contains("parallel.tp = 1"),
+        "{e}"
+    );
+}

@@ -93,9 +93,10 @@ fn a_sweep_writes_reports_whose_numbers_are_the_runs() {
         );
         assert!(md.contains(&row), "scale_report.md lacks {row:?}:\n{md}");
         let speed = format!(
-            "| {label} | {} | {} × {} | {:.3} | {:.1} | {:.2}× | {:.1}% |",
+            "| {label} | {} | {} × {} × {} | {:.3} | {:.1} | {:.2}× | {:.1}% |",
             p["world_size"],
             p["dp"],
+            p["tp"],
             p["pp"],
             f(&p["median_step_seconds"]) * 1e3,
             f(&p["samples_per_sec"]),
@@ -163,4 +164,82 @@ fn a_bad_layout_fails_before_any_run() {
             "a run started before the layouts were checked"
         );
     }
+}
+
+/// `lockstep scale --layouts dp,tp` on a small transformer split into 4 pieces: the tp run has
+/// its row (dp × tp × pp), its ranks' memory rows and bars, its curve on the speedup chart, and
+/// the same parameter hash as the data-parallel runs (same `model.tp_pieces`).
+#[test]
+fn a_sweep_with_a_tensor_parallel_layout_reports_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("sweep");
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../configs/shakespeare.toml"
+    );
+    let mut args = vec![
+        "scale",
+        "--config",
+        config,
+        "--nproc",
+        "1,2",
+        "--layouts",
+        "dp,tp",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    for s in [
+        "model.d_model=32",
+        "model.heads=4",
+        "model.blocks=2",
+        "model.context=16",
+        "model.d_ff=64",
+        "model.tp_pieces=4",
+        "train.global_batch=8",
+        "parallel.microbatches=4",
+        "train.steps=6",
+        "train.eval_every=3",
+        "checkpoint.every=0",
+    ] {
+        args.extend_from_slice(&["--set", s]);
+    }
+    let o = lockstep(&args).output().expect("spawn lockstep");
+    assert_ok(&o);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        stderr.contains("run 3/3: tp-2 (2 workers: 1 replica(s) × 2 tensor-parallel ranks)"),
+        "{stderr}"
+    );
+    let scale: serde_json::Value = serde_json::from_str(&read(&out.join("scale.json"))).unwrap();
+    let tp = &scale["points"][2];
+    assert_eq!(
+        (tp["label"].as_str(), tp["dp"].as_u64(), tp["tp"].as_u64()),
+        (Some("tp-2"), Some(1), Some(2))
+    );
+    let md = read(&out.join("scale_report.md"));
+    let html = read(&out.join("scale_report.html"));
+    for needle in [
+        "| tp-2 | 2 | 1 × 2 × 1 |",
+        "| tp-2 rank 0 |",
+        "| tp-2 rank 1 |",
+    ] {
+        assert!(
+            md.contains(needle),
+            "scale_report.md lacks {needle:?}:\n{md}"
+        );
+    }
+    assert!(html.contains(">tensor parallel</text>"), "no tp curve");
+    let memory = &html[html
+        .find("<section id=\"memory\">")
+        .expect("memory section")..];
+    assert!(memory[..memory.find("</section>").unwrap()].contains("tp-2 rank 1"));
+    well_formed(&html).unwrap();
+    // The tp ranks hold a share of the split matrices: fewer parameter bytes than one worker.
+    let bytes = |label: &str, rank: usize| {
+        summary(&out.join(label))["ranks"][rank]["memory"]["params_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(bytes("tp-2", 1) < bytes("dp-1", 0));
+    assert_eq!(scale["hashes_agree"], true, "{}", scale["points"]);
 }

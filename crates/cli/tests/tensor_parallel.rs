@@ -1,5 +1,5 @@
 //! Tensor parallelism end to end on a small transformer split into `model.tp_pieces = 4` fixed
-//! pieces per block: tp2, tp4, tp2×pp2 and dp2×tp2 end with the one-worker run's parameters,
+//! pieces per block: tp2, tp4, tp2×pp2, dp2×tp2 and dp2×tp2 at ZeRO 3 end with the one-worker run's parameters,
 //! loss and validation curve, bit for bit; bad layouts are refused before any worker starts; a
 //! killed tp rank recovers; a tp2×pp2 checkpoint resumes on one worker, and a one-worker
 //! checkpoint as tp4, with the same bits.
@@ -93,6 +93,13 @@ fn every_tensor_parallel_layout_reproduces_the_single_worker_bits() {
             "tp2xpp2-gpipe",
         ),
         ("4", &["parallel.tp=2", "parallel.dp=2"], "dp2xtp2"),
+        // ZeRO 3 on the data-parallel axis: each tp rank's layer segments sharded over its
+        // data-parallel group, gathered layer by layer for a step and for evaluation.
+        (
+            "4",
+            &["parallel.tp=2", "parallel.dp=2", "parallel.zero=3"],
+            "dp2xtp2-zero3",
+        ),
     ];
     for (nproc, sets, name) in layouts {
         let dir = tmp.path().join(name);
@@ -119,6 +126,19 @@ fn every_tensor_parallel_layout_reproduces_the_single_worker_bits() {
         };
         assert_eq!(losses(&one).len(), 6, "one loss per step");
         assert_eq!(losses(&dir), losses(&one), "{name}: loss curve differs");
+    }
+    // ZeRO 3 keeps half of each tp rank's parameters and optimizer state between steps.
+    let memory = |name: &str, k: &str| {
+        summary(&tmp.path().join(name))["ranks"][3]["memory"][k]
+            .as_u64()
+            .unwrap()
+    };
+    for k in ["params_bytes", "optimizer_bytes"] {
+        let (plain, zero3) = (memory("dp2xtp2", k), memory("dp2xtp2-zero3", k));
+        assert!(
+            zero3 * 2 <= plain + 64,
+            "{k}: zero 3 {zero3}, zero 0 {plain}"
+        );
     }
 }
 

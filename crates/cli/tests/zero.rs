@@ -257,10 +257,6 @@ fn invalid_zero_requests_are_refused_before_any_worker_starts() {
         let o = mlp(&tmp.path().join(format!("bad{i}")), "2", sets, &[]);
         check_refused(&o, i, needles);
     }
-    // ZeRO 3 with tensor parallelism is not there yet: refused, not run as something else.
-    let sets = ["parallel.zero=3", "parallel.tp=2", "model.tp_pieces=2"];
-    let o = transformer(&tmp.path().join("zero3"), "2", &sets, &[]);
-    check_refused(&o, 99, &["parallel.zero", "tensor parallelism"]);
 }
 
 /// `o` is a refusal before any worker started (exit 3) whose message holds every needle.

@@ -57,7 +57,7 @@ pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
 pub use stage::{Stage, StageEval, StageInput, StageOutput};
 pub use tensor_parallel::{
-    gather_map, scatter_map, LocalPieceSum, LocalTensor, PieceSum, TpLayout, TpSplit,
+    gather_map, scatter_map, split_params, LocalPieceSum, LocalTensor, PieceSum, TpLayout, TpSplit,
 };
 pub use tp_stage::TpStage;
 pub use transformer::{LayerKind, TransformerSpec};

@@ -112,9 +112,39 @@ pub(crate) fn start_backward(
 }
 
 /// What an evaluation forward computed, before it is read out.
-enum EvalForward {
+pub(crate) enum EvalForward {
     Activations(Tensor<3>),
     Logits(Tensor<2>),
+}
+
+impl EvalForward {
+    /// The activations' values, or the logits' loss sum and correct count against `targets`
+    /// (the last stage's, already checked).
+    pub(crate) fn read_out(self, targets: Option<&[i64]>, vocab: usize) -> StageEval {
+        match self {
+            EvalForward::Activations(x) => {
+                StageEval::Activations(params::f32_slice(&x.into_data()).to_vec())
+            }
+            EvalForward::Logits(logits) => {
+                let targets = targets.expect("the last stage's targets were checked");
+                let labels: Vec<u8> = targets.iter().map(|&t| t as u8).collect();
+                let (loss_sum, correct) = loss::sum_ce_and_correct(
+                    params::f32_slice(&logits.into_data()),
+                    &labels,
+                    vocab,
+                );
+                StageEval::Scores { loss_sum, correct }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn is_autodiff(&self) -> bool {
+        match self {
+            EvalForward::Activations(x) => x.is_autodiff(),
+            EvalForward::Logits(l) => l.is_autodiff(),
+        }
+    }
 }
 
 /// Layers `layers` of a transformer on burn's flex backend with autodiff.
@@ -307,21 +337,12 @@ impl Stage {
         n: usize,
         targets: Option<&[i64]>,
     ) -> Result<StageEval, E> {
-        match self.eval_forward(input, n)? {
-            EvalForward::Activations(x) => Ok(StageEval::Activations(
-                params::f32_slice(&x.into_data()).to_vec(),
-            )),
-            EvalForward::Logits(logits) => {
-                let targets = self.check_targets(targets, n)?;
-                let labels: Vec<u8> = targets.iter().map(|&t| t as u8).collect();
-                let (loss_sum, correct) = loss::sum_ce_and_correct(
-                    params::f32_slice(&logits.into_data()),
-                    &labels,
-                    self.spec.vocab,
-                );
-                Ok(StageEval::Scores { loss_sum, correct })
-            }
-        }
+        let out = self.eval_forward(input, n)?;
+        let targets = match out {
+            EvalForward::Logits(_) => Some(self.check_targets(targets, n)?),
+            EvalForward::Activations(_) => None,
+        };
+        Ok(out.read_out(targets, self.spec.vocab))
     }
 
     /// The evaluation forward on burn's plain backend: the layers as `Module::valid` copies
@@ -669,10 +690,7 @@ mod tests {
             let (_, train_x) = st.input_tensor(&st.net, input, 2, true).unwrap();
             assert!(train_x.is_autodiff(), "{layers:?}");
             // …evaluation runs on the plain backend from input to output.
-            let eval_autodiff = match st.eval_forward(input, 2).unwrap() {
-                EvalForward::Activations(t) => t.is_autodiff(),
-                EvalForward::Logits(t) => t.is_autodiff(),
-            };
+            let eval_autodiff = st.eval_forward(input, 2).unwrap().is_autodiff();
             assert!(!eval_autodiff, "evaluation of layers {layers:?} is tracked");
             assert_eq!(st.held(), 0);
         }

@@ -282,6 +282,24 @@ impl Builder<'_> {
     }
 }
 
+/// Parameters of `layer` that the canonical split cuts into pieces (a block's `qkv_w`, `qkv_b`,
+/// `proj_w`, `fc1_w`, `fc1_b`, `fc2_w`: the tensors [`Builder::layer`] cuts); the rest of the
+/// layer is replicated on every tensor-parallel rank. A rank of `tp` holds
+/// `params − split + split / tp` of the layer.
+pub fn split_params(spec: &TransformerSpec, layer: usize) -> usize {
+    const SPLIT: [usize; 6] = [2, 3, 4, 8, 9, 10];
+    match spec.layer_kind(layer) {
+        LayerKind::Block(_) => spec
+            .layer_params(layer)
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| SPLIT.contains(i))
+            .map(|(_, (_, shape))| shape.iter().product::<usize>())
+            .sum(),
+        _ => 0,
+    }
+}
+
 /// A map of one range.
 fn one(r: Range<usize>) -> Vec<Range<usize>> {
     std::iter::once(r).collect()
@@ -364,6 +382,32 @@ pub fn scatter_map(local: &[f32], map: &[Range<usize>], stage_flat: &mut [f32]) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_params_count_what_a_rank_holds_a_share_of() {
+        let s = spec();
+        for layer in 0..s.num_layers() {
+            let whole: usize = s
+                .layer_params(layer)
+                .iter()
+                .map(|(_, shape)| shape.iter().product::<usize>())
+                .sum();
+            let split = split_params(&s, layer);
+            for (pieces, tp) in [(4, 2), (4, 4), (2, 2)] {
+                let rank = TpLayout::new(
+                    &s,
+                    layer..layer + 1,
+                    TpSplit::new(&s, pieces, tp, 1).unwrap(),
+                );
+                assert_eq!(
+                    rank.num_params(),
+                    whole - split + split / tp,
+                    "layer {layer}"
+                );
+            }
+        }
+        assert_eq!(split_params(&s, 0), 0, "the embedding is replicated");
+    }
 
     fn spec() -> TransformerSpec {
         TransformerSpec {

@@ -25,11 +25,10 @@ use std::ops::Range;
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::loss;
 use crate::params;
 use crate::stage::{
-    check_targets, input_tensor, scaled_loss, start_backward, PendingOutput, StageEval, StageInput,
-    StageOutput,
+    check_targets, input_tensor, scaled_loss, start_backward, EvalForward, PendingOutput,
+    StageEval, StageInput, StageOutput,
 };
 use crate::tensor_parallel::{LayerSlots, PieceSum, TpLayout, TpSplit};
 use crate::transformer::{
@@ -162,7 +161,22 @@ impl TpStage {
     }
 
     pub fn params_flat(&self) -> Vec<f32> {
+        assert!(
+            self.params.len() == self.layout.tensors.len(),
+            "the stage's parameters were released"
+        );
         self.params.iter().flat_map(|p| values(p.clone())).collect()
+    }
+
+    /// Drop the local parameters (ZeRO 3 between steps: the training loop keeps its chunks);
+    /// [`TpStage::set_params_flat`] brings them back. Refused while graphs are pending.
+    pub fn release_params(&mut self) {
+        assert!(
+            self.pending.is_empty(),
+            "parameters released with {} forward graphs pending",
+            self.pending.len()
+        );
+        self.params = Vec::new();
     }
 
     /// Replace the local parameters. Refused while graphs are pending.
@@ -487,30 +501,36 @@ impl TpStage {
         targets: Option<&[i64]>,
     ) -> Result<StageEval, E> {
         let targets = if self.is_last() {
-            Some(check_targets(&self.spec, targets, n)?.to_vec())
+            Some(check_targets(&self.spec, targets, n)?)
         } else {
             None
         };
-        // On detached copies of the parameters (same storage): a forward on tracked leaves
-        // would record an autodiff graph that no backward ever frees (memory climbing through
-        // every validation pass).
-        let detached = self.params.iter().map(|p| p.clone().detach()).collect();
-        let tracked = std::mem::replace(&mut self.params, detached);
-        let ran = self.run(input, n, false);
+        Ok(self
+            .eval_forward(input, n)?
+            .read_out(targets, self.spec.vocab))
+    }
+
+    /// The evaluation forward on burn's plain backend, from input to output (the head
+    /// included): the parameters moved off autodiff (same storage) and every leaf made on the
+    /// inner device. Detached copies on the autodiff device are not enough, and neither is a
+    /// head computed from the tracked parameters: either keeps operations that no backward
+    /// ever frees (measured on the 22 M-parameter config at tp = 2: resident memory from
+    /// 0.6 GB to 7.4 GB over one validation pass).
+    fn eval_forward(&mut self, input: StageInput<'_>, n: usize) -> Result<EvalForward, E> {
+        let plain = self.params.iter().map(|p| p.clone().inner()).collect();
+        let tracked = std::mem::replace(&mut self.params, plain);
+        let inner = self.device.clone().without_autodiff();
+        let autodiff = std::mem::replace(&mut self.device, inner);
+        let ran = self.run(input, n, false).map(|(_, _, last)| {
+            if self.is_last() {
+                EvalForward::Logits(self.logits(last.x_out))
+            } else {
+                EvalForward::Activations(last.x_out)
+            }
+        });
         self.params = tracked;
-        let (_, _, last) = ran?;
-        debug_assert!(
-            !last.x_out.is_require_grad(),
-            "evaluation must record no autodiff graph"
-        );
-        let Some(targets) = targets else {
-            return Ok(StageEval::Activations(values(last.x_out)));
-        };
-        let logits = self.logits(last.x_out).into_data();
-        let labels: Vec<u8> = targets.iter().map(|&t| t as u8).collect();
-        let (loss_sum, correct) =
-            loss::sum_ce_and_correct(params::f32_slice(&logits), &labels, self.spec.vocab);
-        Ok(StageEval::Scores { loss_sum, correct })
+        self.device = autodiff;
+        ran
     }
 }
 
@@ -587,6 +607,34 @@ mod tests {
                     "{pieces} pieces, element {i}: {a} vs {b}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn evaluation_records_no_autodiff_graph() {
+        let s = spec();
+        let (x, _) = batch(2, &s);
+        let acts = vec![0.1f32; s.activation_len(2)];
+        for layers in [0..1, 1..3, 3..s.num_layers(), 0..s.num_layers()] {
+            let sum = Box::new(LocalPieceSum);
+            let mut st = TpStage::new(&s, layers.clone(), 3, TpSplit::whole(4), sum).unwrap();
+            let input = if st.is_first() {
+                StageInput::Tokens(&x)
+            } else {
+                StageInput::Activations(&acts)
+            };
+            // From input to output (the head included) on the plain backend…
+            let out = st.eval_forward(input, 2).unwrap();
+            assert!(
+                !out.is_autodiff(),
+                "evaluation of layers {layers:?} is tracked"
+            );
+            // …and training still on autodiff afterwards.
+            assert!(st
+                .params
+                .iter()
+                .all(|p| p.is_autodiff() && p.is_require_grad()));
+            assert_eq!(st.held(), 0);
         }
     }
 

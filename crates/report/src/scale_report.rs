@@ -34,9 +34,10 @@ fn short(hash: &str) -> &str {
 
 /// Which family a run belongs to on the speedup plot.
 fn family(p: &ScalePoint) -> &'static str {
-    match (p.dp, p.pp) {
-        (_, pp) if pp <= 1 => "data parallel",
-        (1, _) => "pipeline",
+    match (p.dp, p.tp, p.pp) {
+        (_, tp, _) if tp > 1 => "tensor parallel",
+        (_, _, pp) if pp <= 1 => "data parallel",
+        (1, _, _) => "pipeline",
         _ => "data × pipeline",
     }
 }
@@ -61,7 +62,7 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
     let mut t = Table::new(&[
         "run",
         "workers",
-        "dp × pp",
+        "dp × tp × pp",
         "step ms",
         "samples/s",
         "speedup",
@@ -72,7 +73,7 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
         t.row(vec![
             p.label.clone(),
             p.world_size.to_string(),
-            format!("{} × {}", p.dp, p.pp),
+            format!("{} × {} × {}", p.dp, p.tp, p.pp),
             format!("{:.3}", p.median_step_seconds * 1e3),
             format!("{:.1}", p.samples_per_sec),
             format!("{:.2}×", p.speedup),
@@ -91,9 +92,14 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
             .collect();
         let mut chart = LineChart::new("speedup against the ideal", "workers", "speedup (×)")
             .series(Series::new("ideal (linear)", "#555555", ideal).dashed("6 4"));
-        for (i, fam) in ["data parallel", "pipeline", "data × pipeline"]
-            .iter()
-            .enumerate()
+        for (i, fam) in [
+            "data parallel",
+            "pipeline",
+            "data × pipeline",
+            "tensor parallel",
+        ]
+        .iter()
+        .enumerate()
         {
             let mut mine: Vec<&ScalePoint> = points.iter().filter(|p| family(p) == *fam).collect();
             if mine.is_empty() {
@@ -117,7 +123,7 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
                 .collect();
             // A single worker is every family's first point (1 replica of 1 stage): start each
             // curve at a one-worker baseline so that a family with one run still shows a trend.
-            if (b.dp, b.pp) == (1, 1) && !mine.iter().any(|p| p.label == b.label) {
+            if (b.dp, b.tp, b.pp) == (1, 1, 1) && !mine.iter().any(|p| p.label == b.label) {
                 xy.insert(0, (1.0, 1.0));
                 labels.insert(0, String::new());
             }
@@ -351,6 +357,7 @@ mod tests {
             layout: Layout {
                 name: name.into(),
                 dp,
+                tp: 1,
                 pp,
             },
             summary: Summary {
@@ -404,9 +411,9 @@ mod tests {
         assert!(md.contains(&report.headline));
         // Numbers as computed by compare (10 ms → 6 ms: 1.67×, 83.3% on 2 workers).
         for row in [
-            "| dp-1 | 1 | 1 × 1 | 10.000 | 6400.0 | 1.00× | 100.0% | 15.0% |",
-            "| dp-2 | 2 | 2 × 1 | 6.000 | 10666.7 | 1.67× | 83.3% | 15.0% |",
-            "| dp2xpp2 | 4 | 2 × 2 | 4.000 | 16000.0 | 2.50× | 62.5% | 15.0% |",
+            "| dp-1 | 1 | 1 × 1 × 1 | 10.000 | 6400.0 | 1.00× | 100.0% | 15.0% |",
+            "| dp-2 | 2 | 2 × 1 × 1 | 6.000 | 10666.7 | 1.67× | 83.3% | 15.0% |",
+            "| dp2xpp2 | 4 | 2 × 1 × 2 | 4.000 | 16000.0 | 2.50× | 62.5% | 15.0% |",
             "| dp-2 | 6.000 | 0.100 | 5.000 | 0.600 | 0.300 | 0.000 |",
             "| dp-1 | 1 | 0.123456 | 0.234567 | 0.9721 | 6400.0 | 1.250 | `aaaaaaaaaaaa` | yes |",
             "| dp2xpp2 | 4 | 0.123456 | 0.234567 | 0.9721 | 16000.0 | 0.312 | `aaaaaaaaaaaa` | yes |",
@@ -452,6 +459,35 @@ mod tests {
         assert_eq!(html.matches("<polyline").count(), 3 + 3);
         well_formed(&html).unwrap();
         assert!(!html.contains("<script"));
+    }
+
+    #[test]
+    fn a_tensor_parallel_layout_has_its_rows_curve_and_memory_bars() {
+        let mut tp2 = run("tp2", 2, 1, "aaaaaaaaaaaaaaaa", 0.008, 0.0);
+        tp2.layout = Layout {
+            name: "tp2".into(),
+            dp: 1,
+            tp: 2,
+            pp: 1,
+        };
+        let runs = vec![run("dp-1", 1, 1, "aaaaaaaaaaaaaaaa", 0.010, 0.0), tp2];
+        let report = compare(&runs);
+        assert_eq!((report.points[1].dp, report.points[1].tp), (1, 2));
+        let (md, html) = render(&report, &runs);
+        for row in [
+            "| tp2 | 2 | 1 × 2 × 1 | 8.000 | 8000.0 | 1.25× | 62.5% | 15.0% |",
+            "| tp2 rank 1 | 8.0 | 24.0 | 16.0 | 1.0 | 49.0 | 201.0 | 585.5 | yes |",
+        ] {
+            assert!(md.contains(row), "report lacks {row:?}:\n{md}");
+        }
+        // Its own curve on the speedup chart, and bars of both its ranks in the memory chart.
+        assert!(html.contains(">tensor parallel</text>"), "{html}");
+        let memory = &html[html.find("<section id=\"memory\">").unwrap()..];
+        let memory = &memory[..memory.find("</section>").unwrap()];
+        for bar in ["tp2 rank 0", "tp2 rank 1", "dp-1 rank 0"] {
+            assert!(memory.contains(bar), "memory chart lacks {bar}: {memory}");
+        }
+        well_formed(&html).unwrap();
     }
 
     #[test]

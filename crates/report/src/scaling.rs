@@ -1,9 +1,11 @@
 //! "Did scaling help?": compare runs of the same config at different world sizes and layouts.
 //!
 //! Layouts (`--layouts` of `lockstep scale`): `dp` is pure data parallelism at each world size,
-//! `pp` one pipeline with as many stages as workers, `dpAxppB` exactly A replicas × B stages (one
-//! run of A·B workers). [`parse_layouts`] reads the list, [`expand`] turns it and the world sizes
-//! into the runs to make, in order, without duplicates.
+//! `pp` one pipeline with as many stages as workers, `tp` one tensor-parallel group as wide as the
+//! world; a product of factors in the order dp, tp, pp (`dpAxppB`, `tpB`, `dpAxtpB`, `tpAxppB`,
+//! `dpAxtpBxppC`) is exactly that layout (one run of their product of workers, missing factors
+//! 1). [`parse_layouts`] reads the list, [`expand`] turns it and the world sizes into the runs to
+//! make, in order, without duplicates.
 //!
 //! Step time is the **median over steady-state steps of the slowest rank's step time** (a
 //! synchronous step finishes when its slowest rank does); the first steps (allocator and cache
@@ -24,28 +26,38 @@ pub enum LayoutSpec {
     Dp,
     /// One pipeline with as many stages as workers, at each world size.
     Pp,
-    /// `dp` replicas of a `pp`-stage pipeline: one run of `dp · pp` workers.
-    Fixed { dp: usize, pp: usize },
+    /// One tensor-parallel group of all workers, at each world size.
+    Tp,
+    /// `dp` replicas of a `pp`-stage pipeline whose stages are split over `tp` ranks: one run of
+    /// `dp · tp · pp` workers.
+    Fixed { dp: usize, tp: usize, pp: usize },
 }
 
 /// A layout to run: its name (also its run directory) and its factors.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Layout {
-    /// `dp-N`, `pp-N` or `dpAxppB`.
+    /// `dp-N`, `pp-N`, `tp-N`, `dpAxppB` or the factors written with tp (`dpAxtpB`, …).
     pub name: String,
     pub dp: usize,
+    #[serde(default = "one")]
+    pub tp: usize,
     pub pp: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Layout {
     pub fn world(&self) -> usize {
-        self.dp * self.pp
+        self.dp * self.tp * self.pp
     }
 
     /// The config overrides that select this layout (applied after the user's `--set`s).
     pub fn overrides(&self) -> Vec<String> {
         vec![
             format!("parallel.dp={}", self.dp),
+            format!("parallel.tp={}", self.tp),
             format!("parallel.pp={}", self.pp),
         ]
     }
@@ -64,19 +76,46 @@ impl Layout {
         } else {
             format!("{} workers", self.world())
         };
-        if self.pp > 1 {
-            format!("{workers}: {} replica(s) × {} stages", self.dp, self.pp)
-        } else {
-            workers
+        match (self.tp, self.pp) {
+            (1, 1) => workers,
+            (1, pp) => format!("{workers}: {} replica(s) × {pp} stages", self.dp),
+            (tp, 1) => format!(
+                "{workers}: {} replica(s) × {tp} tensor-parallel ranks",
+                self.dp
+            ),
+            (tp, pp) => format!(
+                "{workers}: {} replica(s) × {pp} stages × {tp} tensor-parallel ranks",
+                self.dp
+            ),
         }
     }
 }
 
+/// A fixed layout's name: `dpAxppB` without tensor parallelism (as before tp existed),
+/// otherwise its factors other than 1 in the order dp, tp, pp (`tp2`, `dp2xtp2`, `tp2xpp2`).
+fn fixed_name(dp: usize, tp: usize, pp: usize) -> String {
+    if tp == 1 {
+        return format!("dp{dp}xpp{pp}");
+    }
+    [("dp", dp), ("tp", tp), ("pp", pp)]
+        .iter()
+        .filter(|&&(axis, n)| n > 1 || axis == "tp")
+        .map(|(axis, n)| format!("{axis}{n}"))
+        .collect::<Vec<_>>()
+        .join("x")
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LayoutError {
-    #[error("layout `{spec}`: {reason} (a layout is dp, pp or dpAxppB such as dp2xpp2)")]
+    #[error(
+        "layout `{spec}`: {reason} (a layout is dp, pp, tp or factors dpA, tpB, ppC joined by x \
+         in that order, such as dp2xpp2, tp2, dp2xtp2)"
+    )]
     Syntax { spec: String, reason: String },
-    #[error("no layouts given (a comma-separated list of dp, pp or dpAxppB such as dp2xpp2)")]
+    #[error(
+        "no layouts given (a comma-separated list of dp, pp, tp or factors such as dp2xpp2, tp2, \
+         dp2xtp2)"
+    )]
     Empty,
 }
 
@@ -94,21 +133,10 @@ pub fn parse_layouts(spec: &str) -> Result<Vec<LayoutSpec>, LayoutError> {
             "" => return Err(bad("empty entry")),
             "dp" => LayoutSpec::Dp,
             "pp" => LayoutSpec::Pp,
+            "tp" => LayoutSpec::Tp,
             _ => {
-                let (a, b) = p
-                    .strip_prefix("dp")
-                    .and_then(|r| r.split_once("xpp"))
-                    .ok_or_else(|| bad("not dp, pp or dpAxppB"))?;
-                let factor = |s: &str, what: &str| {
-                    s.parse::<usize>()
-                        .ok()
-                        .filter(|&v| v >= 1)
-                        .ok_or_else(|| bad(&format!("{what} `{s}` is not a whole number ≥ 1")))
-                };
-                LayoutSpec::Fixed {
-                    dp: factor(a, "replica count")?,
-                    pp: factor(b, "stage count")?,
-                }
+                let [dp, tp, pp] = layout_factors(p).map_err(|reason| bad(&reason))?;
+                LayoutSpec::Fixed { dp, tp, pp }
             }
         };
         out.push(l);
@@ -116,20 +144,52 @@ pub fn parse_layouts(spec: &str) -> Result<Vec<LayoutSpec>, LayoutError> {
     Ok(out)
 }
 
+/// `dpAxtpBxppC` with any factor left out (1), but at least a tp or pp one: a fixed layout's
+/// `[dp, tp, pp]` (also `lockstep plan --layouts`'s named form).
+pub(crate) fn layout_factors(p: &str) -> Result<[usize; 3], String> {
+    const AXES: [(&str, &str); 3] = [
+        ("dp", "replica count"),
+        ("tp", "tensor-parallel width"),
+        ("pp", "stage count"),
+    ];
+    let mut f = [None; 3];
+    let mut next = 0;
+    for part in p.split('x') {
+        let i = AXES
+            .iter()
+            .position(|(axis, _)| part.starts_with(axis))
+            .filter(|&i| i >= next)
+            .ok_or("not dp, pp, tp or factors dpA, tpB, ppC in that order")?;
+        let n = &part[2..];
+        let v = n
+            .parse::<usize>()
+            .ok()
+            .filter(|&v| v >= 1)
+            .ok_or_else(|| format!("{} `{n}` is not a whole number ≥ 1", AXES[i].1))?;
+        f[i] = Some(v);
+        next = i + 1;
+    }
+    if f[1].is_none() && f[2].is_none() {
+        return Err("a fixed layout names tpB or ppC (e.g. dp4xpp1); dp alone is the sweep".into());
+    }
+    Ok(f.map(|v| v.unwrap_or(1)))
+}
+
 /// The runs of a sweep, in order: each layout at each world size (a fixed layout once), skipping
-/// any `(dp, pp)` already listed (e.g. `pp` at 1 worker is `dp` at 1 worker).
+/// any `(dp, tp, pp)` already listed (e.g. `pp` at 1 worker is `dp` at 1 worker).
 pub fn expand(specs: &[LayoutSpec], sizes: &[usize]) -> Vec<Layout> {
     let mut out: Vec<Layout> = Vec::new();
-    let mut push = |name: String, dp: usize, pp: usize| {
-        if !out.iter().any(|l| (l.dp, l.pp) == (dp, pp)) {
-            out.push(Layout { name, dp, pp });
+    let mut push = |name: String, dp: usize, tp: usize, pp: usize| {
+        if !out.iter().any(|l| (l.dp, l.tp, l.pp) == (dp, tp, pp)) {
+            out.push(Layout { name, dp, tp, pp });
         }
     };
     for s in specs {
         match *s {
-            LayoutSpec::Dp => sizes.iter().for_each(|&n| push(format!("dp-{n}"), n, 1)),
-            LayoutSpec::Pp => sizes.iter().for_each(|&n| push(format!("pp-{n}"), 1, n)),
-            LayoutSpec::Fixed { dp, pp } => push(format!("dp{dp}xpp{pp}"), dp, pp),
+            LayoutSpec::Dp => sizes.iter().for_each(|&n| push(format!("dp-{n}"), n, 1, 1)),
+            LayoutSpec::Pp => sizes.iter().for_each(|&n| push(format!("pp-{n}"), 1, 1, n)),
+            LayoutSpec::Tp => sizes.iter().for_each(|&n| push(format!("tp-{n}"), 1, n, 1)),
+            LayoutSpec::Fixed { dp, tp, pp } => push(fixed_name(dp, tp, pp), dp, tp, pp),
         }
     }
     out
@@ -144,6 +204,8 @@ pub struct ScalePoint {
     pub world_size: usize,
     #[serde(default)]
     pub dp: usize,
+    #[serde(default = "one")]
+    pub tp: usize,
     #[serde(default)]
     pub pp: usize,
     pub median_step_seconds: f64,
@@ -243,6 +305,7 @@ pub fn compare(runs: &[Run]) -> ScaleReport {
             label: run.layout.name.clone(),
             world_size: summary.world_size,
             dp: run.layout.dp,
+            tp: run.layout.tp,
             pp: run.layout.pp,
             median_step_seconds: step,
             samples_per_sec: summary.global_batch as f64 / step,
@@ -445,6 +508,7 @@ pub(crate) mod tests {
             layout: Layout {
                 name: name.into(),
                 dp,
+                tp: 1,
                 pp,
             },
             summary: summary(dp * pp, hash),
@@ -543,7 +607,11 @@ pub(crate) mod tests {
             vec![
                 LayoutSpec::Dp,
                 LayoutSpec::Pp,
-                LayoutSpec::Fixed { dp: 2, pp: 2 }
+                LayoutSpec::Fixed {
+                    dp: 2,
+                    tp: 1,
+                    pp: 2
+                }
             ]
         );
         let runs = expand(&parse_layouts("dp,pp,dp2xpp2,dp4xpp1").unwrap(), &[1, 2, 4]);
@@ -562,15 +630,67 @@ pub(crate) mod tests {
             ]
         );
         assert_eq!(runs[5].world(), 4);
-        assert_eq!(runs[3].overrides(), vec!["parallel.dp=1", "parallel.pp=2"]);
+        assert_eq!(
+            runs[3].overrides(),
+            vec!["parallel.dp=1", "parallel.tp=1", "parallel.pp=2"]
+        );
         assert_eq!(runs[5].describe(), "4 workers: 2 replica(s) × 2 stages");
+    }
+
+    #[test]
+    fn tensor_parallel_layouts_parse_name_and_expand() {
+        let specs = parse_layouts("tp,tp2,dp2xtp2,tp2xpp2,dp2xtp2xpp2,dp1xtp4").unwrap();
+        assert_eq!(specs[0], LayoutSpec::Tp);
+        assert_eq!(
+            specs[2],
+            LayoutSpec::Fixed {
+                dp: 2,
+                tp: 2,
+                pp: 1
+            }
+        );
+        let runs = expand(&specs, &[1, 2, 4]);
+        let got: Vec<(&str, usize, usize, usize, usize)> = runs
+            .iter()
+            .map(|l| (l.name.as_str(), l.dp, l.tp, l.pp, l.world()))
+            .collect();
+        // tp-2 is tp2, tp-4 is dp1xtp4: each runs once, under its first name.
+        assert_eq!(
+            got,
+            vec![
+                ("tp-1", 1, 1, 1, 1),
+                ("tp-2", 1, 2, 1, 2),
+                ("tp-4", 1, 4, 1, 4),
+                ("dp2xtp2", 2, 2, 1, 4),
+                ("tp2xpp2", 1, 2, 2, 4),
+                ("dp2xtp2xpp2", 2, 2, 2, 8),
+            ]
+        );
+        assert_eq!(
+            runs[4].overrides(),
+            vec!["parallel.dp=1", "parallel.tp=2", "parallel.pp=2"]
+        );
+        assert_eq!(
+            runs[3].describe(),
+            "4 workers: 2 replica(s) × 2 tensor-parallel ranks"
+        );
+        assert_eq!(
+            runs[4].describe(),
+            "4 workers: 1 replica(s) × 2 stages × 2 tensor-parallel ranks"
+        );
     }
 
     #[test]
     fn bad_layouts_are_refused_with_the_reason() {
         for (spec, needle) in [
-            ("tp", "layout `tp`: not dp, pp or dpAxppB"),
-            ("dp2pp2", "layout `dp2pp2`: not dp, pp or dpAxppB"),
+            ("tq", "layout `tq`: not dp, pp, tp or factors"),
+            (
+                "pp2xtp2",
+                "layout `pp2xtp2`: not dp, pp, tp or factors dpA, tpB, ppC in that order",
+            ),
+            ("dp2", "dp alone is the sweep"),
+            ("tp0", "tensor-parallel width `0` is not a whole number ≥ 1"),
+            ("dp2pp2", "layout `dp2pp2`: replica count `2pp2`"),
             ("dp0xpp2", "replica count `0` is not a whole number ≥ 1"),
             ("dp2xpp", "stage count `` is not a whole number ≥ 1"),
             ("dpxpp2", "replica count `` is not a whole number ≥ 1"),
@@ -589,6 +709,7 @@ pub(crate) mod tests {
         let pp2 = Layout {
             name: "pp-2".into(),
             dp: 1,
+            tp: 1,
             pp: 2,
         };
         // The default config is an MLP: its own validation refuses a pipeline.

@@ -687,16 +687,6 @@ impl TrainConfig {
                 format!("{} is not a ZeRO stage: use 0, 1, 2 or 3", p.zero),
             ));
         }
-        if p.zero == 3 && p.tp > 1 {
-            return Err(invalid(
-                "parallel.zero",
-                format!(
-                    "ZeRO 3 is not combined with tensor parallelism (parallel.tp = {}) yet: \
-                     use parallel.zero = 1 or 2 with tp, or tp = 1 with zero 3",
-                    p.tp
-                ),
-            ));
-        }
         if p.tp == 0 {
             return Err(invalid("parallel.tp", "must be ≥ 1"));
         }

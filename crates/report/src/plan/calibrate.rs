@@ -63,6 +63,14 @@ pub fn calibrate(
         Some(p) => (p.dp.max(1), p.pp.max(1), p.microbatches_per_replica.max(1)),
         None => (world, 1, 0),
     };
+    if dp * pp != world && world.is_multiple_of(dp * pp) {
+        return bad(format!(
+            "the run is tensor-parallel (tp = {}); the plan calibrates from a run with \
+             parallel.tp = 1 (the same config on 1 worker or data-parallel) and predicts tp \
+             layouts from it",
+            world / (dp * pp)
+        ));
+    }
     if dp * pp != world {
         return bad(format!(
             "summary.json says {world} workers but a layout of dp {dp} × pp {pp}"
@@ -147,7 +155,7 @@ pub fn calibrate(
     // The calibration run's layout on its own links.
     let cluster = Cluster::uniform(world, *link);
     let place = Placement::new(&cluster, world);
-    let (stage_params, groups) = stage_groups(workload, Layout { dp, pp }, &layer_shares);
+    let (stage_params, groups) = stage_groups(workload, Layout::dp_pp(dp, pp), &layer_shares);
     let local = if pp == 1 {
         workload.microbatches.div_ceil(world)
     } else {
@@ -190,7 +198,11 @@ pub fn calibrate(
             } else {
                 balanced_stages(&layer_shares, pp)
             };
-            p2p_bytes_per_rank(Layout { dp, pp }, &boundary_bytes(workload, &stages), m_rep)
+            p2p_bytes_per_rank(
+                Layout::dp_pp(dp, pp),
+                &boundary_bytes(workload, &stages),
+                m_rep,
+            )
         }
         _ => 0.0,
     };
@@ -323,7 +335,7 @@ mod tests {
         ));
         // And the model then predicts the calibration run's own step from its parts.
         let c = Cluster::uniform(2, link);
-        let pred = predict(&c, &w, &cal, Layout { dp: 2, pp: 1 }).unwrap();
+        let pred = predict(&c, &w, &cal, Layout::dp_pp(2, 1)).unwrap();
         assert!((pred.step_s - 0.0275).abs() < 1e-9, "{}", pred.step_s);
         assert_eq!(cal.layer_shares, vec![1.0]);
     }

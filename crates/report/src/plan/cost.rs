@@ -262,6 +262,27 @@ impl<'a> Placement<'a> {
         c
     }
 
+    /// Tensor parallelism's exact piece sums (`GroupPieceSum`: one bucket, so an all-reduce of one
+    /// exponent and one of `elems` i64 values) of `count` tensors, within every tensor-parallel
+    /// group of `layout` at once (neighbouring ranks).
+    pub(super) fn piece_sums(
+        &self,
+        layout: Layout,
+        elems: usize,
+        count: usize,
+        w: &Workload,
+    ) -> Cost {
+        let groups: Vec<Vec<usize>> = (0..layout.dp * layout.pp)
+            .map(|g| (g * layout.tp..(g + 1) * layout.tp).collect())
+            .collect();
+        let one =
+            self.all_reduce(&groups, 1, 4, w, false) + self.all_reduce(&groups, elems, 8, w, false);
+        Cost {
+            seconds: one.seconds * count as f64,
+            bytes_per_rank: one.bytes_per_rank * count as f64,
+        }
+    }
+
     /// Pipeline point-to-point for one micro-batch over every stage boundary of every replica at
     /// once (`bytes[s]` crosses boundary `s → s+1`, forward as activations, back as gradients),
     /// each message in segments. Returns `(busiest, first)`: the longest one-way transfer per
@@ -274,9 +295,11 @@ impl<'a> Placement<'a> {
         for forward in [true, false] {
             let mut flows = Vec::new();
             let mut nsegs = Vec::new();
-            for r in 0..layout.dp {
+            // Each tp rank of a stage sends to the same tp rank of the next.
+            let (pp, tp) = (layout.pp, layout.tp);
+            for (r, t) in (0..layout.dp).flat_map(|r| (0..tp).map(move |t| (r, t))) {
                 for (s, &b) in bytes.iter().enumerate() {
-                    let (a, c) = (r * layout.pp + s, r * layout.pp + s + 1);
+                    let (a, c) = ((r * pp + s) * tp + t, (r * pp + s + 1) * tp + t);
                     let nseg = (b as usize).div_ceil(w.segment_bytes).max(1) as f64;
                     flows.push(if forward {
                         (a, c, b / nseg)

@@ -1,5 +1,6 @@
-//! Layouts: `dp` data-parallel replicas of a `pp`-stage pipeline, how they are written
-//! (`--layouts 1,4x1,2x2`) and which are worth comparing on a cluster.
+//! Layouts: `dp` data-parallel replicas of a `pp`-stage pipeline whose stages are split over
+//! `tp` tensor-parallel ranks, how they are written (`--layouts 1,4x1,2x2,tp2,dp2xtp2`) and which
+//! are worth comparing on a cluster.
 
 use std::fmt;
 use std::str::FromStr;
@@ -8,47 +9,68 @@ use serde::{Deserialize, Serialize};
 
 use super::{Cluster, PlanError, Workload};
 
-/// `dp` data-parallel replicas of a `pp`-stage pipeline; rank = replica · pp + stage.
+/// `dp` data-parallel replicas of a `pp`-stage pipeline, each stage on `tp` tensor-parallel
+/// ranks; rank = (replica · pp + stage) · tp + tp rank (`parallel_dims.rs`).
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Layout {
     pub dp: usize,
+    #[serde(default = "one")]
+    pub tp: usize,
     pub pp: usize,
 }
 
+fn one() -> usize {
+    1
+}
+
 impl Layout {
+    /// `dp` replicas of a `pp`-stage pipeline without tensor parallelism.
+    pub fn dp_pp(dp: usize, pp: usize) -> Layout {
+        Layout { dp, tp: 1, pp }
+    }
+
     pub fn world(&self) -> usize {
-        self.dp * self.pp
+        self.dp * self.tp * self.pp
     }
 }
 
 impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.pp == 1 {
-            write!(f, "dp={}", self.dp)
-        } else {
-            write!(f, "dp={}×pp={}", self.dp, self.pp)
+        write!(f, "dp={}", self.dp)?;
+        if self.tp > 1 {
+            write!(f, "×tp={}", self.tp)?;
         }
+        if self.pp > 1 {
+            write!(f, "×pp={}", self.pp)?;
+        }
+        Ok(())
     }
 }
 
 impl FromStr for Layout {
     type Err = PlanError;
-    /// `DPxPP` (e.g. `2x2`) or `DP` alone (pipeline of one stage).
+    /// `DPxPP` (e.g. `2x2`), `DP` alone (pipeline of one stage), or named factors in the order
+    /// dp, tp, pp as `lockstep scale` writes them (`tp2`, `dp2xtp2`, `tp2xpp2`, `dp2xpp2`).
     fn from_str(s: &str) -> Result<Self, PlanError> {
         let bad = |m: &str| PlanError::Layout {
             layout: s.to_string(),
             message: m.to_string(),
         };
         let t = s.trim();
+        if t.starts_with(|c: char| c.is_ascii_alphabetic()) {
+            let [dp, tp, pp] = crate::scaling::layout_factors(t).map_err(|m| bad(&m))?;
+            return Ok(Layout { dp, tp, pp });
+        }
         let (dp, pp) = match t.split_once(['x', 'X', '×']) {
             Some((a, b)) => (a, b),
             None => (t, "1"),
         };
         let num = |v: &str| v.trim().parse::<usize>().ok().filter(|&n| n >= 1);
         match (num(dp), num(pp)) {
-            (Some(dp), Some(pp)) => Ok(Layout { dp, pp }),
+            (Some(dp), Some(pp)) => Ok(Layout::dp_pp(dp, pp)),
             _ => Err(bad(
-                "expected DPxPP with whole numbers ≥ 1 (e.g. 4x1, 2x2) or DP alone (e.g. 4)",
+                "expected DPxPP with whole numbers ≥ 1 (e.g. 4x1, 2x2), DP alone (e.g. 4) or \
+                 named factors (e.g. tp2, dp2xtp2, tp2xpp2)",
             )),
         }
     }
@@ -71,7 +93,8 @@ pub fn parse_layouts(spec: &str) -> Result<Vec<Layout>, PlanError> {
 }
 
 /// Layouts worth comparing on `cluster`: world sizes 1, powers of two and whole nodes, each split
-/// into every pipeline depth the model allows.
+/// into every pipeline depth the model allows and, for a model of `tp_pieces` > 1, every
+/// tensor-parallel width that divides the pieces (within one node: its ranks talk most).
 pub fn candidate_layouts(cluster: &Cluster, workload: &Workload) -> Vec<Layout> {
     let cap = cluster.capacity();
     let mut worlds: Vec<usize> = std::iter::successors(Some(1usize), |w| Some(w * 2))
@@ -82,9 +105,18 @@ pub fn candidate_layouts(cluster: &Cluster, workload: &Workload) -> Vec<Layout> 
     worlds.dedup();
     let layers = workload.layers.len().max(1);
     let mut out = Vec::new();
+    let tps = (1..=workload.tp_pieces.min(cluster.workers_per_node))
+        .filter(|tp| workload.tp_pieces.is_multiple_of(*tp));
     for w in worlds {
-        for pp in (1..=w.min(layers)).filter(|pp| w % pp == 0) {
-            out.push(Layout { dp: w / pp, pp });
+        for tp in tps.clone().filter(|tp| w.is_multiple_of(*tp)) {
+            let rest = w / tp;
+            for pp in (1..=rest.min(layers)).filter(|pp| rest.is_multiple_of(*pp)) {
+                out.push(Layout {
+                    dp: rest / pp,
+                    tp,
+                    pp,
+                });
+            }
         }
     }
     out
@@ -101,10 +133,41 @@ mod tests {
         assert_eq!(
             parse_layouts("1, 4x1,2x2").unwrap(),
             vec![
-                Layout { dp: 1, pp: 1 },
-                Layout { dp: 4, pp: 1 },
-                Layout { dp: 2, pp: 2 }
+                Layout::dp_pp(1, 1),
+                Layout::dp_pp(4, 1),
+                Layout::dp_pp(2, 2)
             ]
+        );
+        assert_eq!(
+            parse_layouts("tp2,dp2xtp2,tp2xpp2").unwrap(),
+            vec![
+                Layout {
+                    dp: 1,
+                    tp: 2,
+                    pp: 1
+                },
+                Layout {
+                    dp: 2,
+                    tp: 2,
+                    pp: 1
+                },
+                Layout {
+                    dp: 1,
+                    tp: 2,
+                    pp: 2
+                }
+            ]
+        );
+        let names: Vec<String> = parse_layouts("tp2,dp2xtp2xpp2")
+            .unwrap()
+            .iter()
+            .map(Layout::to_string)
+            .collect();
+        assert_eq!(names, ["dp=1×tp=2", "dp=2×tp=2×pp=2"]);
+        let e = parse_layouts("pp2xtp2").unwrap_err().to_string();
+        assert!(
+            e.contains("`pp2xtp2`") && e.contains("in that order"),
+            "{e}"
         );
         let e = parse_layouts("2,0x2").unwrap_err().to_string();
         assert!(e.contains("`0x2`"), "{e}");

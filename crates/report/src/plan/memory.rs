@@ -3,10 +3,15 @@
 //! per local micro-batch, the reduced gradient and its fixed-point accumulator, optimizer state,
 //! each sharded by the ZeRO level; activations of the micro-batches a stage holds at once) and the
 //! predicted peak resident memory, for the fullest rank; and whether it fits `--memory-gib`.
+//! Under tensor parallelism a rank's parameters — and with them its gradients and optimizer
+//! state — are the replicated ones plus its share of the split matrices
+//! (`Layer::tp_split_params`); its activations are counted whole, as the training loop counts
+//! them (a tp rank keeps the replicated segments and its pieces' inputs).
 
 use lockstep_train::config::ScheduleKind;
 use lockstep_train::memory::{predict, predicted_peak_bytes, RankMemory, StateShape};
 
+use super::stages::rank_params;
 use super::{Layout, Workload};
 
 /// The fullest rank of `layout` whose stages are `stages` (`[first, end)` layers):
@@ -20,7 +25,7 @@ pub(super) fn fullest_rank(w: &Workload, layout: Layout, stages: &[(usize, usize
         .enumerate()
         .map(|(s, &(a, b))| {
             let layers = &w.layers[a..b];
-            let stage_params: usize = layers.iter().map(|l| l.params).sum();
+            let stage_params = rank_params(layers, layout.tp);
             let held_per_sample: usize = layers
                 .iter()
                 .map(|l| l.held_activation_bytes_per_sample)
@@ -61,11 +66,11 @@ mod tests {
     fn the_fullest_rank_follows_stages_schedule_and_zero() {
         // One layer of 1000 parameters, AdamW, 4 micro-batches, exact sum.
         let w = workload(1000);
-        let one = fullest_rank(&w, Layout { dp: 1, pp: 1 }, &[(0, 1)]);
+        let one = fullest_rank(&w, Layout::dp_pp(1, 1), &[(0, 1)]);
         assert_eq!(one.params_bytes, 4000);
         assert_eq!(one.optimizer_bytes, 8000);
         assert_eq!(one.grads_bytes, (4 + 1) * 4000 + 8000);
-        let dp2 = fullest_rank(&w, Layout { dp: 2, pp: 1 }, &[(0, 1)]);
+        let dp2 = fullest_rank(&w, Layout::dp_pp(2, 1), &[(0, 1)]);
         assert_eq!(
             dp2.grads_bytes,
             (2 + 1) * 4000 + 8000,
@@ -76,7 +81,7 @@ mod tests {
                 zero: 1,
                 ..w.clone()
             },
-            Layout { dp: 2, pp: 1 },
+            Layout::dp_pp(2, 1),
             &[(0, 1)],
         );
         assert_eq!(zero1.optimizer_bytes, dp2.optimizer_bytes / 2);
@@ -87,7 +92,7 @@ mod tests {
             l.held_activation_bytes_per_sample = 10;
         }
         let stages = [(0, 2), (2, 4)];
-        let f1b = fullest_rank(&p, Layout { dp: 1, pp: 2 }, &stages);
+        let f1b = fullest_rank(&p, Layout::dp_pp(1, 2), &stages);
         assert_eq!(f1b.params_bytes, 8000);
         // Stage 0 of 1F1B holds 2 micro-batches of 4 samples × 2 layers × 10 bytes.
         assert_eq!(f1b.activation_peak_bytes, 2 * 4 * 20);
@@ -96,7 +101,7 @@ mod tests {
                 schedule: ScheduleKind::GPipe,
                 ..p.clone()
             },
-            Layout { dp: 1, pp: 2 },
+            Layout::dp_pp(1, 2),
             &stages,
         );
         assert_eq!(gpipe.activation_peak_bytes, 8 * 4 * 20);

@@ -88,6 +88,13 @@ pub fn predict(
             layout.pp
         ));
     }
+    if layout.tp > 1 && (w.tp_pieces == 1 || !w.tp_pieces.is_multiple_of(layout.tp)) {
+        return Err(format!(
+            "tp = {} needs a transformer whose model.tp_pieces it divides (this one has \
+             tp_pieces = {})",
+            layout.tp, w.tp_pieces
+        ));
+    }
     if layout.pp > w.layers.len() {
         return Err(format!(
             "{} stages but the model has {} layers",
@@ -106,9 +113,16 @@ pub fn predict(
     let mb = w.microbatch as f64;
     let m = w.microbatches.div_ceil(layout.dp);
     let (stage_params, groups) = stage_groups(w, layout, &shares);
+    // A tensor-parallel rank computes its layers' replicated part and its share of the split
+    // part: each layer's compute in proportion to the parameters the rank holds.
+    let rank_shares: Vec<f64> = shares
+        .iter()
+        .zip(&w.layers)
+        .map(|(s, l)| s * l.params_per_tp_rank(layout.tp) as f64 / l.params.max(1) as f64)
+        .collect();
     let (compute_s, bubble_s, p2p_s, stage_layers) = if layout.pp == 1 {
         (
-            m as f64 * mb * per_sample,
+            m as f64 * mb * per_sample * rank_shares.iter().sum::<f64>(),
             0.0,
             0.0,
             vec![(0, w.layers.len())],
@@ -117,7 +131,7 @@ pub fn predict(
         let stages = balanced_stages(&shares, layout.pp);
         let t: Vec<f64> = stages
             .iter()
-            .map(|&(a, b)| shares[a..b].iter().sum::<f64>() * mb * per_sample)
+            .map(|&(a, b)| rank_shares[a..b].iter().sum::<f64>() * mb * per_sample)
             .collect();
         let t_max = t.iter().copied().fold(0.0, f64::max);
         let t_sum: f64 = t.iter().sum();
@@ -129,7 +143,9 @@ pub fn predict(
         let bubble = t_sum - t_max;
         (compute, bubble, schedule - compute - bubble, stages)
     };
-    let net = place.loss_exchange(world, w) + place.gradient_sync(&groups, stage_params, w);
+    let net = place.loss_exchange(world, w)
+        + place.gradient_sync(&groups, stage_params, w)
+        + tp_sums(&place, w, layout, &stage_layers, m);
     let sync_cpu_s = cal.sync_cpu_per_unit_s * sync_units(stage_params, m, w.reproducible) / cs;
     let other_s = (cal.optimizer_per_param_s * stage_params as f64 + cal.overhead_s) / cs;
     let step_s = compute_s + bubble_s + p2p_s + sync_cpu_s + net.seconds + other_s;
@@ -161,6 +177,32 @@ pub fn predict(
         memory,
         fits_memory: true,
     })
+}
+
+/// Tensor parallelism's piece sums per step on the busiest stage: per micro-batch and split layer
+/// (a transformer block), two row-parallel outputs forward and two column-parallel input
+/// gradients backward, each the layer's output (`activation_bytes_per_sample` per sample).
+fn tp_sums(
+    place: &Placement,
+    w: &Workload,
+    layout: Layout,
+    stages: &[(usize, usize)],
+    m: usize,
+) -> super::cost::Cost {
+    stages
+        .iter()
+        .map(|&(a, b)| {
+            let split = &w.layers[a..b];
+            let split: Vec<_> = split.iter().filter(|l| l.tp_split_params > 0).collect();
+            let elems = split
+                .iter()
+                .map(|l| l.activation_bytes_per_sample / 4 * w.microbatch)
+                .max()
+                .unwrap_or(0);
+            place.piece_sums(layout, elems, 4 * split.len() * m, w)
+        })
+        .max_by(|x, y| x.seconds.total_cmp(&y.seconds))
+        .unwrap_or_default()
 }
 
 /// A layout the model did not predict, and why.
@@ -209,7 +251,7 @@ pub fn plan(
         Some(l) => l.to_vec(),
         None => candidate_layouts(cluster, workload),
     };
-    let one = predict(cluster, workload, calibration, Layout { dp: 1, pp: 1 })
+    let one = predict(cluster, workload, calibration, Layout::dp_pp(1, 1))
         .expect("one worker always fits")
         .step_s;
     let mut predictions = Vec::new();
@@ -363,7 +405,7 @@ mod tests {
         let cal = flat_calibration(1e-3, 4);
         let free = Link::new(0.0, 1e18);
         let c = Cluster::uniform(4, free);
-        let p = predict(&c, &w, &cal, Layout { dp: 1, pp: 4 }).unwrap();
+        let p = predict(&c, &w, &cal, Layout::dp_pp(1, 4)).unwrap();
         let t_stage = 0.25 * 4.0 * 1e-3;
         assert!(close(p.compute_s + p.bubble_s, (8.0 + 3.0) * t_stage));
         assert!(
@@ -378,7 +420,7 @@ mod tests {
         // Latency α = 2 ms per message, more than a stage's 1 ms: the links pace the pipeline.
         // (m − 1)·α for the stream, p·t_stage and 2(p − 1)·α for the first micro-batch's path.
         let slow = Cluster::uniform(4, Link::new(2e-3, 1e18));
-        let q = predict(&slow, &w, &cal, Layout { dp: 1, pp: 4 }).unwrap();
+        let q = predict(&slow, &w, &cal, Layout::dp_pp(1, 4)).unwrap();
         let schedule = 7.0 * 2e-3 + 4.0 * t_stage + 6.0 * 2e-3;
         assert!(close(q.compute_s + q.bubble_s + q.p2p_s, schedule), "{q:?}");
         assert!(close(q.p2p_s, schedule - 11.0 * t_stage), "{}", q.p2p_s);
@@ -403,16 +445,16 @@ mod tests {
             &w,
             &cal,
             Some(&[
-                Layout { dp: 1, pp: 1 },
-                Layout { dp: 2, pp: 1 },
-                Layout { dp: 4, pp: 1 },
-                Layout { dp: 8, pp: 1 },
+                Layout::dp_pp(1, 1),
+                Layout::dp_pp(2, 1),
+                Layout::dp_pp(4, 1),
+                Layout::dp_pp(8, 1),
             ]),
             None,
         );
         assert_eq!(
             p.recommendation.as_ref().unwrap().layout,
-            Layout { dp: 4, pp: 1 }
+            Layout::dp_pp(4, 1)
         );
         assert_eq!(p.skipped.len(), 1);
         assert!(
@@ -430,7 +472,7 @@ mod tests {
         let slow = spec(4, 0.1).resolve().unwrap();
         let p = plan(&slow, &w, &cal, None, None);
         let r = p.recommendation.unwrap();
-        assert_eq!(r.layout, Layout { dp: 1, pp: 1 });
+        assert_eq!(r.layout, Layout::dp_pp(1, 1));
         assert!(r.why.contains("more workers do not pay"), "{}", r.why);
         // Speedup and efficiency are against one worker.
         for x in &p.predictions {
@@ -452,7 +494,7 @@ mod tests {
         }
         .resolve()
         .unwrap();
-        let layouts = [Layout { dp: 1, pp: 1 }, Layout { dp: 4, pp: 1 }];
+        let layouts = [Layout::dp_pp(1, 1), Layout::dp_pp(4, 1)];
         let free = plan(&c, &w, &cal, Some(&layouts), None);
         assert!(free.predictions.iter().all(|p| p.fits_memory));
         let (one, four) = (&free.predictions[0].memory, &free.predictions[1].memory);
@@ -461,7 +503,7 @@ mod tests {
         let limit = (one.peak_rss_bytes + four.peak_rss_bytes) / 2;
         let p = plan(&c, &w, &cal, Some(&layouts), Some(limit));
         assert!(!p.predictions[0].fits_memory && p.predictions[1].fits_memory);
-        assert_eq!(p.recommendation.unwrap().layout, Layout { dp: 4, pp: 1 });
+        assert_eq!(p.recommendation.unwrap().layout, Layout::dp_pp(4, 1));
         assert_eq!(p.memory_note, None);
         // A limit below both: nothing is recommended, and the note names the smallest need.
         let p = plan(&c, &w, &cal, Some(&layouts), Some(four.peak_rss_bytes - 1));

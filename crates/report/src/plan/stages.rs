@@ -1,7 +1,7 @@
 //! Pipeline stages: the contiguous cut of a model's layers that balances their measured cost,
 //! and each stage's data-parallel group and parameter count.
 
-use super::{Layout, Workload};
+use super::{Layer, Layout, Workload};
 
 /// Contiguous cut of `shares` into `parts` stages minimising the largest stage sum (exact dynamic
 /// programme; ties go to the earliest cut). Returns `[start, end)` per stage.
@@ -46,22 +46,31 @@ pub(super) fn even(n: usize) -> Vec<f64> {
     vec![1.0 / n.max(1) as f64; n.max(1)]
 }
 
-/// The largest stage's parameter count and every stage's data-parallel group (global ranks).
+/// The parameters one rank of a stage of `layers` holds: the whole stage, or under tensor
+/// parallelism the replicated parameters plus its share of the split ones.
+pub(super) fn rank_params(layers: &[Layer], tp: usize) -> usize {
+    layers.iter().map(|l| l.params_per_tp_rank(tp)).sum()
+}
+
+/// The largest rank's parameter count and the data-parallel group (global ranks) of every
+/// (stage, tp rank).
 pub(super) fn stage_groups(
     w: &Workload,
     layout: Layout,
     shares: &[f64],
 ) -> (usize, Vec<Vec<usize>>) {
-    let groups = (0..layout.pp)
-        .map(|s| (0..layout.dp).map(|r| r * layout.pp + s).collect())
+    let (pp, tp) = (layout.pp, layout.tp);
+    let groups = (0..pp * tp)
+        .map(|st| (0..layout.dp).map(|r| r * pp * tp + st).collect())
         .collect();
-    if layout.pp == 1 {
-        return (w.params, groups);
-    }
-    let stages = balanced_stages(shares, layout.pp);
+    let stages = if pp == 1 {
+        vec![(0, w.layers.len())]
+    } else {
+        balanced_stages(shares, pp)
+    };
     let largest = stages
         .iter()
-        .map(|&(a, b)| w.layers[a..b].iter().map(|l| l.params).sum::<usize>())
+        .map(|&(a, b)| rank_params(&w.layers[a..b], tp))
         .max()
         .unwrap_or(w.params);
     (largest, groups)

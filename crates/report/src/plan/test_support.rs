@@ -22,10 +22,12 @@ pub(super) fn workload(params: usize) -> Workload {
             params,
             activation_bytes_per_sample: 0,
             held_activation_bytes_per_sample: 0,
+            tp_split_params: 0,
         }],
         optimizer_vectors: 2,
         zero: 0,
         schedule: lockstep_train::config::ScheduleKind::OneFOneB,
+        tp_pieces: 1,
     }
 }
 
@@ -39,6 +41,7 @@ pub(super) fn pipeline_workload(layers: usize, act: usize) -> Workload {
                 params: 1000,
                 activation_bytes_per_sample: if i + 1 == layers { 0 } else { act },
                 held_activation_bytes_per_sample: 0,
+                tp_split_params: 0,
             })
             .collect(),
         ..workload(1000 * layers)

@@ -24,6 +24,17 @@ pub struct Layer {
     /// estimate; 0 when it gives none).
     #[serde(default)]
     pub held_activation_bytes_per_sample: usize,
+    /// Parameters of this layer split across the tensor-parallel ranks (a transformer block's
+    /// column- and row-parallel matrices); the rest is replicated on each rank.
+    #[serde(default)]
+    pub tp_split_params: usize,
+}
+
+impl Layer {
+    /// Parameters one rank of a tensor-parallel group of `tp` holds.
+    pub fn params_per_tp_rank(&self, tp: usize) -> usize {
+        self.params - self.tp_split_params + self.tp_split_params / tp.max(1)
+    }
 }
 
 /// What one training step moves and computes, from the config and the model's shape.
@@ -52,6 +63,13 @@ pub struct Workload {
     /// `parallel.schedule` (how many micro-batches a pipeline stage holds at once).
     #[serde(default = "default_schedule")]
     pub schedule: ScheduleKind,
+    /// `model.tp_pieces`: tensor-parallel widths that divide it can be planned (1: none).
+    #[serde(default = "one")]
+    pub tp_pieces: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 fn default_schedule() -> ScheduleKind {
@@ -74,6 +92,7 @@ impl Workload {
             optimizer_vectors: lockstep_train::memory::optimizer_vectors(cfg),
             zero: cfg.parallel.zero,
             schedule: cfg.parallel.schedule,
+            tp_pieces: cfg.model.tp_pieces.max(1),
         }
     }
 
@@ -98,6 +117,7 @@ pub fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<Vec<Layer>, 
                     params: offsets[l + 1] - offsets[l],
                     activation_bytes_per_sample: floats[l] * 4,
                     held_activation_bytes_per_sample: model.held_activation_floats(l..l + 1) * 4,
+                    tp_split_params: model.tp_split_params(l),
                 })
                 .collect()
         }
@@ -106,6 +126,7 @@ pub fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<Vec<Layer>, 
             params: replica.layout().iter().map(|p| p.len).sum(),
             activation_bytes_per_sample: 0,
             held_activation_bytes_per_sample: replica.activation_bytes(1) as usize,
+            tp_split_params: 0,
         }],
     })
 }

@@ -59,6 +59,11 @@ pub trait Layered {
     fn tp_pieces(&self) -> usize {
         1
     }
+    /// Parameters of `layer` split across the tensor-parallel ranks (the rest replicated on
+    /// each): memory per rank in `lockstep plan`. 0 for a model without tensor parallelism.
+    fn tp_split_params(&self, _layer: usize) -> usize {
+        0
+    }
     /// Layers `layers` as tensor-parallel rank `tp_rank` of `tp`, computing its share of the
     /// [`Layered::tp_pieces`] fixed pieces and summing them with the group's through `sum`
     /// (which can fail; the driver learns why from its own side of `sum`); initialised from

@@ -266,13 +266,34 @@ pub fn train<'a>(
     let mut params = stage.params_flat();
     // ZeRO: the stage's optimizer state (and from level 2 its reduced gradient) sharded over the
     // stage's data-parallel group (of the rank's local vector, with tensor parallelism).
-    // At level 3 every layer is chunked on its own, so a layer is gathered by one all-gather.
+    // At level 3 every layer is chunked on its own, so a layer is gathered by one all-gather;
+    // with tensor parallelism a layer's segment of the local vector is its replicated
+    // parameters and this rank's share of the split ones (a tp layout keeps layers contiguous).
     let zero = if cfg.parallel.zero >= 3 {
-        let base = offsets[my_layers.start];
-        let layers = my_layers.clone();
-        let segments = layers
-            .map(|l| offsets[l] - base..offsets[l + 1] - base)
+        let mut start = 0;
+        let segments: Vec<Range<usize>> = my_layers
+            .clone()
+            .map(|l| {
+                let split = if dims.tp > 1 {
+                    model.tp_split_params(l)
+                } else {
+                    0
+                };
+                let len = offsets[l + 1] - offsets[l] - split + split / dims.tp;
+                start += len;
+                start - len..start
+            })
             .collect();
+        if start != params.len() {
+            return Err(TrainError::JobSetup {
+                job: job.clone(),
+                message: format!(
+                    "ZeRO 3: the stage's layers add up to {start} local parameters, the stage \
+                     holds {}",
+                    params.len()
+                ),
+            });
+        }
         Zero::by_segments(3, segments, &dp_comm)
     } else {
         Zero::new(cfg.parallel.zero, params.len(), &dp_comm)

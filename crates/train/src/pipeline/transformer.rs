@@ -184,6 +184,10 @@ impl Layered for Transformer {
         self.tp_pieces
     }
 
+    fn tp_split_params(&self, layer: usize) -> usize {
+        lockstep_model::split_params(&self.spec, layer)
+    }
+
     fn tp_stage(
         &self,
         layers: Range<usize>,
@@ -273,10 +277,7 @@ impl LayerStage for TransformerStage<'_> {
     }
 
     fn release_params(&mut self) {
-        // The tensor-parallel stage keeps its pieces (ZeRO 3 is not combined with tp).
-        if let Inner::Whole(s) = &mut self.stage {
-            s.release_params();
-        }
+        on_stage!(&mut self.stage, s => s.release_params())
     }
 
     fn held(&self) -> usize {
