@@ -11,7 +11,8 @@
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -33,6 +34,8 @@ pub struct Outcome {
     pub resumed_from: Option<u64>,
     /// Set when the group failed.
     pub failure: Option<WorkerFailure>,
+    /// The workers were stopped because `LaunchSpec::stop` was set (before any of them failed).
+    pub stopped_from_outside: bool,
 }
 
 /// The root cause of a failed launch.
@@ -64,6 +67,11 @@ pub struct LaunchSpec {
     pub threads_per_worker: usize,
     /// Extra environment for the workers (e.g. test-only options).
     pub extra_env: Vec<(String, String)>,
+    /// Which attempt this is (0, then +1 per restart): the workers' `LOCKSTEP_ATTEMPT`.
+    pub attempt: u64,
+    /// Set by someone else (a node agent that learned of a failure on another node): stop the
+    /// workers and return with `Outcome::stopped_from_outside`.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 /// Default threads per worker: the cores of this host shared among its workers.
@@ -104,6 +112,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             .env("LOCKSTEP_STORE", &spec.store)
             .env("LOCKSTEP_SECRET", spec.secret.to_hex())
             .env("LOCKSTEP_JOB_ID", &spec.job_id)
+            .env("LOCKSTEP_ATTEMPT", spec.attempt.to_string())
             .env("RAYON_NUM_THREADS", spec.threads_per_worker.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -156,6 +165,18 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                     status,
                 });
             }
+        }
+        // Stopped from outside only while no local worker has failed, and only once every exit
+        // seen so far has been handled: a local worker that died first is a root cause to
+        // report, not a casualty of the stop.
+        if !stopped
+            && failures.is_empty()
+            && running == children.iter().filter(|w| !w.exited).count()
+            && spec.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
+        {
+            stop_all(&mut children);
+            stopped = true;
+            outcome.stopped_from_outside = true;
         }
         match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(Event::Line { rank, stderr, line }) => match WorkerMessage::parse(&line) {
