@@ -83,6 +83,11 @@ struct TrainArgs {
     /// Restart the worker group from the last good checkpoint at most this many times.
     #[arg(long, default_value_t = 3)]
     max_restarts: usize,
+    /// Seconds a worker may make no progress outside any collective (or send no heartbeat)
+    /// before its launcher names it hung and restarts the job. Longer than the slowest
+    /// micro-batch, evaluation chunk or checkpoint write.
+    #[arg(long, default_value_t = 60.0)]
+    stall_timeout: f64,
     /// Deliberate faults, e.g. "kill:rank=1,step=30", "hang:rank=0,step=5", "slow:rank=1,factor=3",
     /// "corrupt-checkpoint:step=20", "lose:rank=3,step=40" (separate several with `;`).
     #[arg(long, value_name = "SPEC")]
@@ -287,6 +292,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
             nproc: "2".into(),
             resume: None,
             max_restarts: 3,
+            stall_timeout: 60.0,
             inject: None,
             threads_per_worker: None,
             out: None,
@@ -605,6 +611,7 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
             if let Some(t) = a.threads_per_worker {
                 spec.threads_per_worker = t.max(1);
             }
+            spec.stall_timeout = Some(Duration::from_secs_f64(a.stall_timeout));
             Ok(spec)
         },
         agent.as_mut(),
@@ -756,6 +763,7 @@ fn attempt_spec(
         extra_env,
         attempt: attempt as u64,
         stop: None,
+        stall_timeout: None,
     })
 }
 
@@ -806,6 +814,7 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
             nproc: layout.world().to_string(),
             resume: None,
             max_restarts: 0,
+            stall_timeout: 60.0,
             inject: None,
             threads_per_worker: Some(a.threads_per_worker),
             out: Some(dir.clone()),
@@ -999,6 +1008,25 @@ fn cmd_worker(role: WorkerRole) -> Result<()> {
     }
 }
 
+/// How often a worker under a launcher says it is alive (see `WorkerMessage::Heartbeat`).
+const WORKER_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+
+/// A thread that reports this worker's liveness to its launcher: a heartbeat that stops means a
+/// frozen process; one that says "not waiting, idle for long" means code stuck outside any
+/// collective (data loading, say), which no peer's deadline would blame correctly.
+fn start_heartbeat(rank: usize) {
+    lockstep_comm::activity::touch();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(WORKER_HEARTBEAT_EVERY);
+        let (waiting, idle) = lockstep_comm::activity::snapshot();
+        let beat = WorkerMessage::Heartbeat {
+            waiting,
+            idle_secs: idle.as_secs_f64(),
+        };
+        orphan::emit(rank, true, &beat.line());
+    });
+}
+
 fn run_train_worker(
     w: WorkerEnv,
     cfg: &TrainConfig,
@@ -1014,6 +1042,7 @@ fn run_train_worker(
     worker.comm.set_algorithm(cfg.dist.algorithm);
     if under_launcher {
         orphan::watch_launcher(rank);
+        start_heartbeat(rank);
     }
     let mut on_event = |e: Event| match e {
         Event::Progress(p) if under_launcher => {
