@@ -5,6 +5,8 @@
 #     restarts = 1, and host A's summary blames the killed rank on host B.
 # (2) Agents that disagree on the restart policy are refused before any worker starts (exit 3,
 #     naming the node).
+# (3) A worker on host B hung outside any collective is found by its heartbeat (not by a 60 s
+#     collective timeout), named, and both hosts restart to the fault-free bits.
 # Needs root. Usage: scripts/netns-agents.sh path/to/lockstep
 set -euo pipefail
 bin="$(realpath "${1:?usage: $0 path/to/lockstep}")"
@@ -72,6 +74,26 @@ echo "agents: two hosts, restarted : $h2"
 [[ "$h1" == "$h2" ]] || { echo "agents: FAILED: param_hash differs from the fault-free run"; show_logs kill; exit 1; }
 grep -q "restart 1/2" "$work/kill-b.log" || { echo "agents: FAILED: host B did not restart with host A"; show_logs kill; exit 1; }
 echo "agents: ok: both hosts restarted together and reached the fault-free bits"
+passed=$((passed + 1))
+
+# (3) A worker on host B hung outside any collective (the injected hang, at the start of its step):
+#     its agent finds it by its heartbeat long before the 60 s collective timeout, and both hosts
+#     restart together to the fault-free bits.
+start_pair hang 29623 "${sets[@]}" --set dist.timeout_secs=60 --max-restarts 1 --stall-timeout 3 \
+    --inject "hang:rank=3,step=40"
+status=0
+wait "$pa" || status=$?
+wait "$pb" || status=$((status + $?))
+[[ $status -eq 0 ]] || { echo "agents: FAILED: a host's job failed after the hang"; show_logs hang; exit 1; }
+h3="$(hash_of "$work/hang-a/summary.json")"
+what="$(field "$work/hang-a/summary.json" 's["failures"][0]["what"]')"
+blamed="$(field "$work/hang-a/summary.json" 's["failures"][0]["rank"]')"
+took="$(field "$work/hang-a/summary.json" 's["failures"][0]["detection_seconds"]')"
+echo "agents: hung rank 3 on host B: blamed rank $blamed ($what), detected after ${took}s"
+[[ "$blamed" == 3 && "$what" == *"outside any collective"* ]] || { echo "agents: FAILED: the hung rank is not named"; show_logs hang; exit 1; }
+python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 6 else 1)" "$took" || { echo "agents: FAILED: detection took more than 2 × the 3 s stall timeout"; exit 1; }
+[[ "$h3" == "$h1" ]] || { echo "agents: FAILED: param_hash after the hang differs from the fault-free run"; show_logs hang; exit 1; }
+echo "agents: ok: a hang outside collectives on host B found by heartbeat, both hosts recovered, same bits"
 passed=$((passed + 1))
 
 # (2) Agents that disagree on --max-restarts: refused up front on both hosts, naming node 1.
