@@ -81,16 +81,16 @@ echo "netns: one worker, no pipeline        : $h1p"
 [[ "$hp" == "$h1p" ]] || { echo "netns: FAILED: the two-host pipeline's param_hash differs"; exit 1; }
 echo "netns: ok: a pipeline across hosts gives the one-worker bits"
 
-# Cut the link between the hosts mid-run: every worker must fail within 2× the collective timeout,
-# naming the rank it waited for; nothing may hang.
+# Cut the link between the hosts mid-run: both hosts must end within 2× the timeout (the node
+# agents' heartbeat timeout = the collective timeout here), each naming what it lost; nothing may hang.
 timeout_secs=3
 cut_sets=(--set train.steps=1000000 --set "dist.timeout_secs=$timeout_secs" --set checkpoint.every=0)
 port=29612
 LOCKSTEP_SECRET="$secret" ip netns exec "$A" "$bin" train --nproc 2 --nnodes 2 --node-rank 0 \
-    --rdzv "10.77.0.1:$port" --out "$work/cut-a" "${cut_sets[@]}" >"$work/cut-a.log" 2>&1 &
+    --rdzv "10.77.0.1:$port" --out "$work/cut-a" --heartbeat-timeout "$timeout_secs" "${cut_sets[@]}" >"$work/cut-a.log" 2>&1 &
 pa=$!
 LOCKSTEP_SECRET="$secret" ip netns exec "$B" "$bin" train --nproc 2 --nnodes 2 --node-rank 1 \
-    --rdzv "10.77.0.1:$port" --out "$work/cut-b" "${cut_sets[@]}" >"$work/cut-b.log" 2>&1 &
+    --rdzv "10.77.0.1:$port" --out "$work/cut-b" --heartbeat-timeout "$timeout_secs" "${cut_sets[@]}" >"$work/cut-b.log" 2>&1 &
 pb=$!
 for _ in $(seq 100); do grep -q "step 50/" "$work/cut-a.log" 2>/dev/null && break; sleep 0.1; done
 grep -q "step 50/" "$work/cut-a.log" || { echo "netns: the cut-link job never got going"; cat "$work/cut-a.log" "$work/cut-b.log"; exit 1; }
@@ -107,10 +107,13 @@ done
 elapsed=$(python3 -c "import time,sys; print(f'{time.time()-float(sys.argv[1]):.1f}')" "$cut_at")
 wait $pa && { echo "netns: FAILED: host A's job succeeded despite the cut"; exit 1; }
 wait $pb && { echo "netns: FAILED: host B's job succeeded despite the cut"; exit 1; }
-for log in "$work/cut-a.log" "$work/cut-b.log"; do
-    grep -Eq "timed out after [0-9.]+s waiting for rank [0-9]+ \(" "$log" || {
-        echo "netns: FAILED: $log does not name the rank a worker timed out on"; cat "$log"; exit 1; }
-done
-echo "netns: ok: link cut detected on both hosts within ${elapsed}s (timeout ${timeout_secs}s), ranks named:"
-grep -hEo "timed out after [0-9.]+s waiting for rank [0-9]+ \([^)]*\)" "$work/cut-a.log" "$work/cut-b.log" | sort -u | head -4
+# Each side names the other: host A's agent the node whose heartbeat stopped, host B's agent the
+# store on node 0 it can no longer reach (or, if its workers timed out first, the rank they
+# waited for).
+grep -Eq "node 1 \([^)]*\) lost \(no heartbeat for [0-9.]+s\)" "$work/cut-a.log" || {
+    echo "netns: FAILED: host A does not name the lost node 1"; cat "$work/cut-a.log"; exit 1; }
+grep -Eq "store at 10\.77\.0\.1:[0-9]+ \(node 0 \([^)]*\)\) does not answer|timed out after [0-9.]+s waiting for rank [0-9]+ \(" "$work/cut-b.log" || {
+    echo "netns: FAILED: host B names neither the lost store on node 0 nor a rank"; cat "$work/cut-b.log"; exit 1; }
+echo "netns: ok: link cut detected on both hosts within ${elapsed}s (heartbeat and collective timeout ${timeout_secs}s):"
+grep -hEo "node 1 \([^)]*\) lost \(no heartbeat for [0-9.]+s\)|store at [0-9.:]+ \(node 0 \([^)]*\)\) does not answer|timed out after [0-9.]+s waiting for rank [0-9]+ \([^)]*\)" "$work/cut-a.log" "$work/cut-b.log" | sort -u | head -4
 echo "netns: 3 passed, 0 failed"

@@ -3,7 +3,7 @@
 //!
 //! Sources, first match wins:
 //! 1. `lockstep` launcher: `LOCKSTEP_RANK`, `LOCKSTEP_WORLD_SIZE`, `LOCKSTEP_LOCAL_RANK`,
-//!    `LOCKSTEP_STORE` (host:port), `LOCKSTEP_SECRET`, `LOCKSTEP_JOB_ID`.
+//!    `LOCKSTEP_STORE` (host:port), `LOCKSTEP_SECRET`, `LOCKSTEP_JOB_ID`, `LOCKSTEP_ATTEMPT`.
 //! 2. Slurm (`srun`): `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_JOB_ID`.
 //! 3. OpenMPI (`mpirun`): `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`.
 //! 4. torchrun style: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`.
@@ -53,6 +53,11 @@ pub struct WorkerEnv {
     pub serve_store: bool,
     pub secret: JobSecret,
     pub job_id: String,
+    /// The launcher's attempt (`LOCKSTEP_ATTEMPT`: 0 first, +1 per restart; always 0 under an
+    /// external engine). The workers of attempt `a > 0` meet under the store namespace `g{a}/`
+    /// and name their links `{job_id}-g{a}`, so nothing of an earlier attempt is ever mistaken
+    /// for theirs on a store that outlives attempts (the node agents').
+    pub attempt: u64,
 }
 
 /// Detect the engine from `env`; `None` when the process was started by none of them.
@@ -80,6 +85,7 @@ pub fn detect(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
         let secret = secret_from(env)?
             .ok_or_else(|| anyhow!("LOCKSTEP_RANK is set but LOCKSTEP_SECRET is not"))?;
         let job_id = get("LOCKSTEP_JOB_ID").unwrap_or_else(|| job_id_from_secret(&secret));
+        let attempt = num("LOCKSTEP_ATTEMPT")?.unwrap_or(0) as u64;
         return finish(
             Engine::Launcher,
             rank,
@@ -89,7 +95,8 @@ pub fn detect(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
             false,
             secret,
             job_id,
-        );
+        )
+        .map(|w| w.map(|w| WorkerEnv { attempt, ..w }));
     }
 
     let found = if let (Some(r), Some(w)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
@@ -203,6 +210,7 @@ fn finish(
         serve_store,
         secret,
         job_id,
+        attempt: 0,
     }))
 }
 

@@ -11,7 +11,8 @@
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -33,6 +34,8 @@ pub struct Outcome {
     pub resumed_from: Option<u64>,
     /// Set when the group failed.
     pub failure: Option<WorkerFailure>,
+    /// The workers were stopped because `LaunchSpec::stop` was set (before any of them failed).
+    pub stopped_from_outside: bool,
 }
 
 /// The root cause of a failed launch.
@@ -64,6 +67,14 @@ pub struct LaunchSpec {
     pub threads_per_worker: usize,
     /// Extra environment for the workers (e.g. test-only options).
     pub extra_env: Vec<(String, String)>,
+    /// Which attempt this is (0, then +1 per restart): the workers' `LOCKSTEP_ATTEMPT`.
+    pub attempt: u64,
+    /// Set by someone else (a node agent that learned of a failure on another node): stop the
+    /// workers and return with `Outcome::stopped_from_outside`.
+    pub stop: Option<Arc<AtomicBool>>,
+    /// A worker whose heartbeat stops, or that reports no progress outside any collective, for
+    /// this long is hung: it is killed and blamed (`None`: heartbeats are not judged).
+    pub stall_timeout: Option<Duration>,
 }
 
 /// Default threads per worker: the cores of this host shared among its workers.
@@ -104,6 +115,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             .env("LOCKSTEP_STORE", &spec.store)
             .env("LOCKSTEP_SECRET", spec.secret.to_hex())
             .env("LOCKSTEP_JOB_ID", &spec.job_id)
+            .env("LOCKSTEP_ATTEMPT", spec.attempt.to_string())
             .env("RAYON_NUM_THREADS", spec.threads_per_worker.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -142,6 +154,10 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let mut stopped = false;
     let mut last_lines: Vec<Vec<String>> = vec![Vec::new(); world];
     let mut records: Vec<Option<FailureRecord>> = vec![None; world];
+    // Per rank: when its last heartbeat arrived, and what it said (waiting, idle seconds).
+    let mut beats: Vec<Option<(Instant, bool, f64)>> = vec![None; world];
+    // A worker this launcher found hung by its heartbeat (and killed): the root cause.
+    let mut hung: Option<(usize, String)> = None;
 
     while running > 0 {
         if !stopped && stop_at.is_some_and(|t| Instant::now() >= t) {
@@ -157,8 +173,34 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 });
             }
         }
+        if let (Some(limit), true) = (spec.stall_timeout, !stopped && failures.is_empty()) {
+            if let Some((rank, what)) = find_stalled(&children, &beats, limit) {
+                eprintln!("lockstep: worker rank {rank} {what}; stopping it");
+                if let Some(w) = children.iter_mut().find(|w| w.rank == rank) {
+                    let _ = w.child.kill();
+                }
+                hung = Some((rank, what));
+                first_failure_at.get_or_insert_with(Instant::now);
+                stop_at = Some(Instant::now());
+            }
+        }
+        // Stopped from outside only while no local worker has failed, and only once every exit
+        // seen so far has been handled: a local worker that died first is a root cause to
+        // report, not a casualty of the stop.
+        if !stopped
+            && failures.is_empty()
+            && running == children.iter().filter(|w| !w.exited).count()
+            && spec.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
+        {
+            stop_all(&mut children);
+            stopped = true;
+            outcome.stopped_from_outside = true;
+        }
         match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(Event::Line { rank, stderr, line }) => match WorkerMessage::parse(&line) {
+                Some(Ok(WorkerMessage::Heartbeat { waiting, idle_secs })) => {
+                    beats[rank % world] = Some((Instant::now(), waiting, idle_secs));
+                }
                 Some(Ok(message)) => {
                     let step_done = matches!(message, WorkerMessage::StepDone { .. });
                     if let WorkerMessage::Progress(p) = &message {
@@ -224,7 +266,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     if progress_shown {
         eprintln!();
     }
-    if let Some((rank, what)) = blame(&failures, &records) {
+    if let Some((rank, what)) = hung.or_else(|| blame(&failures, &records)) {
         // Bad input or a full disk (exit status 3) and running out of memory (the allocator
         // aborts with this message) recur on every attempt: not worth a restart.
         let out_of_memory = |rank: usize| {
@@ -268,6 +310,40 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         });
     }
     Ok(outcome)
+}
+
+/// The first live worker that is hung by its heartbeats: none for `limit` (a frozen process), or
+/// the last one says it is outside any communication operation and has not moved for `limit`.
+/// Workers that have not sent a first heartbeat yet (starting up) are not judged.
+fn find_stalled(
+    children: &[Running],
+    beats: &[Option<(Instant, bool, f64)>],
+    limit: Duration,
+) -> Option<(usize, String)> {
+    let now = Instant::now();
+    children.iter().filter(|w| !w.exited).find_map(|w| {
+        let (at, waiting, idle) = beats[w.rank % beats.len()]?;
+        let silent = now.duration_since(at);
+        if silent >= limit {
+            Some((
+                w.rank,
+                format!(
+                    "sent no heartbeat for {:.1}s (frozen)",
+                    silent.as_secs_f64()
+                ),
+            ))
+        } else if !waiting && idle + silent.as_secs_f64() >= limit.as_secs_f64() {
+            Some((
+                w.rank,
+                format!(
+                    "stopped making progress outside any collective for {:.1}s (its heartbeat)",
+                    idle + silent.as_secs_f64()
+                ),
+            ))
+        } else {
+            None
+        }
+    })
 }
 
 /// How long after the first abnormal exit the launcher waits for the others before stopping them.
@@ -320,7 +396,7 @@ fn handle(
     records: &mut [Option<FailureRecord>],
 ) {
     match message {
-        WorkerMessage::Progress(_) => {}
+        WorkerMessage::Progress(_) | WorkerMessage::Heartbeat { .. } => {}
         WorkerMessage::StepDone { step } => outcome.last_step = Some(step),
         WorkerMessage::Resumed { step } => outcome.resumed_from = Some(step),
         WorkerMessage::BenchRow { row } => outcome.results.push(row),

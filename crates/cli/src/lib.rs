@@ -3,6 +3,7 @@
 //! accepts (`train`, `scale`, `plan`, launchers' variables, …) and re-executes itself as the
 //! workers. The only place that reads argv and the environment.
 
+mod agent;
 mod bench;
 mod bench_train;
 mod cluster_env;
@@ -85,6 +86,11 @@ struct TrainArgs {
     /// Restart the worker group from the last good checkpoint at most this many times.
     #[arg(long, default_value_t = 3)]
     max_restarts: usize,
+    /// Seconds a worker may make no progress outside any collective (or send no heartbeat)
+    /// before its launcher names it hung and restarts the job. Longer than the slowest
+    /// micro-batch, evaluation chunk or checkpoint write.
+    #[arg(long, default_value_t = 60.0)]
+    stall_timeout: f64,
     /// Deliberate faults, e.g. "kill:rank=1,step=30", "hang:rank=0,step=5", "slow:rank=1,factor=3",
     /// "corrupt-checkpoint:step=20", "lose:rank=3,step=40" (separate several with `;`).
     #[arg(long, value_name = "SPEC")]
@@ -139,6 +145,10 @@ struct NodeArgs {
     /// host:port of the rendezvous store, served by node 0 (needed when --nnodes > 1).
     #[arg(long)]
     rdzv: Option<String>,
+    /// Seconds without a heartbeat after which another node's agent counts as lost
+    /// (--nnodes > 1).
+    #[arg(long, default_value_t = 10.0)]
+    heartbeat_timeout: f64,
 }
 
 #[derive(Args, Clone)]
@@ -285,6 +295,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
             nproc: "2".into(),
             resume: None,
             max_restarts: 3,
+            stall_timeout: 60.0,
             inject: None,
             threads_per_worker: None,
             out: None,
@@ -294,6 +305,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
                 nnodes: 1,
                 node_rank: 0,
                 rdzv: None,
+                heartbeat_timeout: 10.0,
             },
         }),
         Some(Command::Train(a)) => cmd_train(a),
@@ -526,8 +538,12 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         .with_context(|| format!("creating run directory {}", out.display()))?;
     let resolved = out.join("config.toml");
     lockstep_train::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
-    if a.nodes.nnodes > 1 && (a.max_restarts > 0 || min_world != max_world) {
-        eprintln!("lockstep: note: with several nodes a failure ends the job on this node (restarts and elasticity are per-launcher); resume it with --resume");
+    if a.nodes.nnodes > 1 && min_world != max_world {
+        return Err(request::BadRequest(format!(
+            "--nproc {} with --nnodes {}: elastic worker counts are for one node; with several nodes give a fixed --nproc",
+            a.nproc, a.nodes.nnodes
+        ))
+        .into());
     }
     eprintln!(
         "lockstep: training {} on {} worker(s) ({} node(s)), run directory {}",
@@ -537,45 +553,75 @@ fn cmd_train(a: TrainArgs) -> Result<()> {
         out.display()
     );
     let policy = supervise::Policy {
-        max_restarts: if a.nodes.nnodes > 1 {
-            0
-        } else {
-            a.max_restarts
-        },
+        max_restarts: a.max_restarts,
         min_world,
         max_world,
         faults: faults.clone(),
     };
+    // Several nodes: one store for the job's life (node 0's), and this node's agent in it.
+    let shared_store = if a.nodes.nnodes > 1 {
+        Some(job_store(&a.nodes, &env)?)
+    } else {
+        None
+    };
+    let mut agent = match &shared_store {
+        Some(st) => Some(agent::NodeAgent::join(
+            resolve_rdzv(&st.store)?,
+            &st.secret,
+            &st.job_id,
+            a.nodes.node_rank,
+            a.nodes.nnodes,
+            max_world,
+            a.max_restarts,
+            Duration::from_secs_f64(a.nodes.heartbeat_timeout),
+            agent::JOIN_TIMEOUT,
+        )?),
+        None => None,
+    };
     let mut servers = Vec::new();
-    let sup = supervise::run(&policy, |attempt, world| {
-        let mut args: Vec<String> = vec![
-            "train".into(),
-            "--config".into(),
-            resolved.display().to_string(),
-            "--out".into(),
-            out.display().to_string(),
-        ];
-        if attempt > 0 || a.resume.is_some() {
-            args.push("--resume".into());
-        }
-        let active: Vec<Fault> = faults
-            .iter()
-            .filter(|f| attempt == 0 || !lockstep_train::faults::first_attempt_only(f))
-            .copied()
-            .collect();
-        if !active.is_empty() {
-            args.extend([
-                "--faults".into(),
-                serde_json::to_string(&active).expect("faults serialise"),
-            ]);
-        }
-        let (mut spec, server) = launch_spec(&a.nodes, world, &env, args)?;
-        servers.push(server); // keep each attempt's store alive until it is done
-        if let Some(t) = a.threads_per_worker {
-            spec.threads_per_worker = t.max(1);
-        }
-        Ok(spec)
-    })?;
+    let sup = supervise::run(
+        &policy,
+        |attempt, world| {
+            let mut args: Vec<String> = vec![
+                "train".into(),
+                "--config".into(),
+                resolved.display().to_string(),
+                "--out".into(),
+                out.display().to_string(),
+            ];
+            if attempt > 0 || a.resume.is_some() {
+                args.push("--resume".into());
+            }
+            let active: Vec<Fault> = faults
+                .iter()
+                .filter(|f| attempt == 0 || !lockstep_train::faults::first_attempt_only(f))
+                .copied()
+                .collect();
+            if !active.is_empty() {
+                args.extend([
+                    "--faults".into(),
+                    serde_json::to_string(&active).expect("faults serialise"),
+                ]);
+            }
+            let mut spec = match &shared_store {
+                Some(st) => attempt_spec(st, &a.nodes, world, &env, args, attempt)?,
+                None => {
+                    let st = job_store(&a.nodes, &env)?;
+                    let spec = attempt_spec(&st, &a.nodes, world, &env, args, attempt)?;
+                    servers.push(st.server); // keep each attempt's store alive until it is done
+                    spec
+                }
+            };
+            if let Some(t) = a.threads_per_worker {
+                spec.threads_per_worker = t.max(1);
+            }
+            spec.stall_timeout = Some(Duration::from_secs_f64(a.stall_timeout));
+            Ok(spec)
+        },
+        agent.as_mut(),
+    )?;
+    drop(agent);
+    drop(shared_store);
     if a.nodes.node_rank == 0 {
         supervise::annotate_summary(&out, &sup)?;
         supervise::write_report(&out, &sup)?;
@@ -617,17 +663,19 @@ fn parse_nproc(s: &str) -> Result<(usize, usize), request::BadRequest> {
     Ok((lo, hi))
 }
 
-/// Prepare the workers' launch; node 0 also starts the rendezvous store (kept alive by the returned
-/// server): on an ephemeral loopback port for one node, on the --rdzv address for several.
-fn launch_spec(
-    nodes: &NodeArgs,
-    nproc: usize,
-    env: &HashMap<String, String>,
-    worker_args: Vec<String>,
-) -> Result<(LaunchSpec, Option<StoreServer>)> {
-    if nproc == 0 {
-        bail!("--nproc must be at least 1");
-    }
+/// Where a job's workers meet: the store's address, the job's secret and id, and (node 0) the
+/// server itself, which must outlive every attempt that uses it.
+struct JobStore {
+    store: String,
+    secret: JobSecret,
+    job_id: String,
+    server: Option<StoreServer>,
+}
+
+/// The rendezvous store of a job: on an ephemeral loopback port for one node (fresh per attempt,
+/// with a fresh secret), on the --rdzv address for several (one for the job's whole life, served
+/// by node 0's agent).
+fn job_store(nodes: &NodeArgs, env: &HashMap<String, String>) -> Result<JobStore> {
     if nodes.nnodes == 0 || nodes.node_rank >= nodes.nnodes {
         bail!(
             "--node-rank {} must be below --nnodes {}",
@@ -661,11 +709,7 @@ fn launch_spec(
     let mut store = store;
     let server = if nodes.node_rank == 0 {
         let bind: SocketAddr = if nodes.nnodes > 1 {
-            store
-                .to_socket_addrs()
-                .with_context(|| format!("resolving --rdzv {store}"))?
-                .next()
-                .context("--rdzv resolves to nothing")?
+            resolve_rdzv(&store)?
         } else {
             "127.0.0.1:0".parse().expect("literal address")
         };
@@ -678,23 +722,66 @@ fn launch_spec(
     } else {
         None
     };
+    Ok(JobStore {
+        store,
+        secret,
+        job_id,
+        server,
+    })
+}
+
+fn resolve_rdzv(store: &str) -> Result<SocketAddr> {
+    store
+        .to_socket_addrs()
+        .with_context(|| format!("resolving --rdzv {store}"))?
+        .next()
+        .context("--rdzv resolves to nothing")
+}
+
+/// One attempt's launch of this node's `nproc` workers, meeting at `store`.
+fn attempt_spec(
+    store: &JobStore,
+    nodes: &NodeArgs,
+    nproc: usize,
+    env: &HashMap<String, String>,
+    worker_args: Vec<String>,
+    attempt: usize,
+) -> Result<LaunchSpec> {
+    if nproc == 0 {
+        bail!("--nproc must be at least 1");
+    }
     let extra_env = env
         .iter()
         .filter(|(k, _)| k.starts_with("LOCKSTEP_TEST_"))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let spec = LaunchSpec {
+    Ok(LaunchSpec {
         worker_args,
         nproc,
         nnodes: nodes.nnodes,
         node_rank: nodes.node_rank,
-        store,
-        secret,
-        job_id,
+        store: store.store.clone(),
+        secret: store.secret.clone(),
+        job_id: store.job_id.clone(),
         threads_per_worker: launch::default_threads(nproc),
         extra_env,
-    };
-    Ok((spec, server))
+        attempt: attempt as u64,
+        stop: None,
+        stall_timeout: None,
+    })
+}
+
+/// Prepare the workers' launch with a store of its own (node 0 serves it, kept alive by the
+/// returned server).
+fn launch_spec(
+    nodes: &NodeArgs,
+    nproc: usize,
+    env: &HashMap<String, String>,
+    worker_args: Vec<String>,
+) -> Result<(LaunchSpec, Option<StoreServer>)> {
+    let store = job_store(nodes, env)?;
+    let spec = attempt_spec(&store, nodes, nproc, env, worker_args, 0)?;
+    Ok((spec, store.server))
 }
 
 fn cmd_scale(a: ScaleArgs) -> Result<()> {
@@ -731,6 +818,7 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
             nproc: layout.world().to_string(),
             resume: None,
             max_restarts: 0,
+            stall_timeout: 60.0,
             inject: None,
             threads_per_worker: Some(a.threads_per_worker),
             out: Some(dir.clone()),
@@ -740,6 +828,7 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
                 nnodes: 1,
                 node_rank: 0,
                 rdzv: None,
+                heartbeat_timeout: 10.0,
             },
         })
         .with_context(|| format!("the {} run ({})", layout.name, layout.describe()))?;
@@ -777,6 +866,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             nnodes: 1,
             node_rank: 0,
             rdzv: None,
+            heartbeat_timeout: 10.0,
         },
         a.nproc,
         &env,
@@ -922,6 +1012,25 @@ fn cmd_worker(role: WorkerRole) -> Result<()> {
     }
 }
 
+/// How often a worker under a launcher says it is alive (see `WorkerMessage::Heartbeat`).
+const WORKER_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+
+/// A thread that reports this worker's liveness to its launcher: a heartbeat that stops means a
+/// frozen process; one that says "not waiting, idle for long" means code stuck outside any
+/// collective (data loading, say), which no peer's deadline would blame correctly.
+fn start_heartbeat(rank: usize) {
+    lockstep_comm::activity::touch();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(WORKER_HEARTBEAT_EVERY);
+        let (waiting, idle) = lockstep_comm::activity::snapshot();
+        let beat = WorkerMessage::Heartbeat {
+            waiting,
+            idle_secs: idle.as_secs_f64(),
+        };
+        orphan::emit(rank, true, &beat.line());
+    });
+}
+
 fn run_train_worker(
     w: WorkerEnv,
     cfg: &TrainConfig,
@@ -937,6 +1046,7 @@ fn run_train_worker(
     worker.comm.set_algorithm(cfg.dist.algorithm);
     if under_launcher {
         orphan::watch_launcher(rank);
+        start_heartbeat(rank);
     }
     let mut on_event = |e: Event| match e {
         Event::Progress(p) if under_launcher => {

@@ -20,6 +20,11 @@ pub enum WorkerMessage {
     BenchRow { row: serde_json::Value },
     /// A worker that stops on an error says why, just before its human-readable message.
     Failure(FailureRecord),
+    /// Every worker under a launcher, every second: whether it is inside a communication
+    /// operation (which has its own deadline) and how long since its code last made progress.
+    /// The launcher names a worker hung when it is not waiting and idle for the stall timeout,
+    /// or when its heartbeats stop.
+    Heartbeat { waiting: bool, idle_secs: f64 },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,6 +1,6 @@
 //! Supervision: run the worker group, and when a worker dies, hangs (its peers time out) or is
 //! lost, stop the rest and restart the whole group from the last good checkpoint, up to
-//! `max_restarts` times. In elastic mode (`--nproc MIN:MAX`) a lost worker's slot is dropped and
+//! `max_restarts` times; with several nodes, all nodes together (see `agent.rs`). In elastic mode (`--nproc MIN:MAX`) a lost worker's slot is dropped and
 //! the group restarts smaller, never below MIN; with reproducible gradients the result is the same
 //! bits as the fault-free run.
 
@@ -11,6 +11,7 @@ use anyhow::{bail, Context, Result};
 use lockstep_train::faults::Fault;
 use serde::Serialize;
 
+use crate::agent::NodeAgent;
 use crate::launch::{self, LaunchSpec, WorkerFailure};
 
 /// One failure survived (or not), as recorded in `summary.json`.
@@ -71,16 +72,27 @@ fn detected_by(f: &WorkerFailure) -> String {
 }
 
 /// Run to completion under `policy`. `make_spec(attempt, world)` builds each attempt's launch.
+/// With several nodes, `agent` (this node's) makes every attempt job-wide: it stops the local
+/// workers when another node fails and turns the local outcome into node 0's decision, so all
+/// nodes restart together (the same policy applied to the same root cause).
 pub fn run(
     policy: &Policy,
     mut make_spec: impl FnMut(usize, usize) -> Result<LaunchSpec>,
+    mut agent: Option<&mut NodeAgent>,
 ) -> Result<Supervision> {
     let started = Instant::now();
     let mut sup = Supervision::default();
     let mut world = policy.max_world;
     for attempt in 0.. {
-        let spec = make_spec(attempt, world)?;
+        let mut spec = make_spec(attempt, world)?;
+        if let Some(agent) = agent.as_deref_mut() {
+            spec.stop = Some(agent.watch(attempt)?);
+        }
         let outcome = launch::run(&spec)?;
+        let outcome = match agent.as_deref_mut() {
+            Some(agent) => agent.settle(attempt, outcome)?,
+            None => outcome,
+        };
         if let Some(prev) = sup.failures.last_mut() {
             if prev.resumed_from.is_none() && attempt > 0 {
                 let from = outcome.resumed_from.unwrap_or(0);

@@ -100,6 +100,13 @@ pub fn connect(
     };
     let mut store = StoreClient::connect(addr, &env.secret, &env.job_id, timeout)
         .with_context(|| format!("rank {} joining rendezvous at {}", env.rank, env.store))?;
+    // Each attempt of a restarted job meets under its own keys and names its links apart.
+    let link_id = if env.attempt == 0 {
+        env.job_id.clone()
+    } else {
+        store = store.with_namespace(format!("g{}/", env.attempt));
+        format!("{}-g{}", env.job_id, env.attempt)
+    };
 
     let me = host_identity();
     store.set(&format!("host/{}", env.rank), me.as_bytes())?;
@@ -121,7 +128,7 @@ pub fn connect(
             ShmTransport::establish(
                 env.rank,
                 env.world_size,
-                &env.job_id,
+                &link_id,
                 timeout,
                 &ShmOptions::default(),
             )
@@ -139,7 +146,7 @@ pub fn connect(
                 env.rank,
                 env.world_size,
                 &env.secret,
-                &env.job_id,
+                &link_id,
                 &opts,
             )
             .context("setting up TCP transport")?,

@@ -137,6 +137,44 @@ fn a_hung_worker_is_detected_within_twice_the_timeout_and_named() {
     );
 }
 
+/// A worker stuck outside any collective (the injected hang fires at the start of its step,
+/// before its data is loaded) is found by its launcher from its heartbeats — not waiting, idle —
+/// long before the peers' 60 s collective timeout, named, and recovered from.
+#[test]
+fn a_worker_hung_outside_collectives_is_found_by_its_heartbeat_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = reference_hash(tmp.path());
+    let dir = tmp.path().join("stall");
+    let o = ok(&train(
+        &dir,
+        "3",
+        &[
+            "--inject",
+            "hang:rank=1,step=23",
+            "--set",
+            "dist.timeout_secs=60",
+            "--stall-timeout",
+            "3",
+        ],
+    ))
+    .clone();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("worker rank 1 failed: stopped making progress outside any collective"),
+        "{err}"
+    );
+    let s = summary(&dir);
+    assert_eq!(s["param_hash"].as_str().unwrap(), want);
+    assert_eq!(s["restarts"], 1);
+    let f = &s["failures"][0];
+    assert_eq!(f["rank"], 1);
+    let detection = f["detection_seconds"].as_f64().unwrap();
+    assert!(
+        detection < 6.0,
+        "detection took {detection} s, more than 2× the 3 s stall timeout"
+    );
+}
+
 #[test]
 fn a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used() {
     let tmp = tempfile::tempdir().unwrap();

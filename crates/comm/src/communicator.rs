@@ -450,6 +450,7 @@ impl Communicator {
         tag: Tag,
         f: impl FnOnce(&Group, Tag, &mut Scratch) -> std::result::Result<R, TransportError>,
     ) -> Result<R> {
+        let _waiting = crate::activity::waiting();
         let start = Instant::now();
         // A timeout too large to represent means "wait practically forever".
         let deadline = start

@@ -10,6 +10,7 @@
 //!
 //! Invariant: this crate knows nothing about models, tensors or configs; it moves `&[T]` / `&mut [T]`.
 
+pub mod activity;
 pub mod admission;
 pub mod auth;
 pub mod collectives;

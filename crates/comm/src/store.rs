@@ -603,6 +603,10 @@ pub struct StoreClient {
     stream: TcpStream,
     addr: SocketAddr,
     broken: Option<String>,
+    /// Prepended to every key (see [`StoreClient::with_namespace`]).
+    namespace: String,
+    /// How long to wait for an answer beyond the time the request itself may take.
+    answer_grace: Duration,
 }
 
 impl StoreClient {
@@ -629,7 +633,26 @@ impl StoreClient {
             stream,
             addr,
             broken: None,
+            namespace: String::new(),
+            answer_grace: ANSWER_GRACE,
         })
+    }
+
+    /// Wait at most `grace` for an answer beyond the time a request may take (default 30 s).
+    /// Why: a node agent must notice a dead store host within its heartbeat timeout, not after
+    /// a grace meant for loaded servers.
+    pub fn with_answer_grace(mut self, grace: Duration) -> StoreClient {
+        self.answer_grace = grace;
+        self
+    }
+
+    /// Every key this client names is read and written as `namespace ‖ key`. Why: a job that
+    /// restarts its workers keeps one store for its whole life (the node agents coordinate through
+    /// it), and each attempt's workers must meet only each other: their rendezvous keys live under
+    /// the attempt's namespace (`g3/host/0`), so a late key of an earlier attempt is never read.
+    pub fn with_namespace(mut self, namespace: impl Into<String>) -> StoreClient {
+        self.namespace = namespace.into();
+        self
     }
 
     /// The store's address.
@@ -737,6 +760,7 @@ impl StoreClient {
                 "client unusable after an earlier failure: {b}"
             )));
         }
+        let key = &format!("{}{key}", self.namespace);
         if key.len() > MAX_KEY_BYTES {
             return Err(CommError::invalid(
                 "store",
@@ -747,11 +771,11 @@ impl StoreClient {
             ));
         }
         let msg = encode_request(op, key, value);
-        let wait = may_take + ANSWER_GRACE;
+        let wait = may_take + self.answer_grace;
         if let Err(e) = self
             .stream
             .set_read_timeout(Some(wait))
-            .and_then(|_| self.stream.set_write_timeout(Some(ANSWER_GRACE)))
+            .and_then(|_| self.stream.set_write_timeout(Some(self.answer_grace)))
             .and_then(|_| self.stream.write_all(&msg))
         {
             return Err(self.fail(describe_io("sending request", &e)));

@@ -57,6 +57,31 @@ fn read_until_closed(s: &mut TcpStream) -> Vec<u8> {
 // Store
 // ---------------------------------------------------------------------------------------------
 
+/// Namespaces keep attempts apart on one store: a key set under `g1/` is invisible to a client
+/// in `g2/`, visible under its full name to a plain client, and `wait_all` names the missing keys
+/// without the prefix the caller never wrote.
+#[test]
+fn store_namespaces_separate_attempts() {
+    let secret = JobSecret::generate().unwrap();
+    let srv = server(&secret, "job-ns");
+    let addr = srv.local_addr();
+    let mut plain = client(addr, &secret, "job-ns");
+    let mut g1 = client(addr, &secret, "job-ns").with_namespace("g1/");
+    let mut g2 = client(addr, &secret, "job-ns").with_namespace("g2/");
+    g1.set("host/0", b"one").unwrap();
+    assert_eq!(g2.try_get("host/0").unwrap(), None);
+    assert_eq!(g1.get("host/0", LONG).unwrap(), b"one");
+    assert_eq!(plain.get("g1/host/0", LONG).unwrap(), b"one");
+    assert_eq!(g2.add("arrived", 2).unwrap(), 2);
+    assert_eq!(g1.add("arrived", 1).unwrap(), 1);
+    assert_eq!(plain.add("g2/arrived", 0).unwrap(), 2);
+    let e = g2
+        .wait_all(&["host/0".to_string()], Duration::from_millis(200))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("['host/0']"), "{e}");
+}
+
 #[test]
 fn store_set_get_add_and_wait_across_clients() {
     let secret = JobSecret::generate().unwrap();

@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use lockstep_comm::exact::ExactError;
-use lockstep_comm::Communicator;
+use lockstep_comm::{activity, Communicator};
 use lockstep_data::{assign, microbatches, Sampler};
 use lockstep_model::{param_hash, TimedLoss};
 
@@ -157,6 +157,8 @@ fn train_replica<'a>(
     let mut total_grad = vec![0f32; zero.grad_len()];
 
     for step in ledger.start_step..total_steps {
+        // Progress marks for the launcher's stall detection (lockstep_comm::activity).
+        activity::touch();
         faults::at_step(faults, rank, step);
         let step_start = Instant::now();
         let bytes_before = comm.stats().bytes_sent;
@@ -257,6 +259,7 @@ fn gradients(
     let streamed = usize::from(cfg.dist.overlap && !mine.is_empty());
     let mut losses = Vec::with_capacity(mine.len());
     for (slot, k) in mine.clone().enumerate().take(mine.len() - streamed) {
+        activity::touch();
         let c = replica
             .loss_and_grad(pieces[k], plan.scale, &mut grads[slot])
             .map_err(|e| job_error(k, e))?;
@@ -381,6 +384,7 @@ fn evaluate(
     };
     let mut mine = EvalTotals::default();
     for chunk in idx.chunks(EVAL_CHUNK) {
+        activity::touch();
         let sums = replica.evaluate(chunk).map_err(eval_error)?;
         mine.add(sums).map_err(eval_error)?;
     }

@@ -72,6 +72,7 @@ pub fn run_schedule(
             .unwrap_or_else(|| panic!("schedule bug: {what} of micro-batch {mb} missing"))
     };
     for &op in ops {
+        lockstep_comm::activity::touch();
         let t0 = Instant::now();
         match op {
             Op::Forward(mb) => {

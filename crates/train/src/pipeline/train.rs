@@ -337,6 +337,8 @@ pub fn train<'a>(
     let is_last = me.stage + 1 == dims.pp;
 
     for step in start_step..total_steps {
+        // Progress marks for the launcher's stall detection (lockstep_comm::activity).
+        lockstep_comm::activity::touch();
         faults::at_step(faults, rank, step);
         let step_start = Instant::now();
         let bytes_before = comm.stats().bytes_sent
@@ -685,6 +687,7 @@ fn evaluate(
     let s = pp.rank();
     let mut mine = EvalTotals::default();
     for &piece in share {
+        lockstep_comm::activity::touch();
         let mut acts = Vec::new();
         if !stage.is_first() {
             acts = vec![0f32; stage.input_len(piece.len())];
