@@ -286,6 +286,7 @@ fn run_case(a: &BenchTrainArgs, case: &Case, rep: usize, global_batch: usize) ->
                 layout: Layout {
                     name: case.name.clone(),
                     dp: case.workers,
+                    tp: 1,
                     pp: 1,
                 },
                 summary,
