@@ -9,7 +9,10 @@ use lockstep_comm::tcp::{TcpOptions, TcpTransport};
 use lockstep_comm::{Communicator, JobSecret, ReduceOp};
 
 fn env<T: std::str::FromStr>(k: &str, d: T) -> T {
-    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+    std::env::var(k)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(d)
 }
 
 fn cpu_secs() -> f64 {
