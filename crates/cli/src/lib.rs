@@ -455,6 +455,11 @@ fn tcp_options(env: &HashMap<String, String>) -> Result<TcpOptions> {
         })?;
         o.emulated_latency = Some(Duration::from_micros(us));
     }
+    if let Some(b) = env.get("LOCKSTEP_TCP_RECV_LOW_WATER") {
+        o.recv_low_water = b
+            .parse()
+            .with_context(|| format!("LOCKSTEP_TCP_RECV_LOW_WATER={b} is not a number of bytes"))?;
+    }
     Ok(o)
 }
 

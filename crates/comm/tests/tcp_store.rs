@@ -511,6 +511,38 @@ fn silent_peer_times_out_and_mismatched_tags_are_protocol_errors() {
     );
 }
 
+/// A receiver asleep waiting for a long frame raises its receive low-water mark; a frame that
+/// announces another length must still wake it and be reported as a protocol error, not leave it
+/// asleep until its deadline because fewer bytes than the mark arrived.
+#[test]
+fn a_short_frame_wakes_a_receiver_waiting_for_a_long_one() {
+    let secret = JobSecret::generate().unwrap();
+    let srv = server(&secret, "job-w");
+    let ts = mesh(2, &secret, "job-w", srv.local_addr());
+    std::thread::scope(|s| {
+        let deadline = Instant::now() + LONG;
+        let receiver = &ts[0];
+        let waiter = s.spawn(move || {
+            let mut big = vec![0u8; 4 << 20];
+            let r = receiver.recv(1, 9, &mut big, deadline);
+            (r, Instant::now())
+        });
+        // Give the receiver time to go to sleep (the test holds either way).
+        std::thread::sleep(Duration::from_millis(200));
+        ts[1].send(0, 9, &[1, 2, 3], soon()).unwrap();
+        let (r, returned) = waiter.join().unwrap();
+        let e = r.unwrap_err();
+        // Left asleep, it would notice the frame only when poll gives up at the deadline.
+        assert!(returned < deadline, "woke only at the deadline: {e}");
+        assert!(matches!(e.failure, LinkFailure::Protocol(_)), "{e}");
+        assert!(
+            e.to_string()
+                .contains("expected tag 0x9 with 4194304 bytes, got tag 0x9 with 3 bytes"),
+            "{e}"
+        );
+    });
+}
+
 #[test]
 fn strangers_on_a_data_port_are_refused_and_the_mesh_still_forms() {
     let secret = JobSecret::generate().unwrap();

@@ -130,6 +130,17 @@ impl<'a> RecvOp<'a> {
         self.done == HEADER_LEN + self.buf.len()
     }
 
+    /// Bytes worth waking up for: the rest of the header while it is incomplete (so a frame that
+    /// announces another length is reported at once, not after the deadline), then the rest of
+    /// the payload, which the peer has committed to sending.
+    pub(crate) fn wake_bytes(&self) -> usize {
+        if self.done < HEADER_LEN {
+            HEADER_LEN - self.done
+        } else {
+            HEADER_LEN + self.buf.len() - self.done
+        }
+    }
+
     pub(crate) fn step(&mut self, fd: RawFd) -> std::result::Result<bool, LinkFailure> {
         while !self.finished() {
             let mut iov = [libc::iovec {

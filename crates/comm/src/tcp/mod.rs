@@ -21,6 +21,15 @@
 //! sends a large buffer to its neighbour cannot deadlock on full socket buffers, and no thread is
 //! spawned per call. Every wait is bounded by the caller's deadline.
 //!
+//! Wakeups: before sleeping for a frame, the receive low-water mark (`SO_RCVLOWAT`) is raised to
+//! the bytes still missing (the header's rest until it has arrived and been checked, then the
+//! payload's rest, capped at [`TcpOptions::recv_low_water`]), so a 512 KiB segment costs one or
+//! two wakeups instead of one per 64 KiB loopback packet. On 2 ranks over loopback the transport
+//! is CPU-bound (both cores ~95% busy at 64 MiB): the kernel's two copies per byte (into and out
+//! of socket buffers) take over half the cycles, the TCP stack a quarter, so more connections per
+//! peer, larger buffers or `MSG_ZEROCOPY` (copied anyway on delivery to a local socket) would not
+//! help there; saving wakeups does.
+//!
 //! A failure in the middle of a frame leaves that direction of the link out of step; it is then
 //! poisoned, and later calls on it report the original failure instead of misreading bytes.
 //!
@@ -65,6 +74,12 @@ pub struct TcpOptions {
     /// Store key namespace: addresses are published as `"{store_prefix}/{rank}"`. Give each
     /// transport built over the same store its own prefix (e.g. a second stream of operations).
     pub store_prefix: String,
+    /// Receive low-water mark (`SO_RCVLOWAT`) while a call waits for a frame: it sleeps until
+    /// `min(bytes still to come, recv_low_water)` have arrived instead of waking for every
+    /// 64 KiB loopback packet. Default 1 MiB: on loopback it raised 1 MiB all-reduce bandwidth
+    /// ~40% and 64 MiB ~15% (fewer wakeups and larger reads). 0 disables it; it is also off when
+    /// `socket_buffer_bytes` is 0, where raising the mark would let the kernel clamp the window.
+    pub recv_low_water: usize,
 }
 
 impl Default for TcpOptions {
@@ -76,6 +91,7 @@ impl Default for TcpOptions {
             socket_buffer_bytes: 4 << 20,
             emulated_latency: None,
             store_prefix: "tcp".into(),
+            recv_low_water: 1 << 20,
         }
     }
 }
@@ -83,6 +99,8 @@ impl Default for TcpOptions {
 /// One direction of a link. `poisoned` holds why the stream is out of step, if it is.
 struct Half {
     poisoned: Option<String>,
+    /// `SO_RCVLOWAT` last set on the socket (receive half only; 0 = the kernel's default of 1).
+    lowat: usize,
 }
 
 struct Link {
@@ -100,6 +118,8 @@ pub struct TcpTransport {
     links: Vec<Option<Link>>,
     bytes_sent: AtomicU64,
     latency: Option<Duration>,
+    /// [`TcpOptions::recv_low_water`], 0 when off.
+    low_water: usize,
 }
 
 impl TcpTransport {
@@ -173,8 +193,14 @@ impl TcpTransport {
             links.push(Some(Link {
                 stream,
                 addr,
-                send: Mutex::new(Half { poisoned: None }),
-                recv: Mutex::new(Half { poisoned: None }),
+                send: Mutex::new(Half {
+                    poisoned: None,
+                    lowat: 0,
+                }),
+                recv: Mutex::new(Half {
+                    poisoned: None,
+                    lowat: 0,
+                }),
             }));
         }
         Ok(TcpTransport {
@@ -183,6 +209,11 @@ impl TcpTransport {
             links,
             bytes_sent: AtomicU64::new(0),
             latency: opts.emulated_latency,
+            low_water: if opts.socket_buffer_bytes > 0 {
+                opts.recv_low_water
+            } else {
+                0
+            },
         })
     }
 
@@ -304,6 +335,13 @@ impl TcpTransport {
                     _ => unreachable!("something is pending"),
                 });
             }
+            if let (Some((_, _, half, op)), Some(fd)) = (recv.as_mut(), recv_fd) {
+                let want = op.wake_bytes().min(self.low_water);
+                if want != half.lowat {
+                    set_rcvlowat(fd, want);
+                    half.lowat = want;
+                }
+            }
             let mut fds = [libc::pollfd {
                 fd: -1,
                 events: 0,
@@ -351,6 +389,23 @@ impl TcpTransport {
         }
         result.map_err(|(_, e)| e)
     }
+}
+
+/// Set `SO_RCVLOWAT` (at least 1; the kernel caps it at half the receive buffer and still wakes
+/// a reader early when the window is about to close, on EOF and on errors, so a frame shorter than
+/// the mark is never stranded). A failure only costs wakeups, so it is ignored.
+fn set_rcvlowat(fd: libc::c_int, bytes: usize) {
+    let v = bytes.clamp(1, i32::MAX as usize) as libc::c_int;
+    // SAFETY: valid fd, pointer to a c_int of the stated size.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
 }
 
 fn unusable(why: &str) -> LinkFailure {
