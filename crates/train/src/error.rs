@@ -24,7 +24,7 @@ pub enum TrainError {
         theirs: String,
         ours: String,
     },
-    #[error("rank {rank} multiplies matrices with the {theirs} kernels, rank 0 with {ours}: ranks with different kernel sets give different bits (use the same CPU model on every host, or build lockstep with `--no-default-features` everywhere to pin the FMA kernels)")]
+    #[error("rank {rank} multiplies matrices with the {theirs} kernels, rank 0 with {ours}: ranks with different kernel sets give different bits (use the same CPU model on every host, or build lockstep with `-p lockstep-cli --no-default-features` everywhere to pin the FMA kernels)")]
     KernelMismatch {
         rank: usize,
         theirs: String,
