@@ -63,6 +63,11 @@ fn param_hash_is_identical_for_1_2_3_4_workers() {
         ] {
             assert!(s[key].is_number(), "summary.{key} missing: {s}");
         }
+        assert_eq!(
+            s["compute"]["kernels"],
+            expected_kernels(),
+            "summary.compute.kernels: the matmul kernels this build runs on this CPU"
+        );
     }
     // 3 workers, 4 micro-batches: uneven shares 2,1,1.
     let samples: Vec<u64> = runs[2]["ranks"]
@@ -110,6 +115,21 @@ fn param_hash_is_identical_for_1_2_3_4_workers() {
         last_loss < first_loss / LOSS_FALL_25_STEPS,
         "25 steps took the loss only from {first_loss} to {last_loss}"
     );
+}
+
+/// The kernel set gemm picks for this build (cargo feature `avx512`, forwarded down to
+/// lockstep-model) on this CPU.
+fn expected_kernels() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if cfg!(feature = "avx512") && std::arch::is_x86_feature_detected!("avx512f") {
+            return "avx512f";
+        }
+        if std::arch::is_x86_feature_detected!("fma") {
+            return "fma";
+        }
+    }
+    "scalar"
 }
 
 /// The digits MLP's loss falls at least this many times over its first 25 steps (measured:

@@ -10,8 +10,8 @@
 //! elementwise f32 loops, and burn's flex backend is bitwise reproducible run to run for a fixed
 //! batch composition. Splitting a batch differently changes gradient bits in the last place
 //! (matmul reduction order), so callers keep micro-batches fixed. Across machines, flex's matmul
-//! (the `gemm` crate) picks its kernel by instruction set (FMA or not, AVX-512 with burn's
-//! `x86-v4` feature) and its K-blocking from the L1 cache geometry it reads from `/sys`, so
+//! (the `gemm` crate) picks its kernel by instruction set (FMA or not, AVX-512 with this crate's
+//! default feature `avx512`, which turns on gemm's `x86-v4`; [`Kernels::detect`] names the set) and its K-blocking from the L1 cache geometry it reads from `/sys`, so
 //! bitwise agreement between different CPU models is not guaranteed by this crate.
 //!
 //! Overlap: [`Model::loss_and_grad_streaming`] hands out each parameter's gradient as soon as
@@ -30,6 +30,7 @@
 mod alloc;
 mod error;
 mod init;
+mod kernels;
 mod loss;
 mod model;
 mod net;
@@ -50,6 +51,7 @@ mod transformer;
 
 pub use alloc::tune_allocator_for_training;
 pub use error::ModelError;
+pub use kernels::{first_mismatch as first_kernel_mismatch, Kernels};
 pub use model::{param_hash, Model, TimedLoss};
 pub use optim::{Optimizer, OptimizerSpec};
 pub use params::ParamInfo;

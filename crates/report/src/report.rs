@@ -780,6 +780,7 @@ mod tests {
             )],
             ranks: vec![rank(0), rank(1)],
             pipeline: None,
+            compute: Default::default(),
         }
     }
 

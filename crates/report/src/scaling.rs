@@ -500,6 +500,7 @@ pub(crate) mod tests {
             evals: vec![],
             ranks: vec![],
             pipeline: None,
+            compute: Default::default(),
         }
     }
 

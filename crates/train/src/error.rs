@@ -24,6 +24,12 @@ pub enum TrainError {
         theirs: String,
         ours: String,
     },
+    #[error("rank {rank} multiplies matrices with the {theirs} kernels, rank 0 with {ours}: ranks with different kernel sets give different bits (use the same CPU model on every host, or build lockstep with `-p lockstep-cli --no-default-features` everywhere to pin the FMA kernels)")]
+    KernelMismatch {
+        rank: usize,
+        theirs: String,
+        ours: String,
+    },
     #[error(
         "replicas diverged: rank {rank} ended with parameter hash {theirs}, rank 0 with {ours}"
     )]
@@ -90,6 +96,7 @@ impl TrainError {
             | TrainError::Config(_)
             | TrainError::Model(_)
             | TrainError::ModelMismatch { .. }
+            | TrainError::KernelMismatch { .. }
             | TrainError::TooSmall { .. }
             | TrainError::ValidationTooShort { .. }
             | TrainError::ResumeFailed

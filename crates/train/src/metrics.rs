@@ -213,6 +213,26 @@ pub struct Summary {
     /// Pipeline layout and figures (pipeline-parallel runs only).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub pipeline: Option<PipelineSummary>,
+    /// How the workers computed (the same on every rank: checked at start-up).
+    #[serde(default)]
+    pub compute: ComputeSummary,
+}
+
+/// The `compute` part of `summary.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ComputeSummary {
+    /// burn flex's matrix-multiply kernel set: "avx512f", "fma" or "scalar"
+    /// (`lockstep_model::Kernels`); results' bits are specific to it. "unknown" in summaries
+    /// written before it was recorded.
+    pub kernels: String,
+}
+
+impl Default for ComputeSummary {
+    fn default() -> Self {
+        ComputeSummary {
+            kernels: "unknown".into(),
+        }
+    }
 }
 
 /// The median (mean of the two middle values for an even count); NaN for no values.

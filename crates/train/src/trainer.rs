@@ -21,7 +21,7 @@ use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
 use crate::job::{catch_job_panic, JobSpec, Replica, ReplicaError, Trainable};
 use crate::memory::ModelState;
 use crate::metrics::{Eval, PhaseSeconds, StepRecord, Summary};
-use crate::run::collect::{check_same_hash, check_same_structure};
+use crate::run::collect::{check_same_hash, check_same_kernels, check_same_structure};
 use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
@@ -120,6 +120,7 @@ fn train_replica<'a>(
 
     let (comm, mut ledger) = Ledger::open(cfg, ctx, replica.structure_hash(), total_steps, started);
     check_same_structure(comm, replica.structure_hash())?;
+    check_same_kernels(comm)?;
     let mut params = replica.params_flat();
     comm.broadcast(&mut params, 0)?;
     replica

@@ -45,7 +45,7 @@ use crate::memory::ModelState;
 use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary};
 use crate::outcome::ReplicaError;
 use crate::parallel_dims::ParallelDims;
-use crate::run::collect::{check_same_structure, gather_strings};
+use crate::run::collect::{check_same_kernels, check_same_structure, gather_strings};
 use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
@@ -195,6 +195,7 @@ pub fn train<'a>(
 
     let (comm, mut ledger) = Ledger::open(cfg, ctx, model.structure_hash(), total_steps, started);
     check_same_structure(comm, model.structure_hash())?;
+    check_same_kernels(comm)?;
     // Stages of one replica talk point to point (tp rank to tp rank); each (stage, tp rank)'s
     // replicas reduce gradients; a stage's tp ranks sum pieces (in the stage) and gather the
     // stage's parameters (here).

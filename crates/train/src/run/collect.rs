@@ -26,6 +26,20 @@ pub(crate) fn check_same_structure(
     Ok(())
 }
 
+/// All ranks must multiply matrices with the same kernel set (else the bits of a reproducible run
+/// depend on which rank computed which micro-batch): compare everyone's with rank 0's.
+pub(crate) fn check_same_kernels(comm: &mut Communicator) -> Result<(), TrainError> {
+    let names = gather_strings(comm, lockstep_model::Kernels::detect().name())?;
+    match lockstep_model::first_kernel_mismatch(&names) {
+        Some((rank, theirs, ours)) => Err(TrainError::KernelMismatch {
+            rank,
+            theirs: theirs.to_string(),
+            ours: ours.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn check_same_hash(comm: &mut Communicator, hash_hex: &str) -> Result<(), TrainError> {
     let hashes = gather_strings(comm, hash_hex)?;
     for (rank, h) in hashes.iter().enumerate() {

@@ -14,8 +14,8 @@ use crate::context::{Event, Progress};
 use crate::error::TrainError;
 use crate::memory::RankMemory;
 use crate::metrics::{
-    imbalance, imbalance_within_stages, rank_summaries, Eval, PipelineSummary, RankSummary,
-    StepRecord, Summary,
+    imbalance, imbalance_within_stages, rank_summaries, ComputeSummary, Eval, PipelineSummary,
+    RankSummary, StepRecord, Summary,
 };
 
 /// Where the run stands after a step, for [`emit_progress`].
@@ -146,5 +146,8 @@ pub(crate) fn build_summary(
         evals: end.evals,
         ranks,
         pipeline,
+        compute: ComputeSummary {
+            kernels: lockstep_model::Kernels::detect().name().to_string(),
+        },
     }
 }
