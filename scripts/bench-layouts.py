@@ -81,6 +81,9 @@ def main():
                 "configs/shakespeare-large.toml vs dp2 × zero 0, interleaved repetitions",
         "steps": STEPS,
         "reps": REPS,
+        # Other work on the machine slows every layout alike only roughly: say how busy it was.
+        "load_average_at_end": os.getloadavg(),
+        "cores": os.cpu_count(),
         "layouts": {},
     }
     hashes = {r["param_hash"] for n, rs in results.items() if n.startswith("dp2") for r in rs}
