@@ -16,7 +16,7 @@
 //!    heartbeat stops for the heartbeat timeout) it raises the launch's stop flag, so local
 //!    workers that are still running — for example waiting in a collective for a peer that will
 //!    never answer — are stopped at once rather than at their collective timeout.
-//! 4. Settle: each agent posts `g{a}/end/{node}` (its local root cause, or "stopped", or done);
+//! 4. Settle: each agent posts `g{a}/end/{node}` (its local root cause, if its workers failed);
 //!    node 0 waits for every live node's report, picks the job's root cause (a signal first, then
 //!    bad input, then the first failure by rank) and writes `g{a}/decision`, which every agent
 //!    follows: done, restart (attempt a + 1 with `--resume`), or stop. All agents apply the same
@@ -59,8 +59,6 @@ struct Registration {
 /// One node's account of an attempt.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct EndReport {
-    /// Its workers all finished.
-    done: bool,
     /// The local root cause, if its workers failed by themselves.
     failure: Option<Failure>,
     /// Node 0 only: the last step rank 0 completed and the step it resumed from.
@@ -211,14 +209,20 @@ impl NodeAgent {
         )
     }
 
-    fn start_heartbeat(&mut self) -> Result<()> {
-        let mut c = connect(
+    /// One more connection to the job's store for a thread of this agent (a client serves one
+    /// caller at a time).
+    fn connection(&self) -> Result<StoreClient> {
+        connect(
             self.addr,
             &self.secret,
             &self.job_id,
             self.heartbeat_timeout,
             self.heartbeat_timeout,
-        )?;
+        )
+    }
+
+    fn start_heartbeat(&mut self) -> Result<()> {
+        let mut c = self.connection()?;
         let stop = Arc::new(AtomicBool::new(false));
         let key = format!("hb/{}", self.node);
         c.add(&key, 1)?;
@@ -243,13 +247,7 @@ impl NodeAgent {
         self.stop_watching();
         let stop = Arc::new(AtomicBool::new(false));
         let done = Arc::new(AtomicBool::new(false));
-        let mut c = connect(
-            self.addr,
-            &self.secret,
-            &self.job_id,
-            self.heartbeat_timeout,
-            self.heartbeat_timeout,
-        )?;
+        let mut c = self.connection()?;
         let (flag, finished) = (stop.clone(), done.clone());
         let (node, nnodes, timeout) = (self.node, self.nnodes, self.heartbeat_timeout);
         let failed_key = format!("g{attempt}/failed");
@@ -304,7 +302,6 @@ impl NodeAgent {
                 .with_context(|| self.store_lost())?;
         }
         let mine = EndReport {
-            done: local.failure.is_none() && !local.stopped_from_outside,
             failure,
             last_step: local.last_step,
             resumed_from: local.resumed_from,
