@@ -9,7 +9,7 @@
 //! agent holds its own authenticated connections):
 //! 1. Join: each agent writes `agent/{node}` (host, workers per node, max restarts) and waits for
 //!    all N; node 0 checks that they agree and writes `agents/verdict` (ok, or the disagreement,
-//!    which ends every agent with exit status 3).
+//!    which ends every agent with exit status 3 — node 0 last, once each has read it).
 //! 2. Heartbeat: a thread per agent bumps `hb/{node}` every [`HEARTBEAT_EVERY`].
 //! 3. Attempt `a`: the workers meet under the namespace `g{a}/`. A watcher thread polls
 //!    `g{a}/failed` and the other agents' heartbeats; when a failure is posted (or a node's
@@ -172,6 +172,18 @@ impl NodeAgent {
         }
         let verdict = client.get("agents/verdict", join_timeout)?;
         if verdict != b"ok" {
+            // Node 0 serves the store: it leaves only once every agent has read the verdict
+            // (bounded), or the others would see the store close instead of the reason.
+            if node == 0 {
+                let deadline = Instant::now() + heartbeat_timeout;
+                while client.add("agents/verdict-read", 0)? < (nnodes - 1) as i64
+                    && Instant::now() < deadline
+                {
+                    std::thread::sleep(WATCH_EVERY);
+                }
+            } else {
+                client.add("agents/verdict-read", 1)?;
+            }
             return Err(
                 crate::request::BadRequest(String::from_utf8_lossy(&verdict).into_owned()).into(),
             );
