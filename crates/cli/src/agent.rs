@@ -1,5 +1,5 @@
-//! Node agents: with `--nnodes N > 1` the launcher on every node is an agent of one job, and the
-//! agents restart the whole job together.
+//! Node agents: with `--nnodes N` (or `MIN:MAX`) the launcher on every node is an agent of one
+//! job; the agents restart the whole job together, drop lost nodes and admit nodes that join.
 //!
 //! Why: a worker that fails on one node takes its peers on every node down with it (their links
 //! close or their collectives time out), but each launcher sees only its own workers. Without
@@ -7,28 +7,37 @@
 //!
 //! How, over the job's rendezvous store (node 0's agent serves it for the job's whole life; each
 //! agent holds its own authenticated connections):
-//! 1. Join: each agent writes `agent/{node}` (host, workers per node, max restarts) and waits for
-//!    all N; node 0 checks that they agree and writes `agents/verdict` (ok, or the disagreement,
-//!    which ends every agent with exit status 3 — node 0 last, once each has read it).
-//! 2. Heartbeat: a thread per agent bumps `hb/{node}` every [`HEARTBEAT_EVERY`].
-//! 3. Attempt `a`: the workers meet under the namespace `g{a}/`. A watcher thread polls
-//!    `g{a}/failed` and the other agents' heartbeats; when a failure is posted (or a node's
-//!    heartbeat stops for the heartbeat timeout) it raises the launch's stop flag, so local
-//!    workers that are still running — for example waiting in a collective for a peer that will
-//!    never answer — are stopped at once rather than at their collective timeout.
-//! 4. Settle: each agent posts `g{a}/end/{node}` (its local root cause, if its workers failed);
-//!    node 0 waits for every live node's report, picks the job's root cause (a signal first, then
-//!    bad input, then the first failure by rank) and writes `g{a}/decision`, which every agent
-//!    follows: done, restart (attempt a + 1 with `--resume`), or stop. All agents apply the same
-//!    restart policy to the same decision, so they restart together or end together.
+//! 1. Join: each start of a node's agent is a new *incarnation* `c` (`join/{node}` counted up);
+//!    it writes `agent/{node}/{c}` (host, workers per node, restart policy, node range) and
+//!    heartbeats `hb/{node}/{c}` every [`HEARTBEAT_EVERY`]. Node 0 waits for all MAX nodes (or,
+//!    elastic, for MIN and then one heartbeat timeout for the rest), checks that they agree and
+//!    writes `agents/verdict` (the disagreement ends every agent with exit status 3 — node 0
+//!    last, once each has read it), the first attempt's members `g0/members` and an admission
+//!    `admit/{node}/{c}` per member.
+//! 2. Attempt `a`: members read `g{a}/members` (node, incarnation, host; sorted by node), which
+//!    gives each node its first rank and the world size. The workers meet under the namespace
+//!    `g{a}/`. A watcher thread polls `g{a}/failed`, `g{a}/regroup` and the other members'
+//!    heartbeats; when one fires it raises the launch's stop flag, so local workers that are still
+//!    running — for example waiting in a collective for a peer that will never answer — are
+//!    stopped at once rather than at their collective timeout. Node 0's watcher also looks for
+//!    agents that joined (a new node, or a new incarnation of a lost one): at the next checkpoint
+//!    boundary it posts `g{a}/regroup`.
+//! 3. Settle: each agent posts `g{a}/end/{node}` (its local root cause, if its workers failed);
+//!    node 0 waits for every live member's report, picks the job's root cause (a signal first,
+//!    then bad input, then a lost node, then the first failure by rank), applies the restart
+//!    policy ([`rule`]) and the node range, and writes `g{a}/decision`: done, end, or restart
+//!    with the next members (lost ones dropped, joiners admitted via `admit/{node}/{c}`), which
+//!    every agent follows. An agent left out of the next members ends, naming why.
+//! 4. A late agent waits for its admission (or `agents/done`) and starts at that attempt.
 //!
-//! Every wait has a deadline and names what it waited for (a node that never joined, never
-//! reported, or whose heartbeat stopped). Node 0 hosts the store: if node 0 is lost, the other
-//! agents lose their store connection and end naming it; the job is then continued with
-//! `--resume` (its checkpoints are node 0's).
+//! Every wait has a deadline or ends with the store, and names what it waited for. Node 0 hosts
+//! the store and rank 0 (which alone writes checkpoints): if node 0 is lost, the other agents
+//! lose their store connection and end naming it; the job is continued with `--resume` from
+//! node 0's run directory (see docs/fault-tolerance.md).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -39,6 +48,9 @@ use lockstep_comm::JobSecret;
 use serde::{Deserialize, Serialize};
 
 use crate::launch::{Outcome, WorkerFailure};
+use crate::supervise::{
+    rule, Boundary, Coordinator, MembershipChange, Next, Placement, RestartPolicy, Ruling,
+};
 
 /// How long the agents wait for each other to join (nodes are started by hand or by a scheduler,
 /// not at the same instant).
@@ -48,12 +60,54 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
 /// How often a watcher looks at the store during an attempt.
 const WATCH_EVERY: Duration = Duration::from_millis(100);
 
-/// What an agent tells the others when it joins.
+/// What an agent tells the others when it joins; every node must agree on all but `host`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 struct Registration {
     host: String,
     nproc: usize,
     max_restarts: usize,
+    min_nodes: usize,
+    max_nodes: usize,
+}
+
+impl Registration {
+    /// How `self` (node `n`) differs from node 0's `base`, if it does.
+    fn disagreement(&self, n: usize, base: &Registration) -> Option<String> {
+        let settings = |r: &Registration| {
+            format!(
+                "--nproc {} --max-restarts {} --nnodes {}",
+                r.nproc,
+                r.max_restarts,
+                if r.min_nodes == r.max_nodes {
+                    r.max_nodes.to_string()
+                } else {
+                    format!("{}:{}", r.min_nodes, r.max_nodes)
+                }
+            )
+        };
+        (settings(self) != settings(base)).then(|| {
+            format!(
+                "node {n} ({}) runs {} but node 0 ({}) runs {}: every node must use the same",
+                self.host,
+                settings(self),
+                base.host,
+                settings(base)
+            )
+        })
+    }
+}
+
+/// A node in an attempt: which start of its agent (a restarted agent is a new incarnation, with a
+/// heartbeat of its own) and its host, for messages.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct Member {
+    node: usize,
+    incarnation: i64,
+    host: String,
+}
+
+fn heartbeat_key(node: usize, incarnation: i64) -> String {
+    format!("hb/{node}/{incarnation}")
 }
 
 /// One node's account of an attempt.
@@ -61,6 +115,8 @@ struct Registration {
 struct EndReport {
     /// The local root cause, if its workers failed by themselves.
     failure: Option<Failure>,
+    /// Its workers were stopped from outside (by its watcher).
+    stopped: bool,
     /// Node 0 only: the last step rank 0 completed and the step it resumed from.
     last_step: Option<u64>,
     resumed_from: Option<u64>,
@@ -80,163 +136,305 @@ struct Failure {
 /// Node 0's ruling on an attempt, followed by every agent.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Decision {
-    /// The job's root cause; `None` = every node finished.
+    /// The job's root cause; `None` = every node finished, or the attempt stopped to regroup.
     failure: Option<Failure>,
-    /// Nodes whose heartbeat stopped (they cannot take part in a restart).
-    lost: Vec<usize>,
+    next: Next,
+    /// The next attempt's members (when `next` is a restart).
+    members: Vec<Member>,
+    changes: Vec<MembershipChange>,
     last_step: Option<u64>,
     resumed_from: Option<u64>,
 }
 
-/// This node's agent.
-pub struct NodeAgent {
-    node: usize,
-    nnodes: usize,
-    addr: SocketAddr,
-    secret: JobSecret,
-    job_id: String,
-    client: StoreClient,
-    hosts: Vec<String>,
-    /// A node whose heartbeat has not moved for this long is lost.
-    heartbeat_timeout: Duration,
-    heartbeat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
-    watcher: Option<Watcher>,
+/// What a watcher saw by the time it stopped.
+#[derive(Debug, Default)]
+struct Watched {
+    /// Members whose heartbeat stopped.
+    silent: Vec<usize>,
+    /// Node 0: agents waiting to join whose heartbeat moves and whose settings agree.
+    joiners: Vec<Member>,
 }
 
 struct Watcher {
     done: Arc<AtomicBool>,
-    /// The node whose heartbeat it saw stop, if that is why it raised the flag.
-    handle: JoinHandle<Option<usize>>,
+    handle: JoinHandle<Watched>,
 }
 
-/// An agent's connection to the job's store; an answer that takes longer than `grace` means the
-/// store's host (node 0) is gone.
-fn connect(
+/// How the agents reach the job's store.
+#[derive(Clone)]
+struct StoreAddress {
     addr: SocketAddr,
-    secret: &JobSecret,
-    job_id: &str,
-    timeout: Duration,
+    secret: JobSecret,
+    job_id: String,
+    /// An answer that takes longer than this means the store's host (node 0) is gone.
     grace: Duration,
-) -> Result<StoreClient> {
-    Ok(StoreClient::connect(addr, secret, job_id, timeout)
-        .with_context(|| {
-            format!("node agent joining the job's store at {addr} (served by node 0)")
-        })?
-        .with_answer_grace(grace))
+}
+
+impl StoreAddress {
+    fn connect(&self, timeout: Duration) -> Result<StoreClient> {
+        Ok(
+            StoreClient::connect(self.addr, &self.secret, &self.job_id, timeout)
+                .with_context(|| {
+                    format!(
+                        "node agent joining the job's store at {} (served by node 0)",
+                        self.addr
+                    )
+                })?
+                .with_answer_grace(self.grace),
+        )
+    }
+}
+
+/// What `lockstep train` tells its node's agent.
+pub struct AgentSettings {
+    pub node: usize,
+    pub min_nodes: usize,
+    pub max_nodes: usize,
+    pub nproc: usize,
+    pub max_restarts: usize,
+    /// A node whose heartbeat has not moved for this long is lost.
+    pub heartbeat_timeout: Duration,
+    pub join_timeout: Duration,
+    /// Where membership may change without recomputing steps.
+    pub boundary: Boundary,
+}
+
+/// This node's agent.
+pub struct NodeAgent {
+    s: AgentSettings,
+    store: StoreAddress,
+    client: StoreClient,
+    me: Member,
+    registration: Registration,
+    /// The current attempt's members (node 0: also the next one's, once decided).
+    members: Vec<Member>,
+    first_attempt: usize,
+    /// Node 0: restarts made so far (the policy's count).
+    restarts: usize,
+    heartbeat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+    watcher: Option<Watcher>,
+}
+
+/// Where a joining agent stands.
+pub enum Joined {
+    /// Take part from this agent's first attempt.
+    Member(Box<NodeAgent>),
+    /// The job ended before this node was admitted.
+    JobOver,
 }
 
 impl NodeAgent {
-    /// Register with the job's store and wait (up to `join_timeout`) for every node's agent.
-    #[allow(clippy::too_many_arguments)]
+    /// Register with the job's store; wait for the other agents (node 0) or for the verdict and
+    /// this node's admission (the others).
     pub fn join(
         addr: SocketAddr,
         secret: &JobSecret,
         job_id: &str,
-        node: usize,
-        nnodes: usize,
-        nproc: usize,
-        max_restarts: usize,
-        heartbeat_timeout: Duration,
-        join_timeout: Duration,
-    ) -> Result<NodeAgent> {
-        let mut client = connect(addr, secret, job_id, join_timeout, heartbeat_timeout)?;
-        let me = Registration {
-            host: crate::worker::hostname(),
-            nproc,
-            max_restarts,
-        };
-        client.set(&format!("agent/{node}"), &serde_json::to_vec(&me)?)?;
-        let keys: Vec<String> = (0..nnodes).map(|n| format!("agent/{n}")).collect();
-        client
-            .wait_all(&keys, join_timeout)
-            .context("waiting for every node's agent to join (start `lockstep train` with the same --nnodes and --rdzv on every node)")?;
-        let mut regs = Vec::with_capacity(nnodes);
-        for k in &keys {
-            let raw = client.get(k, join_timeout)?;
-            regs.push(
-                serde_json::from_slice::<Registration>(&raw)
-                    .with_context(|| format!("store key {k}: not an agent registration"))?,
-            );
-        }
-        if node == 0 {
-            let verdict = match regs.iter().enumerate().find(|(_, r)| {
-                r.nproc != regs[0].nproc || r.max_restarts != regs[0].max_restarts
-            }) {
-                Some((n, r)) => format!(
-                    "node {n} ({}) runs --nproc {} --max-restarts {} but node 0 ({}) runs --nproc {} --max-restarts {}: every node must use the same",
-                    r.host, r.nproc, r.max_restarts, regs[0].host, regs[0].nproc, regs[0].max_restarts
-                ),
-                None => "ok".into(),
-            };
-            client.set("agents/verdict", verdict.as_bytes())?;
-        }
-        let verdict = client.get("agents/verdict", join_timeout)?;
-        if verdict != b"ok" {
-            // Node 0 serves the store: it leaves only once every agent has read the verdict
-            // (bounded), or the others would see the store close instead of the reason.
-            if node == 0 {
-                let deadline = Instant::now() + heartbeat_timeout;
-                while client.add("agents/verdict-read", 0)? < (nnodes - 1) as i64
-                    && Instant::now() < deadline
-                {
-                    std::thread::sleep(WATCH_EVERY);
-                }
-            } else {
-                client.add("agents/verdict-read", 1)?;
-            }
-            return Err(
-                crate::request::BadRequest(String::from_utf8_lossy(&verdict).into_owned()).into(),
-            );
-        }
-        let mut agent = NodeAgent {
-            node,
-            nnodes,
+        s: AgentSettings,
+    ) -> Result<Joined> {
+        let store = StoreAddress {
             addr,
             secret: secret.clone(),
             job_id: job_id.to_string(),
+            grace: s.heartbeat_timeout,
+        };
+        let mut client = store.connect(s.join_timeout)?;
+        let registration = Registration {
+            host: crate::worker::hostname(),
+            nproc: s.nproc,
+            max_restarts: s.max_restarts,
+            min_nodes: s.min_nodes,
+            max_nodes: s.max_nodes,
+        };
+        let incarnation = client.add(&format!("join/{}", s.node), 1)?;
+        client.set(
+            &format!("agent/{}/{incarnation}", s.node),
+            &serde_json::to_vec(&registration)?,
+        )?;
+        let me = Member {
+            node: s.node,
+            incarnation,
+            host: registration.host.clone(),
+        };
+        let mut agent = NodeAgent {
+            s,
+            store,
             client,
-            hosts: regs.into_iter().map(|r| r.host).collect(),
-            heartbeat_timeout,
+            me,
+            registration,
+            members: Vec::new(),
+            first_attempt: 0,
+            restarts: 0,
             heartbeat: None,
             watcher: None,
         };
         agent.start_heartbeat()?;
-        Ok(agent)
+        if agent.s.node == 0 {
+            agent.gather()?;
+            return Ok(Joined::Member(Box::new(agent)));
+        }
+        let verdict = agent
+            .client
+            .get("agents/verdict", agent.s.join_timeout)
+            .context("waiting for node 0's agent to admit the nodes (start `lockstep train` with the same --nnodes and --rdzv on every node)")?;
+        if verdict != b"ok" {
+            agent.client.add("agents/verdict-read", 1)?;
+            return Err(
+                crate::request::BadRequest(String::from_utf8_lossy(&verdict).into_owned()).into(),
+            );
+        }
+        // A late agent checks itself against node 0 (which admits only agreeing ones).
+        let base = agent.registration_of(0, 1)?;
+        if let Some(why) = agent.registration.disagreement(agent.s.node, &base) {
+            return Err(crate::request::BadRequest(why).into());
+        }
+        match agent.await_admission()? {
+            Some(first) => {
+                agent.first_attempt = first;
+                Ok(Joined::Member(Box::new(agent)))
+            }
+            None => Ok(Joined::JobOver),
+        }
+    }
+
+    /// Node 0: wait for the agents, check they agree, and admit the first attempt's members.
+    fn gather(&mut self) -> Result<()> {
+        let (min, max) = (self.s.min_nodes, self.s.max_nodes);
+        let started = Instant::now();
+        let mut enough_since: Option<Instant> = None;
+        let present = loop {
+            let mut present: Vec<(usize, i64)> = Vec::new();
+            for n in 0..max {
+                let c = self.client.add(&format!("join/{n}"), 0)?;
+                if c > 0 {
+                    present.push((n, c));
+                }
+            }
+            if present.len() >= min {
+                enough_since.get_or_insert_with(Instant::now);
+            }
+            let last_call_over =
+                enough_since.is_some_and(|t| t.elapsed() >= self.s.heartbeat_timeout);
+            if present.len() == max || last_call_over {
+                break present;
+            }
+            if started.elapsed() >= self.s.join_timeout {
+                let missing: Vec<String> = (0..max)
+                    .filter(|n| !present.iter().any(|(p, _)| p == n))
+                    .map(|n| format!("node {n}"))
+                    .collect();
+                bail!(
+                    "timed out after {:.0}s waiting for {} to join (start `lockstep train` with the same --nnodes and --rdzv on every node; {} of at least {min} joined)",
+                    self.s.join_timeout.as_secs_f64(),
+                    missing.join(", "),
+                    present.len()
+                );
+            }
+            std::thread::sleep(WATCH_EVERY);
+        };
+        let mut members = Vec::new();
+        let mut verdict = "ok".to_string();
+        for &(n, c) in &present {
+            let r = self.registration_of(n, c)?;
+            if let Some(why) = r.disagreement(n, &self.registration) {
+                verdict = why;
+                break;
+            }
+            members.push(Member {
+                node: n,
+                incarnation: c,
+                host: r.host,
+            });
+        }
+        if verdict == "ok" {
+            self.client
+                .set("g0/members", &serde_json::to_vec(&members)?)?;
+            for m in &members {
+                self.client
+                    .set(&format!("admit/{}/{}", m.node, m.incarnation), b"0")?;
+            }
+            self.members = members;
+        }
+        self.client.set("agents/verdict", verdict.as_bytes())?;
+        if verdict != "ok" {
+            // Node 0 serves the store: it leaves only once every agent has read the verdict
+            // (bounded), or the others would see the store close instead of the reason.
+            let deadline = Instant::now() + self.s.heartbeat_timeout;
+            while self.client.add("agents/verdict-read", 0)? < (present.len() - 1) as i64
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(WATCH_EVERY);
+            }
+            return Err(crate::request::BadRequest(verdict).into());
+        }
+        Ok(())
+    }
+
+    fn registration_of(&mut self, node: usize, incarnation: i64) -> Result<Registration> {
+        let key = format!("agent/{node}/{incarnation}");
+        let raw = self.client.get(&key, self.s.join_timeout)?;
+        serde_json::from_slice(&raw)
+            .with_context(|| format!("store key {key}: not an agent registration"))
+    }
+
+    /// A node other than 0: wait until node 0 admits this incarnation (the attempt it joins), or
+    /// the job ends (`None`).
+    fn await_admission(&mut self) -> Result<Option<usize>> {
+        let key = format!("admit/{}/{}", self.me.node, self.me.incarnation);
+        let mut said = false;
+        loop {
+            let admitted = self.client.try_get(&key).with_context(|| {
+                format!(
+                    "{} waiting to be admitted (the job may have ended)",
+                    self.store_lost()
+                )
+            })?;
+            if let Some(raw) = admitted {
+                let a = String::from_utf8_lossy(&raw)
+                    .parse::<usize>()
+                    .with_context(|| format!("store key {key}: not an attempt number"))?;
+                if said {
+                    eprintln!("lockstep: node {} admitted at attempt {a}", self.me.node);
+                }
+                return Ok(Some(a));
+            }
+            if self.client.try_get("agents/done")?.is_some() {
+                return Ok(None);
+            }
+            if !said {
+                eprintln!(
+                    "lockstep: node {} joined a running job; it is admitted at the job's next checkpoint",
+                    self.me.node
+                );
+                said = true;
+            }
+            std::thread::sleep(WATCH_EVERY * 2);
+        }
     }
 
     fn store_lost(&self) -> String {
         format!(
             "node agent {}: the job's store at {} ({}) does not answer",
-            self.node,
-            self.addr,
+            self.me.node,
+            self.store.addr,
             self.describe_node(0)
         )
     }
 
     /// Name of node `n` for messages: "node 1 (hostname)".
-    pub fn describe_node(&self, n: usize) -> String {
-        format!(
-            "node {n} ({})",
-            self.hosts.get(n).map_or("?", |h| h.as_str())
-        )
-    }
-
-    /// One more connection to the job's store for a thread of this agent (a client serves one
-    /// caller at a time).
-    fn connection(&self) -> Result<StoreClient> {
-        connect(
-            self.addr,
-            &self.secret,
-            &self.job_id,
-            self.heartbeat_timeout,
-            self.heartbeat_timeout,
-        )
+    fn describe_node(&self, n: usize) -> String {
+        let host = self
+            .members
+            .iter()
+            .find(|m| m.node == n)
+            .map_or("?", |m| m.host.as_str());
+        format!("node {n} ({host})")
     }
 
     fn start_heartbeat(&mut self) -> Result<()> {
-        let mut c = self.connection()?;
+        let mut c = self.store.connect(self.s.heartbeat_timeout)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let key = format!("hb/{}", self.node);
+        let key = heartbeat_key(self.me.node, self.me.incarnation);
         c.add(&key, 1)?;
         let flag = stop.clone();
         let handle = std::thread::spawn(move || {
@@ -253,55 +451,23 @@ impl NodeAgent {
         Ok(())
     }
 
-    /// Start watching attempt `attempt`: the returned flag is raised when another node posts a
-    /// failure or a node's heartbeat stops. Give it to the attempt's `LaunchSpec::stop`.
-    pub fn watch(&mut self, attempt: usize) -> Result<Arc<AtomicBool>> {
-        self.stop_watching();
-        let stop = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicBool::new(false));
-        let mut c = self.connection()?;
-        let (flag, finished) = (stop.clone(), done.clone());
-        let (node, nnodes, timeout) = (self.node, self.nnodes, self.heartbeat_timeout);
-        let failed_key = format!("g{attempt}/failed");
-        let handle = std::thread::spawn(move || {
-            let mut beats = HeartbeatWatch::new(nnodes, node, timeout);
-            while !finished.load(Ordering::SeqCst) {
-                std::thread::sleep(WATCH_EVERY);
-                // A failure posted by any node, a node gone silent, or the store itself gone
-                // (node 0 lost): the local workers cannot finish this attempt.
-                let (stop, lost) = match c.try_get(&failed_key) {
-                    Ok(Some(_)) => (true, None),
-                    Ok(None) => match beats.poll(&mut c) {
-                        Some(n) => (true, Some(n)),
-                        None => (false, None),
-                    },
-                    Err(_) => (true, None),
-                };
-                if stop {
-                    flag.store(true, Ordering::SeqCst);
-                    return lost;
-                }
-            }
-            None
-        });
-        self.watcher = Some(Watcher { done, handle });
-        Ok(stop)
-    }
-
-    /// Stop the watcher; the node it found silent, if any.
-    fn stop_watching(&mut self) -> Option<usize> {
-        let w = self.watcher.take()?;
+    fn stop_watching(&mut self) -> Watched {
+        let Some(w) = self.watcher.take() else {
+            return Watched::default();
+        };
         w.done.store(true, Ordering::SeqCst);
-        w.handle.join().ok().flatten()
+        w.handle.join().unwrap_or_default()
     }
 
-    /// After this node's workers of `attempt` ended: report, and return the job-wide outcome
-    /// decided by node 0 (the root cause on whichever node it happened).
-    pub fn settle(&mut self, attempt: usize, local: Outcome) -> Result<Outcome> {
-        let silent = self.stop_watching();
-        let a = attempt;
+    fn world(&self, members: &[Member]) -> usize {
+        members.len() * self.s.nproc
+    }
+
+    /// After this node's workers of `attempt` ended: report, and follow node 0's decision.
+    fn settle_attempt(&mut self, a: usize, local: Outcome) -> Result<Ruling> {
+        let watched = self.stop_watching();
         let failure = local.failure.as_ref().map(|f| Failure {
-            node: self.node,
+            node: self.me.node,
             rank: f.rank,
             what: f.what.clone(),
             message: f.message.clone(),
@@ -315,17 +481,32 @@ impl NodeAgent {
         }
         let mine = EndReport {
             failure,
+            stopped: local.stopped_from_outside,
             last_step: local.last_step,
             resumed_from: local.resumed_from,
         };
         self.client
             .set(
-                &format!("g{a}/end/{}", self.node),
+                &format!("g{a}/end/{}", self.me.node),
                 &serde_json::to_vec(&mine)?,
             )
             .with_context(|| self.store_lost())?;
-        if self.node == 0 {
-            let decision = self.decide(a, mine, silent)?;
+        if self.me.node == 0 {
+            let decision = self.decide(a, mine, watched)?;
+            if decision.next == Next::Restart {
+                self.client.set(
+                    &format!("g{}/members", a + 1),
+                    &serde_json::to_vec(&decision.members)?,
+                )?;
+                for m in &decision.members {
+                    if !self.members.iter().any(|x| x == m) {
+                        self.client.set(
+                            &format!("admit/{}/{}", m.node, m.incarnation),
+                            (a + 1).to_string().as_bytes(),
+                        )?;
+                    }
+                }
+            }
             self.client
                 .set(&format!("g{a}/decision"), &serde_json::to_vec(&decision)?)?;
         }
@@ -340,66 +521,73 @@ impl NodeAgent {
             })?;
         let decision: Decision =
             serde_json::from_slice(&raw).context("store key decision: not a decision")?;
+        if decision.next == Next::Restart && !decision.members.contains(&self.me) {
+            bail!(
+                "{} was dropped from the job by node 0 (its heartbeat was not seen for {:.1}s); start its agent again to rejoin",
+                self.describe_node(self.me.node),
+                self.s.heartbeat_timeout.as_secs_f64()
+            );
+        }
         let mut out = local;
         out.last_step = decision.last_step;
         out.resumed_from = decision.resumed_from;
         out.stopped_from_outside = false;
         out.failure = decision.failure.map(|f| WorkerFailure {
             rank: f.rank,
-            what: f.what,
-            message: if f.node == self.node {
+            // A lost node is named in the message already.
+            message: if f.node == self.me.node || f.what.contains("lost (no heartbeat)") {
                 f.message
             } else {
                 format!("on {}: {}", self.describe_node(f.node), f.message)
             },
+            what: f.what,
             permanent: f.permanent,
             detection_seconds: f.detection_seconds,
         });
-        if !decision.lost.is_empty() {
-            let names: Vec<String> = decision
-                .lost
-                .iter()
-                .map(|&n| self.describe_node(n))
-                .collect();
-            bail!(
-                "{} lost (no heartbeat for {:.1}s); the job cannot restart without it — continue with --resume once it is back",
-                names.join(", "),
-                self.heartbeat_timeout.as_secs_f64()
-            );
-        }
-        Ok(out)
+        Ok(Ruling {
+            outcome: out,
+            next: decision.next,
+            changes: decision.changes,
+        })
     }
 
     /// How long node 0 waits for the other agents' reports: their workers are being stopped
     /// (SIGTERM, then SIGKILL after 3 s) once a failure is posted.
     fn report_deadline(&self) -> Duration {
-        self.heartbeat_timeout * 2 + Duration::from_secs(10)
+        self.s.heartbeat_timeout * 2 + Duration::from_secs(10)
     }
 
-    /// Node 0: wait for every live node's report and pick the job's root cause.
-    fn decide(&mut self, a: usize, mine: EndReport, silent: Option<usize>) -> Result<Decision> {
+    /// Node 0: wait for every live member's report, pick the job's root cause, and rule.
+    fn decide(&mut self, a: usize, mine: EndReport, watched: Watched) -> Result<Decision> {
         let deadline = Instant::now() + self.report_deadline();
-        let mut reports: Vec<Option<EndReport>> = vec![None; self.nnodes];
-        reports[0] = Some(mine);
-        let mut beats = HeartbeatWatch::new(self.nnodes, 0, self.heartbeat_timeout);
-        let mut lost: Vec<usize> = silent.into_iter().collect();
+        let members = self.members.clone();
+        let mut reports: HashMap<usize, EndReport> = HashMap::from([(0, mine)]);
+        let mut beats = Beats::new(self.s.heartbeat_timeout);
+        let mut lost: Vec<usize> = watched.silent;
         loop {
-            for (n, report) in reports.iter_mut().enumerate().skip(1) {
-                if report.is_none() {
-                    if let Some(raw) = self.client.try_get(&format!("g{a}/end/{n}"))? {
-                        *report = Some(serde_json::from_slice(&raw).with_context(|| {
-                            format!("store key g{a}/end/{n}: not an end report")
-                        })?);
-                    }
+            for m in &members {
+                if reports.contains_key(&m.node) {
+                    continue;
+                }
+                if let Some(raw) = self.client.try_get(&format!("g{a}/end/{}", m.node))? {
+                    let r = serde_json::from_slice(&raw).with_context(|| {
+                        format!("store key g{a}/end/{}: not an end report", m.node)
+                    })?;
+                    reports.insert(m.node, r);
                 }
             }
-            if let Some(n) = beats.poll(&mut self.client) {
-                if reports[n].is_none() && !lost.contains(&n) {
-                    lost.push(n);
+            for m in members.iter().filter(|m| m.node != 0) {
+                if !reports.contains_key(&m.node)
+                    && !lost.contains(&m.node)
+                    && beats.silent(&mut self.client, &heartbeat_key(m.node, m.incarnation))
+                {
+                    lost.push(m.node);
                 }
             }
-            let missing: Vec<usize> = (0..self.nnodes)
-                .filter(|n| reports[*n].is_none() && !lost.contains(n))
+            let missing: Vec<usize> = members
+                .iter()
+                .map(|m| m.node)
+                .filter(|n| !reports.contains_key(n) && !lost.contains(n))
                 .collect();
             if missing.is_empty() {
                 break;
@@ -414,38 +602,226 @@ impl NodeAgent {
             }
             std::thread::sleep(WATCH_EVERY);
         }
-        let failures: Vec<Failure> = reports
+        lost.sort_unstable();
+        lost.dedup();
+        let node0 = &reports[&0];
+        let (last_step, resumed_from) = (node0.last_step, node0.resumed_from);
+        let failures: Vec<Failure> = members
             .iter()
-            .flatten()
-            .filter_map(|r| r.failure.clone())
+            .filter_map(|m| reports.get(&m.node)?.failure.clone())
             .collect();
+        let lost_failure = lost.first().map(|&n| Failure {
+            node: n,
+            rank: members.iter().position(|m| m.node == n).unwrap_or(0) * self.s.nproc,
+            what: format!("{} lost (no heartbeat)", self.describe_node(n)),
+            message: format!(
+                "{} lost (no heartbeat for {:.1}s)",
+                self.describe_node(n),
+                self.s.heartbeat_timeout.as_secs_f64()
+            ),
+            permanent: false,
+            detection_seconds: self.s.heartbeat_timeout.as_secs_f64(),
+        });
         let root = failures
             .iter()
             .find(|f| f.what.starts_with("killed by signal"))
             .or_else(|| failures.iter().find(|f| f.permanent))
+            .or(lost_failure.as_ref())
             .or_else(|| failures.iter().min_by_key(|f| f.rank))
             .cloned();
+        let regroup = self.client.try_get(&format!("g{a}/regroup"))?.is_some();
+        // Workers stopped from outside with nothing to show for it: a watcher lost the store.
         let root = root.or_else(|| {
-            lost.first().map(|&n| Failure {
+            let n = members
+                .iter()
+                .find(|m| reports.get(&m.node).is_some_and(|r| r.stopped))
+                .map(|m| m.node)?;
+            (!regroup).then(|| Failure {
                 node: n,
-                rank: n, // no rank of its own: the node is named in `what`
-                what: format!("{} lost (no heartbeat)", self.describe_node(n)),
+                rank: 0,
+                what: format!("{} stopped its workers", self.describe_node(n)),
                 message: format!(
-                    "{} stopped heartbeating for {:.1}s",
-                    self.describe_node(n),
-                    self.heartbeat_timeout.as_secs_f64()
+                    "{} stopped its workers: its agent lost the job's store",
+                    self.describe_node(n)
                 ),
                 permanent: false,
-                detection_seconds: self.heartbeat_timeout.as_secs_f64(),
+                detection_seconds: 0.0,
             })
         });
-        let node0 = reports[0].as_ref().expect("node 0's own report");
+        let as_worker_failure = root.as_ref().map(|f| WorkerFailure {
+            rank: f.rank,
+            what: f.what.clone(),
+            message: f.message.clone(),
+            permanent: f.permanent,
+            detection_seconds: f.detection_seconds,
+        });
+        let policy = RestartPolicy {
+            max_restarts: self.s.max_restarts,
+        };
+        let mut next = rule(policy, self.restarts, as_worker_failure.as_ref(), regroup);
+        let mut next_members: Vec<Member> = members
+            .iter()
+            .filter(|m| !lost.contains(&m.node))
+            .cloned()
+            .collect();
+        let mut changes = Vec::new();
+        let world_before = self.world(&members);
+        if next == Next::Restart {
+            if next_members.len() < self.s.min_nodes {
+                let names: Vec<String> = lost.iter().map(|&n| self.describe_node(n)).collect();
+                next = Next::End {
+                    message: format!(
+                        "{} lost (no heartbeat for {:.1}s); {} node(s) remain, below the minimum of {} (--nnodes) — continue with --resume once it is back",
+                        names.join(", "),
+                        self.s.heartbeat_timeout.as_secs_f64(),
+                        next_members.len(),
+                        self.s.min_nodes
+                    ),
+                    permanent: false,
+                };
+            } else {
+                if root.is_some() {
+                    self.restarts += 1;
+                }
+                for &n in &lost {
+                    let after: Vec<Member> = members
+                        .iter()
+                        .filter(|m| !lost.contains(&m.node))
+                        .cloned()
+                        .collect();
+                    changes.push(self.change(
+                        a,
+                        "node lost",
+                        n,
+                        world_before,
+                        self.world(&after),
+                        last_step,
+                    ));
+                }
+                let world_without = self.world(&next_members);
+                for j in watched.joiners {
+                    if next_members.len() < self.s.max_nodes
+                        && !next_members.iter().any(|m| m.node == j.node)
+                    {
+                        next_members.push(j.clone());
+                        let after = self.world(&next_members);
+                        changes.push(MembershipChange {
+                            attempt: a,
+                            change: "node joined".into(),
+                            who: format!("node {} ({})", j.node, j.host),
+                            world_before: world_without,
+                            world_after: after,
+                            step: last_step,
+                            resumed_from: None,
+                            steps_recomputed: None,
+                        });
+                    }
+                }
+                next_members.sort_by_key(|m| m.node);
+            }
+        }
         Ok(Decision {
             failure: root,
-            lost,
-            last_step: node0.last_step,
-            resumed_from: node0.resumed_from,
+            next,
+            members: next_members,
+            changes,
+            last_step,
+            resumed_from,
         })
+    }
+
+    fn change(
+        &self,
+        a: usize,
+        what: &str,
+        n: usize,
+        before: usize,
+        after: usize,
+        step: Option<u64>,
+    ) -> MembershipChange {
+        MembershipChange {
+            attempt: a,
+            change: what.into(),
+            who: self.describe_node(n),
+            world_before: before,
+            world_after: after,
+            step,
+            resumed_from: None,
+            steps_recomputed: None,
+        }
+    }
+}
+
+impl Coordinator for NodeAgent {
+    fn first_attempt(&self) -> usize {
+        self.first_attempt
+    }
+
+    fn placement(&mut self, attempt: usize) -> Result<Placement> {
+        let key = format!("g{attempt}/members");
+        let raw = self
+            .client
+            .get(&key, self.report_deadline())
+            .with_context(|| {
+                format!(
+                    "waiting for {}'s members of attempt {attempt}",
+                    self.describe_node(0)
+                )
+            })?;
+        self.members = serde_json::from_slice(&raw)
+            .with_context(|| format!("store key {key}: not a member list"))?;
+        let Some(i) = self.members.iter().position(|m| *m == self.me) else {
+            bail!(
+                "{} is not a member of attempt {attempt}",
+                self.describe_node(self.me.node)
+            );
+        };
+        Ok(Placement {
+            first_rank: i * self.s.nproc,
+            nproc: self.s.nproc,
+            world: self.world(&self.members),
+        })
+    }
+
+    fn watch(&mut self, attempt: usize, progress: Arc<AtomicU64>) -> Result<Arc<AtomicBool>> {
+        self.stop_watching();
+        let stop = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
+        let c = self.store.connect(self.s.heartbeat_timeout)?;
+        let watch = AttemptWatch {
+            c,
+            attempt,
+            me: self.me.node,
+            members: self.members.clone(),
+            beats: Beats::new(self.s.heartbeat_timeout),
+            admit: (self.me.node == 0).then(|| Admission {
+                base: self.registration.clone(),
+                max_nodes: self.s.max_nodes,
+                boundary: self.s.boundary,
+                progress,
+                regroup_posted: false,
+            }),
+            joiners: Vec::new(),
+        };
+        let (flag, finished) = (stop.clone(), done.clone());
+        let handle = std::thread::spawn(move || watch.run(&flag, &finished));
+        self.watcher = Some(Watcher { done, handle });
+        Ok(stop)
+    }
+
+    fn settle(&mut self, attempt: usize, local: Outcome) -> Result<Ruling> {
+        self.settle_attempt(attempt, local)
+    }
+
+    fn finish(&mut self) {
+        self.stop_watching();
+        if self.me.node == 0 {
+            // Agents still waiting to be admitted end quietly rather than at the store's close:
+            // they look every 2 × WATCH_EVERY, so the store stays up a little longer than that.
+            if self.client.set("agents/done", b"1").is_ok() {
+                std::thread::sleep(WATCH_EVERY * 5);
+            }
+        }
     }
 }
 
@@ -459,40 +835,163 @@ impl Drop for NodeAgent {
     }
 }
 
-/// The other nodes' heartbeat counters, and when each last moved.
-struct HeartbeatWatch {
-    last: Vec<(i64, Instant)>,
+/// Node 0's part of a watcher: admit agents that joined, at a checkpoint boundary.
+struct Admission {
+    base: Registration,
+    max_nodes: usize,
+    boundary: Boundary,
+    progress: Arc<AtomicU64>,
+    regroup_posted: bool,
+}
+
+/// A watcher thread's state over one attempt.
+struct AttemptWatch {
+    c: StoreClient,
+    attempt: usize,
     me: usize,
+    members: Vec<Member>,
+    beats: Beats,
+    admit: Option<Admission>,
+    joiners: Vec<Member>,
+}
+
+impl AttemptWatch {
+    fn run(mut self, flag: &AtomicBool, finished: &AtomicBool) -> Watched {
+        let a = self.attempt;
+        let mut silent = Vec::new();
+        while !finished.load(Ordering::SeqCst) {
+            std::thread::sleep(WATCH_EVERY);
+            // A failure posted by any node, a regroup, a member gone silent, or the store itself
+            // gone (node 0 lost): the local workers cannot finish this attempt.
+            let posted = |c: &mut StoreClient, key: String| c.try_get(&key).map(|v| v.is_some());
+            let stop = match (
+                posted(&mut self.c, format!("g{a}/failed")),
+                posted(&mut self.c, format!("g{a}/regroup")),
+            ) {
+                (Ok(f), Ok(r)) => f || r,
+                _ => true,
+            };
+            if !stop {
+                for m in self.members.iter().filter(|m| m.node != self.me) {
+                    if self
+                        .beats
+                        .silent(&mut self.c, &heartbeat_key(m.node, m.incarnation))
+                    {
+                        silent.push(m.node);
+                    }
+                }
+            }
+            if !stop && silent.is_empty() {
+                self.look_for_joiners();
+            }
+            if stop || !silent.is_empty() {
+                flag.store(true, Ordering::SeqCst);
+                break;
+            }
+        }
+        Watched {
+            silent,
+            joiners: self.joiners,
+        }
+    }
+
+    /// Node 0: agents whose newest incarnation is not a member, heartbeats, and agrees; at a
+    /// checkpoint boundary, post the regroup that admits them.
+    fn look_for_joiners(&mut self) {
+        let Some(adm) = self.admit.as_mut() else {
+            return;
+        };
+        let mut joiners = Vec::new();
+        for n in 0..adm.max_nodes {
+            let Ok(c) = self.c.add(&format!("join/{n}"), 0) else {
+                return;
+            };
+            let current = self
+                .members
+                .iter()
+                .find(|m| m.node == n)
+                .map_or(0, |m| m.incarnation);
+            if c <= current {
+                continue;
+            }
+            if !self.beats.moving(&mut self.c, &heartbeat_key(n, c)) {
+                continue;
+            }
+            let Ok(Some(raw)) = self.c.try_get(&format!("agent/{n}/{c}")) else {
+                continue;
+            };
+            match serde_json::from_slice::<Registration>(&raw) {
+                Ok(r) if r.disagreement(n, &adm.base).is_none() => joiners.push(Member {
+                    node: n,
+                    incarnation: c,
+                    host: r.host,
+                }),
+                // It refuses itself, naming the difference.
+                _ => {}
+            }
+        }
+        self.joiners = joiners;
+        let new_nodes = self
+            .joiners
+            .iter()
+            .any(|j| !self.members.iter().any(|m| m.node == j.node));
+        if new_nodes && !adm.regroup_posted && adm.boundary.at(adm.progress.load(Ordering::SeqCst))
+        {
+            let names: Vec<String> = self
+                .joiners
+                .iter()
+                .map(|j| format!("node {}", j.node))
+                .collect();
+            if self
+                .c
+                .set(
+                    &format!("g{}/regroup", self.attempt),
+                    names.join(", ").as_bytes(),
+                )
+                .is_ok()
+            {
+                adm.regroup_posted = true;
+            }
+        }
+    }
+}
+
+/// Heartbeat counters by key, and when each last moved.
+struct Beats {
+    last: HashMap<String, (i64, Instant, bool)>,
     timeout: Duration,
 }
 
-impl HeartbeatWatch {
-    fn new(nnodes: usize, me: usize, timeout: Duration) -> HeartbeatWatch {
-        HeartbeatWatch {
-            last: vec![(i64::MIN, Instant::now()); nnodes],
-            me,
+impl Beats {
+    fn new(timeout: Duration) -> Beats {
+        Beats {
+            last: HashMap::new(),
             timeout,
         }
     }
 
-    /// Read every other node's counter; the first node whose counter has not moved for the
-    /// timeout, if any.
-    fn poll(&mut self, c: &mut StoreClient) -> Option<usize> {
+    /// Read the counter at `key` (`add(0)` reads without changing it); remember when it moved.
+    /// Returns (moved since first seen, time since it last moved).
+    fn read(&mut self, c: &mut StoreClient, key: &str) -> Option<(bool, Duration)> {
+        let v = c.add(key, 0).ok()?;
         let now = Instant::now();
-        for n in 0..self.last.len() {
-            if n == self.me {
-                continue;
-            }
-            // `add(0)` reads a counter without changing it.
-            let Ok(v) = c.add(&format!("hb/{n}"), 0) else {
-                return None;
-            };
-            if v != self.last[n].0 {
-                self.last[n] = (v, now);
-            } else if now.duration_since(self.last[n].1) >= self.timeout {
-                return Some(n);
-            }
+        let e = self.last.entry(key.to_string()).or_insert((v, now, false));
+        if v != e.0 {
+            *e = (v, now, true);
         }
-        None
+        Some((e.2, now.duration_since(e.1)))
+    }
+
+    /// Has this counter not moved for the timeout? (An unreadable store says nothing here: the
+    /// caller notices it on its own requests.)
+    fn silent(&mut self, c: &mut StoreClient, key: &str) -> bool {
+        self.read(c, key)
+            .is_some_and(|(_, since)| since >= self.timeout)
+    }
+
+    /// Has this counter moved recently (within the timeout)?
+    fn moving(&mut self, c: &mut StoreClient, key: &str) -> bool {
+        self.read(c, key)
+            .is_some_and(|(moved, since)| moved && since < self.timeout)
     }
 }

@@ -11,7 +11,7 @@
 use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -56,10 +56,11 @@ pub struct WorkerFailure {
 pub struct LaunchSpec {
     /// Arguments after `lockstep worker`.
     pub worker_args: Vec<String>,
+    /// Workers started here: ranks `first_rank .. first_rank + nproc` of `world`.
     pub nproc: usize,
-    pub nnodes: usize,
-    pub node_rank: usize,
-    /// host:port of the store (served here when node_rank == 0).
+    pub first_rank: usize,
+    pub world: usize,
+    /// host:port of the store (served by node 0).
     pub store: String,
     pub secret: JobSecret,
     pub job_id: String,
@@ -75,6 +76,9 @@ pub struct LaunchSpec {
     /// A worker whose heartbeat stops, or that reports no progress outside any collective, for
     /// this long is hung: it is killed and blamed (`None`: heartbeats are not judged).
     pub stall_timeout: Option<Duration>,
+    /// Where the launch publishes the last step rank 0 completed (its checkpoint, when one was
+    /// due, is on disk by then), for whoever decides when to regroup.
+    pub progress: Option<Arc<AtomicU64>>,
 }
 
 /// Default threads per worker: the cores of this host shared among its workers.
@@ -101,11 +105,11 @@ enum Event {
 /// workers are stopped); `Err` is for failures to start at all.
 pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let exe = std::env::current_exe().context("locating the lockstep executable")?;
-    let world = spec.nproc * spec.nnodes;
+    let world = spec.world;
     let (tx, rx) = mpsc::channel::<Event>();
     let mut children: Vec<Running> = Vec::new();
     for local in 0..spec.nproc {
-        let rank = spec.node_rank * spec.nproc + local;
+        let rank = spec.first_rank + local;
         let mut cmd = Command::new(&exe);
         cmd.arg("worker")
             .args(&spec.worker_args)
@@ -210,6 +214,9 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                     handle(message, rank, &mut outcome, &mut records);
                     if step_done {
                         last_progress = Instant::now();
+                        if let (Some(p), Some(step)) = (&spec.progress, outcome.last_step) {
+                            p.store(step, Ordering::SeqCst);
+                        }
                     }
                 }
                 parsed => {

@@ -7,6 +7,7 @@ mod agent;
 mod bench;
 mod bench_train;
 mod cluster_env;
+mod elastic;
 mod inject;
 mod launch;
 mod orphan;
@@ -16,6 +17,7 @@ mod request;
 mod run_dir;
 mod scale;
 mod supervise;
+mod train_cmd;
 mod worker;
 
 use std::collections::HashMap;
@@ -137,9 +139,11 @@ struct ScaleArgs {
 
 #[derive(Args, Clone)]
 struct NodeArgs {
-    /// Number of nodes (hosts) in the job; each runs `lockstep train` with its --node-rank.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
+    /// Number of nodes (hosts) in the job, each running `lockstep train` with its --node-rank:
+    /// N, or MIN:MAX for an elastic job that drops lost nodes (never below MIN) and admits nodes
+    /// that (re)join at its next checkpoint.
+    #[arg(long, default_value = "1")]
+    nnodes: String,
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
     /// host:port of the rendezvous store, served by node 0 (needed when --nnodes > 1).
@@ -149,6 +153,35 @@ struct NodeArgs {
     /// (--nnodes > 1).
     #[arg(long, default_value_t = 10.0)]
     heartbeat_timeout: f64,
+}
+
+impl NodeArgs {
+    /// One node, no rendezvous address: `train` as `scale`, `bench` and the default run use it.
+    fn single() -> NodeArgs {
+        NodeArgs {
+            nnodes: "1".into(),
+            node_rank: 0,
+            rdzv: None,
+            heartbeat_timeout: 10.0,
+        }
+    }
+
+    /// `--nnodes N` or `MIN:MAX`, checked against `--node-rank`.
+    fn range(&self) -> Result<(usize, usize), request::BadRequest> {
+        let (lo, hi) = train_cmd::parse_range("--nnodes", "node count", &self.nnodes)?;
+        if self.node_rank >= hi {
+            return Err(request::BadRequest(format!(
+                "--node-rank {} must be below --nnodes {}",
+                self.node_rank, self.nnodes
+            )));
+        }
+        Ok((lo, hi))
+    }
+
+    /// Is this one job across several nodes (with agents and a shared store)?
+    fn several(&self) -> Result<bool, request::BadRequest> {
+        Ok(self.range()?.1 > 1)
+    }
 }
 
 #[derive(Args, Clone)]
@@ -290,7 +323,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
     // Keep big step buffers in the heap instead of re-faulting them every step (see lockstep-model).
     lockstep_model::tune_allocator_for_training();
     let result = match cli.command {
-        None => cmd_train(TrainArgs {
+        None => train_cmd::run(TrainArgs {
             config: None,
             nproc: "2".into(),
             resume: None,
@@ -301,14 +334,9 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
             out: None,
             sets: Vec::new(),
             overwrite: false,
-            nodes: NodeArgs {
-                nnodes: 1,
-                node_rank: 0,
-                rdzv: None,
-                heartbeat_timeout: 10.0,
-            },
+            nodes: NodeArgs::single(),
         }),
-        Some(Command::Train(a)) => cmd_train(a),
+        Some(Command::Train(a)) => train_cmd::run(a),
         Some(Command::BenchCollectives(a)) => cmd_bench(a),
         Some(Command::Scale(a)) => cmd_scale(a),
         Some(Command::Bench(a)) => bench_train::run(a),
@@ -463,211 +491,6 @@ fn tcp_options(env: &HashMap<String, String>) -> Result<TcpOptions> {
     Ok(o)
 }
 
-fn cmd_train(a: TrainArgs) -> Result<()> {
-    let env = environment();
-    let (config_path, out) = match &a.resume {
-        Some(dir) => (Some(dir.join("config.toml")), dir.clone()),
-        None => (
-            a.config.clone(),
-            a.out.clone().unwrap_or_else(launch::default_out_dir),
-        ),
-    };
-    // Everything is validated before anything is written or spawned.
-    let cfg = load_config(config_path.as_deref(), &a.sets)?;
-    let (min_world, max_world) = parse_nproc(&a.nproc)?;
-    let engine = cluster_env::detect(&env)?.filter(|w| w.engine != cluster_env::Engine::Launcher);
-    let world = engine
-        .as_ref()
-        .map_or(max_world * a.nodes.nnodes, |w| w.world_size);
-    if engine.is_none() {
-        request::check_world(&cfg, max_world, a.nodes.nnodes)?;
-    }
-    check_layout(
-        &cfg,
-        &env,
-        max_world * a.nodes.nnodes,
-        min_world != max_world,
-    )?;
-    let faults = match &a.inject {
-        Some(spec) => inject::parse(spec)
-            .and_then(|f| {
-                inject::validate(&f, world, cfg.train.steps, cfg.checkpoint.every)?;
-                Ok(f)
-            })
-            .map_err(|e| request::BadRequest(format!("{e:#}")))?,
-        None => Vec::new(),
-    };
-    if a.resume.is_some() {
-        if let run_dir::Resume::Finished { steps, param_hash } = run_dir::check_resume(&out, &cfg)?
-        {
-            eprintln!(
-                "lockstep: {} is a finished run ({steps} steps, param_hash {param_hash}); nothing \
-                 to do and nothing changed. To train it longer: --resume {} --set train.steps=N \
-                 with N > {steps}",
-                out.display(),
-                out.display()
-            );
-            return Ok(());
-        }
-    } else if engine.as_ref().is_none_or(|w| w.rank == 0) {
-        // Under an engine only rank 0 writes the run directory (and may already have when a
-        // slower rank gets here): the others leave the check to it.
-        run_dir::prepare_fresh(&out, &cfg, a.overwrite)?;
-    }
-    if cfg.checkpoint.every > 0 && (engine.as_ref().is_none_or(|w| w.rank == 0)) {
-        run_dir::check_writable(&lockstep_train::checkpoint_dir(&cfg, &out))?;
-    }
-
-    // Started by Slurm / mpirun / torchrun: this process is one worker.
-    if let Some(w) = engine {
-        // One write, so that lines of ranks sharing a terminal (mpirun) never interleave.
-        let line = format!(
-            "lockstep: rank {} of {} (local rank {}, started by {})\n",
-            w.rank,
-            w.world_size,
-            w.local_rank,
-            w.engine.name()
-        );
-        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-        if w.rank == 0 && a.resume.is_none() {
-            // Written up front (not only with the summary) so that a failed job can be
-            // resubmitted with `--resume <out>`.
-            std::fs::create_dir_all(&out)
-                .with_context(|| format!("creating run directory {}", out.display()))?;
-            lockstep_train::write_atomic(&out.join("config.toml"), cfg.to_toml().as_bytes())?;
-        }
-        return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
-    }
-
-    std::fs::create_dir_all(&out)
-        .with_context(|| format!("creating run directory {}", out.display()))?;
-    let resolved = out.join("config.toml");
-    lockstep_train::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
-    if a.nodes.nnodes > 1 && min_world != max_world {
-        return Err(request::BadRequest(format!(
-            "--nproc {} with --nnodes {}: elastic worker counts are for one node; with several nodes give a fixed --nproc",
-            a.nproc, a.nodes.nnodes
-        ))
-        .into());
-    }
-    eprintln!(
-        "lockstep: training {} on {} worker(s) ({} node(s)), run directory {}",
-        job().label(&cfg),
-        max_world * a.nodes.nnodes,
-        a.nodes.nnodes,
-        out.display()
-    );
-    let policy = supervise::Policy {
-        max_restarts: a.max_restarts,
-        min_world,
-        max_world,
-        faults: faults.clone(),
-    };
-    // Several nodes: one store for the job's life (node 0's), and this node's agent in it.
-    let shared_store = if a.nodes.nnodes > 1 {
-        Some(job_store(&a.nodes, &env)?)
-    } else {
-        None
-    };
-    let mut agent = match &shared_store {
-        Some(st) => Some(agent::NodeAgent::join(
-            resolve_rdzv(&st.store)?,
-            &st.secret,
-            &st.job_id,
-            a.nodes.node_rank,
-            a.nodes.nnodes,
-            max_world,
-            a.max_restarts,
-            Duration::from_secs_f64(a.nodes.heartbeat_timeout),
-            agent::JOIN_TIMEOUT,
-        )?),
-        None => None,
-    };
-    let mut servers = Vec::new();
-    let sup = supervise::run(
-        &policy,
-        |attempt, world| {
-            let mut args: Vec<String> = vec![
-                "train".into(),
-                "--config".into(),
-                resolved.display().to_string(),
-                "--out".into(),
-                out.display().to_string(),
-            ];
-            if attempt > 0 || a.resume.is_some() {
-                args.push("--resume".into());
-            }
-            let active: Vec<Fault> = faults
-                .iter()
-                .filter(|f| attempt == 0 || !lockstep_train::faults::first_attempt_only(f))
-                .copied()
-                .collect();
-            if !active.is_empty() {
-                args.extend([
-                    "--faults".into(),
-                    serde_json::to_string(&active).expect("faults serialise"),
-                ]);
-            }
-            let mut spec = match &shared_store {
-                Some(st) => attempt_spec(st, &a.nodes, world, &env, args, attempt)?,
-                None => {
-                    let st = job_store(&a.nodes, &env)?;
-                    let spec = attempt_spec(&st, &a.nodes, world, &env, args, attempt)?;
-                    servers.push(st.server); // keep each attempt's store alive until it is done
-                    spec
-                }
-            };
-            if let Some(t) = a.threads_per_worker {
-                spec.threads_per_worker = t.max(1);
-            }
-            spec.stall_timeout = Some(Duration::from_secs_f64(a.stall_timeout));
-            Ok(spec)
-        },
-        agent.as_mut(),
-    )?;
-    drop(agent);
-    drop(shared_store);
-    if a.nodes.node_rank == 0 {
-        supervise::annotate_summary(&out, &sup)?;
-        supervise::write_report(&out, &sup)?;
-        if sup.restarts > 0 {
-            eprintln!(
-                "lockstep: survived {} failure(s) with {} restart(s), {} step(s) recomputed",
-                sup.failures.len(),
-                sup.restarts,
-                sup.steps_recomputed
-            );
-        }
-        eprintln!(
-            "lockstep: done; summary in {}",
-            out.join("summary.json").display()
-        );
-    }
-    Ok(())
-}
-
-/// "N" or "MIN:MAX".
-fn parse_nproc(s: &str) -> Result<(usize, usize), request::BadRequest> {
-    let parse = |v: &str| {
-        v.trim()
-            .parse::<usize>()
-            .map_err(|_| request::BadRequest(format!("--nproc {s}: `{v}` is not a worker count")))
-    };
-    let (lo, hi) = match s.split_once(':') {
-        Some((a, b)) => (parse(a)?, parse(b)?),
-        None => {
-            let n = parse(s)?;
-            (n, n)
-        }
-    };
-    if lo == 0 || lo > hi {
-        return Err(request::BadRequest(format!(
-            "--nproc {s}: need 1 ≤ MIN ≤ MAX"
-        )));
-    }
-    Ok((lo, hi))
-}
-
 /// Where a job's workers meet: the store's address, the job's secret and id, and (node 0) the
 /// server itself, which must outlive every attempt that uses it.
 struct JobStore {
@@ -681,14 +504,8 @@ struct JobStore {
 /// with a fresh secret), on the --rdzv address for several (one for the job's whole life, served
 /// by node 0's agent).
 fn job_store(nodes: &NodeArgs, env: &HashMap<String, String>) -> Result<JobStore> {
-    if nodes.nnodes == 0 || nodes.node_rank >= nodes.nnodes {
-        bail!(
-            "--node-rank {} must be below --nnodes {}",
-            nodes.node_rank,
-            nodes.nnodes
-        );
-    }
-    let (store, secret, job_id) = if nodes.nnodes > 1 {
+    let several = nodes.several()?;
+    let (store, secret, job_id) = if several {
         let rdzv = nodes
             .rdzv
             .clone()
@@ -713,14 +530,14 @@ fn job_store(nodes: &NodeArgs, env: &HashMap<String, String>) -> Result<JobStore
     };
     let mut store = store;
     let server = if nodes.node_rank == 0 {
-        let bind: SocketAddr = if nodes.nnodes > 1 {
+        let bind: SocketAddr = if several {
             resolve_rdzv(&store)?
         } else {
             "127.0.0.1:0".parse().expect("literal address")
         };
         let server = StoreServer::bind(bind, &secret, &job_id)
             .with_context(|| format!("serving the rendezvous store on {bind}"))?;
-        if nodes.nnodes == 1 {
+        if !several {
             store = server.local_addr().to_string();
         }
         Some(server)
@@ -743,16 +560,15 @@ fn resolve_rdzv(store: &str) -> Result<SocketAddr> {
         .context("--rdzv resolves to nothing")
 }
 
-/// One attempt's launch of this node's `nproc` workers, meeting at `store`.
+/// One attempt's launch of this node's workers (`place`), meeting at `store`.
 fn attempt_spec(
     store: &JobStore,
-    nodes: &NodeArgs,
-    nproc: usize,
+    place: supervise::Placement,
     env: &HashMap<String, String>,
     worker_args: Vec<String>,
     attempt: usize,
 ) -> Result<LaunchSpec> {
-    if nproc == 0 {
+    if place.nproc == 0 {
         bail!("--nproc must be at least 1");
     }
     let extra_env = env
@@ -762,30 +578,35 @@ fn attempt_spec(
         .collect();
     Ok(LaunchSpec {
         worker_args,
-        nproc,
-        nnodes: nodes.nnodes,
-        node_rank: nodes.node_rank,
+        nproc: place.nproc,
+        first_rank: place.first_rank,
+        world: place.world,
         store: store.store.clone(),
         secret: store.secret.clone(),
         job_id: store.job_id.clone(),
-        threads_per_worker: launch::default_threads(nproc),
+        threads_per_worker: launch::default_threads(place.nproc),
         extra_env,
         attempt: attempt as u64,
         stop: None,
         stall_timeout: None,
+        progress: None,
     })
 }
 
-/// Prepare the workers' launch with a store of its own (node 0 serves it, kept alive by the
+/// Prepare a one-node launch of `nproc` workers with a store of its own (kept alive by the
 /// returned server).
 fn launch_spec(
-    nodes: &NodeArgs,
     nproc: usize,
     env: &HashMap<String, String>,
     worker_args: Vec<String>,
 ) -> Result<(LaunchSpec, Option<StoreServer>)> {
-    let store = job_store(nodes, env)?;
-    let spec = attempt_spec(&store, nodes, nproc, env, worker_args, 0)?;
+    let store = job_store(&NodeArgs::single(), env)?;
+    let place = supervise::Placement {
+        first_rank: 0,
+        nproc,
+        world: nproc,
+    };
+    let spec = attempt_spec(&store, place, env, worker_args, 0)?;
     Ok((spec, store.server))
 }
 
@@ -818,7 +639,7 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
             started.elapsed().as_secs_f64()
         );
         let dir = scale::run_dir(&a.out, layout);
-        cmd_train(TrainArgs {
+        train_cmd::run(TrainArgs {
             config: a.config.clone(),
             nproc: layout.world().to_string(),
             resume: None,
@@ -829,12 +650,7 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
             out: Some(dir.clone()),
             sets: scale::layout_sets(layout, &a.sets),
             overwrite: false,
-            nodes: NodeArgs {
-                nnodes: 1,
-                node_rank: 0,
-                rdzv: None,
-                heartbeat_timeout: 10.0,
-            },
+            nodes: NodeArgs::single(),
         })
         .with_context(|| format!("the {} run ({})", layout.name, layout.describe()))?;
         let (summary, records) = scale::load_run(&dir)?;
@@ -867,12 +683,6 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let memcpy = bench::memcpy_gbps(64 << 20);
     let env = environment();
     let (mut spec, _server) = launch_spec(
-        &NodeArgs {
-            nnodes: 1,
-            node_rank: 0,
-            rdzv: None,
-            heartbeat_timeout: 10.0,
-        },
         a.nproc,
         &env,
         vec![

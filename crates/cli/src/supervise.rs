@@ -1,18 +1,24 @@
 //! Supervision: run the worker group, and when a worker dies, hangs (its peers time out) or is
 //! lost, stop the rest and restart the whole group from the last good checkpoint, up to
-//! `max_restarts` times; with several nodes, all nodes together (see `agent.rs`). In elastic mode (`--nproc MIN:MAX`) a lost worker's slot is dropped and
-//! the group restarts smaller, never below MIN; with reproducible gradients the result is the same
-//! bits as the fault-free run.
+//! `max_restarts` times.
+//!
+//! Who decides what follows an attempt is a [`Coordinator`]: this launcher alone on one node
+//! ([`crate::elastic::LocalCoordinator`]), or node 0's ruling followed by every node's agent
+//! ([`crate::agent::NodeAgent`]). Both apply the same [`rule`]. A coordinator may also change the
+//! job's membership between attempts — drop a lost worker slot or node, admit a slot given back
+//! or a node that (re)joined — never below the minimum; with reproducible gradients the result is
+//! the same bits as the fault-free run at any world size, so every change is only a restart at a
+//! checkpoint boundary.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
-use lockstep_train::faults::Fault;
-use serde::Serialize;
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
 
-use crate::agent::NodeAgent;
-use crate::launch::{self, LaunchSpec, WorkerFailure};
+use crate::launch::{self, LaunchSpec, Outcome, WorkerFailure};
 
 /// One failure survived (or not), as recorded in `summary.json`.
 #[derive(Debug, Clone, Serialize)]
@@ -33,32 +39,139 @@ pub struct FailureRecord {
     pub steps_recomputed: Option<u64>,
 }
 
+/// A change of the job's workers between two attempts (`summary.json`'s `membership`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct MembershipChange {
+    /// The attempt after which it took effect.
+    pub attempt: usize,
+    /// "node lost", "node joined", "worker lost" or "worker slot given back".
+    pub change: String,
+    /// e.g. "node 2 (hostC)" or "rank 3".
+    pub who: String,
+    pub world_before: usize,
+    pub world_after: usize,
+    /// Last step rank 0 completed before it.
+    pub step: Option<u64>,
+    /// Step the next attempt resumed from, and the steps done again.
+    pub resumed_from: Option<u64>,
+    pub steps_recomputed: Option<u64>,
+}
+
 #[derive(Debug, Default, Serialize)]
 pub struct Supervision {
     pub restarts: usize,
     pub steps_recomputed: u64,
     pub failures: Vec<FailureRecord>,
+    pub membership: Vec<MembershipChange>,
     pub final_world_size: usize,
     pub wall_seconds_total: f64,
 }
 
-pub struct Policy {
+/// The restart policy, the same on every node.
+#[derive(Debug, Clone, Copy)]
+pub struct RestartPolicy {
     pub max_restarts: usize,
-    /// Smallest and largest world size (equal unless elastic).
-    pub min_world: usize,
-    pub max_world: usize,
-    pub faults: Vec<Fault>,
+}
+
+/// Where this node's workers sit in one attempt: ranks `first_rank .. first_rank + nproc` of
+/// `world`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub first_rank: usize,
+    pub nproc: usize,
+    pub world: usize,
+}
+
+/// What follows an attempt.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub enum Next {
+    /// The job is complete.
+    Done,
+    /// Run the next attempt from the newest checkpoint (after a failure, or to change membership).
+    Restart,
+    /// Give up; `permanent` = bad input (exit status 3).
+    End { message: String, permanent: bool },
+}
+
+/// A coordinator's account of an attempt: the job-wide outcome (the root cause on whichever node
+/// it happened), what follows, and the membership changes that take effect before the next one.
+pub struct Ruling {
+    pub outcome: Outcome,
+    pub next: Next,
+    pub changes: Vec<MembershipChange>,
+}
+
+/// Who decides an attempt's place and what follows it.
+pub trait Coordinator {
+    /// The first attempt this node takes part in (a node admitted late starts later).
+    fn first_attempt(&self) -> usize {
+        0
+    }
+    /// Where this node's workers sit in `attempt`.
+    fn placement(&mut self, attempt: usize) -> Result<Placement>;
+    /// Start watching `attempt`, whose launch publishes rank 0's completed steps in `progress`;
+    /// the returned flag, raised to stop the local workers, is the launch's `LaunchSpec::stop`.
+    fn watch(&mut self, attempt: usize, progress: Arc<AtomicU64>) -> Result<Arc<AtomicBool>>;
+    /// After this node's workers of `attempt` ended.
+    fn settle(&mut self, attempt: usize, local: Outcome) -> Result<Ruling>;
+    /// The job is over (done or given up), whatever this node's part in it.
+    fn finish(&mut self) {}
+}
+
+/// Is the step rank 0 just completed a checkpoint boundary, where the job can change membership
+/// without recomputing anything? (Its checkpoint is on disk before rank 0 reports the step.)
+#[derive(Debug, Clone, Copy)]
+pub struct Boundary {
+    pub checkpoint_every: u64,
+    pub total_steps: u64,
+}
+
+impl Boundary {
+    pub fn at(&self, step: u64) -> bool {
+        self.checkpoint_every > 0
+            && step > 0
+            && step.is_multiple_of(self.checkpoint_every)
+            && step < self.total_steps
+    }
+}
+
+/// The restart policy applied to an attempt's root cause (`None`: every worker finished, or the
+/// attempt was stopped only to regroup). `restarts` is how many were made so far.
+pub fn rule(
+    policy: RestartPolicy,
+    restarts: usize,
+    failure: Option<&WorkerFailure>,
+    regroup: bool,
+) -> Next {
+    match failure {
+        None if regroup => Next::Restart,
+        None => Next::Done,
+        Some(f) if f.permanent => Next::End {
+            message: format!("{} (bad input: not restarting)", f.message),
+            permanent: true,
+        },
+        Some(f) if restarts >= policy.max_restarts => Next::End {
+            message: format!(
+                "{}\ngiving up after {restarts} restart(s) (max_restarts = {})",
+                f.message, policy.max_restarts
+            ),
+            permanent: false,
+        },
+        Some(_) => Next::Restart,
+    }
 }
 
 /// A worker failed in a way a restart cannot cure (bad input, a full disk, out of memory): the
 /// launcher ends with exit status 3 too.
 #[derive(Debug, thiserror::Error)]
-#[error("{0} (bad input: not restarting)")]
+#[error("{0}")]
 pub struct PermanentFailure(pub String);
 
 fn detected_by(f: &WorkerFailure) -> String {
     if f.what.starts_with("killed by signal") {
         "worker process died (the launcher saw it exit)".into()
+    } else if f.what.contains("lost (no heartbeat)") {
+        "its node agent's heartbeat stopped".into()
     } else if f.what.starts_with("stopped making progress") || f.message.contains("timed out") {
         "collective timeout on a peer (the worker stopped making progress)".into()
     } else if f.message.contains("closed")
@@ -71,86 +184,103 @@ fn detected_by(f: &WorkerFailure) -> String {
     }
 }
 
-/// Run to completion under `policy`. `make_spec(attempt, world)` builds each attempt's launch.
-/// With several nodes, `agent` (this node's) makes every attempt job-wide: it stops the local
-/// workers when another node fails and turns the local outcome into node 0's decision, so all
-/// nodes restart together (the same policy applied to the same root cause).
+/// Run to completion. `make_spec(attempt, placement)` builds each attempt's launch; `coord`
+/// decides what follows each attempt (see [`Coordinator`]).
 pub fn run(
-    policy: &Policy,
-    mut make_spec: impl FnMut(usize, usize) -> Result<LaunchSpec>,
-    mut agent: Option<&mut NodeAgent>,
+    coord: &mut dyn Coordinator,
+    max_restarts: usize,
+    mut make_spec: impl FnMut(usize, Placement) -> Result<LaunchSpec>,
 ) -> Result<Supervision> {
     let started = Instant::now();
     let mut sup = Supervision::default();
-    let mut world = policy.max_world;
-    for attempt in 0.. {
-        let mut spec = make_spec(attempt, world)?;
-        if let Some(agent) = agent.as_deref_mut() {
-            spec.stop = Some(agent.watch(attempt)?);
+    let mut attempt = coord.first_attempt();
+    let ended = loop {
+        let place = coord.placement(attempt)?;
+        let mut spec = make_spec(attempt, place)?;
+        let progress = Arc::new(AtomicU64::new(0));
+        spec.progress = Some(progress.clone());
+        spec.stop = Some(coord.watch(attempt, progress)?);
+        let local = launch::run(&spec)?;
+        let Ruling {
+            outcome,
+            next,
+            changes,
+        } = coord.settle(attempt, local)?;
+        note_resume(&mut sup, attempt, outcome.resumed_from);
+        if let Some(failure) = &outcome.failure {
+            eprintln!("lockstep: {}", failure.message);
+            sup.failures.push(FailureRecord {
+                attempt,
+                rank: failure.rank,
+                world_size: place.world,
+                what: failure.what.clone(),
+                detected_by: detected_by(failure),
+                detection_seconds: failure.detection_seconds,
+                step: outcome.last_step,
+                resumed_from: None,
+                steps_recomputed: None,
+            });
         }
-        let outcome = launch::run(&spec)?;
-        let outcome = match agent.as_deref_mut() {
-            Some(agent) => agent.settle(attempt, outcome)?,
-            None => outcome,
-        };
-        if let Some(prev) = sup.failures.last_mut() {
-            if prev.resumed_from.is_none() && attempt > 0 {
-                let from = outcome.resumed_from.unwrap_or(0);
-                prev.resumed_from = Some(from);
-                prev.steps_recomputed = prev.step.map(|s| s.saturating_sub(from));
-                sup.steps_recomputed += prev.steps_recomputed.unwrap_or(0);
-            }
-        }
-        let Some(failure) = outcome.failure else {
-            sup.final_world_size = world;
-            sup.wall_seconds_total = started.elapsed().as_secs_f64();
-            return Ok(sup);
-        };
-        eprintln!("lockstep: {}", failure.message);
-        sup.failures.push(FailureRecord {
-            attempt,
-            rank: failure.rank,
-            world_size: world,
-            what: failure.what.clone(),
-            detected_by: detected_by(&failure),
-            detection_seconds: failure.detection_seconds,
-            step: outcome.last_step,
-            resumed_from: None,
-            steps_recomputed: None,
-        });
-        if failure.permanent {
-            return Err(PermanentFailure(failure.message).into());
-        }
-        if sup.restarts >= policy.max_restarts {
-            bail!(
-                "{}\ngiving up after {} restart(s) (max_restarts = {})",
-                failure.message,
-                sup.restarts,
-                policy.max_restarts
+        for c in changes {
+            eprintln!(
+                "lockstep: {}: {} after step {}; world {} -> {}",
+                c.change,
+                c.who,
+                c.step.map_or("?".into(), |s| s.to_string()),
+                c.world_before,
+                c.world_after
             );
+            sup.membership.push(c);
         }
-        // A worker that cannot come back (here: an injected `lose` fault on the first attempt)
-        // shrinks an elastic job; a fixed-size job just restarts at the same size.
-        let lost = attempt == 0
-            && policy
-                .faults
-                .iter()
-                .any(|f| matches!(*f, Fault::Lose { rank, .. } if rank == failure.rank));
-        if lost {
-            if world > policy.min_world {
-                world -= 1;
-                eprintln!("lockstep: rank {} cannot come back; continuing elastically with {world} workers", failure.rank);
-            } else {
-                bail!("{}\nrank {} cannot come back and the job is already at its minimum of {} workers", failure.message, failure.rank, policy.min_world);
+        match next {
+            Next::Done => {
+                sup.final_world_size = place.world;
+                break Ok(());
+            }
+            Next::End { message, permanent } => {
+                break Err(if permanent {
+                    anyhow::Error::new(PermanentFailure(message))
+                } else {
+                    anyhow::anyhow!(message)
+                })
+            }
+            Next::Restart if outcome.failure.is_some() => {
+                sup.restarts += 1;
+                eprintln!(
+                    "lockstep: restart {}/{max_restarts} from the last good checkpoint",
+                    sup.restarts
+                );
+            }
+            Next::Restart => {
+                eprintln!("lockstep: regrouping from the checkpoint just written");
             }
         }
-        sup.restarts += 1;
-        eprintln!(
-            "lockstep: restart {}/{} from the last good checkpoint with {world} workers",
-            sup.restarts, policy.max_restarts
-        );
+        attempt += 1;
+    };
+    coord.finish();
+    sup.wall_seconds_total = started.elapsed().as_secs_f64();
+    ended.map(|()| sup)
+}
+
+/// The attempt after a failure or a membership change resumed from `from`: fill in the records
+/// still waiting for it, and count the steps done again.
+fn note_resume(sup: &mut Supervision, attempt: usize, from: Option<u64>) {
+    let Some(prev) = attempt.checked_sub(1) else {
+        return;
+    };
+    let from = from.unwrap_or(0);
+    let mut recomputed = None;
+    for f in sup.failures.iter_mut().filter(|f| f.attempt == prev) {
+        f.resumed_from = Some(from);
+        f.steps_recomputed = f.step.map(|s| s.saturating_sub(from));
+        recomputed = recomputed.or(f.steps_recomputed);
     }
-    unreachable!("the loop returns or fails")
+    for c in sup.membership.iter_mut().filter(|c| c.attempt == prev) {
+        c.resumed_from = Some(from);
+        c.steps_recomputed = c.step.map(|s| s.saturating_sub(from));
+        recomputed = recomputed.or(c.steps_recomputed);
+    }
+    sup.steps_recomputed += recomputed.unwrap_or(0);
 }
 
 /// Add the supervision record to the run's `summary.json` (atomically).
@@ -164,6 +294,7 @@ pub fn annotate_summary(out: &Path, sup: &Supervision) -> Result<()> {
     obj.insert("restarts".into(), sup.restarts.into());
     obj.insert("steps_recomputed".into(), sup.steps_recomputed.into());
     obj.insert("failures".into(), serde_json::to_value(&sup.failures)?);
+    obj.insert("membership".into(), serde_json::to_value(&sup.membership)?);
     obj.insert(
         "wall_seconds_including_restarts".into(),
         sup.wall_seconds_total.into(),
@@ -196,19 +327,55 @@ pub fn write_report(out: &Path, sup: &Supervision) -> Result<()> {
                 )
             })
             .collect(),
+        membership: sup
+            .membership
+            .iter()
+            .map(|c| {
+                format!(
+                    "after attempt {}: {}: {} at step {}, world {} -> {}; resumed from step {}, {} step(s) recomputed",
+                    c.attempt,
+                    c.change,
+                    c.who,
+                    c.step.map_or("?".into(), |s| s.to_string()),
+                    c.world_before,
+                    c.world_after,
+                    c.resumed_from.map_or("?".into(), |s| s.to_string()),
+                    c.steps_recomputed.map_or("?".into(), |s| s.to_string())
+                )
+            })
+            .collect(),
     };
-    let marks: Vec<lockstep_report::report::FailureMark> = sup
+    use lockstep_report::report::FailureMark;
+    // Every attempt that ended early is a mark on the timeline: by a failure, or to regroup.
+    let mut marks: Vec<FailureMark> = sup
         .failures
         .iter()
-        .map(|f| lockstep_report::report::FailureMark {
+        .map(|f| FailureMark {
             attempt: f.attempt,
-            rank: f.rank,
+            // A lost node names itself in `what`.
+            who: if f.what.starts_with("node ") {
+                String::new()
+            } else {
+                format!("rank {}", f.rank)
+            },
             world_size: f.world_size,
             what: f.what.clone(),
             step: f.step,
             resumed_from: f.resumed_from,
         })
         .collect();
+    for c in &sup.membership {
+        if !marks.iter().any(|m| m.attempt == c.attempt) {
+            marks.push(FailureMark {
+                attempt: c.attempt,
+                who: String::new(),
+                world_size: c.world_before,
+                what: format!("{}: {}", c.change, c.who),
+                step: c.step,
+                resumed_from: c.resumed_from,
+            });
+        }
+    }
     let (md, html) =
         lockstep_report::report::render_with_failures(&summary, &records, &recovery, &marks);
     lockstep_train::write_atomic(&out.join("report.md"), md.as_bytes())?;

@@ -105,6 +105,71 @@ fn elastic_job_loses_a_worker_for_good_and_finishes_on_three_with_the_same_resul
     assert_eq!(s["failures"][0]["world_size"], 4);
 }
 
+/// A worker slot given back after an elastic shrink (`kill -USR1 <launcher>`): the job regrows
+/// to MAX at the next checkpoint boundary, resuming from the checkpoint just written, and ends
+/// with the fault-free bits; both changes are on the summary's membership timeline.
+#[test]
+fn elastic_job_regrows_when_a_slot_is_given_back() {
+    use std::io::{BufRead, BufReader};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("regrow");
+    let reference = tmp.path().join("reference");
+    let sets = ["--set", "train.steps=80", "--set", "checkpoint.every=10"];
+    let mut args = vec![
+        "train",
+        "--nproc",
+        "1",
+        "--out",
+        reference.to_str().unwrap(),
+    ];
+    args.extend(sets);
+    ok(&run(&args));
+    let want = summary(&reference)["param_hash"].clone();
+    let mut args = vec!["train", "--nproc", "3:4", "--out", dir.to_str().unwrap()];
+    args.extend(sets);
+    // Slow enough that the signal lands well before the last boundary.
+    args.extend(["--inject", "lose:rank=3,step=5;slow:rank=0,factor=30"]);
+    let mut child = lockstep(&args)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn lockstep");
+    let mut log = String::new();
+    let mut signalled = false;
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if !signalled && line.contains("continuing elastically with 3 workers") {
+            let pid = child.id().to_string();
+            let sent = std::process::Command::new("kill")
+                .args(["-USR1", &pid])
+                .status();
+            assert!(sent.unwrap().success());
+            signalled = true;
+        }
+        log.push_str(&line);
+        log.push('\n');
+    }
+    assert!(child.wait().unwrap().success(), "{log}");
+    assert!(signalled, "the worker was never lost:\n{log}");
+    let s = summary(&dir);
+    assert_eq!(s["param_hash"], want, "{log}");
+    assert_eq!(s["world_size"], 4, "{log}");
+    assert_eq!(s["restarts"], 1, "a regrow is not a restart: {log}");
+    let m = s["membership"].as_array().unwrap();
+    assert_eq!(m.len(), 2, "{m:?}");
+    assert_eq!(
+        (&m[0]["change"], &m[0]["world_after"]),
+        (&"worker lost".into(), &3.into())
+    );
+    assert_eq!(m[1]["change"], "worker slot given back");
+    assert_eq!(
+        (&m[1]["world_before"], &m[1]["world_after"]),
+        (&3.into(), &4.into())
+    );
+    let resumed = m[1]["resumed_from"].as_u64().unwrap();
+    assert!(resumed.is_multiple_of(EVERY) && resumed > 0, "{m:?}");
+    assert!(m[1]["steps_recomputed"].as_u64().unwrap() < EVERY, "{m:?}");
+}
+
 #[test]
 fn a_hung_worker_is_detected_within_twice_the_timeout_and_named() {
     let tmp = tempfile::tempdir().unwrap();

@@ -22,6 +22,8 @@ pub struct Recovery {
     pub steps_recomputed: u64,
     /// One line per failure.
     pub failures: Vec<String>,
+    /// One line per membership change (node lost or joined, worker slot lost or given back).
+    pub membership: Vec<String>,
 }
 
 /// One failure as placed on the timeline (the launcher's failure record, reduced to what the plot
@@ -29,7 +31,8 @@ pub struct Recovery {
 #[derive(Debug, Clone, PartialEq)]
 pub struct FailureMark {
     pub attempt: usize,
-    pub rank: usize,
+    /// Whom it happened to: "rank 3", "node 2 (hostC)".
+    pub who: String,
     /// World size of the attempt that failed.
     pub world_size: usize,
     /// What happened, e.g. "killed by signal 9 (SIGKILL)".
@@ -605,7 +608,7 @@ fn pipeline_section(doc: &mut Doc, s: &Summary, p: &PipelineSummary) {
 /// Restarts, the failure list and (with failure marks) the timeline of attempts.
 fn failures_section(doc: &mut Doc, s: &Summary, recovery: &Recovery, failures: &[FailureMark]) {
     doc.section("failures", "Failures and recoveries");
-    if recovery.failures.is_empty() && failures.is_empty() {
+    if recovery.failures.is_empty() && recovery.membership.is_empty() && failures.is_empty() {
         doc.para("None.");
         return;
     }
@@ -614,6 +617,10 @@ fn failures_section(doc: &mut Doc, s: &Summary, recovery: &Recovery, failures: &
         recovery.restarts, recovery.steps_recomputed
     ));
     doc.list(&recovery.failures);
+    if !recovery.membership.is_empty() {
+        doc.para("Membership changes (each took effect at a restart from a checkpoint):");
+        doc.list(&recovery.membership);
+    }
     if failures.is_empty() {
         return;
     }
@@ -660,11 +667,15 @@ fn attempt_spans(s: &Summary, failures: &[FailureMark]) -> Vec<Span> {
             start: start as f64,
             end: end as f64,
             colour: PALETTE[spans.len() % 2 * 5].into(),
-            failure: Some(format!(
-                "rank {} {} at step {end}",
-                f.rank,
-                f.what.split(" (").next().unwrap_or(&f.what)
-            )),
+            failure: Some(
+                format!(
+                    "{} {} at step {end}",
+                    f.who,
+                    f.what.split(" (").next().unwrap_or(&f.what)
+                )
+                .trim_start()
+                .to_string(),
+            ),
         });
         match f.resumed_from {
             Some(from) => start = from,
@@ -791,10 +802,11 @@ mod tests {
             restarts: 1,
             steps_recomputed: 4,
             failures: vec!["attempt 0: rank 1 killed".into()],
+            membership: vec!["after attempt 0: node 1 (h1) lost, world 4 -> 2".into()],
         };
         let marks = [FailureMark {
             attempt: 0,
-            rank: 1,
+            who: "rank 1".into(),
             world_size: 2,
             what: "killed by signal 9 (SIGKILL)".into(),
             step: Some(8),
@@ -815,6 +827,8 @@ mod tests {
             "## Evaluations",
             "## Failures and recoveries",
             "attempt 0: rank 1 killed",
+            "Membership changes (each took effect at a restart from a checkpoint):",
+            "after attempt 0: node 1 (h1) lost, world 4 -> 2",
             // Evaluations of both attempts, from the records; the last equals summary.json's.
             "| 5 | 0.200000 | 0.5400 |",
             "| 10 | 0.100000 | 0.5900 |",
@@ -952,7 +966,7 @@ mod tests {
         s.world_size = 3;
         let mark = |attempt, world_size, step, from| FailureMark {
             attempt,
-            rank: 1,
+            who: "rank 1".into(),
             world_size,
             what: "killed".into(),
             step,
