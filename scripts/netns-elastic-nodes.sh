@@ -6,11 +6,14 @@
 #     worker, both changes on the summary's membership timeline.
 # (2) host C's link is cut: detected within 2 × the heartbeat timeout, the job goes on with A and
 #     B to the same bits; C's agent ends naming the store it lost.
-# (3) host A (node 0: the store, rank 0, the checkpoints) is killed: B and C end within seconds
-#     naming the store; the job is continued with --resume on B and C (B now node 0) from A's run
-#     directory (shared storage here) and ends with the same bits.
-# (4) chaos: 10 runs, each killing a random worker on any host or a whole host B or C (started
-#     again half of the time) at a random step: every run ends with the fault-free bits.
+# (3) host A (node 0: the store, rank 0, the checkpoints) is killed. With the run directory on
+#     storage every host reaches (one --out for all), the store moves to B, rank 0 with it, and the
+#     job goes on with B and C to the same bits. With a run directory per host, B (the new leader)
+#     cannot reach the checkpoints and ends the job by name; it is continued with --resume on B and
+#     C from A's run directory, to the same bits.
+# (4) chaos: 10 runs (one run directory for all hosts), each killing at a random step a random
+#     worker on any host, or a whole host — B or C, started again half of the time, or A (the
+#     store moves): every run ends with the fault-free bits.
 # Needs root. Usage: scripts/netns-elastic-nodes.sh path/to/lockstep
 set -euo pipefail
 bin="$(realpath "${1:?usage: $0 path/to/lockstep}")"
@@ -39,14 +42,15 @@ fail() { echo "elastic-nodes: FAILED: $1"; shift; for f in "$@"; do echo "--- $f
 cfg=(--set train.steps=300 --set train.microbatch=8 --set checkpoint.every=10)
 agent_args=("${cfg[@]}" --set dist.timeout_secs=20 --nproc 2 --heartbeat-timeout 3 --max-restarts 3
     --inject "slow:rank=0,factor=20")
-# start NAME PORT NODE: node NODE's agent of job NAME (--nnodes 2:3, store on A) in the background.
+# start NAME PORT NODE [OUT]: node NODE's agent of job NAME (--nnodes 2:3, store on A) in the
+# background, its run directory OUT (default: one per host, NAME-NODE).
 start() {
-    local name="$1" port="$2" node="$3"
+    local name="$1" port="$2" node="$3" out="${4:-$work/$1-$3}"
     ip netns exec "${hosts[$node]}" "$bin" train "${agent_args[@]}" --nnodes 2:3 --node-rank "$node" \
-        --rdzv "10.79.0.1:$port" --out "$work/$name-$node" >>"$work/$name-$node.log" 2>&1 &
+        --rdzv "10.79.0.1:$port" --out "$out" >>"$work/$name-$node.log" 2>&1 &
     pid[$node]=$!
 }
-start_all() { declare -g -a pid=(); for n in 0 1 2; do start "$1" "$2" "$n"; done; }
+start_all() { declare -g -a pid=(); for n in 0 1 2; do start "$1" "$2" "$n" ${3:+"$3"}; done; }
 # wait_step NAME N: until rank 0 has reported step N (or 60 s).
 wait_step() {
     for _ in $(seq 1200); do
@@ -56,7 +60,8 @@ wait_step() {
     done
     fail "job $1 never reached step $2" "$work/$1-0.log"
 }
-kill_host() { pkill -9 -f -- "--out $work/$1-$2" || true; }
+# kill_host NODE: every process on that host (its agent, workers and — node 0 — the store).
+kill_host() { local p; p=$(ip netns pids "${hosts[$1]}"); [[ -z "$p" ]] || kill -9 $p 2>/dev/null || true; }
 "$bin" train --nproc 1 --out "$work/one" "${cfg[@]}" >"$work/one.log" 2>&1 || fail "reference run" "$work/one.log"
 want="$(hash_of "$work/one/summary.json")"
 echo "elastic-nodes: fault-free one worker: $want"
@@ -64,7 +69,7 @@ echo "elastic-nodes: fault-free one worker: $want"
 # (1) Lose host C, then start its agent again.
 start_all rejoin 29701
 wait_step rejoin 40
-kill_host rejoin 2
+kill_host 2
 t0=$(now)
 for _ in $(seq 300); do grep -q "node lost: node 2" "$work/rejoin-0.log" && break; sleep 0.05; done
 took=$(since "$t0")
@@ -104,17 +109,35 @@ grep -Eq "store at 10\.79\.0\.1:29702 \(node 0 \([^)]*\)\) does not answer" "$wo
 echo "elastic-nodes: ok: a cut host is dropped within 2 × the heartbeat timeout, same bits; it names what it lost"
 passed=$((passed + 1))
 
-# (3) Lose node 0 (host A), then continue from its run directory on B and C.
+# (3a) Lose node 0 (host A) with one run directory for all hosts: the store moves to B.
+start_all moved 29705 "$work/moved"
+wait_step moved 40
+kill_host 0
+s1=0; s2=0
+wait "${pid[1]}" || s1=$?; wait "${pid[2]}" || s2=$?
+[[ $s1$s2 == 00 ]] || fail "B and C should go on without node 0 (got $s1 $s2)" "$work/moved-1.log" "$work/moved-2.log"
+got="$(hash_of "$work/moved/summary.json")"
+changes="$(field "$work/moved/summary.json" '[(c["change"], c["who"].split(" ")[1], c["world_before"], c["world_after"]) for c in s["membership"]]')"
+echo "elastic-nodes: lost node 0 with a shared run directory: $changes; $got"
+grep -q "the store moves to node 1" "$work/moved-2.log" || fail "host C did not follow the store to B" "$work/moved-2.log"
+[[ "$changes" == "[('node lost', '0', 6, 4)]" ]] || fail "membership timeline" "$work/moved-1.log"
+[[ "$got" == "$want" ]] || fail "param_hash after the store moved differs from one worker" "$work/moved-1.log"
+echo "elastic-nodes: ok: node 0 lost, the store and rank 0 moved to B, the job went on to the same bits"
+passed=$((passed + 1))
+
+# (3b) Lose node 0 with a run directory per host: B cannot reach the checkpoints and ends the job
+#      by name; continued with --resume from A's run directory on B and C.
 start_all n0 29703
 wait_step n0 40
-kill_host n0 0
+kill_host 0
 t0=$(now)
 s1=0; s2=0
 wait "${pid[1]}" || s1=$?; wait "${pid[2]}" || s2=$?
 took=$(since "$t0")
 [[ $s1 != 0 && $s2 != 0 ]] || fail "B and C should end without node 0 (got $s1 $s2)" "$work/n0-1.log" "$work/n0-2.log"
 grep -q "store at 10.79.0.1:29703 (node 0" "$work/n0-1.log" || fail "host B does not name node 0's store" "$work/n0-1.log"
-python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) <= 12 else 1)" "$took" || fail "B and C took ${took}s to end" "$work/n0-1.log"
+grep -q "rank 0 had written the checkpoint of step .*continue with --resume on node 0's run directory" "$work/n0-1.log" || fail "host B does not say why the job cannot go on" "$work/n0-1.log"
+python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) <= 20 else 1)" "$took" || fail "B and C took ${took}s to end" "$work/n0-1.log"
 for n in 1 2; do
     ip netns exec "${hosts[$n]}" "$bin" train "${agent_args[@]}" --nnodes 2 --node-rank $((n - 1)) \
         --rdzv "10.79.0.2:29704" --resume "$work/n0-0" >"$work/n0-resume-$n.log" 2>&1 &
@@ -124,7 +147,7 @@ s1=0; s2=0
 wait "${pid[1]}" || s1=$?; wait "${pid[2]}" || s2=$?
 [[ $s1$s2 == 00 ]] || fail "the resumed job failed ($s1 $s2)" "$work/n0-resume-1.log" "$work/n0-resume-2.log"
 got="$(hash_of "$work/n0-0/summary.json")"
-echo "elastic-nodes: lost node 0: B and C ended after ${took}s naming its store; resumed on B+C: $got"
+echo "elastic-nodes: lost node 0 (run directory per host): B and C ended after ${took}s naming its store and the checkpoints out of reach; resumed on B+C: $got"
 [[ "$got" == "$want" ]] || fail "param_hash after resuming differs from one worker" "$work/n0-resume-1.log"
 echo "elastic-nodes: ok: losing node 0 ends the job by name; --resume from its checkpoints on the survivors gives the same bits"
 passed=$((passed + 1))
@@ -132,32 +155,45 @@ passed=$((passed + 1))
 # (4) Chaos.
 for run in $(seq 10); do
     name="chaos$run"
-    start_all "$name" $((29710 + run))
+    start_all "$name" $((29710 + run)) "$work/$name"
     step=$(( 20 + RANDOM % 200 ))
     wait_step "$name" "$step"
     if (( RANDOM % 2 )); then
         host=$(( RANDOM % 3 ))
-        victims=($(pgrep -f -- "worker train .*--out $work/$name-$host" || true))
+        victims=($(for p in $(ip netns pids "${hosts[$host]}"); do grep -qa "^worker" <(tr '\0' '\n' </proc/$p/cmdline | sed -n 2p) && echo "$p"; done 2>/dev/null || true))
         (( ${#victims[@]} )) || fail "no worker on host $host of $name" "$work/$name-0.log"
         victim=${victims[$(( RANDOM % ${#victims[@]} ))]}
         what="worker pid $victim on host $host"
         kill -9 "$victim" || true
         rejoin=0
     else
-        host=$(( 1 + RANDOM % 2 ))
+        host=$(( RANDOM % 3 ))
         what="whole host $host"
-        kill_host "$name" "$host"
-        rejoin=$(( RANDOM % 2 ))
-        if (( rejoin )); then sleep 2; start "$name" $((29710 + run)) "$host"; what="$what, started again"; fi
+        kill_host "$host"
+        # Node 0 does not rejoin: its store has moved.
+        rejoin=$(( host > 0 ? RANDOM % 2 : 0 ))
+        if (( rejoin )); then sleep 2; start "$name" $((29710 + run)) "$host" "$work/$name"; what="$what, started again"; fi
     fi
-    s0=0
-    wait "${pid[0]}" || s0=$?
-    for n in 1 2; do wait "${pid[$n]}" 2>/dev/null || true; done
-    [[ $s0 == 0 ]] || fail "chaos run $run ($what at step $step): node 0 failed" "$work/$name-0.log" "$work/$name-1.log" "$work/$name-2.log"
-    got="$(hash_of "$work/$name-0/summary.json")"
-    world="$(field "$work/$name-0/summary.json" 's["world_size"]')"
+    # Every node that was not killed (or was started again) ends well; the run directory is one.
+    bad=""
+    for n in 0 1 2; do
+        st=0; wait "${pid[$n]}" 2>/dev/null || st=$?
+        [[ $st == 0 || ( $what == "whole host $n" ) ]] || bad="$bad node $n: $st"
+    done
+    [[ -z "$bad" ]] || fail "chaos run $run ($what at step $step):$bad" "$work/$name-0.log" "$work/$name-1.log" "$work/$name-2.log"
+    got="$(hash_of "$work/$name/summary.json")"
+    world="$(field "$work/$name/summary.json" 's["world_size"]')"
     echo "elastic-nodes: chaos $run: killed $what at step $step -> world $world, $got"
     [[ "$got" == "$want" ]] || fail "chaos run $run: param_hash differs" "$work/$name-0.log"
+    # The world it ends with: whole again after a worker was killed, without the host after a
+    # host was lost, and whole again after a host rejoined — unless the job ended before the
+    # rejoined agent could be admitted, which that agent then says.
+    expect=6
+    [[ $what == "whole host $host" ]] && expect=4
+    if [[ $what == *"started again" && $world == 4 ]]; then
+        grep -q "the job ended before node $host was admitted" "$work/$name-$host.log" && expect=4
+    fi
+    [[ "$world" == "$expect" ]] || fail "chaos run $run ($what): world $world, want $expect" "$work/$name-0.log" "$work/$name-$host.log"
 done
 echo "elastic-nodes: ok: 10 chaos runs all ended with the fault-free bits"
 passed=$((passed + 1))

@@ -29,11 +29,16 @@
 //!    with the next members (lost ones dropped, joiners admitted via `admit/{node}/{c}`), which
 //!    every agent follows. An agent left out of the next members ends, naming why.
 //! 4. A late agent waits for its admission (or `agents/done`) and starts at that attempt.
+//! 5. Node 0 lost: its agent served the store, so every other agent's connection breaks. The
+//!    *leader* moves to the lowest-numbered surviving member, which serves a new store at its own
+//!    address (same port); the others reconnect there and register again, and the new leader
+//!    rules on the attempt: restart without node 0 — rank 0 moves with the leader — if a majority
+//!    of the attempt's nodes reached it (else it could be the one cut off, and two jobs must never
+//!    write one run) and the checkpoint rank 0 last wrote (the leader publishes rank 0's progress
+//!    in `g{a}/progress`) is reachable from it (a shared `--out` or `checkpoint.dir`); otherwise
+//!    the job ends by name, to be continued with `--resume` (see README, "Several hosts").
 //!
-//! Every wait has a deadline or ends with the store, and names what it waited for. Node 0 hosts
-//! the store and rank 0 (which alone writes checkpoints): if node 0 is lost, the other agents
-//! lose their store connection and end naming it; the job is continued with `--resume` from
-//! node 0's run directory (see docs/fault-tolerance.md).
+//! Every wait has a deadline or ends with the store, and names what it waited for.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -64,6 +69,8 @@ const WATCH_EVERY: Duration = Duration::from_millis(100);
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 struct Registration {
     host: String,
+    /// The agent's address on its route to the store.
+    ip: String,
     nproc: usize,
     max_restarts: usize,
     min_nodes: usize,
@@ -104,6 +111,8 @@ struct Member {
     node: usize,
     incarnation: i64,
     host: String,
+    /// Its address on the route to the store: where it serves the store if it becomes leader.
+    ip: String,
 }
 
 fn heartbeat_key(node: usize, incarnation: i64) -> String {
@@ -151,8 +160,10 @@ struct Decision {
 struct Watched {
     /// Members whose heartbeat stopped.
     silent: Vec<usize>,
-    /// Node 0: agents waiting to join whose heartbeat moves and whose settings agree.
+    /// The leader: agents waiting to join whose heartbeat moves and whose settings agree.
     joiners: Vec<Member>,
+    /// The last step rank 0 had completed, as the leader last published it.
+    last_step: u64,
 }
 
 struct Watcher {
@@ -197,6 +208,8 @@ pub struct AgentSettings {
     pub join_timeout: Duration,
     /// Where membership may change without recomputing steps.
     pub boundary: Boundary,
+    /// Where rank 0 finds checkpoints on this node: a new leader (node 0 lost) must reach them.
+    pub checkpoint_dir: std::path::PathBuf,
 }
 
 /// This node's agent.
@@ -209,8 +222,13 @@ pub struct NodeAgent {
     /// The current attempt's members (node 0: also the next one's, once decided).
     members: Vec<Member>,
     first_attempt: usize,
-    /// Node 0: restarts made so far (the policy's count).
+    /// Restarts made so far (the policy's count; the leader applies it).
     restarts: usize,
+    /// The node that serves the store and runs rank 0: node 0, until it is lost and the store
+    /// moves to the lowest-numbered survivor.
+    leader: usize,
+    /// The store this agent serves since it became leader (node 0's is `lockstep train`'s).
+    server: Option<lockstep_comm::store::StoreServer>,
     heartbeat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
     watcher: Option<Watcher>,
 }
@@ -241,6 +259,7 @@ impl NodeAgent {
         let mut client = store.connect(s.join_timeout)?;
         let registration = Registration {
             host: crate::worker::hostname(),
+            ip: client.local_ip()?.to_string(),
             nproc: s.nproc,
             max_restarts: s.max_restarts,
             min_nodes: s.min_nodes,
@@ -255,6 +274,7 @@ impl NodeAgent {
             node: s.node,
             incarnation,
             host: registration.host.clone(),
+            ip: registration.ip.clone(),
         };
         let mut agent = NodeAgent {
             s,
@@ -265,6 +285,8 @@ impl NodeAgent {
             members: Vec::new(),
             first_attempt: 0,
             restarts: 0,
+            leader: 0,
+            server: None,
             heartbeat: None,
             watcher: None,
         };
@@ -344,6 +366,7 @@ impl NodeAgent {
                 node: n,
                 incarnation: c,
                 host: r.host,
+                ip: r.ip,
             });
         }
         if verdict == "ok" {
@@ -417,7 +440,7 @@ impl NodeAgent {
             "node agent {}: the job's store at {} ({}) does not answer",
             self.me.node,
             self.store.addr,
-            self.describe_node(0)
+            self.describe_node(self.leader)
         )
     }
 
@@ -451,6 +474,13 @@ impl NodeAgent {
         Ok(())
     }
 
+    fn stop_heartbeat(&mut self) {
+        if let Some((stop, handle)) = self.heartbeat.take() {
+            stop.store(true, Ordering::SeqCst);
+            let _ = handle.join();
+        }
+    }
+
     fn stop_watching(&mut self) -> Watched {
         let Some(w) = self.watcher.take() else {
             return Watched::default();
@@ -463,9 +493,30 @@ impl NodeAgent {
         members.len() * self.s.nproc
     }
 
-    /// After this node's workers of `attempt` ended: report, and follow node 0's decision.
+    /// After this node's workers of `attempt` ended: report, and follow the leader's decision —
+    /// or, when the leader and with it the store are gone, move the store.
     fn settle_attempt(&mut self, a: usize, local: Outcome) -> Result<Ruling> {
         let watched = self.stop_watching();
+        let seen_step = watched.last_step;
+        let decision = match self.report_and_decide(a, &local, watched) {
+            Ok(d) => d,
+            // Only a broken connection means the store's host is gone (a slow answer does not).
+            Err(_) if !self.is_leader() && self.client.is_broken() => {
+                eprintln!("lockstep: {}", self.store_lost());
+                self.move_store(a, seen_step)?
+            }
+            Err(e) => return Err(e),
+        };
+        self.follow(decision, local)
+    }
+
+    /// Post this node's end report; the leader decides and publishes; everyone reads the decision.
+    fn report_and_decide(
+        &mut self,
+        a: usize,
+        local: &Outcome,
+        watched: Watched,
+    ) -> Result<Decision> {
         let failure = local.failure.as_ref().map(|f| Failure {
             node: self.me.node,
             rank: f.rank,
@@ -491,24 +542,9 @@ impl NodeAgent {
                 &serde_json::to_vec(&mine)?,
             )
             .with_context(|| self.store_lost())?;
-        if self.me.node == 0 {
+        if self.is_leader() {
             let decision = self.decide(a, mine, watched)?;
-            if decision.next == Next::Restart {
-                self.client.set(
-                    &format!("g{}/members", a + 1),
-                    &serde_json::to_vec(&decision.members)?,
-                )?;
-                for m in &decision.members {
-                    if !self.members.iter().any(|x| x == m) {
-                        self.client.set(
-                            &format!("admit/{}/{}", m.node, m.incarnation),
-                            (a + 1).to_string().as_bytes(),
-                        )?;
-                    }
-                }
-            }
-            self.client
-                .set(&format!("g{a}/decision"), &serde_json::to_vec(&decision)?)?;
+            self.publish(a, &decision)?;
         }
         let raw = self
             .client
@@ -516,17 +552,46 @@ impl NodeAgent {
             .with_context(|| {
                 format!(
                     "waiting for {}'s decision on attempt {a}",
-                    self.describe_node(0)
+                    self.describe_node(self.leader)
                 )
             })?;
-        let decision: Decision =
-            serde_json::from_slice(&raw).context("store key decision: not a decision")?;
+        serde_json::from_slice(&raw).context("store key decision: not a decision")
+    }
+
+    /// The leader: make a decision on attempt `a` known (with the next attempt's members and the
+    /// admissions of nodes that join).
+    fn publish(&mut self, a: usize, decision: &Decision) -> Result<()> {
+        if decision.next == Next::Restart {
+            self.client.set(
+                &format!("g{}/members", a + 1),
+                &serde_json::to_vec(&decision.members)?,
+            )?;
+            for m in &decision.members {
+                if !self.members.iter().any(|x| x == m) {
+                    self.client.set(
+                        &format!("admit/{}/{}", m.node, m.incarnation),
+                        (a + 1).to_string().as_bytes(),
+                    )?;
+                }
+            }
+        }
+        self.client
+            .set(&format!("g{a}/decision"), &serde_json::to_vec(decision)?)?;
+        Ok(())
+    }
+
+    /// Every agent: the decision as this node's ruling.
+    fn follow(&mut self, decision: Decision, local: Outcome) -> Result<Ruling> {
         if decision.next == Next::Restart && !decision.members.contains(&self.me) {
             bail!(
-                "{} was dropped from the job by node 0 (its heartbeat was not seen for {:.1}s); start its agent again to rejoin",
+                "{} was dropped from the job by {} (its heartbeat was not seen for {:.1}s); start its agent again to rejoin",
                 self.describe_node(self.me.node),
+                self.describe_node(self.leader),
                 self.s.heartbeat_timeout.as_secs_f64()
             );
+        }
+        if decision.next == Next::Restart && decision.failure.is_some() {
+            self.restarts += 1;
         }
         let mut out = local;
         out.last_step = decision.last_step;
@@ -535,7 +600,7 @@ impl NodeAgent {
         out.failure = decision.failure.map(|f| WorkerFailure {
             rank: f.rank,
             // A lost node is named in the message already.
-            message: if f.node == self.me.node || f.what.contains("lost (no heartbeat)") {
+            message: if f.node == self.me.node || f.what.contains(" lost (") {
                 f.message
             } else {
                 format!("on {}: {}", self.describe_node(f.node), f.message)
@@ -551,6 +616,200 @@ impl NodeAgent {
         })
     }
 
+    fn is_leader(&self) -> bool {
+        self.leader == self.me.node
+    }
+
+    /// This node's agent registers (again) in the store it is connected to: a new incarnation,
+    /// heartbeating.
+    fn register(&mut self) -> Result<()> {
+        let c = self.client.add(&format!("join/{}", self.me.node), 1)?;
+        self.client.set(
+            &format!("agent/{}/{c}", self.me.node),
+            &serde_json::to_vec(&self.registration)?,
+        )?;
+        self.me.incarnation = c;
+        self.stop_heartbeat();
+        self.start_heartbeat()
+    }
+
+    /// The leader (node 0 at first) was lost during attempt `a`, and with it the store: the
+    /// lowest-numbered surviving member serves a new store at its own address (same port) and
+    /// rules on the attempt; the others reconnect there and follow. Rank 0 moves with the
+    /// leader, so its checkpoints must be reachable from there (the same `--out` or
+    /// `checkpoint.dir` on shared storage): if the newest checkpoint rank 0 had reported
+    /// (`seen_step`) is not, the new leader ends the job by name instead.
+    fn move_store(&mut self, a: usize, seen_step: u64) -> Result<Decision> {
+        let old = self.leader;
+        let lost = self.describe_node(old);
+        let Some(next) = self.members.iter().find(|m| m.node != old).cloned() else {
+            bail!("{lost} was lost and no other node is left to serve the job's store");
+        };
+        let ip: std::net::IpAddr = next
+            .ip
+            .parse()
+            .with_context(|| format!("{}'s address {}", self.describe_node(next.node), next.ip))?;
+        let addr = SocketAddr::new(ip, self.store.addr.port());
+        eprintln!(
+            "lockstep: {lost} (the store's host) is lost; the store moves to {} at {addr}",
+            self.describe_node(next.node)
+        );
+        self.leader = next.node;
+        self.store.addr = addr;
+        if next.node != self.me.node {
+            self.client = self
+                .store
+                .connect(self.report_deadline())
+                .with_context(|| {
+                    format!(
+                        "reaching the job's store, moved to {} at {addr}",
+                        self.describe_node(next.node)
+                    )
+                })?;
+            self.register()?;
+            let raw = self
+                .client
+                .get(&format!("g{a}/decision"), self.report_deadline())
+                .with_context(|| {
+                    format!(
+                        "waiting for {}'s decision on attempt {a}",
+                        self.describe_node(next.node)
+                    )
+                })?;
+            return serde_json::from_slice(&raw).context("store key decision: not a decision");
+        }
+        let server = lockstep_comm::store::StoreServer::bind(
+            addr,
+            &self.store.secret,
+            &self.store.job_id,
+        )
+        .with_context(|| format!("serving the job's store on {addr} after {lost} was lost"))?;
+        self.server = Some(server);
+        self.client = self.store.connect(self.report_deadline())?;
+        self.register()?;
+        // The other survivors re-register here; those that do not within the deadline are lost.
+        let deadline = Instant::now() + self.report_deadline();
+        let survivors: Vec<usize> = self
+            .members
+            .iter()
+            .map(|m| m.node)
+            .filter(|&n| n != old)
+            .collect();
+        let mut present: Vec<Member> = vec![self.me.clone()];
+        while Instant::now() < deadline && present.len() < survivors.len() {
+            for &n in &survivors {
+                if present.iter().any(|m| m.node == n) {
+                    continue;
+                }
+                let c = self.client.add(&format!("join/{n}"), 0)?;
+                if c > 0 {
+                    let r = self.registration_of(n, c)?;
+                    present.push(Member {
+                        node: n,
+                        incarnation: c,
+                        host: r.host,
+                        ip: r.ip,
+                    });
+                }
+            }
+            std::thread::sleep(WATCH_EVERY);
+        }
+        present.sort_by_key(|m| m.node);
+        let gone: Vec<usize> = survivors
+            .iter()
+            .copied()
+            .filter(|n| !present.iter().any(|m| m.node == *n))
+            .collect();
+        let every = self.s.boundary.checkpoint_every;
+        let expected = seen_step.checked_div(every).map_or(0, |q| q * every);
+        let newest = lockstep_train::checkpoint::list(&self.s.checkpoint_dir)
+            .ok()
+            .and_then(|l| l.iter().map(|(step, _)| *step).max())
+            .unwrap_or(0);
+        let failure = Failure {
+            node: old,
+            rank: 0,
+            what: format!("{lost} lost (the store's host)"),
+            message: format!(
+                "{lost} lost: its agent, which served the job's store, stopped answering"
+            ),
+            permanent: false,
+            detection_seconds: 0.0,
+        };
+        let as_worker = WorkerFailure {
+            rank: 0,
+            what: failure.what.clone(),
+            message: failure.message.clone(),
+            permanent: false,
+            detection_seconds: 0.0,
+        };
+        let policy = RestartPolicy {
+            max_restarts: self.s.max_restarts,
+        };
+        let mut next_step = rule(policy, self.restarts, Some(&as_worker), false);
+        if next_step == Next::Restart && present.len() * 2 <= self.members.len() {
+            // Fewer than a majority of the attempt's nodes reached the new store: this node
+            // cannot tell the leader's loss from its own cut-off, and two jobs must never
+            // write one run.
+            next_step = Next::End {
+                message: format!(
+                    "{lost} does not answer, and only {} of the attempt's {} nodes reached the store moved to {}: without a majority this cannot be told from a cut-off of this node — continue with --resume on node 0's run directory",
+                    present.len(),
+                    self.members.len(),
+                    self.describe_node(self.me.node)
+                ),
+                permanent: false,
+            };
+        } else if next_step == Next::Restart && present.len() < self.s.min_nodes {
+            next_step = Next::End {
+                message: format!(
+                    "{lost} lost; {} node(s) remain, below the minimum of {} (--nnodes) — continue with --resume on node 0's run directory",
+                    present.len(),
+                    self.s.min_nodes
+                ),
+                permanent: false,
+            };
+        } else if next_step == Next::Restart && newest < expected {
+            next_step = Next::End {
+                message: format!(
+                    "{lost} lost; rank 0 had written the checkpoint of step {expected}, but the newest {} reaches in {} is of step {newest}: the job cannot go on here — continue with --resume on node 0's run directory (put --out or checkpoint.dir on storage every node reaches to let the job go on by itself)",
+                    self.describe_node(self.me.node),
+                    self.s.checkpoint_dir.display()
+                ),
+                permanent: false,
+            };
+        }
+        let before = self.world(&self.members);
+        let mut changes = vec![self.change(
+            a,
+            "node lost",
+            old,
+            before,
+            self.world(&present),
+            Some(seen_step),
+        )];
+        for n in gone {
+            changes.push(self.change(
+                a,
+                "node lost",
+                n,
+                before,
+                self.world(&present),
+                Some(seen_step),
+            ));
+        }
+        let decision = Decision {
+            failure: Some(failure),
+            next: next_step,
+            members: present,
+            changes,
+            last_step: Some(seen_step),
+            resumed_from: None,
+        };
+        self.publish(a, &decision)?;
+        Ok(decision)
+    }
+
     /// How long node 0 waits for the other agents' reports: their workers are being stopped
     /// (SIGTERM, then SIGKILL after 3 s) once a failure is posted.
     fn report_deadline(&self) -> Duration {
@@ -561,7 +820,8 @@ impl NodeAgent {
     fn decide(&mut self, a: usize, mine: EndReport, watched: Watched) -> Result<Decision> {
         let deadline = Instant::now() + self.report_deadline();
         let members = self.members.clone();
-        let mut reports: HashMap<usize, EndReport> = HashMap::from([(0, mine)]);
+        let leader = self.leader;
+        let mut reports: HashMap<usize, EndReport> = HashMap::from([(leader, mine)]);
         let mut beats = Beats::new(self.s.heartbeat_timeout);
         let mut lost: Vec<usize> = watched.silent;
         loop {
@@ -576,7 +836,7 @@ impl NodeAgent {
                     reports.insert(m.node, r);
                 }
             }
-            for m in members.iter().filter(|m| m.node != 0) {
+            for m in members.iter().filter(|m| m.node != leader) {
                 if !reports.contains_key(&m.node)
                     && !lost.contains(&m.node)
                     && beats.silent(&mut self.client, &heartbeat_key(m.node, m.incarnation))
@@ -604,8 +864,8 @@ impl NodeAgent {
         }
         lost.sort_unstable();
         lost.dedup();
-        let node0 = &reports[&0];
-        let (last_step, resumed_from) = (node0.last_step, node0.resumed_from);
+        let ours = &reports[&leader];
+        let (last_step, resumed_from) = (ours.last_step, ours.resumed_from);
         let failures: Vec<Failure> = members
             .iter()
             .filter_map(|m| reports.get(&m.node)?.failure.clone())
@@ -680,9 +940,6 @@ impl NodeAgent {
                     permanent: false,
                 };
             } else {
-                if root.is_some() {
-                    self.restarts += 1;
-                }
                 for &n in &lost {
                     let after: Vec<Member> = members
                         .iter()
@@ -765,7 +1022,7 @@ impl Coordinator for NodeAgent {
             .with_context(|| {
                 format!(
                     "waiting for {}'s members of attempt {attempt}",
-                    self.describe_node(0)
+                    self.describe_node(self.leader)
                 )
             })?;
         self.members = serde_json::from_slice(&raw)
@@ -780,6 +1037,7 @@ impl Coordinator for NodeAgent {
             first_rank: i * self.s.nproc,
             nproc: self.s.nproc,
             world: self.world(&self.members),
+            store: Some(self.store.addr.to_string()),
         })
     }
 
@@ -794,14 +1052,16 @@ impl Coordinator for NodeAgent {
             me: self.me.node,
             members: self.members.clone(),
             beats: Beats::new(self.s.heartbeat_timeout),
-            admit: (self.me.node == 0).then(|| Admission {
+            admit: self.is_leader().then(|| Admission {
                 base: self.registration.clone(),
                 max_nodes: self.s.max_nodes,
                 boundary: self.s.boundary,
-                progress,
+                waiting_since: None,
                 regroup_posted: false,
             }),
             joiners: Vec::new(),
+            progress,
+            last_step: 0,
         };
         let (flag, finished) = (stop.clone(), done.clone());
         let handle = std::thread::spawn(move || watch.run(&flag, &finished));
@@ -813,9 +1073,13 @@ impl Coordinator for NodeAgent {
         self.settle_attempt(attempt, local)
     }
 
+    fn runs_rank0(&self) -> bool {
+        self.is_leader()
+    }
+
     fn finish(&mut self) {
         self.stop_watching();
-        if self.me.node == 0 {
+        if self.is_leader() {
             // Agents still waiting to be admitted end quietly rather than at the store's close:
             // they look every 2 × WATCH_EVERY, so the store stays up a little longer than that.
             if self.client.set("agents/done", b"1").is_ok() {
@@ -828,10 +1092,7 @@ impl Coordinator for NodeAgent {
 impl Drop for NodeAgent {
     fn drop(&mut self) {
         self.stop_watching();
-        if let Some((stop, handle)) = self.heartbeat.take() {
-            stop.store(true, Ordering::SeqCst);
-            let _ = handle.join();
-        }
+        self.stop_heartbeat();
     }
 }
 
@@ -840,7 +1101,11 @@ struct Admission {
     base: Registration,
     max_nodes: usize,
     boundary: Boundary,
-    progress: Arc<AtomicU64>,
+    /// The step rank 0 had completed when new nodes were first seen waiting: they are admitted
+    /// at the first checkpoint boundary reached from there. (The watcher polls every
+    /// `WATCH_EVERY`, so it may not see the boundary step itself; a boundary passed since counts,
+    /// and the few steps after it are recomputed.)
+    waiting_since: Option<u64>,
     regroup_posted: bool,
 }
 
@@ -853,6 +1118,10 @@ struct AttemptWatch {
     beats: Beats,
     admit: Option<Admission>,
     joiners: Vec<Member>,
+    /// Rank 0's completed steps: published by the leader (`g{a}/progress`), read by the others,
+    /// so that a new leader knows which checkpoint it must reach if the store moves.
+    progress: Arc<AtomicU64>,
+    last_step: u64,
 }
 
 impl AttemptWatch {
@@ -882,6 +1151,7 @@ impl AttemptWatch {
                 }
             }
             if !stop && silent.is_empty() {
+                self.share_progress();
                 self.look_for_joiners();
             }
             if stop || !silent.is_empty() {
@@ -892,6 +1162,22 @@ impl AttemptWatch {
         Watched {
             silent,
             joiners: self.joiners,
+            last_step: self.last_step,
+        }
+    }
+
+    /// The leader publishes rank 0's progress; the others keep the last value they read.
+    fn share_progress(&mut self) {
+        let key = format!("g{}/progress", self.attempt);
+        if self.admit.is_some() {
+            let step = self.progress.load(Ordering::SeqCst);
+            if step != self.last_step && self.c.set(&key, step.to_string().as_bytes()).is_ok() {
+                self.last_step = step;
+            }
+        } else if let Ok(Some(raw)) = self.c.try_get(&key) {
+            if let Ok(step) = String::from_utf8_lossy(&raw).parse() {
+                self.last_step = step;
+            }
         }
     }
 
@@ -925,6 +1211,7 @@ impl AttemptWatch {
                     node: n,
                     incarnation: c,
                     host: r.host,
+                    ip: r.ip,
                 }),
                 // It refuses itself, naming the difference.
                 _ => {}
@@ -935,8 +1222,13 @@ impl AttemptWatch {
             .joiners
             .iter()
             .any(|j| !self.members.iter().any(|m| m.node == j.node));
-        if new_nodes && !adm.regroup_posted && adm.boundary.at(adm.progress.load(Ordering::SeqCst))
-        {
+        let step = self.progress.load(Ordering::SeqCst);
+        if !new_nodes {
+            adm.waiting_since = None;
+            return;
+        }
+        let since = *adm.waiting_since.get_or_insert(step);
+        if !adm.regroup_posted && adm.boundary.reached_since(since, step) {
             let names: Vec<String> = self
                 .joiners
                 .iter()

@@ -100,6 +100,7 @@ impl Coordinator for LocalCoordinator {
             first_rank: 0,
             nproc: self.world,
             world: self.world,
+            store: None,
         })
     }
 
@@ -115,10 +116,16 @@ impl Coordinator for LocalCoordinator {
             let (flag, finished, regrow) = (stop.clone(), done.clone(), self.regrow.clone());
             let (taken, boundary) = (self.slots_taken, self.boundary);
             let handle = std::thread::spawn(move || {
+                // The step when a slot was first seen given back: it regrows at the first
+                // boundary from there (a poll can miss the boundary step itself).
+                let mut since = None;
                 while !finished.load(Ordering::SeqCst) {
                     std::thread::sleep(WATCH_EVERY);
-                    let waiting = SLOTS_GIVEN_BACK.load(Ordering::SeqCst) > taken;
-                    if waiting && boundary.at(progress.load(Ordering::SeqCst)) {
+                    let step = progress.load(Ordering::SeqCst);
+                    if SLOTS_GIVEN_BACK.load(Ordering::SeqCst) <= taken {
+                        continue;
+                    }
+                    if boundary.reached_since(*since.get_or_insert(step), step) {
                         regrow.store(true, Ordering::SeqCst);
                         flag.store(true, Ordering::SeqCst);
                         return;
@@ -289,5 +296,12 @@ mod tests {
             total_steps: 30,
         };
         assert!(!(0..=30).any(|s| none.at(s)));
+        // A poll that missed step 10 still regroups at 13; none after the last boundary.
+        assert!(b.reached_since(7, 13));
+        assert!(b.reached_since(10, 10));
+        assert!(!b.reached_since(11, 19));
+        assert!(b.reached_since(11, 21));
+        assert!(!b.reached_since(21, 30));
+        assert!(!none.reached_since(5, 25));
     }
 }

@@ -605,6 +605,7 @@ fn launch_spec(
         first_rank: 0,
         nproc,
         world: nproc,
+        store: None,
     };
     let spec = attempt_spec(&store, place, env, worker_args, 0)?;
     Ok((spec, store.server))

@@ -75,11 +75,13 @@ pub struct RestartPolicy {
 
 /// Where this node's workers sit in one attempt: ranks `first_rank .. first_rank + nproc` of
 /// `world`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
     pub first_rank: usize,
     pub nproc: usize,
     pub world: usize,
+    /// The store the workers meet at, when the coordinator says (it moves if node 0 is lost).
+    pub store: Option<String>,
 }
 
 /// What follows an attempt.
@@ -114,6 +116,10 @@ pub trait Coordinator {
     fn watch(&mut self, attempt: usize, progress: Arc<AtomicU64>) -> Result<Arc<AtomicBool>>;
     /// After this node's workers of `attempt` ended.
     fn settle(&mut self, attempt: usize, local: Outcome) -> Result<Ruling>;
+    /// Does this node run rank 0 (and so write the run's outputs) at the end?
+    fn runs_rank0(&self) -> bool {
+        true
+    }
     /// The job is over (done or given up), whatever this node's part in it.
     fn finish(&mut self) {}
 }
@@ -132,6 +138,17 @@ impl Boundary {
             && step > 0
             && step.is_multiple_of(self.checkpoint_every)
             && step < self.total_steps
+    }
+
+    /// Whether a boundary lies in `(since, step]` or `step` is one: a poll that missed the
+    /// boundary step itself still regroups soon after it (recomputing the steps past it).
+    pub fn reached_since(&self, since: u64, step: u64) -> bool {
+        if self.at(step) {
+            return true;
+        }
+        let crossed = |e| step / e > since / e;
+        step < self.total_steps
+            && std::num::NonZeroU64::new(self.checkpoint_every).is_some_and(|e| crossed(e.get()))
     }
 }
 
@@ -196,7 +213,7 @@ pub fn run(
     let mut attempt = coord.first_attempt();
     let ended = loop {
         let place = coord.placement(attempt)?;
-        let mut spec = make_spec(attempt, place)?;
+        let mut spec = make_spec(attempt, place.clone())?;
         let progress = Arc::new(AtomicU64::new(0));
         spec.progress = Some(progress.clone());
         spec.stop = Some(coord.watch(attempt, progress)?);

@@ -94,8 +94,6 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
 
     std::fs::create_dir_all(&out)
         .with_context(|| format!("creating run directory {}", out.display()))?;
-    let resolved = out.join("config.toml");
-    lockstep_train::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
     let several = max_nodes > 1;
     if several && min_world != max_world {
         return Err(request::BadRequest(format!(
@@ -135,6 +133,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
                 heartbeat_timeout: Duration::from_secs_f64(a.nodes.heartbeat_timeout),
                 join_timeout: agent::JOIN_TIMEOUT,
                 boundary,
+                checkpoint_dir: lockstep_train::checkpoint_dir(&cfg, &out),
             };
             match agent::NodeAgent::join(
                 resolve_rdzv(&st.store)?,
@@ -159,6 +158,11 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             boundary,
         )),
     };
+    // The workers' config, written only now: a node other than 0 gets here after joining node
+    // 0's store, which node 0 serves only once it has checked the run directory — so in a run
+    // directory shared by all nodes, no other node's write can make node 0 refuse it as a run.
+    let resolved = out.join("config.toml");
+    lockstep_train::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
     let mut servers = Vec::new();
     let sup = supervise::run(coordinator.as_mut(), a.max_restarts, |attempt, place| {
         let mut args: Vec<String> = vec![
@@ -183,7 +187,15 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             ]);
         }
         let mut spec = match &shared_store {
-            Some(st) => attempt_spec(st, place, &env, args, attempt)?,
+            Some(st) => {
+                let moved = place.store.clone();
+                let mut spec = attempt_spec(st, place, &env, args, attempt)?;
+                // The store moves to another node if node 0 is lost.
+                if let Some(store) = moved {
+                    spec.store = store;
+                }
+                spec
+            }
             None => {
                 let st = job_store(&a.nodes, &env)?;
                 let spec = attempt_spec(&st, place, &env, args, attempt)?;
@@ -197,9 +209,10 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         spec.stall_timeout = Some(Duration::from_secs_f64(a.stall_timeout));
         Ok(spec)
     })?;
+    let runs_rank0 = coordinator.runs_rank0();
     drop(coordinator);
     drop(shared_store);
-    if a.nodes.node_rank == 0 {
+    if runs_rank0 {
         supervise::annotate_summary(&out, &sup)?;
         supervise::write_report(&out, &sup)?;
         if sup.restarts > 0 || !sup.membership.is_empty() {

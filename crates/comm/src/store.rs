@@ -655,6 +655,12 @@ impl StoreClient {
         self
     }
 
+    /// Has the connection failed (the store's host gone, or the stream out of step)? Then every
+    /// later request fails too; a request that merely timed out waiting for a key does not count.
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
     /// The store's address.
     pub fn server_addr(&self) -> SocketAddr {
         self.addr
