@@ -7,6 +7,9 @@
 #     naming the node).
 # (3) A worker on host B hung outside any collective is found by its heartbeat (not by a 60 s
 #     collective timeout), named, and both hosts restart to the fault-free bits.
+# (4) A worker stuck inside a user's dataset (the test job `lockstep-testjob`, built next to
+#     lockstep, whose read of one training sample hangs once) is found the same way, named, and
+#     both hosts recover to the bits of a run whose data never hung.
 # Needs root. Usage: scripts/netns-agents.sh path/to/lockstep
 set -euo pipefail
 bin="$(realpath "${1:?usage: $0 path/to/lockstep}")"
@@ -26,13 +29,16 @@ passed=0
 hash_of() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["param_hash"])' "$1"; }
 field() { python3 -c 'import json,sys; v=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, {"s": v}))' "$1" "$2"; }
 
-# Both agents of one job; $1 = case name, then extra arguments for both.
+testjob="$(dirname "$bin")/lockstep-testjob"
+[[ -x "$testjob" ]] || { echo "agents: FAILED: $testjob is missing (cargo build -p lockstep-testjobs)"; exit 1; }
+
+# Both agents of one job ($run, default lockstep); $1 = case name, then extra arguments for both.
 start_pair() {
     local name="$1" port="$2"; shift 2
-    LOCKSTEP_SECRET="$secret" ip netns exec "$A" "$bin" train --nproc 2 --nnodes 2 --node-rank 0 \
+    LOCKSTEP_SECRET="$secret" ip netns exec "$A" "${run:-$bin}" train --nproc 2 --nnodes 2 --node-rank 0 \
         --rdzv "10.78.0.1:$port" --out "$work/$name-a" "$@" >"$work/$name-a.log" 2>&1 &
     pa=$!
-    LOCKSTEP_SECRET="$secret" ip netns exec "$B" "$bin" train --nproc 2 --nnodes 2 --node-rank 1 \
+    LOCKSTEP_SECRET="$secret" ip netns exec "$B" "${run:-$bin}" train --nproc 2 --nnodes 2 --node-rank 1 \
         --rdzv "10.78.0.1:$port" --out "$work/$name-b" "$@" >"$work/$name-b.log" 2>&1 &
     pb=$!
     pids+=("$pa" "$pb")
@@ -94,6 +100,29 @@ echo "agents: hung rank 3 on host B: blamed rank $blamed ($what), detected after
 python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 6 else 1)" "$took" || { echo "agents: FAILED: detection took more than 2 × the 3 s stall timeout"; exit 1; }
 [[ "$h3" == "$h1" ]] || { echo "agents: FAILED: param_hash after the hang differs from the fault-free run"; show_logs hang; exit 1; }
 echo "agents: ok: a hang outside collectives on host B found by heartbeat, both hosts recovered, same bits"
+passed=$((passed + 1))
+
+# (4) A worker hung in data loading: the test job's read of training sample 37 never returns
+#     (once: the marker file is created as it hangs), on whichever host reads it.
+"$testjob" train --nproc 1 --out "$work/tj-one" >"$work/tj-one.log" 2>&1 || { cat "$work/tj-one.log"; exit 1; }
+export LOCKSTEP_TESTJOB_HANG_ONCE="$work/hang-once"
+run="$testjob" start_pair data 29624 --set 'job.misbehave="hang-in-data"' --set dist.timeout_secs=60 \
+    --max-restarts 1 --stall-timeout 3
+unset LOCKSTEP_TESTJOB_HANG_ONCE
+status=0
+wait "$pa" || status=$?
+wait "$pb" || status=$((status + $?))
+[[ $status -eq 0 ]] || { echo "agents: FAILED: a host's job failed after the hang in data loading"; show_logs data; exit 1; }
+what="$(field "$work/data-a/summary.json" 's["failures"][0]["what"]')"
+blamed="$(field "$work/data-a/summary.json" 's["failures"][0]["rank"]')"
+took="$(field "$work/data-a/summary.json" 's["failures"][0]["detection_seconds"]')"
+host=$(( blamed < 2 ? 0 : 1 )); log="$work/data-$([[ $host == 0 ]] && echo a || echo b).log"
+echo "agents: rank $blamed hung reading its data on host $([[ $host == 0 ]] && echo A || echo B): named ($what), detected after ${took}s"
+grep -q "reading training sample 37 hangs" "$log" && [[ "$what" == *"outside any collective"* ]] || { echo "agents: FAILED: the hang in data loading is not named"; show_logs data; exit 1; }
+python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 6 else 1)" "$took" || { echo "agents: FAILED: detection took more than 2 × the 3 s stall timeout"; exit 1; }
+[[ "$(hash_of "$work/data-a/summary.json")" == "$(hash_of "$work/tj-one/summary.json")" ]] || { echo "agents: FAILED: param_hash after the hang differs from the one-worker run"; show_logs data; exit 1; }
+[[ "$(field "$work/data-a/summary.json" 's["restarts"]')" == 1 ]] || { echo "agents: FAILED: expected restarts = 1"; show_logs data; exit 1; }
+echo "agents: ok: a hang in data loading found by heartbeat, named, both hosts recovered, same bits"
 passed=$((passed + 1))
 
 # (2) Agents that disagree on --max-restarts: refused up front on both hosts, naming node 1.

@@ -189,6 +189,10 @@ fn detected_by(f: &WorkerFailure) -> String {
         "worker process died (the launcher saw it exit)".into()
     } else if f.what.contains("lost (no heartbeat)") {
         "its node agent's heartbeat stopped".into()
+    } else if f.what.contains("(the store's host)") {
+        "the other agents lost their connection to its store".into()
+    } else if f.what.contains("outside any collective") {
+        "its launcher: the worker's heartbeats showed no progress outside any collective".into()
     } else if f.what.starts_with("stopped making progress") || f.message.contains("timed out") {
         "collective timeout on a peer (the worker stopped making progress)".into()
     } else if f.message.contains("closed")

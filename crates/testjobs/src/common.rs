@@ -1,7 +1,7 @@
 //! What both test jobs share: the data (generated from the index), the `[job]` settings and
 //! the misbehaviours they can be switched to.
 
-use burn::data::dataset::InMemDataset;
+use burn::data::dataset::{Dataset, DatasetError, InMemDataset};
 use burn::tensor::{Device, Tensor, TensorData};
 use lockstep::{BoxError, TrainConfig};
 use serde::Deserialize;
@@ -20,7 +20,7 @@ pub struct Item {
 pub struct Settings {
     pub hidden: usize,
     pub train_samples: usize,
-    /// "none", "short-dataset", "wrong-shape", "nan-loss", "panic-in-data".
+    /// "none", "short-dataset", "wrong-shape", "nan-loss", "panic-in-data", "hang-in-data".
     pub misbehave: String,
 }
 
@@ -50,13 +50,19 @@ pub fn item(i: usize, poison: bool, truncate: bool) -> Item {
 /// Sample whose target is NaN with `misbehave = "nan-loss"`.
 pub const POISONED: usize = 37;
 
-pub const MISBEHAVIOURS: [&str; 5] = [
+pub const MISBEHAVIOURS: [&str; 6] = [
     "none",
     "short-dataset",
     "wrong-shape",
     "nan-loss",
     "panic-in-data",
+    "hang-in-data",
 ];
+
+/// With `misbehave = "hang-in-data"`, reading training sample [`POISONED`] never returns — once
+/// only if this variable names a file that does not exist yet (it is created as the read hangs),
+/// so that the restarted job reads on; every time otherwise.
+pub const HANG_ONCE_ENV: &str = "LOCKSTEP_TESTJOB_HANG_ONCE";
 
 pub fn settings(cfg: &TrainConfig) -> Result<Settings, String> {
     let s: Settings = cfg.job_section().map_err(|e| e.to_string())?;
@@ -70,7 +76,7 @@ pub fn settings(cfg: &TrainConfig) -> Result<Settings, String> {
     }
 }
 
-pub fn train_set(cfg: &TrainConfig) -> Result<InMemDataset<Item>, BoxError> {
+pub fn train_set(cfg: &TrainConfig) -> Result<TrainSet, BoxError> {
     let s: Settings = cfg.job_section()?;
     let n = if s.misbehave == "short-dataset" {
         10
@@ -79,11 +85,49 @@ pub fn train_set(cfg: &TrainConfig) -> Result<InMemDataset<Item>, BoxError> {
     };
     let nan = s.misbehave == "nan-loss";
     let short = s.misbehave == "wrong-shape";
-    Ok(InMemDataset::new(
-        (0..n)
-            .map(|i| item(i, nan && i == POISONED, short))
-            .collect(),
-    ))
+    Ok(TrainSet {
+        items: InMemDataset::new(
+            (0..n)
+                .map(|i| item(i, nan && i == POISONED, short))
+                .collect(),
+        ),
+        hang: s.misbehave == "hang-in-data",
+    })
+}
+
+/// The training items; with `hang` set, a dataset whose read of one sample hangs (a stuck
+/// network file system, a dead data server).
+pub struct TrainSet {
+    items: InMemDataset<Item>,
+    hang: bool,
+}
+
+impl Dataset<Item> for TrainSet {
+    fn get(&self, index: usize) -> Result<Item, DatasetError> {
+        if self.hang && index == POISONED && hang_this_time() {
+            eprintln!("test job: reading training sample {index} hangs (deliberate)");
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            }
+        }
+        self.items.get(index)
+    }
+
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+}
+
+fn hang_this_time() -> bool {
+    match std::env::var_os(HANG_ONCE_ENV) {
+        None => true,
+        // `create_new` fails once the file exists: only the first read ever hangs.
+        Some(path) => std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .is_ok(),
+    }
 }
 
 pub fn eval_set(cfg: &TrainConfig) -> Result<InMemDataset<Item>, BoxError> {

@@ -82,6 +82,51 @@ fn a_killed_worker_of_a_user_job_is_restarted_to_the_fault_free_parameters() {
     assert!(summary(&killed)["restarts"].as_u64().unwrap() >= 1);
 }
 
+/// A worker stuck inside the user's dataset (its read of one training sample never returns) is
+/// outside any collective: its launcher finds it from its heartbeats within 2 × the stall
+/// timeout — long before the peers' 60 s collective timeout —, names it, and restarts the job,
+/// which ends with the parameters of a run whose data never hung.
+#[test]
+fn a_worker_hung_in_data_loading_is_found_by_its_heartbeat_named_and_recovered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference");
+    assert_ok(&train(&reference, "1", &[]));
+    let dir = tmp.path().join("hung");
+    let once = tmp.path().join("hung-once");
+    let o = Command::new(env!("CARGO_BIN_EXE_lockstep-testjob"))
+        .args(["train", "--nproc", "3", "--out", dir.to_str().unwrap()])
+        .args([
+            "--set",
+            "job.misbehave=\"hang-in-data\"",
+            "--set",
+            "dist.timeout_secs=60",
+        ])
+        .args(["--stall-timeout", "3"])
+        .env("LOCKSTEP_TESTJOB_HANG_ONCE", &once)
+        .output()
+        .unwrap();
+    assert_ok(&o);
+    let err = stderr(&o);
+    assert!(err.contains("reading training sample 37 hangs"), "{err}");
+    assert!(
+        err.contains("failed: stopped making progress outside any collective"),
+        "{err}"
+    );
+    let s = summary(&dir);
+    assert_eq!(hash(&dir), hash(&reference));
+    assert_eq!(s["restarts"], 1);
+    let f = &s["failures"][0];
+    assert!(
+        f["detected_by"].as_str().unwrap().contains("heartbeats"),
+        "{f}"
+    );
+    let detection = f["detection_seconds"].as_f64().unwrap();
+    assert!(
+        detection < 6.0,
+        "detection took {detection} s, more than 2× the 3 s stall timeout"
+    );
+}
+
 /// Runs the job with one misbehaviour and checks the failure is final and explained.
 fn misbehaves(how: &str, expected: &[&str]) -> (tempfile::TempDir, Output) {
     let tmp = tempfile::tempdir().unwrap();
