@@ -50,11 +50,10 @@ use std::ops::Range;
 use crate::communicator::{Algorithm, Communicator};
 use crate::element::ReduceOp;
 use crate::error::CommError;
-
-/// Exponent marker for "this bucket contains a NaN or infinity".
-const NON_FINITE: i32 = i32::MAX;
-/// Exponent of an all-zero bucket.
-const ALL_ZERO: i32 = i32::MIN;
+pub use crate::fixed_point::{
+    accumulate_fixed, finish_fixed, headroom_bits, max_exponent, shift_for,
+};
+use crate::fixed_point::{fixed_sum, fixed_sum_finished, ALL_ZERO, NON_FINITE};
 
 /// Why an exact reduction could not be performed.
 #[derive(Debug, thiserror::Error)]
@@ -65,109 +64,6 @@ pub enum ExactError {
     NonFinite { start: usize, end: usize },
     #[error("exact reduction: {0}")]
     Invalid(String),
-}
-
-/// Binary exponent `e` such that `|v| < 2^e` (for finite non-zero v); `ALL_ZERO` for 0.
-#[inline]
-fn exponent_bound(v: f32) -> i32 {
-    if v == 0.0 {
-        return ALL_ZERO;
-    }
-    let bits = v.to_bits();
-    let biased = ((bits >> 23) & 0xff) as i32;
-    if biased == 0 {
-        // subnormal: |v| < 2^-126
-        -126
-    } else {
-        biased - 126 // |v| = 1.m · 2^(biased-127) < 2^(biased-126)
-    }
-}
-
-/// Max exponent bound of a slice, or `NON_FINITE`.
-///
-/// For non-negative floats the bit patterns order like the values, so one branch-free integer max
-/// over `|v|`'s bits (which the compiler vectorises) finds the largest magnitude; infinities and
-/// NaNs have the largest patterns of all, so they show up in the same pass.
-pub fn max_exponent(values: &[f32]) -> i32 {
-    let max_abs_bits = values
-        .iter()
-        .fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
-    if max_abs_bits >= 0x7f80_0000 {
-        NON_FINITE
-    } else {
-        exponent_bound(f32::from_bits(max_abs_bits))
-    }
-}
-
-/// Bits reserved so that the sum of `terms` values, each below 2^62 in magnitude, stays below 2^63.
-pub fn headroom_bits(terms: usize) -> i32 {
-    (usize::BITS - terms.max(1).saturating_sub(1).leading_zeros()) as i32 + 1
-}
-
-/// Scaled values stay below 2^`MAX_SCALED_BITS`, so [`accumulate_fixed`] can round with the
-/// 1.5·2^52 bit trick; that keeps 51 bits below the bucket's largest value, far more than f32's 24.
-const MAX_SCALED_BITS: i32 = 51;
-
-/// The fixed-point shift for a bucket whose values are all below 2^`e_max`.
-pub fn shift_for(e_max: i32, terms: usize) -> i32 {
-    (62 - headroom_bits(terms)).min(MAX_SCALED_BITS) - e_max
-}
-
-/// 2^k as f64 for any k in the f64 exponent range (exact).
-#[inline]
-fn pow2(k: i32) -> f64 {
-    f64::from_bits(((k + 1023) as u64) << 52)
-}
-
-/// Add `values · 2^shift`, rounded to nearest (ties to even), into `acc`.
-///
-/// The product in f64 is exact (a 24-bit mantissa scaled by a power of two), so the only rounding is
-/// the final one to an integer, which depends on nothing but the value and the shift.
-pub fn accumulate_fixed(acc: &mut [i64], values: &[f32], shift: i32) {
-    debug_assert_eq!(acc.len(), values.len());
-    // Split the scale in two when it leaves f64's normal range (tiny e_max ⇒ huge shift).
-    let (s1, s2) = split_shift(shift);
-    let (m1, m2) = (pow2(s1), pow2(s2));
-    for (a, &v) in acc.iter_mut().zip(values) {
-        *a += round_to_i64((v as f64) * m1 * m2);
-    }
-}
-
-/// Round to nearest, ties to even, for |x| < 2^51 — branch-free and without a library call
-/// (baseline x86-64 has neither a rounding instruction nor a packed f64→i64 conversion, and this
-/// loop is the bulk of an exact reduction's CPU time). Adding 1.5·2^52 pushes the fraction bits out
-/// of the mantissa, so the hardware's default rounding rounds, and the integer is then the low
-/// mantissa bits: subtracting the constant's bit pattern reads it out.
-#[inline]
-fn round_to_i64(x: f64) -> i64 {
-    const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52
-    (x + MAGIC).to_bits() as i64 - MAGIC.to_bits() as i64
-}
-
-/// Convert exact sums back: `out = f32(f64(acc) · 2^−shift)`.
-pub fn finish_fixed(acc: &[i64], shift: i32, out: &mut [f32]) {
-    debug_assert_eq!(acc.len(), out.len());
-    let (s1, s2) = split_shift(-shift);
-    let (m1, m2) = (pow2(s1), pow2(s2));
-    for (o, &a) in out.iter_mut().zip(acc) {
-        *o = (i64_to_f64(a) * m1 * m2) as f32;
-    }
-}
-
-/// `a as f64` (correctly rounded) in operations the compiler can vectorise on baseline x86-64,
-/// which has no packed i64→f64 conversion: the high half converts exactly as an i32 scaled by
-/// 2^32, the low half exactly through the 2^52 bit trick, and their one addition rounds once.
-#[inline]
-fn i64_to_f64(a: i64) -> f64 {
-    const TWO_52: f64 = 4_503_599_627_370_496.0;
-    let hi = ((a >> 32) as i32 as f64) * 4_294_967_296.0;
-    let lo = f64::from_bits(TWO_52.to_bits() | (a as u64 & 0xffff_ffff)) - TWO_52;
-    hi + lo
-}
-
-fn split_shift(shift: i32) -> (i32, i32) {
-    let first = shift.clamp(-1000, 1000);
-    (first, shift - first)
 }
 
 /// Reusable state for exact reductions of a flat gradient split into fixed buckets.
@@ -502,48 +398,6 @@ pub fn scatter_pays(comm: &Communicator, len: usize) -> bool {
         }
 }
 
-/// `acc[i] = Σ_p round(p[range.start + i] · 2^shift)` over the local parts, in one pass over
-/// `acc` (no clearing, one store per value): bitwise [`accumulate_fixed`] of each part in turn
-/// into zeros, since every term is rounded on its own and integer addition is exact.
-fn fixed_sum(acc: &mut [i64], parts: &[&[f32]], range: Range<usize>, shift: i32) {
-    debug_assert_eq!(acc.len(), range.len());
-    let (s1, s2) = split_shift(shift);
-    let (m1, m2) = (pow2(s1), pow2(s2));
-    let fixed = |v: f32| round_to_i64((v as f64) * m1 * m2);
-    match parts {
-        [] => acc.fill(0),
-        [a] => {
-            for (o, &x) in acc.iter_mut().zip(&a[range]) {
-                *o = fixed(x);
-            }
-        }
-        [a, b, rest @ ..] => {
-            for (o, (&x, &y)) in acc
-                .iter_mut()
-                .zip(a[range.clone()].iter().zip(&b[range.clone()]))
-            {
-                *o = fixed(x) + fixed(y);
-            }
-            for p in rest {
-                accumulate_fixed(acc, &p[range.clone()], shift);
-            }
-        }
-    }
-}
-
-/// `out[i] = f32(f64(Σ_p round(p[range.start + i] · 2^shift)) · 2^−shift)`: [`fixed_sum`]
-/// followed by [`finish_fixed`] in one pass, in blocks small enough to stay in cache.
-fn fixed_sum_finished(out: &mut [f32], parts: &[&[f32]], range: Range<usize>, shift: i32) {
-    const BLOCK: usize = 1024;
-    let mut acc = [0i64; BLOCK];
-    for (k, dst) in out.chunks_mut(BLOCK).enumerate() {
-        let start = range.start + k * BLOCK;
-        let acc = &mut acc[..dst.len()];
-        fixed_sum(acc, parts, start..start + dst.len(), shift);
-        finish_fixed(acc, shift, dst);
-    }
-}
-
 /// `buckets` must tile `0..len` in order.
 fn check_tiling(buckets: &[Range<usize>], len: usize) -> Result<(), ExactError> {
     let mut expected_start = 0;
@@ -614,6 +468,7 @@ fn check_parts(local_parts: &[&[f32]], total_parts: usize, len: usize) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fixed_point::{exponent_bound, i64_to_f64, pow2, round_to_i64, MAX_SCALED_BITS};
 
     #[test]
     fn exponent_bound_is_tight() {

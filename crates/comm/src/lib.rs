@@ -18,6 +18,7 @@ pub mod communicator;
 pub mod element;
 pub mod error;
 pub mod exact;
+pub mod fixed_point;
 #[cfg(test)]
 mod fuzz_util;
 pub mod inproc;
