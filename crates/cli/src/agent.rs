@@ -546,6 +546,11 @@ impl NodeAgent {
             let decision = self.decide(a, mine, watched)?;
             self.publish(a, &decision)?;
         }
+        self.read_decision(a)
+    }
+
+    /// The leader's decision on attempt `a`, once it is posted.
+    fn read_decision(&mut self, a: usize) -> Result<Decision> {
         let raw = self
             .client
             .get(&format!("g{a}/decision"), self.report_deadline())
@@ -667,16 +672,7 @@ impl NodeAgent {
                     )
                 })?;
             self.register()?;
-            let raw = self
-                .client
-                .get(&format!("g{a}/decision"), self.report_deadline())
-                .with_context(|| {
-                    format!(
-                        "waiting for {}'s decision on attempt {a}",
-                        self.describe_node(next.node)
-                    )
-                })?;
-            return serde_json::from_slice(&raw).context("store key decision: not a decision");
+            return self.read_decision(a);
         }
         let server = lockstep_comm::store::StoreServer::bind(
             addr,
