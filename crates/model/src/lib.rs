@@ -28,6 +28,7 @@
 //! step page-fault its buffers again.
 
 mod alloc;
+mod dense;
 mod error;
 mod init;
 mod kernels;

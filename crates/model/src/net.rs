@@ -8,6 +8,8 @@ use crate::spec::ModelSpec;
 use burn::module::{Module, Param};
 use burn::nn::conv::Conv2d;
 use burn::nn::{Linear, PaddingConfig2d};
+
+use crate::dense::dense_linear;
 use burn::tensor::activation::relu;
 use burn::tensor::module::{conv2d, linear, max_pool2d};
 use burn::tensor::ops::{ConvOptions, MaxPoolOptions};
@@ -137,7 +139,10 @@ impl Net {
         for (i, layer) in self.layers.iter().enumerate() {
             let w = tap.tap(next(), layer.weight.val(), &x);
             let b = layer.bias.as_ref().map(|b| tap.tap(next(), b.val(), &x));
-            x = linear(x, w, b);
+            x = match b {
+                Some(b) => dense_linear(x, w, b),
+                None => linear(x, w, None),
+            };
             if i != last {
                 x = relu(x);
             }
