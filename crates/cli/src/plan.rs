@@ -14,9 +14,10 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let cfg = TrainConfig::load_for(crate::job(), Some(&a.from.join("config.toml")), &[])
         .with_context(|| format!("reading the config of run {}", a.from.display()))?;
     let (summary, records) = crate::scale::load_run(&a.from)?;
-    let layers = plan::model_layers(crate::job(), &cfg)
+    let (layers, tp_pieces) = plan::model_layers(crate::job(), &cfg)
         .with_context(|| format!("building the model of run {}", a.from.display()))?;
-    let workload = Workload::from_config(&cfg, layers);
+    let mut workload = Workload::from_config(&cfg, layers);
+    workload.tp_pieces = tp_pieces;
     let cluster = cluster_spec(a)?.resolve()?;
     let link =
         plan::calibration_link(&summary.transport, a.calib_gbytes_per_s, a.calib_latency_us)?;

@@ -254,7 +254,7 @@ fn plan_predicts_a_tensor_parallel_ranks_memory() {
         "{text}"
     );
     assert!(
-        text.contains("skipped dp=1×tp=3: tp = 3 needs a transformer whose model.tp_pieces"),
+        text.contains("skipped dp=1×tp=3: tp = 3 needs a model whose tensor-parallel pieces"),
         "{text}"
     );
     let p: serde_json::Value =

@@ -18,7 +18,9 @@
 //!
 //! A model written as a sequence of layers can implement [`LayeredJob`] instead and run as
 //! `lockstep::main(lockstep::Pipelined(MyJob))`: then `parallel.pp` cuts it into pipeline stages
-//! (GPipe or 1F1B) with the same parameter bits as one worker.
+//! (GPipe or 1F1B) with the same parameter bits as one worker. Its layers may use the
+//! tensor-parallel layers of [`tp`]; then `parallel.tp` splits them across ranks, again with the
+//! one-worker bits.
 //!
 //! Configuration: lockstep's config file (`[train]`, `[optimizer]`, `[dist]`, `[checkpoint]`,
 //! `[parallel]`) plus your job's own `[job]` table, read with [`TrainConfig::job_section`]. Your
@@ -32,6 +34,21 @@ pub use lockstep_train::job::{
 };
 pub use lockstep_train::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
 pub use lockstep_train::{ConfigError, TrainConfig};
+
+/// Tensor parallelism of your own [`LayeredJob`] (Megatron style): put these burn modules in your
+/// layers and `parallel.tp` ranks split them; every layout gives the one-worker parameters bit
+/// for bit. A [`ColumnParallelLinear`](tp::ColumnParallelLinear) (output features in `pieces`
+/// fixed pieces; on a tp rank its output is its pieces) feeds a
+/// [`RowParallelLinear`](tp::RowParallelLinear) (input features in the same pieces; output
+/// summed exactly over all pieces), with elementwise functions (ReLU, GELU) between them. All
+/// tensor-parallel layers of a model have the same `pieces`, which `parallel.tp` must divide.
+/// See docs/library.md, "Tensor parallelism of your own model".
+pub mod tp {
+    pub use lockstep_model::{
+        ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
+        RowParallelLinearConfig,
+    };
+}
 
 /// Run the lockstep command line for `job` (`train`, `scale`, `plan`, …; see `--help`) and exit:
 /// status 0 on success, 3 for bad input (config, data, a misbehaving job), 1 otherwise.

@@ -47,6 +47,7 @@ mod spec;
 mod stage;
 mod streaming;
 mod tensor_parallel;
+mod tp_layers;
 mod tp_stage;
 mod transformer;
 
@@ -61,6 +62,10 @@ pub use spec::ModelSpec;
 pub use stage::{Stage, StageEval, StageInput, StageOutput};
 pub use tensor_parallel::{
     gather_map, scatter_map, split_params, LocalPieceSum, LocalTensor, PieceSum, TpLayout, TpSplit,
+};
+pub use tp_layers::{
+    in_tp_scope, narrow_to_pieces, tp_param, tp_params_of, ColumnParallelLinear,
+    ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig, TpParam, TpParamKind,
 };
 pub use tp_stage::TpStage;
 pub use transformer::{LayerKind, TransformerSpec};

@@ -691,17 +691,8 @@ impl TrainConfig {
             return Err(invalid("parallel.tp", "must be ≥ 1"));
         }
         let Some(layers) = layers else {
-            if p.tp > 1 {
-                return Err(invalid(
-                    "parallel.tp",
-                    format!(
-                        "{} tensor-parallel ranks need the built-in transformer \
-                         (model.kind = \"transformer\" with model.tp_pieces); a user's job runs \
-                         with parallel.tp = 1",
-                        p.tp
-                    ),
-                ));
-            }
+            // A user's layered job: `parallel.tp` is checked against its tensor-parallel layers
+            // (`Pipelined::validate`), a plain `Job` refuses it (`validate_common`).
             return Ok(());
         };
         let m = &self.model;

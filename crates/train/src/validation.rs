@@ -136,6 +136,18 @@ impl TrainConfig {
                 ),
             ));
         }
+        if self.parallel.tp > 1 {
+            return Err(invalid(
+                "parallel.tp",
+                format!(
+                    "{} tensor-parallel ranks need a model written as a sequence of layers with \
+                     tensor-parallel layers in it: implement lockstep::LayeredJob with \
+                     lockstep::tp::ColumnParallelLinear and RowParallelLinear, and run \
+                     lockstep::main(lockstep::Pipelined(job)); this job runs with parallel.tp = 1",
+                    self.parallel.tp
+                ),
+            ));
+        }
         if self.parallel.zero >= 3 {
             return Err(invalid(
                 "parallel.zero",

@@ -90,8 +90,8 @@ pub fn predict(
     }
     if layout.tp > 1 && (w.tp_pieces == 1 || !w.tp_pieces.is_multiple_of(layout.tp)) {
         return Err(format!(
-            "tp = {} needs a transformer whose model.tp_pieces it divides (this one has \
-             tp_pieces = {})",
+            "tp = {} needs a model whose tensor-parallel pieces it divides (the transformer's \
+             model.tp_pieces, a layered job's lockstep::tp layers; this one has {} piece(s))",
             layout.tp, w.tp_pieces
         ));
     }

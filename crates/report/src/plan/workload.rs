@@ -63,7 +63,9 @@ pub struct Workload {
     /// `parallel.schedule` (how many micro-batches a pipeline stage holds at once).
     #[serde(default = "default_schedule")]
     pub schedule: ScheduleKind,
-    /// `model.tp_pieces`: tensor-parallel widths that divide it can be planned (1: none).
+    /// The model's fixed tensor-parallel pieces (the transformer's `model.tp_pieces`, a user
+    /// model's `lockstep::tp` layers'): tensor-parallel widths that divide it can be planned (1:
+    /// none). `from_config` takes `model.tp_pieces`; `lockstep plan` sets the built model's.
     #[serde(default = "one")]
     pub tp_pieces: usize,
 }
@@ -101,17 +103,21 @@ impl Workload {
     }
 }
 
-/// The layers of `job`'s model for `cfg`, as the trainer builds it. Not pure: it opens the
-/// job's data (for the input shape and classes, or the vocabulary). A layered model (the built-in
-/// transformer, a user's `LayeredJob`) has its layers; any other job is one layer of its
-/// replica's parameter count.
-pub fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<Vec<Layer>, PlanError> {
+/// The layers of `job`'s model for `cfg`, as the trainer builds it, and the fixed
+/// tensor-parallel pieces of its layers (1: none). Not pure: it opens the job's data (for the
+/// input shape and classes, or the vocabulary). A layered model (the built-in transformer, a
+/// user's `LayeredJob`, whose `lockstep::tp` layers give its pieces and split parameters) has its
+/// layers; any other job is one layer of its replica's parameter count.
+pub fn model_layers(
+    job: &dyn JobSpec,
+    cfg: &TrainConfig,
+) -> Result<(Vec<Layer>, usize), PlanError> {
     let model_err = |e: &dyn fmt::Display| PlanError::Model(e.to_string());
     Ok(match job.build(cfg).map_err(|e| model_err(&e))? {
         Trainable::Layered(model) => {
             let offsets = model.layer_offsets();
             let floats = model.activation_floats();
-            (0..model.num_layers())
+            let layers = (0..model.num_layers())
                 .map(|l| Layer {
                     name: model.layer_name(l),
                     params: offsets[l + 1] - offsets[l],
@@ -119,14 +125,18 @@ pub fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<Vec<Layer>, 
                     held_activation_bytes_per_sample: model.held_activation_floats(l..l + 1) * 4,
                     tp_split_params: model.tp_split_params(l),
                 })
-                .collect()
+                .collect();
+            (layers, model.tp_pieces())
         }
-        Trainable::Replica(replica) => vec![Layer {
-            name: job.label(cfg),
-            params: replica.layout().iter().map(|p| p.len).sum(),
-            activation_bytes_per_sample: 0,
-            held_activation_bytes_per_sample: replica.activation_bytes(1) as usize,
-            tp_split_params: 0,
-        }],
+        Trainable::Replica(replica) => (
+            vec![Layer {
+                name: job.label(cfg),
+                params: replica.layout().iter().map(|p| p.len).sum(),
+                activation_bytes_per_sample: 0,
+                held_activation_bytes_per_sample: replica.activation_bytes(1) as usize,
+                tp_split_params: 0,
+            }],
+            1,
+        ),
     })
 }

@@ -15,7 +15,10 @@ use std::time::Instant;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor, TensorData};
-use lockstep_model::flat;
+use lockstep_model::flat::{self, ParamInfo};
+use lockstep_model::{
+    in_tp_scope, narrow_to_pieces, tp_params_of, LocalPieceSum, PieceSum, TpParam,
+};
 use sha2::{Digest, Sha256};
 
 use super::burn_job::{self, guarded, open_data, scalar, seeded_device, BoxError};
@@ -93,7 +96,27 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
             .map_err(|message| ConfigError::Invalid {
                 field: "job",
                 message: format!("job `{}`: {message}", self.0.name()),
-            })
+            })?;
+        if cfg.parallel.tp > 1 {
+            // Tensor parallelism needs the model's tensor-parallel layers: build them once (on
+            // the seeded device, as a worker would) to learn their pieces before any worker starts.
+            let device = seeded_device(cfg);
+            let layers = catch_job_panic(|| self.0.layers(cfg, &device)).map_err(|p| {
+                ConfigError::Invalid {
+                    field: "job",
+                    message: format!("job `{}`: building the layers panicked: {p}", self.0.name()),
+                }
+            })?;
+            let kinds: Vec<_> = layers.iter().map(tp_params_of).collect();
+            check_tp(self.0.name(), &kinds, cfg.parallel.tp).map_err(|e| match e {
+                TrainError::Config(c) => c,
+                other => ConfigError::Invalid {
+                    field: "parallel.tp",
+                    message: other.to_string(),
+                },
+            })?;
+        }
+        Ok(())
     }
 
     fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
@@ -115,6 +138,71 @@ pub struct BurnLayered<'j, J: LayeredJob> {
     structure_hash: [u8; 32],
     train: Box<dyn Dataset<J::Item>>,
     eval: Box<dyn Dataset<J::Item>>,
+    /// Each layer's parameters (canonical order) and which of them tensor-parallel layers split.
+    layouts: Vec<Vec<ParamInfo>>,
+    tp_params: Vec<Vec<Option<TpParam>>>,
+    /// The fixed pieces of the model's tensor-parallel layers (1: none).
+    pieces: usize,
+}
+
+/// The pieces all tensor-parallel layers of a model share (1 without any), or why they do not.
+fn model_pieces(job: &str, kinds: &[Vec<Option<TpParam>>]) -> Result<usize, TrainError> {
+    let mut seen: Vec<(usize, usize)> = Vec::new();
+    for (l, layer) in kinds.iter().enumerate() {
+        for p in layer.iter().flatten() {
+            if !seen.iter().any(|&(_, t)| t == p.pieces) {
+                seen.push((l, p.pieces));
+            }
+        }
+    }
+    match seen.as_slice() {
+        [] => Ok(1),
+        [(_, t)] => Ok(*t),
+        [(a, ta), (b, tb), ..] => Err(TrainError::JobSetup {
+            job: job.to_string(),
+            message: format!(
+                "the model's tensor-parallel layers must all have the same pieces: layer {a} has \
+                 {ta}, layer {b} has {tb}"
+            ),
+        }),
+    }
+}
+
+/// Refuses `tp` tensor-parallel ranks for a model without tensor-parallel layers or whose pieces
+/// `tp` does not divide; returns the pieces.
+fn check_tp(job: &str, kinds: &[Vec<Option<TpParam>>], tp: usize) -> Result<usize, TrainError> {
+    let pieces = model_pieces(job, kinds)?;
+    let invalid = |message: String| {
+        Err(TrainError::Config(ConfigError::Invalid {
+            field: "parallel.tp",
+            message,
+        }))
+    };
+    if tp > 1 && pieces == 1 {
+        return invalid(format!(
+            "{tp} tensor-parallel ranks need tensor-parallel layers in the model, and job `{job}`'s \
+             layers have none: build them with lockstep::tp::ColumnParallelLinear and \
+             RowParallelLinear (or run with parallel.tp = 1)"
+        ));
+    }
+    if !pieces.is_multiple_of(tp) {
+        return invalid(format!(
+            "{tp} tensor-parallel ranks must divide the {pieces} fixed pieces of job `{job}`'s \
+             tensor-parallel layers (each rank computes an equal share of them)"
+        ));
+    }
+    Ok(pieces)
+}
+
+/// A [`PieceSum`] that only gives shapes (zeros): probing activation widths on a rank's pieces
+/// without its group.
+struct ShapeOnly;
+
+impl PieceSum for ShapeOnly {
+    fn sum_pieces(&mut self, _: &[&[f32]], _: usize, out: &mut [f32]) -> Result<(), String> {
+        out.fill(0.0);
+        Ok(())
+    }
 }
 
 impl<'j, J: LayeredJob> BurnLayered<'j, J> {
@@ -136,13 +224,18 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
         }
         let mut offsets = vec![0];
         let mut normalised = Vec::with_capacity(layers.len());
+        let mut layouts = Vec::with_capacity(layers.len());
         for layer in layers {
-            let len: usize = flat::layout(&layer).iter().map(|p| p.len).sum();
+            let layout = flat::layout(&layer);
+            let len: usize = layout.iter().map(|p| p.len).sum();
             // Every parameter an autodiff leaf of our device, from its own values.
             let values = flat::read(&layer, len);
             normalised.push(flat::write(layer, &values, &device));
             offsets.push(offsets.last().unwrap() + len);
+            layouts.push(layout);
         }
+        let tp_params: Vec<_> = normalised.iter().map(tp_params_of).collect();
+        let pieces = model_pieces(&name, &tp_params)?;
         if *offsets.last().unwrap() == 0 {
             return Err(setup("the model has no float parameters to train".into()));
         }
@@ -156,23 +249,72 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
             structure_hash,
             train,
             eval,
+            layouts,
+            tp_params,
+            pieces,
         };
-        me.widths = me.probe_widths().map_err(|e| setup(e.to_string()))?;
+        me.widths = me
+            .probe_widths(&me.layers)
+            .map_err(|e| setup(e.to_string()))?;
         Ok(me)
     }
 
-    /// One training sample through every layer (no gradients): the activation widths.
-    fn probe_widths(&self) -> Result<Vec<usize>, ReplicaError> {
+    /// One training sample through `layers` (no gradients): the activation widths.
+    fn probe_widths(&self, layers: &[J::Layer]) -> Result<Vec<usize>, ReplicaError> {
         let device = self.device.clone().inner();
         let batch = batch_of(self.job, &*self.train, "training", &[0], &device)?;
         let mut x = guarded(|| self.job.input(&batch))?;
         let mut widths = vec![x.dims()[1]];
-        for layer in &self.layers {
+        for layer in layers {
             let layer = layer.valid();
             x = guarded(|| self.job.forward(&layer, x))?;
             widths.push(x.dims()[1]);
         }
         Ok(widths)
+    }
+
+    /// Where tp rank `tp_rank` of `tp`'s local parameters of `layers` sit in the stage's canonical
+    /// vector (merged ranges, local order), and the local vector cut into runs that never mix
+    /// pieces (split tensors per piece, others whole).
+    fn tp_maps(
+        &self,
+        layers: Range<usize>,
+        tp: usize,
+        tp_rank: usize,
+    ) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
+        let mut map: Vec<Range<usize>> = Vec::new();
+        let mut runs = Vec::new();
+        let mut local = 0;
+        let stage_start = self.offsets[layers.start];
+        for l in layers {
+            for (info, kind) in self.layouts[l].iter().zip(&self.tp_params[l]) {
+                let base = self.offsets[l] - stage_start + info.offset;
+                let (range, piece_len) = match kind {
+                    Some(split) => {
+                        let piece_len = info.len / split.pieces;
+                        let count = split.pieces / tp;
+                        let first = tp_rank * count;
+                        (
+                            base + first * piece_len..base + (first + count) * piece_len,
+                            piece_len,
+                        )
+                    }
+                    None => (base..base + info.len, info.len),
+                };
+                let len = range.len();
+                match map.last_mut() {
+                    Some(last) if last.end == range.start => last.end = range.end,
+                    _ => map.push(range),
+                }
+                let mut s = local;
+                while s < local + len {
+                    runs.push(s..s + piece_len.max(1).min(local + len - s));
+                    s += piece_len.max(1);
+                }
+                local += len;
+            }
+        }
+        (map, runs)
     }
 }
 
@@ -260,8 +402,12 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
     fn stage(
         &self,
         layers: Range<usize>,
-        _seed: u64,
+        seed: u64,
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
+        if self.pieces > 1 {
+            // Tensor-parallel layers are always computed as their pieces: one rank holding all.
+            return self.tp_stage(layers, seed, 1, 0, Box::new(LocalPieceSum));
+        }
         // The seed was used once, for the whole model: every rank cuts the same initial values.
         let num_params = self.offsets[layers.end] - self.offsets[layers.start];
         Ok(Box::new(BurnStage {
@@ -273,8 +419,95 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             layers: self.layers[layers].to_vec(),
             num_params,
             pending: HashMap::new(),
+            tp: None,
         }))
     }
+
+    fn tp_pieces(&self) -> usize {
+        self.pieces
+    }
+
+    fn tp_split_params(&self, layer: usize) -> usize {
+        self.layouts[layer]
+            .iter()
+            .zip(&self.tp_params[layer])
+            .filter(|(_, kind)| kind.is_some())
+            .map(|(info, _)| info.len)
+            .sum()
+    }
+
+    fn tp_stage(
+        &self,
+        layers: Range<usize>,
+        _seed: u64,
+        tp: usize,
+        tp_rank: usize,
+        sum: Box<dyn PieceSum>,
+    ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
+        let job = self.job.name();
+        check_tp(job, &self.tp_params, tp)?;
+        let setup = |message: String| TrainError::JobSetup {
+            job: job.to_string(),
+            message,
+        };
+        // Every rank built the whole model from the same seed; each keeps its pieces' rows. The
+        // layers before the stage are narrowed too, only to learn the stage's input width.
+        let narrowed: Vec<J::Layer> = catch_job_panic(|| {
+            self.layers[..layers.end]
+                .iter()
+                .map(|l| narrow_to_pieces(l.clone(), tp, tp_rank, &self.device))
+                .collect()
+        })
+        .map_err(|p| {
+            setup(format!(
+                "narrowing the tensor-parallel layers panicked: {p}"
+            ))
+        })?;
+        let mut probe: Box<dyn PieceSum> = Box::new(ShapeOnly);
+        let (widths, _) = in_tp_scope(tp, tp_rank, &mut probe, || self.probe_widths(&narrowed));
+        let widths =
+            widths.map_err(|e| setup(format!("tensor parallelism (parallel.tp = {tp}): {e}")))?;
+        let last = layers.end == self.layers.len();
+        if last && widths[layers.end] != self.widths[layers.end] {
+            return Err(setup(format!(
+                "with parallel.tp = {tp} the last layer's output has {} of its {} features on \
+                 each rank: a model must end with its pieces summed (a RowParallelLinear after \
+                 a ColumnParallelLinear), not with a ColumnParallelLinear's local pieces",
+                widths[layers.end], self.widths[layers.end]
+            )));
+        }
+        let (map, runs) = self.tp_maps(layers.clone(), tp, tp_rank);
+        let num_params = map.iter().map(|r| r.len()).sum();
+        Ok(Box::new(BurnStage {
+            owner: self,
+            first: layers.start == 0,
+            last,
+            in_width: widths[layers.start],
+            out_width: widths[layers.end],
+            layers: narrowed[layers].to_vec(),
+            num_params,
+            pending: HashMap::new(),
+            tp: Some(StageTp {
+                tp,
+                tp_rank,
+                sum: Some(sum),
+                map,
+                runs,
+            }),
+        }))
+    }
+}
+
+/// A tensor-parallel rank's side of a stage.
+struct StageTp {
+    tp: usize,
+    tp_rank: usize,
+    /// Lent to the tp scope during forward, backward and evaluation.
+    sum: Option<Box<dyn PieceSum>>,
+    /// The local parameters' ranges in the stage's canonical vector.
+    map: Vec<Range<usize>>,
+    /// The local vector in runs that never mix pieces (bucket boundaries).
+    runs: Vec<Range<usize>>,
 }
 
 /// What a training forward keeps until its backward.
@@ -299,9 +532,35 @@ struct BurnStage<'a, 'j, J: LayeredJob> {
     layers: Vec<J::Layer>,
     num_params: usize,
     pending: HashMap<u64, Pending>,
+    tp: Option<StageTp>,
 }
 
 impl<J: LayeredJob> BurnStage<'_, '_, J> {
+    /// `f` inside this rank's tp scope (a tensor-parallel stage), so that its layers compute
+    /// their pieces and sum them with the group; a failed piece sum is the result.
+    fn scoped<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<R, ReplicaError>,
+    ) -> Result<R, ReplicaError> {
+        let Some((tp, tp_rank, mut sum)) = self
+            .tp
+            .as_mut()
+            .and_then(|t| Some((t.tp, t.tp_rank, t.sum.take()?)))
+        else {
+            return f(self);
+        };
+        let (result, failure) = in_tp_scope(tp, tp_rank, &mut sum, || f(self));
+        if let Some(t) = self.tp.as_mut() {
+            t.sum = Some(sum);
+        }
+        match failure {
+            Some(message) => Err(ReplicaError::Other(format!(
+                "a tensor-parallel piece sum failed: {message}"
+            ))),
+            None => result,
+        }
+    }
+
     /// The stage's input: the batch's (first stage) or the received activations, as a leaf that
     /// requires a gradient when `train`.
     fn input(
@@ -414,6 +673,57 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         input: Option<&[f32]>,
         scale: f32,
     ) -> Result<(Forwarded, f64), ReplicaError> {
+        self.scoped(|s| s.forward_in_scope(id, samples, input, scale))
+    }
+
+    fn backward(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad: &mut [f32],
+    ) -> Result<Option<Vec<f32>>, ReplicaError> {
+        self.scoped(|s| s.backward_in_scope(id, grad_output, grad))
+    }
+
+    fn evaluate(
+        &mut self,
+        samples: &[u32],
+        input: Option<&[f32]>,
+    ) -> Result<Evaluated, ReplicaError> {
+        self.scoped(|s| s.evaluate_in_scope(samples, input))
+    }
+
+    fn index_map(&self) -> Vec<Range<usize>> {
+        match &self.tp {
+            Some(t) => t.map.clone(),
+            None => std::iter::once(0..self.num_params).collect(),
+        }
+    }
+
+    fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
+        let t = self.tp.as_ref()?;
+        let step = bucket_elems.max(1);
+        let mut out = Vec::new();
+        for run in &t.runs {
+            let mut s = run.start;
+            while s < run.end {
+                let e = (s + step).min(run.end);
+                out.push(s..e);
+                s = e;
+            }
+        }
+        Some(out)
+    }
+}
+
+impl<J: LayeredJob> BurnStage<'_, '_, J> {
+    fn forward_in_scope(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
         let device = self.owner.device.clone();
         let n = samples.len();
         let t0 = Instant::now();
@@ -452,7 +762,7 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         Ok((result, data_seconds))
     }
 
-    fn backward(
+    fn backward_in_scope(
         &mut self,
         id: u64,
         grad_output: Option<&[f32]>,
@@ -497,7 +807,7 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         Ok(input_grad)
     }
 
-    fn evaluate(
+    fn evaluate_in_scope(
         &mut self,
         samples: &[u32],
         input: Option<&[f32]>,

@@ -1,5 +1,6 @@
 //! The training loop of a layered model (the built-in transformer, a user's `LayeredJob`) on a
-//! `dp × tp × pp` layout (tensor parallelism: the transformer with `model.tp_pieces > 1` only).
+//! `dp × tp × pp` layout (tensor parallelism: the transformer with `model.tp_pieces > 1`, or a
+//! user's layered job with `lockstep::tp` layers).
 //!
 //! Per step, on every rank (replica `r`, stage `s`, tp rank `k`):
 //! 1. the global batch (a function of seed and step only) is cut into the fixed micro-batches;
@@ -245,7 +246,7 @@ pub fn train<'a>(
     };
     if pieces > 1 {
         ledger.notice(format!(
-            "tensor parallelism: blocks computed as {pieces} fixed pieces (model.tp_pieces), \
+            "tensor parallelism: tensor-parallel layers computed as {pieces} fixed pieces, \
              {} per rank over {} tensor-parallel ranks per stage",
             pieces / dims.tp,
             dims.tp
