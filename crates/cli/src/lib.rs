@@ -365,9 +365,10 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
                 permanent,
                 message: format!("{e:#}"),
             });
-            let _ = writeln!(std::io::stderr(), "{}", record.line());
+            let _ = std::io::stderr().write_all(format!("{}\n", record.line()).as_bytes());
         }
-        let _ = writeln!(std::io::stderr(), "lockstep: error: {e:#}");
+        // One write per line: ranks under mpirun share one output stream.
+        let _ = std::io::stderr().write_all(format!("lockstep: error: {e:#}\n").as_bytes());
         std::process::exit(if permanent { launch::EXIT_PERMANENT } else { 1 });
     }
     std::process::exit(0)

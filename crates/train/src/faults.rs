@@ -29,12 +29,16 @@ pub fn at_step(faults: &[Fault], rank: usize, step: u64) {
             Fault::Kill { rank: r, step: s } | Fault::Lose { rank: r, step: s }
                 if r == rank && s == step =>
             {
-                eprintln!("injected fault: rank {rank} kills itself at step {step}");
+                say(&format!(
+                    "injected fault: rank {rank} kills itself at step {step}\n"
+                ));
                 // SAFETY: raising a signal on our own process.
                 unsafe { libc::raise(libc::SIGKILL) };
             }
             Fault::Hang { rank: r, step: s } if r == rank && s == step => {
-                eprintln!("injected fault: rank {rank} hangs at step {step}");
+                say(&format!(
+                    "injected fault: rank {rank} hangs at step {step}\n"
+                ));
                 loop {
                     std::thread::sleep(std::time::Duration::from_secs(3600));
                 }
@@ -42,6 +46,13 @@ pub fn at_step(faults: &[Fault], rank: usize, step: u64) {
             _ => {}
         }
     }
+}
+
+/// One write for the whole line: `eprintln!` may write its pieces separately, and under an
+/// engine that merges the ranks' output (mpirun) another rank's line could land in the middle,
+/// so that the line tests and people look for is never there whole.
+fn say(line: &str) {
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
 }
 
 /// Slow-down factor for `rank` (1.0 when none).
