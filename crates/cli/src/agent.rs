@@ -732,17 +732,7 @@ impl NodeAgent {
             permanent: false,
             detection_seconds: 0.0,
         };
-        let as_worker = WorkerFailure {
-            rank: 0,
-            what: failure.what.clone(),
-            message: failure.message.clone(),
-            permanent: false,
-            detection_seconds: 0.0,
-        };
-        let policy = RestartPolicy {
-            max_restarts: self.s.max_restarts,
-        };
-        let mut next_step = rule(policy, self.restarts, Some(&as_worker), false);
+        let mut next_step = self.rule_on(Some(&failure), false);
         if next_step == Next::Restart && present.len() * 2 <= self.members.len() {
             // Fewer than a majority of the attempt's nodes reached the new store: this node
             // cannot tell the leader's loss from its own cut-off, and two jobs must never
@@ -904,17 +894,7 @@ impl NodeAgent {
                 detection_seconds: 0.0,
             })
         });
-        let as_worker_failure = root.as_ref().map(|f| WorkerFailure {
-            rank: f.rank,
-            what: f.what.clone(),
-            message: f.message.clone(),
-            permanent: f.permanent,
-            detection_seconds: f.detection_seconds,
-        });
-        let policy = RestartPolicy {
-            max_restarts: self.s.max_restarts,
-        };
-        let mut next = rule(policy, self.restarts, as_worker_failure.as_ref(), regroup);
+        let mut next = self.rule_on(root.as_ref(), regroup);
         let mut next_members: Vec<Member> = members
             .iter()
             .filter(|m| !lost.contains(&m.node))
@@ -981,6 +961,22 @@ impl NodeAgent {
             last_step,
             resumed_from,
         })
+    }
+
+    /// The restart policy (`supervise::rule`, shared with the single-node launcher) applied to
+    /// the job's root cause.
+    fn rule_on(&self, root: Option<&Failure>, regroup: bool) -> Next {
+        let as_worker = root.map(|f| WorkerFailure {
+            rank: f.rank,
+            what: f.what.clone(),
+            message: f.message.clone(),
+            permanent: f.permanent,
+            detection_seconds: f.detection_seconds,
+        });
+        let policy = RestartPolicy {
+            max_restarts: self.s.max_restarts,
+        };
+        rule(policy, self.restarts, as_worker.as_ref(), regroup)
     }
 
     fn change(

@@ -655,6 +655,16 @@ fn check_split(layer: &str, what: &str, features: usize, pieces: usize) {
     );
 }
 
+/// `f` on `x` seen as `[rows, features]` (every leading dimension folded into the rows), its
+/// result given back `x`'s leading dimensions.
+fn on_rows<const D: usize>(x: Tensor<D>, f: impl FnOnce(Tensor<2>) -> Tensor<2>) -> Tensor<D> {
+    let dims = x.dims();
+    let y = f(x.reshape([dims[..D - 1].iter().product(), dims[D - 1]]));
+    let mut out = dims;
+    out[D - 1] = y.dims()[1];
+    y.reshape(out)
+}
+
 /// A linear layer whose output features are cut into `pieces` fixed column pieces (Megatron's
 /// column-parallel linear). On a tensor-parallel rank it holds and computes only its pieces: its
 /// output is `[.., d_output · local / pieces]`, this rank's pieces side by side, meant for a
@@ -675,18 +685,15 @@ pub struct ColumnParallelLinear {
 impl ColumnParallelLinear {
     /// `[.., d_input]` → `[.., local features]` (all `d_output` on one worker).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let dims = x.dims();
-        let x2: Tensor<2> = x.reshape([dims[..D - 1].iter().product(), dims[D - 1]]);
-        let y = Tensor::<2>::from_dispatch(<Dispatch as TpOps>::tp_column(
-            x2.into_dispatch(),
-            self.weight.val().into_dispatch(),
-            self.bias.val().into_dispatch(),
-            self.pieces,
-            self.d_output,
-        ));
-        let mut out = dims;
-        out[D - 1] = y.dims()[1];
-        y.reshape(out)
+        on_rows(x, |x| {
+            Tensor::from_dispatch(<Dispatch as TpOps>::tp_column(
+                x.into_dispatch(),
+                self.weight.val().into_dispatch(),
+                self.bias.val().into_dispatch(),
+                self.pieces,
+                self.d_output,
+            ))
+        })
     }
 
     /// The fixed pieces `T`.
@@ -713,18 +720,15 @@ pub struct RowParallelLinear {
 impl RowParallelLinear {
     /// `[.., local features]` → `[.., d_output]`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let dims = x.dims();
-        let x2: Tensor<2> = x.reshape([dims[..D - 1].iter().product(), dims[D - 1]]);
-        let y = Tensor::<2>::from_dispatch(<Dispatch as TpOps>::tp_row(
-            x2.into_dispatch(),
-            self.weight.val().into_dispatch(),
-            self.pieces,
-            self.d_input,
-        ));
-        let y = y + self.bias.val().unsqueeze::<2>();
-        let mut out = dims;
-        out[D - 1] = y.dims()[1];
-        y.reshape(out)
+        on_rows(x, |x| {
+            let y = Tensor::<2>::from_dispatch(<Dispatch as TpOps>::tp_row(
+                x.into_dispatch(),
+                self.weight.val().into_dispatch(),
+                self.pieces,
+                self.d_input,
+            ));
+            y + self.bias.val().unsqueeze::<2>()
+        })
     }
 
     /// The fixed pieces `T`.
