@@ -295,6 +295,79 @@ fn reduce_scatter_ranges_cover_the_buffer_once_and_hold_the_reduction() {
     }
 }
 
+/// The produced reduce-scatter (values made segment by segment, never stored whole) against the
+/// stored one: every world size 1–8, lengths around the chunk and segment boundaries, f32 values
+/// whose sum depends on the order (so equal bits mean equal operations in equal order), every
+/// op but Mean; every value produced exactly once, the owned chunk consumed once in order; and
+/// peers mixing the two functions (same messages on the wire).
+#[test]
+fn produced_reduce_scatter_gives_the_stored_ones_bits() {
+    use lockstep_comm::ReduceOp;
+    let value =
+        |r: usize, i: usize| ((r * 31 + i * 17) as f32).sin() * 10f32.powi((r + i) as i32 % 7 - 3);
+    for n in 1..=8 {
+        for len in [0usize, 1, n - 1, n, 333, 7919] {
+            for mixed in [false, true] {
+                spmd(n, |comm| {
+                    comm.set_segment_bytes(1000);
+                    let r = comm.rank();
+                    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                        let mut stored: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+                        let mine = comm.reduce_scatter(&mut stored, op).unwrap();
+                        let mut produced_count = vec![0u8; len];
+                        let mut got = vec![f32::NAN; mine.len()];
+                        let mut next = mine.start;
+                        if mixed && r % 2 == 1 {
+                            let mut again: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+                            comm.reduce_scatter(&mut again, op).unwrap();
+                            got.copy_from_slice(&again[mine.clone()]);
+                            produced_count.fill(1);
+                        } else {
+                            let owned = comm
+                                .reduce_scatter_produced::<f32>(
+                                    len,
+                                    op,
+                                    &mut |range, dst| {
+                                        for (d, i) in dst.iter_mut().zip(range) {
+                                            produced_count[i] += 1;
+                                            *d = value(r, i);
+                                        }
+                                    },
+                                    &mut |range, v| {
+                                        assert_eq!(range.start, next, "consumed out of order");
+                                        next = range.end;
+                                        got[range.start - mine.start..range.end - mine.start]
+                                            .copy_from_slice(v);
+                                    },
+                                )
+                                .unwrap();
+                            assert_eq!(owned, mine);
+                            assert_eq!(next, mine.end, "n={n} len={len}: chunk not all consumed");
+                        }
+                        assert!(
+                            produced_count.iter().all(|&c| c == 1),
+                            "n={n} len={len} {op:?}: values produced {produced_count:?} times"
+                        );
+                        let want: Vec<u32> =
+                            stored[mine.clone()].iter().map(|x| x.to_bits()).collect();
+                        let have: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(have, want, "n={n} len={len} {op:?} mixed={mixed}");
+                    }
+                    let e = comm
+                        .reduce_scatter_produced::<f32>(
+                            len,
+                            ReduceOp::Mean,
+                            &mut |_, _| {},
+                            &mut |_, _| {},
+                        )
+                        .unwrap_err();
+                    assert!(e.to_string().contains("reduce_scatter"), "{e}");
+                });
+            }
+        }
+    }
+}
+
 #[test]
 fn nobody_leaves_a_barrier_before_everybody_arrived() {
     for n in [2usize, 3, 5, 8] {

@@ -94,8 +94,10 @@ impl ModelState {
     }
 
     /// Add the exact reducer's accumulator for a gradient of `len` values: one `i64` per value
-    /// in reproducible mode (kept between steps; whole-length even when the sum is
-    /// reduce-scattered, ZeRO 2), none in plain mode.
+    /// in reproducible mode, none in plain mode. An upper bound: the schedule that all-reduces
+    /// the sums (vectors below the small-message threshold) keeps this whole accumulator between
+    /// steps, but the reduce-scattered schedule forms the sums one ring segment at a time (plus
+    /// two chunk-sized carries with more than two ranks) and a single rank forms none.
     pub fn exact_scratch(mut self, reproducible: bool, len: usize) -> Self {
         if reproducible {
             self.grads_bytes += len as u64 * FIXED;
@@ -188,7 +190,8 @@ pub struct StateShape {
 /// The [`RankMemory`] a rank of `shape` would report (`peak_rss_bytes` = 0: not predicted here).
 ///
 /// `params = P / (dp if zero = 3)`, `grads = m·P + P / (dp if zero ≥ 2)` plus `8·P` bytes of
-/// fixed-point accumulator in reproducible mode, `optimizer = k·P / (dp if zero ≥ 1)`, activations
+/// fixed-point accumulator in reproducible mode (an upper bound, see
+/// [`ModelState::exact_scratch`]), `optimizer = k·P / (dp if zero ≥ 1)`, activations
 /// = `peak_held ×` one micro-batch's. A shard is the ceiling of `P / dp`.
 pub fn predict(shape: &StateShape) -> RankMemory {
     let p = shape.stage_params as u64;

@@ -17,6 +17,13 @@
 //! steps and `2(n-1)/n·S` bytes sent (the minimum possible for an all-reduce). Latency grows with
 //! `n`, which is why small messages use [`super::recursive_doubling`].
 //!
+//! [`ring_reduce_scatter_produced`] runs the same steps and puts the same bytes on the wire, but
+//! this rank's values are produced segment by segment by a callback instead of being read from a
+//! full-length buffer, and its finished chunk is handed to a second callback segment by segment:
+//! a caller whose values are computed (the exact sum's fixed-point conversion) never stores them
+//! all. Memory: two chunk-sized carries for `n > 2` (the partial sums that travel on), none for
+//! `n ≤ 2`, instead of the whole vector.
+//!
 //! Determinism: each element's final value is computed by exactly one rank (its chunk's owner) in
 //! a fixed order and then copied to all others, so every rank ends with identical bits, and the
 //! same group size, length and segment size give the same bits run after run.
@@ -81,6 +88,83 @@ pub fn ring_reduce_scatter<T: Element>(
     let mine = chunk_range(len, n, me);
     if op == ReduceOp::Mean && n > 1 {
         divide(&mut buf[mine.clone()], n);
+    }
+    Ok(mine)
+}
+
+/// [`ring_reduce_scatter`] of a vector of `len` values that is never stored whole:
+/// `produce(range, dst)` writes this rank's values for `range` into `dst` (called once per segment
+/// of every chunk this rank sends or reduces, each range once), and `consume(range, values)`
+/// receives the group's reduction of `range` — all of this rank's chunk, segment by segment in
+/// order. The same bytes go on the wire as `ring_reduce_scatter` of the produced vector, every
+/// element is reduced by the same operations in the same order (same bits), and peers may run
+/// either function. `Mean` is not supported (the caller scales what it consumes).
+pub fn ring_reduce_scatter_produced<T: Element>(
+    g: &Group,
+    tag: Tag,
+    len: usize,
+    op: ReduceOp,
+    produce: &mut dyn FnMut(Range<usize>, &mut [T]),
+    consume: &mut dyn FnMut(Range<usize>, &[T]),
+    scratch: &mut Scratch,
+) -> Result<Range<usize>, TransportError> {
+    assert!(op != ReduceOp::Mean, "ring_reduce_scatter_produced: Mean");
+    let n = g.size();
+    let me = g.me;
+    let right = (me + 1) % n;
+    let left = (me + n - 1) % n;
+    let esz = std::mem::size_of::<T>();
+    let nseg = segment_count(chunk_range(len, n, 0).len(), g.seg_elems::<T>());
+    let mine = chunk_range(len, n, me);
+    let seg_cap = segment(&chunk_range(len, n, 0), nseg, 0).len();
+    let mut values = vec![T::zeroed(); seg_cap];
+    if n == 1 {
+        for j in 0..nseg {
+            let seg = segment(&mine, nseg, j);
+            let v = &mut values[..seg.len()];
+            produce(seg.clone(), v);
+            consume(seg, v);
+        }
+        return Ok(mine);
+    }
+    // carries[s % 2] holds, at chunk-relative offsets, the partial sums received and reduced at
+    // step s, which step s + 1 sends on (two buffers: segment j of two chunks of different
+    // lengths need not start at the same offset).
+    let chunk_cap = if n > 2 {
+        chunk_range(len, n, 0).len()
+    } else {
+        0
+    };
+    let mut carries = [vec![T::zeroed(); chunk_cap], vec![T::zeroed(); chunk_cap]];
+    let mut outgoing = vec![T::zeroed(); seg_cap];
+    for s in 0..n - 1 {
+        let send_chunk = chunk_range(len, n, (me + 2 * n - s - 1) % n);
+        let recv_chunk = chunk_range(len, n, (me + 2 * n - s - 2) % n);
+        let t = step_tag(tag, s);
+        let last = s == n - 2;
+        for j in 0..nseg {
+            let send_seg = segment(&send_chunk, nseg, j);
+            let recv_seg = segment(&recv_chunk, nseg, j);
+            let out: &[T] = if s == 0 {
+                let o = &mut outgoing[..send_seg.len()];
+                produce(send_seg.clone(), o);
+                o
+            } else {
+                let at = send_seg.start - send_chunk.start;
+                &carries[(s - 1) % 2][at..at + send_seg.len()]
+            };
+            let incoming = scratch.bytes(recv_seg.len() * esz);
+            g.exchange(right, as_bytes(out), left, incoming, t)?;
+            let v = &mut values[..recv_seg.len()];
+            produce(recv_seg.clone(), v);
+            reduce_received(v, incoming, op, false);
+            if last {
+                consume(recv_seg, v);
+            } else {
+                let at = recv_seg.start - recv_chunk.start;
+                carries[s % 2][at..at + recv_seg.len()].copy_from_slice(v);
+            }
+        }
     }
     Ok(mine)
 }
