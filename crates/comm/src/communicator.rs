@@ -320,16 +320,15 @@ impl Communicator {
     }
 
     /// [`Communicator::reduce_scatter`] of a `len`-value vector that is never stored whole:
-    /// `produce(range, dst)` writes this rank's values for `range`, and `consume(range, values)`
-    /// receives the group's reduction of this rank's chunk, segment by segment (see
-    /// [`ring::ring_reduce_scatter_produced`]). Same bytes on the wire and same bits as
-    /// `reduce_scatter` of the produced vector; `Mean` is refused.
+    /// `values` produces this rank's values for each range the ring needs and consumes the
+    /// group's reduction of this rank's chunk, segment by segment (see
+    /// [`ring::ring_reduce_scatter_produced`]). Same bits as `reduce_scatter` of the produced
+    /// vector; `Mean` is refused.
     pub fn reduce_scatter_produced<T: Element>(
         &mut self,
         len: usize,
         op: ReduceOp,
-        produce: &mut dyn FnMut(Range<usize>, &mut [T]),
-        consume: &mut dyn FnMut(Range<usize>, &[T]),
+        values: &mut dyn ring::Produced<T>,
     ) -> Result<Range<usize>> {
         const OP: &str = "reduce_scatter";
         self.check_usable()?;
@@ -340,7 +339,7 @@ impl Communicator {
             ));
         }
         self.collective(OP, OpKind::ReduceScatter, |g, tag, scratch| {
-            ring::ring_reduce_scatter_produced(g, tag, len, op, produce, consume, scratch)
+            ring::ring_reduce_scatter_produced(g, tag, len, op, values, scratch)
         })
     }
 

@@ -23,9 +23,13 @@
 //! `reduce` gives them. Steps 2–4 then run fused, as a produced reduce-scatter
 //! ([`Communicator::reduce_scatter_produced`]): each segment's `i64` values are formed when the
 //! ring sends or reduces that segment (still in cache), and this rank's sums are converted back as
-//! they complete, so no full-length `i64` vector is written or read. Same bytes on the wire, same
-//! bits; on 2 workers of the benchmark MLP (670k values, shared memory) the exact sum's step time
-//! fell from 1.2–1.5 ms to 0.8 ms, the plain `f32` all-reduce's. Sharded optimizers (ZeRO 1/2) update that chunk only.
+//! they complete, so no full-length `i64` vector is written or read. And when no rank holds more
+//! than one micro-batch (agreed in step 1's collective), a value's fixed-point form is just its
+//! `f32` value rounded at the bucket's scale, so the reduce-scatter's first step sends the `f32`
+//! values and the receiver converts them: with 2 ranks the exact sum then moves `(n−1)/n·(4 + 4)·P`
+//! bytes, a plain `f32` all-reduce's. Same bits either way. On 2 workers of the benchmark MLP
+//! (670k values, one micro-batch each, shared memory) the exact sum's time per step fell from
+//! 1.2–1.5 ms to 0.8 ms (fused), then to 0.7 ms (f32 first step). Sharded optimizers (ZeRO 1/2) update that chunk only.
 //! [`ExactReducer::reduce_scattered_then_gathered`] follows it with an all-gather of the finished
 //! f32 chunks ((n−1)/n·4·P bytes): the whole sum, same bits as `reduce`, for 1.5× the bytes of a
 //! plain f32 all-reduce instead of 2×.
@@ -52,6 +56,7 @@
 
 use std::ops::Range;
 
+use crate::collectives::ring::Produced;
 use crate::communicator::{Algorithm, Communicator};
 use crate::element::ReduceOp;
 use crate::error::CommError;
@@ -75,6 +80,8 @@ pub enum ExactError {
 pub struct ExactReducer {
     bucket_elems: usize,
     exponents: Vec<i32>,
+    /// The most micro-batches any rank held in the last exact sum (agreed with the exponents).
+    most_local_parts: usize,
     acc: Vec<i64>,
 }
 
@@ -85,6 +92,7 @@ impl ExactReducer {
         Self {
             bucket_elems: bucket_elems.max(1),
             exponents: Vec::new(),
+            most_local_parts: 0,
             acc: Vec::new(),
         }
     }
@@ -206,8 +214,9 @@ impl ExactReducer {
     /// Steps 2–4 as a produced reduce-scatter ([`Communicator::reduce_scatter_produced`]): the
     /// `i64` values are formed segment by segment as the ring sends or reduces them and this
     /// rank's finished sums go straight into `owned_out` (the values `mine`), so no full-length
-    /// `i64` vector is written or read. Same bytes on the wire and same bits as a reduce-scatter
-    /// of the stored sums.
+    /// `i64` vector is written or read. When no rank holds more than one micro-batch, the first
+    /// step's messages carry the `f32` gradient values themselves (half the bytes; the receiver
+    /// converts them as the sender would have). Same bits either way.
     fn scatter_fixed(
         &self,
         comm: &mut Communicator,
@@ -218,27 +227,16 @@ impl ExactReducer {
         mine: &Range<usize>,
     ) -> Result<Range<usize>, ExactError> {
         let len = ranges.last().map_or(0, |b| b.1);
-        let exponents = &self.exponents;
-        let mut produce = |range: Range<usize>, dst: &mut [i64]| {
-            for_buckets_in(ranges, &range, |b, sub| {
-                let dst = &mut dst[sub.start - range.start..sub.end - range.start];
-                match exponents[b] {
-                    ALL_ZERO => dst.fill(0),
-                    e => fixed_sum(dst, local_parts, sub, shift_for(e, total_parts)),
-                }
-            });
+        let mut values = FixedValues {
+            ranges,
+            exponents: &self.exponents,
+            local_parts,
+            total_parts,
+            owned_out,
+            owned_start: mine.start,
+            single_part: self.most_local_parts <= 1,
         };
-        let mut consume = |range: Range<usize>, sums: &[i64]| {
-            for_buckets_in(ranges, &range, |b, sub| {
-                let src = &sums[sub.start - range.start..sub.end - range.start];
-                let dst = &mut owned_out[sub.start - mine.start..sub.end - mine.start];
-                match exponents[b] {
-                    ALL_ZERO => dst.fill(0.0),
-                    e => finish_fixed(src, shift_for(e, total_parts), dst),
-                }
-            });
-        };
-        Ok(comm.reduce_scatter_produced(len, ReduceOp::Sum, &mut produce, &mut consume)?)
+        Ok(comm.reduce_scatter_produced(len, ReduceOp::Sum, &mut values)?)
     }
 
     /// Steps 1 and 2: [`ExactReducer::exponents`], then this rank's exact fixed-point sums of
@@ -295,7 +293,12 @@ impl ExactReducer {
             }
             self.exponents.push(m);
         }
+        // One more value agreed in the same collective: the most micro-batches any rank holds
+        // (whether a reduce-scatter's first messages may carry plain f32 values).
+        self.exponents
+            .push(i32::try_from(local_parts.len()).unwrap_or(i32::MAX));
         comm.all_reduce(&mut self.exponents, ReduceOp::Max)?;
+        self.most_local_parts = self.exponents.pop().map_or(0, |m| m as usize);
         if let Some(i) = self.exponents.iter().position(|&e| e == NON_FINITE) {
             let (start, end) = ranges[i];
             return Err(ExactError::NonFinite { start, end });
@@ -441,6 +444,74 @@ impl ExactReducer {
             }
         }
         Ok(())
+    }
+}
+
+/// The exact sum's values as a produced reduce-scatter asks for them: each segment's fixed-point
+/// sums formed on demand, this rank's chunk converted back into `owned_out` as it completes.
+struct FixedValues<'a> {
+    ranges: &'a [(usize, usize)],
+    exponents: &'a [i32],
+    local_parts: &'a [&'a [f32]],
+    total_parts: usize,
+    owned_out: &'a mut [f32],
+    owned_start: usize,
+    /// No rank holds more than one micro-batch: a value's fixed-point form is its `f32` value
+    /// rounded at the bucket's scale, so the first step may send the `f32` and let the receiver
+    /// convert it.
+    single_part: bool,
+}
+
+impl Produced<i64> for FixedValues<'_> {
+    fn produce(&mut self, range: Range<usize>, dst: &mut [i64]) {
+        let (parts, total) = (self.local_parts, self.total_parts);
+        for_buckets_in(self.ranges, &range, |b, sub| {
+            let dst = &mut dst[sub.start - range.start..sub.end - range.start];
+            match self.exponents[b] {
+                ALL_ZERO => dst.fill(0),
+                e => fixed_sum(dst, parts, sub, shift_for(e, total)),
+            }
+        });
+    }
+
+    fn consume(&mut self, range: Range<usize>, sums: &[i64]) {
+        let (out, at) = (&mut *self.owned_out, self.owned_start);
+        for_buckets_in(self.ranges, &range, |b, sub| {
+            let src = &sums[sub.start - range.start..sub.end - range.start];
+            let dst = &mut out[sub.start - at..sub.end - at];
+            match self.exponents[b] {
+                ALL_ZERO => dst.fill(0.0),
+                e => finish_fixed(src, shift_for(e, self.total_parts), dst),
+            }
+        });
+    }
+
+    fn first_step_bytes(&self) -> Option<usize> {
+        self.single_part.then_some(std::mem::size_of::<f32>())
+    }
+
+    fn encode_first(&mut self, range: Range<usize>, dst: &mut [u8]) {
+        match self.local_parts.first() {
+            Some(part) => dst.copy_from_slice(bytemuck::cast_slice(&part[range])),
+            // A rank without micro-batches contributes zeros (0.0 is all zero bits).
+            None => dst.fill(0),
+        }
+    }
+
+    fn produce_with_first(&mut self, range: Range<usize>, received: &[u8], dst: &mut [i64]) {
+        self.produce(range.clone(), dst);
+        let received: &[f32] = bytemuck::cast_slice(received);
+        for_buckets_in(self.ranges, &range, |b, sub| {
+            let e = self.exponents[b];
+            if e != ALL_ZERO {
+                let (lo, hi) = (sub.start - range.start, sub.end - range.start);
+                accumulate_fixed(
+                    &mut dst[lo..hi],
+                    &received[lo..hi],
+                    shift_for(e, self.total_parts),
+                );
+            }
+        });
     }
 }
 

@@ -6,6 +6,7 @@ mod common;
 use closed_forms::{expected, local_data, TestElem, ALGS, OPS};
 use common::waited_in_message;
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -295,6 +296,32 @@ fn reduce_scatter_ranges_cover_the_buffer_once_and_hold_the_reduction() {
     }
 }
 
+/// A produced vector for `produced_reduce_scatter_gives_the_stored_ones_bits`: counts what was
+/// produced and checks the order of what is consumed.
+struct Values<'a> {
+    rank: usize,
+    value: &'a dyn Fn(usize, usize) -> f32,
+    produced: Vec<u8>,
+    got: Vec<f32>,
+    mine: Range<usize>,
+    next: usize,
+}
+
+impl lockstep_comm::collectives::ring::Produced<f32> for Values<'_> {
+    fn produce(&mut self, range: Range<usize>, dst: &mut [f32]) {
+        for (d, i) in dst.iter_mut().zip(range) {
+            self.produced[i] += 1;
+            *d = (self.value)(self.rank, i);
+        }
+    }
+
+    fn consume(&mut self, range: Range<usize>, v: &[f32]) {
+        assert_eq!(range.start, self.next, "consumed out of order");
+        self.next = range.end;
+        self.got[range.start - self.mine.start..range.end - self.mine.start].copy_from_slice(v);
+    }
+}
+
 /// The produced reduce-scatter (values made segment by segment, never stored whole) against the
 /// stored one: every world size 1–8, lengths around the chunk and segment boundaries, f32 values
 /// whose sum depends on the order (so equal bits mean equal operations in equal order), every
@@ -314,52 +341,47 @@ fn produced_reduce_scatter_gives_the_stored_ones_bits() {
                     for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
                         let mut stored: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
                         let mine = comm.reduce_scatter(&mut stored, op).unwrap();
-                        let mut produced_count = vec![0u8; len];
-                        let mut got = vec![f32::NAN; mine.len()];
-                        let mut next = mine.start;
+                        let mut values = Values {
+                            rank: r,
+                            value: &value,
+                            produced: vec![0; len],
+                            got: vec![f32::NAN; mine.len()],
+                            mine: mine.clone(),
+                            next: mine.start,
+                        };
                         if mixed && r % 2 == 1 {
                             let mut again: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
                             comm.reduce_scatter(&mut again, op).unwrap();
-                            got.copy_from_slice(&again[mine.clone()]);
-                            produced_count.fill(1);
+                            values.got.copy_from_slice(&again[mine.clone()]);
+                            values.produced.fill(1);
                         } else {
-                            let owned = comm
-                                .reduce_scatter_produced::<f32>(
-                                    len,
-                                    op,
-                                    &mut |range, dst| {
-                                        for (d, i) in dst.iter_mut().zip(range) {
-                                            produced_count[i] += 1;
-                                            *d = value(r, i);
-                                        }
-                                    },
-                                    &mut |range, v| {
-                                        assert_eq!(range.start, next, "consumed out of order");
-                                        next = range.end;
-                                        got[range.start - mine.start..range.end - mine.start]
-                                            .copy_from_slice(v);
-                                    },
-                                )
-                                .unwrap();
+                            let owned = comm.reduce_scatter_produced(len, op, &mut values).unwrap();
                             assert_eq!(owned, mine);
-                            assert_eq!(next, mine.end, "n={n} len={len}: chunk not all consumed");
+                            assert_eq!(
+                                values.next, mine.end,
+                                "n={n} len={len}: chunk not all consumed"
+                            );
                         }
                         assert!(
-                            produced_count.iter().all(|&c| c == 1),
-                            "n={n} len={len} {op:?}: values produced {produced_count:?} times"
+                            values.produced.iter().all(|&c| c == 1),
+                            "n={n} len={len} {op:?}: values produced {:?} times",
+                            values.produced
                         );
                         let want: Vec<u32> =
                             stored[mine.clone()].iter().map(|x| x.to_bits()).collect();
-                        let have: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+                        let have: Vec<u32> = values.got.iter().map(|x| x.to_bits()).collect();
                         assert_eq!(have, want, "n={n} len={len} {op:?} mixed={mixed}");
                     }
+                    let mut values = Values {
+                        rank: r,
+                        value: &value,
+                        produced: vec![0; len],
+                        got: Vec::new(),
+                        mine: 0..0,
+                        next: 0,
+                    };
                     let e = comm
-                        .reduce_scatter_produced::<f32>(
-                            len,
-                            ReduceOp::Mean,
-                            &mut |_, _| {},
-                            &mut |_, _| {},
-                        )
+                        .reduce_scatter_produced(len, ReduceOp::Mean, &mut values)
                         .unwrap_err();
                     assert!(e.to_string().contains("reduce_scatter"), "{e}");
                 });

@@ -1,7 +1,7 @@
 //! The exact sum reduce-scattered (ZeRO's gradient path) and reduce-scattered then all-gathered
 //! (the cheaper full reduction), over the in-process transport: world sizes × lengths × bucket
 //! sizes against the one-rank sum, integer closed forms, untouched non-owned values, bytes on
-//! the wire, and non-finite values reported on every rank; the cheapest schedule
+//! the wire (fewer when no rank holds more than one micro-batch), and non-finite values reported on every rank; the cheapest schedule
 //! (`reduce_cheapest`, `reduce_bucket`: scattered where that saves bytes, fused on one rank) against
 //! the all-reduce's bits at every algorithm setting.
 
@@ -73,8 +73,13 @@ fn one_rank_sum(all: &[Vec<f32>], len: usize, bucket: usize) -> Vec<f32> {
 fn reduce_scatter_owns_its_chunk_with_the_bits_of_the_whole_sum() {
     for n in 1..=5 {
         for len in [0usize, 1, 2, 7, 100, 1031] {
-            for bucket in [1usize, 3, 64, 4096] {
-                let m = 6;
+            // 6 micro-batches (several per rank), or at most one per rank (the first step then
+            // sends f32 values), some ranks holding none when m < n.
+            for (bucket, m) in [1usize, 3, 64, 4096]
+                .into_iter()
+                .flat_map(|b| [(b, 6), (b, n), (b, n - 1)])
+                .filter(|&(_, m)| m > 0)
+            {
                 let all = parts(m, len);
                 let want = one_rank_sum(&all, len, bucket);
                 let got = spmd(n, |comm| {
@@ -119,8 +124,11 @@ fn a_shard_of_the_wrong_length_is_refused_on_every_rank() {
 #[test]
 fn scattered_then_gathered_gives_every_rank_the_whole_sum() {
     for n in 1..=5 {
-        for len in [0usize, 1, 5, 257, 4099] {
-            let m = 7;
+        for (len, m) in [0usize, 1, 5, 257, 4099]
+            .into_iter()
+            .flat_map(|len| [(len, 7), (len, n), (len, n - 1)])
+            .filter(|&(_, m)| m > 0)
+        {
             let all = parts(m, len);
             let want = one_rank_sum(&all, len, 256);
             let buckets: Vec<Range<usize>> = ExactReducer::new(256)
@@ -180,45 +188,54 @@ fn integer_parts_sum_to_their_closed_form() {
 }
 
 #[test]
-fn scattered_then_gathered_sends_three_quarters_of_the_all_reduce_bytes() {
+fn scattered_then_gathered_sends_three_quarters_or_half_of_the_all_reduce_bytes() {
     // Two ranks, 1 Mi values: all-reduce of i64 sends (n−1)/n · 2 · 8P = 8P bytes per rank;
-    // reduce-scatter of i64 + all-gather of f32 send (n−1)/n · (8 + 4)P = 6P. The exponent
+    // reduce-scatter of i64 + all-gather of f32 send (n−1)/n · (8 + 4)P = 6P; and when no rank
+    // holds more than one micro-batch the reduce-scatter's messages carry the f32 values
+    // themselves: (n−1)/n · (4 + 4)P = 4P, a plain f32 all-reduce's bytes. The exponent
     // all-reduce adds a few bytes per bucket.
     let len = 1 << 20;
-    let m = 2;
-    let all = parts(m, len);
     let bucket = 1 << 16;
     let buckets: Vec<Range<usize>> = ExactReducer::new(bucket)
         .buckets(len)
         .map(|(s, e)| s..e)
         .collect();
-    let sent = spmd(2, |comm| {
-        let refs: Vec<&[f32]> = all[share(m, 2, comm.rank())]
-            .iter()
-            .map(|p| p.as_slice())
-            .collect();
-        let mut out = vec![0f32; len];
-        let mut reducer = ExactReducer::new(bucket);
-        let before = comm.stats().bytes_sent;
-        reducer.reduce(comm, &refs, m, &mut out).unwrap();
-        let full = comm.stats().bytes_sent - before;
-        let before = comm.stats().bytes_sent;
-        reducer
-            .reduce_scattered_then_gathered(comm, &refs, m, &mut out, &buckets)
-            .unwrap();
-        (full, comm.stats().bytes_sent - before)
-    });
-    for (full, cheaper) in sent {
-        let p = len as u64;
-        let slack = 4096;
-        assert!(
-            full >= 8 * p && full <= 8 * p + slack,
-            "all-reduce sent {full}"
-        );
-        assert!(
-            cheaper >= 6 * p && cheaper <= 6 * p + slack,
-            "reduce-scatter + all-gather sent {cheaper}"
-        );
+    for (m, per_value) in [(2usize, 4u64), (4, 6)] {
+        let all = parts(m, len);
+        let sent = spmd(2, |comm| {
+            let refs: Vec<&[f32]> = all[share(m, 2, comm.rank())]
+                .iter()
+                .map(|p| p.as_slice())
+                .collect();
+            let mut out = vec![0f32; len];
+            let mut reducer = ExactReducer::new(bucket);
+            let before = comm.stats().bytes_sent;
+            reducer.reduce(comm, &refs, m, &mut out).unwrap();
+            let full = comm.stats().bytes_sent - before;
+            let reference = out.clone();
+            let before = comm.stats().bytes_sent;
+            reducer
+                .reduce_scattered_then_gathered(comm, &refs, m, &mut out, &buckets)
+                .unwrap();
+            assert_eq!(
+                bits(&out),
+                bits(&reference),
+                "m={m}: not the all-reduce's bits"
+            );
+            (full, comm.stats().bytes_sent - before)
+        });
+        for (full, cheaper) in sent {
+            let p = len as u64;
+            let slack = 4096;
+            assert!(
+                full >= 8 * p && full <= 8 * p + slack,
+                "m={m}: all-reduce sent {full}"
+            );
+            assert!(
+                cheaper >= per_value * p && cheaper <= per_value * p + slack,
+                "m={m}: reduce-scatter + all-gather sent {cheaper}, expected {per_value} per value"
+            );
+        }
     }
 }
 
@@ -307,7 +324,8 @@ fn the_cheapest_schedule_scatters_only_where_it_saves_bytes() {
         "one rank never"
     );
 
-    // Two ranks, 1 Mi values: 6 bytes per value, as reduce_scattered_then_gathered.
+    // Two ranks of one micro-batch each, 1 Mi values: 4 bytes per value, as
+    // reduce_scattered_then_gathered.
     let len = 1 << 20;
     let all = parts(2, len);
     let sent = spmd(2, |comm| {
@@ -322,7 +340,7 @@ fn the_cheapest_schedule_scatters_only_where_it_saves_bytes() {
         comm.stats().bytes_sent - before
     });
     for s in sent {
-        assert!((6 * len as u64..6 * len as u64 + 4096).contains(&s), "{s}");
+        assert!((4 * len as u64..4 * len as u64 + 4096).contains(&s), "{s}");
     }
 }
 

@@ -92,20 +92,47 @@ pub fn ring_reduce_scatter<T: Element>(
     Ok(mine)
 }
 
-/// [`ring_reduce_scatter`] of a vector of `len` values that is never stored whole:
-/// `produce(range, dst)` writes this rank's values for `range` into `dst` (called once per segment
-/// of every chunk this rank sends or reduces, each range once), and `consume(range, values)`
-/// receives the group's reduction of `range` — all of this rank's chunk, segment by segment in
-/// order. The same bytes go on the wire as `ring_reduce_scatter` of the produced vector, every
-/// element is reduced by the same operations in the same order (same bits), and peers may run
-/// either function. `Mean` is not supported (the caller scales what it consumes).
+/// What [`ring_reduce_scatter_produced`] asks of its caller: this rank's values, made on demand,
+/// and a place for its finished chunk.
+pub trait Produced<T> {
+    /// Write this rank's values for `range` into `dst` (each value is asked for exactly once).
+    fn produce(&mut self, range: Range<usize>, dst: &mut [T]);
+    /// The group's reduction of `range`: all of this rank's chunk, segment by segment in order.
+    fn consume(&mut self, range: Range<usize>, values: &[T]);
+    /// Bytes per value of step 0's messages, the only ones that carry a rank's own values
+    /// unreduced. `None` (the default): they travel as `T`. A caller whose values have a narrower
+    /// exact form on *every* rank (the exact sum's fixed-point value of a single micro-batch is
+    /// that `f32` number scaled) returns its size and implements the two methods below; every
+    /// rank must return the same.
+    fn first_step_bytes(&self) -> Option<usize> {
+        None
+    }
+    /// Step 0's message for `range`: this rank's values in the narrow form.
+    fn encode_first(&mut self, range: Range<usize>, dst: &mut [u8]) {
+        let _ = (range, dst);
+        unreachable!("encode_first without first_step_bytes");
+    }
+    /// `dst` = this rank's values for `range` reduced with the values a peer's step-0 message
+    /// `received` carries for it.
+    fn produce_with_first(&mut self, range: Range<usize>, received: &[u8], dst: &mut [T]) {
+        let _ = (range, received, dst);
+        unreachable!("produce_with_first without first_step_bytes");
+    }
+}
+
+/// [`ring_reduce_scatter`] of a vector of `len` values that is never stored whole: `values`
+/// produces this rank's values segment by segment (those it sends or reduces) and consumes its
+/// finished chunk segment by segment. The same operations in the same order on every element as
+/// `ring_reduce_scatter` of the produced vector (same bits); the same bytes on the wire too, so
+/// peers may run either function, unless `values` narrows step 0's messages
+/// ([`Produced::first_step_bytes`]), which every rank must then do. `Mean` is not supported (the
+/// caller scales what it consumes).
 pub fn ring_reduce_scatter_produced<T: Element>(
     g: &Group,
     tag: Tag,
     len: usize,
     op: ReduceOp,
-    produce: &mut dyn FnMut(Range<usize>, &mut [T]),
-    consume: &mut dyn FnMut(Range<usize>, &[T]),
+    values: &mut dyn Produced<T>,
     scratch: &mut Scratch,
 ) -> Result<Range<usize>, TransportError> {
     assert!(op != ReduceOp::Mean, "ring_reduce_scatter_produced: Mean");
@@ -117,16 +144,17 @@ pub fn ring_reduce_scatter_produced<T: Element>(
     let nseg = segment_count(chunk_range(len, n, 0).len(), g.seg_elems::<T>());
     let mine = chunk_range(len, n, me);
     let seg_cap = segment(&chunk_range(len, n, 0), nseg, 0).len();
-    let mut values = vec![T::zeroed(); seg_cap];
+    let mut reduced = vec![T::zeroed(); seg_cap];
     if n == 1 {
         for j in 0..nseg {
             let seg = segment(&mine, nseg, j);
-            let v = &mut values[..seg.len()];
-            produce(seg.clone(), v);
-            consume(seg, v);
+            let v = &mut reduced[..seg.len()];
+            values.produce(seg.clone(), v);
+            values.consume(seg, v);
         }
         return Ok(mine);
     }
+    let narrow = values.first_step_bytes();
     // carries[s % 2] holds, at chunk-relative offsets, the partial sums received and reduced at
     // step s, which step s + 1 sends on (two buffers: segment j of two chunks of different
     // lengths need not start at the same offset).
@@ -136,7 +164,8 @@ pub fn ring_reduce_scatter_produced<T: Element>(
         0
     };
     let mut carries = [vec![T::zeroed(); chunk_cap], vec![T::zeroed(); chunk_cap]];
-    let mut outgoing = vec![T::zeroed(); seg_cap];
+    let mut outgoing = vec![T::zeroed(); if narrow.is_some() { 0 } else { seg_cap }];
+    let mut outgoing_narrow = vec![0u8; narrow.map_or(0, |b| b * seg_cap)];
     for s in 0..n - 1 {
         let send_chunk = chunk_range(len, n, (me + 2 * n - s - 1) % n);
         let recv_chunk = chunk_range(len, n, (me + 2 * n - s - 2) % n);
@@ -145,21 +174,37 @@ pub fn ring_reduce_scatter_produced<T: Element>(
         for j in 0..nseg {
             let send_seg = segment(&send_chunk, nseg, j);
             let recv_seg = segment(&recv_chunk, nseg, j);
-            let out: &[T] = if s == 0 {
-                let o = &mut outgoing[..send_seg.len()];
-                produce(send_seg.clone(), o);
-                o
-            } else {
-                let at = send_seg.start - send_chunk.start;
-                &carries[(s - 1) % 2][at..at + send_seg.len()]
+            let out: &[u8] = match (s, narrow) {
+                (0, Some(b)) => {
+                    let o = &mut outgoing_narrow[..b * send_seg.len()];
+                    values.encode_first(send_seg.clone(), o);
+                    o
+                }
+                (0, None) => {
+                    let o = &mut outgoing[..send_seg.len()];
+                    values.produce(send_seg.clone(), o);
+                    as_bytes(o)
+                }
+                _ => {
+                    let at = send_seg.start - send_chunk.start;
+                    as_bytes(&carries[(s - 1) % 2][at..at + send_seg.len()])
+                }
             };
-            let incoming = scratch.bytes(recv_seg.len() * esz);
-            g.exchange(right, as_bytes(out), left, incoming, t)?;
-            let v = &mut values[..recv_seg.len()];
-            produce(recv_seg.clone(), v);
-            reduce_received(v, incoming, op, false);
+            let v = &mut reduced[..recv_seg.len()];
+            let incoming_bytes = match (s, narrow) {
+                (0, Some(b)) => b,
+                _ => esz,
+            };
+            let incoming = scratch.bytes(recv_seg.len() * incoming_bytes);
+            g.exchange(right, out, left, incoming, t)?;
+            if s == 0 && narrow.is_some() {
+                values.produce_with_first(recv_seg.clone(), incoming, v);
+            } else {
+                values.produce(recv_seg.clone(), v);
+                reduce_received(v, incoming, op, false);
+            }
             if last {
-                consume(recv_seg, v);
+                values.consume(recv_seg, v);
             } else {
                 let at = recv_seg.start - recv_chunk.start;
                 carries[s % 2][at..at + recv_seg.len()].copy_from_slice(v);
