@@ -403,10 +403,10 @@ mod tests {
         assert_eq!(cal.layer_shares, vec![0.25, 0.75]);
         assert_eq!((cal.dp, cal.pp), (1, 2));
         // Per step: one activation forward and one gradient back per micro-batch over the one
-        // boundary (256 B × 64 samples), half of it per rank, plus the 12-byte loss exchange.
+        // boundary (256 B × 64 samples), half of it per rank, plus the 16-byte loss exchange.
         assert_eq!(
             cal.modelled_bytes_per_rank_step,
-            2.0 * 2.0 * 16384.0 / 2.0 + 12.0
+            2.0 * 2.0 * 16384.0 / 2.0 + 16.0
         );
     }
 }

@@ -415,8 +415,8 @@ mod tests {
         );
         assert_eq!(p.stage_layers, vec![(0, 1), (1, 2), (2, 3), (3, 4)]);
         // 3 boundaries × 8 micro-batches × 4 KiB each way over 4 ranks, plus the loss exchange
-        // (recursive doubling on 4 ranks: 2 rounds of 4 + 8 bytes).
-        assert_eq!(p.bytes_per_rank_step, 2.0 * 8.0 * 3.0 * 4096.0 / 4.0 + 24.0);
+        // (recursive doubling on 4 ranks: 2 rounds of 8 + 8 bytes).
+        assert_eq!(p.bytes_per_rank_step, 2.0 * 8.0 * 3.0 * 4096.0 / 4.0 + 32.0);
         // Latency α = 2 ms per message, more than a stage's 1 ms: the links pace the pipeline.
         // (m − 1)·α for the stream, p·t_stage and 2(p − 1)·α for the first micro-batch's path.
         let slow = Cluster::uniform(4, Link::new(2e-3, 1e18));
