@@ -1,21 +1,46 @@
-//! `dense_linear`: burn's linear layer with a faster input gradient.
+//! `dense_linear`: burn's linear layer computed by direct `gemm` calls on flex's tensors, with
+//! unchanged bits.
 //!
-//! Why: burn computes a linear layer's input gradient as `dy · Wᵀ` with `Wᵀ` a transposed view
-//! of the weight, and burn flex's matrix multiply (the `gemm` crate) packs such a strided right
-//! operand element by element: measured on this project's 2-core VM, `[128, 2048] · [2048,
-//! 2048]ᵀ` takes 22 ms against 11.5 ms for the same product with contiguous operands (1.2 ms
-//! against 0.4 ms at `[64, 512] · [512, 512]ᵀ`; `examples/mm_layouts.rs`). This op computes the
-//! same product as `(W · dyᵀ)ᵀ`, transposing only the two small activation-sized matrices into
-//! contiguous buffers (`[n, out]` and `[in, n]`, never the weight), which multiplies at the fast
-//! layout.
+//! Why: through burn each product allocates a zero-filled output (flex's `FlexTensor::empty`)
+//! that gemm then overwrites, and burn computes the input gradient `dy · Wᵀ` with `Wᵀ` a
+//! transposed view of the weight, which gemm packs element by element (measured on this
+//! project's 2-core VM: `[128, 2048] · [2048, 2048]ᵀ` 22 ms against 11.5 ms for the same product
+//! with contiguous operands; `examples/mm_layouts.rs`). Here every product is one `gemm::gemm`
+//! call on the operands' storage at their own strides, written into a buffer that is never
+//! zero-filled; for the input gradient, the transposed copies are only made where they are
+//! cheaper than gemm's packing (below).
 //!
-//! Forward, weight gradient and bias gradient are burn's own (`linear`,
-//! `linear_weight_backward`, `linear_bias_backward`): their bits are unchanged. The input
-//! gradient is the same product with gemm's operands in another layout; gemm does not promise the
-//! same summation order for both, so its last bits may differ from burn's (on the benchmark MLPs
-//! they did not: `param_hash` unchanged). Either way it is the same computation on every rank and
-//! at every world size, which is what reproducibility needs. Measured end to end (1 worker, 1
-//! thread, 2 interleaved pairs of runs): MLP 784-2048×3-10 251 → 212 ms per step (−15%).
+//! Bits. The forward (`x · W`, then the bias added to each row) and the weight gradient
+//! (`xᵀ · dy`) are the gemm calls burn flex's `matmul_2d_strided` makes for burn's `linear` and
+//! `linear_weight_backward`, argument for argument, and the bias is added by the same single
+//! IEEE addition per element: bit for bit burn's. The bias gradient is burn's
+//! `linear_bias_backward` itself. The input gradient keeps the bits of this op's previous version,
+//! `(W · contiguous(dyᵀ))ᵀ` with burn ops, in one of two forms:
+//! - in place, `dxᵀ = W · dyᵀ` in one gemm call reading `W` and `dy` where they lie and writing
+//!   `dxᵀ` column-major, which is `dx` row-major: no copy, but gemm then packs `W` as its left
+//!   operand row by row, slow for long rows. Used when `out` ≤ 128 and `W` has at most twice as
+//!   many elements as `dy` and `dx` together (measured with `examples/gemm_probe.rs`: 4–15×
+//!   faster than the transposed form for a 10-class head, 2–8× slower for a 2048 × 2048 weight);
+//! - transposed, otherwise: the previous version's own gemm call on `contiguous(dyᵀ)`, then `dxᵀ`
+//!   transposed to `dx`, minus the zero-filled buffer.
+//!
+//! gemm's result does not depend on where its operands lie in memory as long as it runs its
+//! micro-kernel (each output is one fused multiply-add chain over the sum in order, cut into
+//! blocks by a depth that only depends on the sizes), which is why both forms agree; the in-place
+//! form is only used where neither form falls to gemm's gemv, gevv or small dot-product paths.
+//! The unit tests check all of this bit for bit on the benchmark models' shapes and on odd,
+//! one-row and strided ones.
+//!
+//! Threads: flex runs gemm single-threaded here at every size (see `PARALLELISM`), so do we.
+//!
+//! Measured end to end against the previous version (burn's forward and weight gradient, the
+//! transposed input gradient everywhere), 1 worker, 1 thread, bench-mlp784, median `step_seconds`
+//! after step 20, sets of 3 interleaved pairs of runs, same `param_hash` in every run:
+//! - MLP 784-512-512-10, micro-batch 128: 12.0 → 10.9 ms per step; ratio 0.87–0.91 (2 sets);
+//! - MLP 784-2048×3-10, micro-batch 64: 231 → 206 ms per step, ratio 0.86–0.93 (2 sets), nearly
+//!   all of it in backward (141 → 118 ms), where the 2048 × 2048 weight-gradient buffers are no
+//!   longer zero-filled. A third set, run while another job loaded the 2-core VM (load average
+//!   ≈ 3), gave 0.96–1.08.
 
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
@@ -23,9 +48,11 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
     Autodiff, NodeId,
 };
+use burn::backend::flex::FlexTensor;
 use burn::backend::ops::{FloatTensorOps, ModuleOps};
 use burn::backend::{backend_extension, tensor::FloatTensor, Backend, Dispatch, Flex};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor, TensorData};
+use std::borrow::Cow;
 
 #[backend_extension(Flex, Autodiff)]
 pub trait DenseLinear: Backend {
@@ -43,15 +70,248 @@ impl DenseLinear for Flex {
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        Flex::linear(x, weight, Some(bias))
+        forward(x, weight, bias)
     }
 }
 
-/// `dy · Wᵀ` as `(W · dyᵀ)ᵀ` with contiguous operands (see the module documentation).
-fn input_grad(weight: FloatTensor<Flex>, dy: FloatTensor<Flex>) -> FloatTensor<Flex> {
+/// gemm's threading for every product here: the one burn flex's `matmul_2d_strided` picks. Flex
+/// asks for `Rayon(0)` above 192³ multiply-adds only when built with its `rayon` feature, which
+/// this workspace leaves off (burn's default features are off; `cargo tree -i rayon` is empty), so
+/// flex runs `None` at every size, whatever `--threads-per-worker` says. If flex's `rayon` is ever
+/// turned on, this must follow. (gemm splits the rows and columns of the output between threads,
+/// never the sum, so the threading does not change the bits either way.)
+const PARALLELISM: gemm::Parallelism = gemm::Parallelism::None;
+
+/// A 2-D f32 operand of a gemm call, read in place: the tensor's storage, its first element and
+/// its row and column strides, in elements.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    storage: &'a [f32],
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    rs: isize,
+    cs: isize,
+}
+
+impl<'a> Mat<'a> {
+    /// `t` as it lies in memory (any strides). Panics unless `t` is a 2-D f32 tensor whose
+    /// elements all lie inside its storage (flex's layouts always do; checked because gemm
+    /// reads them through raw pointers).
+    fn of(t: &'a FlexTensor) -> Self {
+        let layout = t.layout();
+        let (shape, strides) = (layout.shape(), layout.strides());
+        assert_eq!(shape.num_dims(), 2, "dense_linear: 2-D operands only");
+        let m = Mat {
+            storage: t.storage::<f32>(),
+            offset: layout.start_offset(),
+            rows: shape[0],
+            cols: shape[1],
+            rs: strides[0],
+            cs: strides[1],
+        };
+        if m.rows > 0 && m.cols > 0 {
+            let (mut lo, mut hi) = (m.offset as isize, m.offset as isize);
+            for (len, stride) in [(m.rows, m.rs), (m.cols, m.cs)] {
+                let reach = (len as isize - 1) * stride;
+                if reach < 0 {
+                    lo += reach;
+                } else {
+                    hi += reach;
+                }
+            }
+            assert!(
+                lo >= 0 && (hi as usize) < m.storage.len(),
+                "dense_linear: layout outside its storage"
+            );
+        }
+        m
+    }
+
+    /// The transposed view (no copy).
+    fn t(self) -> Self {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Row-major or column-major, possibly with padding between rows or columns (a narrowed view).
+    fn is_plain(&self) -> bool {
+        (self.cs == 1 && self.rs >= self.cols as isize)
+            || (self.rs == 1 && self.cs >= self.rows as isize)
+    }
+
+    fn ptr(&self) -> *const f32 {
+        self.storage.as_ptr().wrapping_add(self.offset)
+    }
+}
+
+/// How a product's `m × n` result lies in its fresh, densely packed buffer.
+#[derive(Clone, Copy)]
+enum Dst {
+    RowMajor,
+    ColMajor,
+}
+
+/// `lhs · rhs` (`[m, k] · [k, n]`) by one gemm call with the arguments burn flex's
+/// `matmul_2d_strided` passes (alpha 0, beta 1, destination not read, operands in place at their
+/// own strides), into a fresh buffer that is never zero-filled.
+fn gemm_new(lhs: Mat, rhs: Mat, dst: Dst) -> Vec<f32> {
+    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
+    assert_eq!(rhs.rows, k, "dense_linear: inner dimensions differ");
+    let len = m
+        .checked_mul(n)
+        .expect("dense_linear: output size overflows");
+    let (dst_cs, dst_rs) = match dst {
+        Dst::RowMajor => (1, n as isize),
+        Dst::ColMajor => (m as isize, 1),
+    };
+    let mut out = Vec::<f32>::with_capacity(len);
+    // SAFETY: `lhs` and `rhs` address only elements inside the storage they borrow (checked in
+    // `Mat::of`; `t` keeps that), which outlives the call. The destination strides map the m × n
+    // indices one to one onto `0..len`, inside `out`'s capacity. With `read_dst = false` gemm
+    // never reads the destination before writing it, and writes every one of its elements (the
+    // micro-kernel, gemv and gevv paths, and zeros when k = 0: gemm-common 0.19's
+    // `gemm_basic_generic`), so all `len` values are initialised when `set_len` runs.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            dst_cs,
+            dst_rs,
+            false,
+            lhs.ptr(),
+            lhs.cs,
+            lhs.rs,
+            rhs.ptr(),
+            rhs.cs,
+            rhs.rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            PARALLELISM,
+        );
+        out.set_len(len);
+    }
+    out
+}
+
+fn f32_tensor(values: Vec<f32>, shape: [usize; 2]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+fn all_f32(ts: &[&FlexTensor]) -> bool {
+    ts.iter().all(|t| t.dtype() == DType::F32)
+}
+
+/// `x · weight + bias`: burn's `linear` (a matmul, then the bias added to each row) with the
+/// matmul's output written in place of a zero-filled one.
+fn forward(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
+    if !all_f32(&[&x, &weight, &bias]) {
+        return Flex::linear(x, weight, Some(bias));
+    }
+    let (xm, wm) = (Mat::of(&x), Mat::of(&weight));
+    let (rows, out) = (xm.rows, wm.cols);
+    let mut y = gemm_new(xm, wm, Dst::RowMajor);
+    let layout = bias.layout();
+    assert_eq!(layout.shape().num_dims(), 1, "dense_linear: 1-D bias");
+    assert_eq!(layout.shape()[0], out, "dense_linear: bias length");
+    let storage: &[f32] = bias.storage();
+    let b: Cow<[f32]> = match layout.contiguous_offsets() {
+        Some((start, end)) => Cow::Borrowed(&storage[start..end]),
+        None => Cow::Owned(
+            (0..out)
+                .map(|j| {
+                    storage[(layout.start_offset() as isize + j as isize * layout.strides()[0])
+                        as usize]
+                })
+                .collect(),
+        ),
+    };
+    if out > 0 {
+        for row in y.chunks_exact_mut(out) {
+            for (v, b) in row.iter_mut().zip(b.iter()) {
+                // burn flex's float_add: `output + bias`, one IEEE addition per element.
+                *v += *b;
+            }
+        }
+    }
+    f32_tensor(y, [rows, out])
+}
+
+/// `xᵀ · dy`: burn's `linear_weight_backward` (the same gemm call on the transposed view of `x`),
+/// with its output written in place of a zero-filled one.
+fn weight_grad(x: FlexTensor, dy: FlexTensor) -> FlexTensor {
+    if !all_f32(&[&x, &dy]) {
+        return Flex::linear_weight_backward(x, dy);
+    }
+    let (xt, d) = (Mat::of(&x).t(), Mat::of(&dy));
+    let shape = [xt.rows, d.cols];
+    f32_tensor(gemm_new(xt, d, Dst::RowMajor), shape)
+}
+
+/// `dy · Wᵀ` as the previous version of this op computed it, `(W · contiguous(dyᵀ))ᵀ` with burn
+/// ops: the reference for [`input_grad`]'s bits, and its path for tiny products.
+fn input_grad_burn(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
     let dy_t = Flex::float_swap_dims(dy, 0, 1).to_contiguous();
     let dx_t = Flex::float_matmul(weight, dy_t);
     Flex::float_swap_dims(dx_t, 0, 1).to_contiguous()
+}
+
+/// `dy · Wᵀ` (`dy` `[n, out]`, `W` `[in, out]`) with [`input_grad_burn`]'s bits, in whichever of
+/// two forms is faster for the shape (see the module documentation):
+/// - in place: `dxᵀ = W · dyᵀ` in one gemm call that reads `W` and `dy` where they lie (`dyᵀ` a
+///   strided view) and writes `dxᵀ` column-major, which is `dx` row-major: no copy at all, but gemm
+///   then packs `W` as its left operand row by row, which is slow for long rows (wide `out`);
+/// - transposed: `input_grad_burn`'s own gemm call (`W · contiguous(dyᵀ)`, then `dxᵀ` transposed
+///   to `dx`), minus the zero-filling of `dxᵀ`'s buffer.
+fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
+    if !all_f32(&[&weight, &dy]) {
+        return input_grad_burn(weight, dy);
+    }
+    let (w, d) = (Mat::of(&weight), Mat::of(&dy));
+    let (rows, inp, out) = (d.rows, w.rows, w.cols);
+    assert_eq!(d.cols, out, "dense_linear: gradient width");
+    // The two forms lay gemm's operands out differently. gemm's result does not depend on the
+    // layout when both run its micro-kernel, which they do when no side of the product is 1
+    // (gemv), the sums are longer than 2 (gevv) and there are more than 16 × 16 outputs (below
+    // that, gemm sums a row-major left operand times a column-major right one, which the in-place
+    // form's are, as dot products in another order).
+    let same_path = rows >= 2 && inp >= 2 && out >= 3 && rows * inp > 16 * 16;
+    // Measured (`examples/gemm_probe.rs`): in place is faster up to `out` = 128 when `W` has at most
+    // twice as many elements as `dy` and `dx` together; beyond, the two transposes cost less
+    // than packing `W` row by row.
+    let in_place_faster = out <= 128 && inp * out <= 2 * rows * (inp + out);
+    if same_path && in_place_faster {
+        let w_plain;
+        let w = if w.is_plain() {
+            w
+        } else {
+            w_plain = weight.to_contiguous();
+            Mat::of(&w_plain)
+        };
+        let d_plain;
+        let d = if d.is_plain() {
+            d
+        } else {
+            d_plain = dy.to_contiguous();
+            Mat::of(&d_plain)
+        };
+        return f32_tensor(gemm_new(w, d.t(), Dst::ColMajor), [rows, inp]);
+    }
+    let dy_t = dy.transpose(0, 1).to_contiguous();
+    let dx_t = gemm_new(Mat::of(&weight), Mat::of(&dy_t), Dst::RowMajor);
+    f32_tensor(dx_t, [inp, rows])
+        .transpose(0, 1)
+        .to_contiguous()
 }
 
 #[derive(Debug)]
@@ -80,10 +340,7 @@ impl Backward<Flex, 3> for DenseLinearBackward {
             grads.register::<Flex>(node.id, dx);
         }
         if let Some(node) = node_weight {
-            let dw = Flex::linear_weight_backward(
-                x.expect("checkpointed when W is tracked"),
-                grad.clone(),
-            );
+            let dw = weight_grad(x.expect("checkpointed when W is tracked"), grad.clone());
             grads.register::<Flex>(node.id, dw);
         }
         if let Some(node) = node_bias {
@@ -110,17 +367,17 @@ impl<C: CheckpointStrategy> DenseLinear for Autodiff<Flex, C> {
                 let weight_state = x_tracked.then(|| prep.checkpoint(&weight));
                 prep.finish(
                     (x_state, weight_state),
-                    Flex::linear(
+                    forward(
                         x.into_primitive(),
                         weight.into_primitive(),
-                        Some(bias.into_primitive()),
+                        bias.into_primitive(),
                     ),
                 )
             }
-            OpsKind::UnTracked(prep) => prep.finish(Flex::linear(
+            OpsKind::UnTracked(prep) => prep.finish(forward(
                 x.into_primitive(),
                 weight.into_primitive(),
-                Some(bias.into_primitive()),
+                bias.into_primitive(),
             )),
         }
     }
@@ -138,12 +395,17 @@ pub fn dense_linear(x: Tensor<2>, weight: Tensor<2>, bias: Tensor<1>) -> Tensor<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::{Device, TensorData};
+    use burn::backend::flex::Layout;
+    use burn::tensor::Device;
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0)
+            .collect()
+    }
 
     fn leaf(rows: usize, cols: usize, seed: usize, dev: &Device) -> Tensor<2> {
-        let v: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0)
-            .collect();
+        let v = values(rows * cols, seed);
         Tensor::<2>::from_data(TensorData::new(v, [rows, cols]), dev).require_grad()
     }
 
@@ -151,44 +413,174 @@ mod tests {
         t.into_data().iter::<f32>().map(f32::to_bits).collect()
     }
 
+    fn flex(rows: usize, cols: usize, seed: usize) -> FlexTensor {
+        f32_tensor(values(rows * cols, seed), [rows, cols])
+    }
+
+    fn flex_bits(t: FlexTensor) -> Vec<u32> {
+        let shape = t.layout().shape().clone();
+        let data = t.into_data();
+        assert_eq!(data.shape(), &shape);
+        data.iter::<f32>().map(f32::to_bits).collect()
+    }
+
+    /// The benchmark models' layers (MLP 784-512-512-10 and 784-2048×3-10 at micro-batch 64 and
+    /// 128, the Fashion-MNIST CNN's head, the digits MLP at micro-batch 16), odd sizes, one row,
+    /// and both sides of each bound in `input_grad`'s choice of form.
+    const SHAPES: &[(usize, usize, usize)] = &[
+        (128, 784, 512),
+        (128, 512, 512),
+        (128, 512, 10),
+        (64, 784, 512),
+        (64, 2048, 2048),
+        (64, 2048, 10),
+        (64, 1568, 64),
+        (64, 64, 10),
+        (16, 128, 64),
+        (16, 64, 10),
+        (7, 33, 20),
+        (1, 33, 20),
+        (1, 784, 512),
+        (2, 128, 3),
+        (2, 129, 3),
+        (16, 16, 20),
+        (16, 17, 20),
+        (65, 65, 2),
+        (65, 65, 3),
+        (300, 1, 5),
+        (300, 2, 5),
+        (5, 40, 1),
+        (3, 70, 700),
+        (128, 512, 128),
+        (128, 512, 129),
+        (16, 512, 96),
+        (16, 256, 96),
+    ];
+
+    /// `(y, dx, dW, db)` of `x · W + b` with `dy` as the output gradient, by `dense_linear` or by
+    /// burn's `linear`.
+    fn run(
+        ours: bool,
+        (n, i, o): (usize, usize, usize),
+        dev: &Device,
+    ) -> (Vec<u32>, Tensor<2>, Vec<u32>, Vec<u32>) {
+        let (x, w) = (leaf(n, i, 1, dev), leaf(i, o, 2, dev));
+        let b_leaf = leaf(1, o, 3, dev);
+        let b = b_leaf.clone().reshape([o]);
+        let y = if ours {
+            dense_linear(x.clone(), w.clone(), b.clone())
+        } else {
+            burn::tensor::module::linear(x.clone(), w.clone(), Some(b.clone()))
+        };
+        let dy = leaf(n, o, 4, dev).detach();
+        let grads = (y.clone() * dy).sum().backward();
+        (
+            bits(y),
+            x.grad(&grads).unwrap(),
+            bits(w.grad(&grads).unwrap()),
+            bits(b_leaf.grad(&grads).unwrap()),
+        )
+    }
+
     /// Against burn's own linear: the same forward, weight and bias gradients bit for bit, and an
     /// input gradient equal up to the order of the sum (relative 1e-5).
     #[test]
     fn dense_linear_matches_burns_linear() {
         let dev = Device::flex().autodiff();
-        let (n, i, o) = (7, 33, 20);
-        let run = |ours: bool| {
-            let (x, w) = (leaf(n, i, 1, &dev), leaf(i, o, 2, &dev));
-            let b_leaf = leaf(1, o, 3, &dev);
-            let b = b_leaf.clone().reshape([o]);
-            let y = if ours {
-                dense_linear(x.clone(), w.clone(), b.clone())
-            } else {
-                burn::tensor::module::linear(x.clone(), w.clone(), Some(b.clone()))
-            };
-            let dy = leaf(n, o, 4, &dev).detach();
-            let grads = (y.clone() * dy).sum().backward();
-            (
-                bits(y),
-                x.grad(&grads).unwrap(),
-                bits(w.grad(&grads).unwrap()),
-                bits(b_leaf.grad(&grads).unwrap()),
-            )
-        };
-        let (y1, dx1, dw1, db1) = run(true);
-        let (y0, dx0, dw0, db0) = run(false);
-        assert_eq!(y1, y0, "forward");
-        assert_eq!(dw1, dw0, "weight gradient");
-        assert_eq!(db1, db0, "bias gradient");
-        let (a, b): (Vec<f32>, Vec<f32>) = (
-            dx1.to_data().try_to_vec::<f32>().unwrap(),
-            dx0.to_data().try_to_vec::<f32>().unwrap(),
-        );
-        for (k, (p, q)) in a.iter().zip(&b).enumerate() {
-            assert!(
-                (p - q).abs() <= 1e-5 * q.abs().max(1.0),
-                "dx[{k}]: {p} vs {q}"
+        for &shape in SHAPES {
+            let (y1, dx1, dw1, db1) = run(true, shape, &dev);
+            let (y0, dx0, dw0, db0) = run(false, shape, &dev);
+            assert_eq!(y1, y0, "forward {shape:?}");
+            assert_eq!(dw1, dw0, "weight gradient {shape:?}");
+            assert_eq!(db1, db0, "bias gradient {shape:?}");
+            let (a, b): (Vec<f32>, Vec<f32>) = (
+                dx1.to_data().try_to_vec::<f32>().unwrap(),
+                dx0.to_data().try_to_vec::<f32>().unwrap(),
             );
+            for (k, (p, q)) in a.iter().zip(&b).enumerate() {
+                assert!(
+                    (p - q).abs() <= 1e-5 * q.abs().max(1.0),
+                    "dx[{k}] {shape:?}: {p} vs {q}"
+                );
+            }
+        }
+    }
+
+    /// The input gradient bit for bit as the previous version computed it, `(W · contiguous(dyᵀ))ᵀ`
+    /// with burn ops, through autodiff and on the flex tensors directly.
+    #[test]
+    fn input_grad_keeps_previous_bits() {
+        let dev = Device::flex().autodiff();
+        for &(n, i, o) in SHAPES {
+            let (w, dy) = (flex(i, o, 2), flex(n, o, 4));
+            let reference = flex_bits(input_grad_burn(w.clone(), dy.clone()));
+            assert_eq!(flex_bits(input_grad(w, dy)), reference, "{:?}", (n, i, o));
+
+            // `run` builds W and dy from these same values.
+            let (_, dx, _, _) = run(true, (n, i, o), &dev);
+            assert_eq!(bits(dx), reference, "autodiff {:?}", (n, i, o));
+        }
+    }
+
+    /// Operands that are views: a transposed weight, a column-major gradient, row-narrowed and
+    /// column-narrowed inputs, a strided bias. Same bits as burn's ops on the same views, for an
+    /// input gradient computed in each of `input_grad`'s two forms.
+    #[test]
+    fn strided_operands_keep_the_bits() {
+        for (n, i, o) in [(96, 200, 48), (40, 60, 300)] {
+            strided_operands(n, i, o);
+        }
+    }
+
+    fn strided_operands(n: usize, i: usize, o: usize) {
+        let narrow_cols = |t: FlexTensor, cols: usize| t.narrow(1, 3, cols);
+        let weights = [
+            flex(i, o, 2),
+            flex(o, i, 2).transpose(0, 1),
+            narrow_cols(flex(i, o + 5, 2), o),
+        ];
+        let dys = [
+            flex(n, o, 4),
+            flex(o, n, 4).transpose(0, 1),
+            narrow_cols(flex(n, o + 7, 4), o),
+            flex(n + 9, o, 4).narrow(0, 2, n),
+        ];
+        let xs = [
+            flex(n, i, 1),
+            flex(i, n, 1).transpose(0, 1),
+            narrow_cols(flex(n, i + 4, 1), i),
+        ];
+        let biases = [
+            FlexTensor::from_data(TensorData::new(values(o, 3), [o])),
+            FlexTensor::from_data(TensorData::new(values(2 * o, 3), [2 * o]))
+                .with_layout(Layout::new([o].into(), vec![2], 1)),
+        ];
+        for (a, w) in weights.iter().enumerate() {
+            for (b, dy) in dys.iter().enumerate() {
+                assert_eq!(
+                    flex_bits(input_grad(w.clone(), dy.clone())),
+                    flex_bits(input_grad_burn(w.clone(), dy.clone())),
+                    "input gradient, weight {a}, dy {b}"
+                );
+            }
+            for (c, x) in xs.iter().enumerate() {
+                for (d, bias) in biases.iter().enumerate() {
+                    assert_eq!(
+                        flex_bits(forward(x.clone(), w.clone(), bias.clone())),
+                        flex_bits(Flex::linear(x.clone(), w.clone(), Some(bias.clone()))),
+                        "forward, weight {a}, x {c}, bias {d}"
+                    );
+                }
+            }
+        }
+        for (c, x) in xs.iter().enumerate() {
+            for (b, dy) in dys.iter().enumerate() {
+                assert_eq!(
+                    flex_bits(weight_grad(x.clone(), dy.clone())),
+                    flex_bits(Flex::linear_weight_backward(x.clone(), dy.clone())),
+                    "weight gradient, x {c}, dy {b}"
+                );
+            }
         }
     }
 }
