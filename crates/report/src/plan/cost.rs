@@ -192,14 +192,7 @@ impl<'a> Placement<'a> {
         if n <= 1 || elems == 0 {
             return Cost::default();
         }
-        let seg_elems = (w.segment_bytes / esz).max(1);
-        let chunk0 = elems.div_ceil(n);
-        let nseg = chunk0.div_ceil(seg_elems).max(1);
-        let seg = (chunk0.div_ceil(nseg) * esz) as f64;
-        let flows: Vec<(usize, usize, f64)> = groups
-            .iter()
-            .flat_map(|g| (0..n).map(move |i| (g[i], g[(i + 1) % n], seg)))
-            .collect();
+        let (flows, nseg) = ring_round(groups, elems, esz, esz, w);
         Cost {
             seconds: self.round_seconds(&flows, fresh)
                 + (phases * (n - 1) * nseg - 1) as f64 * self.round_seconds(&flows, false),
@@ -240,14 +233,7 @@ impl<'a> Placement<'a> {
             return Cost::default();
         }
         let step = |esz: usize, fresh: bool| {
-            let seg_elems = (w.segment_bytes / 8).max(1);
-            let chunk0 = elems.div_ceil(n);
-            let nseg = chunk0.div_ceil(seg_elems).max(1);
-            let seg = (chunk0.div_ceil(nseg) * esz) as f64;
-            let flows: Vec<(usize, usize, f64)> = groups
-                .iter()
-                .flat_map(|g| (0..n).map(move |i| (g[i], g[(i + 1) % n], seg)))
-                .collect();
+            let (flows, nseg) = ring_round(groups, elems, 8, esz, w);
             self.round_seconds(&flows, fresh)
                 + (nseg - 1) as f64 * self.round_seconds(&flows, false)
         };
@@ -362,6 +348,29 @@ impl<'a> Placement<'a> {
         }
         (busiest, first)
     }
+}
+
+/// One round of a ring step over every group at once — each rank sends one segment to its right
+/// neighbour — and the number of such rounds per step: `elems` values cut into chunks and
+/// segments as a ring of `cut_esz`-byte elements cuts them (`segment_bytes` per segment),
+/// `wire_esz` bytes per value on the wire.
+fn ring_round(
+    groups: &[Vec<usize>],
+    elems: usize,
+    cut_esz: usize,
+    wire_esz: usize,
+    w: &Workload,
+) -> (Vec<(usize, usize, f64)>, usize) {
+    let n = groups.first().map_or(1, Vec::len);
+    let seg_elems = (w.segment_bytes / cut_esz).max(1);
+    let chunk0 = elems.div_ceil(n);
+    let nseg = chunk0.div_ceil(seg_elems).max(1);
+    let seg = (chunk0.div_ceil(nseg) * wire_esz) as f64;
+    let flows = groups
+        .iter()
+        .flat_map(|g| (0..n).map(move |i| (g[i], g[(i + 1) % n], seg)))
+        .collect();
+    (flows, nseg)
 }
 
 /// Gradient passes on the CPU outside the wire (`U`): reproducible mode converts each local
