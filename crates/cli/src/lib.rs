@@ -97,7 +97,10 @@ struct TrainArgs {
     /// "corrupt-checkpoint:step=20", "lose:rank=3,step=40" (separate several with `;`).
     #[arg(long, value_name = "SPEC")]
     inject: Option<String>,
-    /// Compute threads per worker (default: this host's cores / --nproc).
+    /// Threads each worker may use, passed on as RAYON_NUM_THREADS (default: this host's cores /
+    /// --nproc). lockstep's burn kernels compute on one thread per worker whatever this says:
+    /// burn flex's multi-threaded kernels are left out of the build because their parallel
+    /// reductions do not add in a fixed order (README, "Reproducibility"); run more workers.
     #[arg(long)]
     threads_per_worker: Option<usize>,
     /// Run directory (default: runs/run-<time>).
@@ -126,8 +129,9 @@ struct ScaleArgs {
     /// (A replicas × B stages, run once), comma-separated.
     #[arg(long, value_name = "LIST")]
     layouts: Option<String>,
-    /// Compute threads per worker, the same for every size (default 1, so that a larger world
-    /// size is more compute, not the same cores split differently).
+    /// Threads per worker (RAYON_NUM_THREADS), the same for every size (default 1, so that a
+    /// larger world size is more compute, not the same cores split differently). lockstep's burn
+    /// kernels compute on one thread per worker either way (see `train --help`).
     #[arg(long, default_value_t = 1)]
     threads_per_worker: usize,
     #[arg(long = "set", value_name = "KEY=VALUE")]
