@@ -492,11 +492,15 @@ impl Produced<i64> for FixedValues<'_> {
         self.single_part.then_some(std::mem::size_of::<f32>())
     }
 
-    fn encode_first(&mut self, range: Range<usize>, dst: &mut [u8]) {
+    fn encode_first<'s>(&'s mut self, range: Range<usize>, scratch: &'s mut [u8]) -> &'s [u8] {
         match self.local_parts.first() {
-            Some(part) => dst.copy_from_slice(bytemuck::cast_slice(&part[range])),
+            // The gradient's own bytes: sent from where they lie.
+            Some(part) => bytemuck::cast_slice(&part[range]),
             // A rank without micro-batches contributes zeros (0.0 is all zero bits).
-            None => dst.fill(0),
+            None => {
+                scratch.fill(0);
+                scratch
+            }
         }
     }
 

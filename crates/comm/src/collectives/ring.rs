@@ -107,9 +107,11 @@ pub trait Produced<T> {
     fn first_step_bytes(&self) -> Option<usize> {
         None
     }
-    /// Step 0's message for `range`: this rank's values in the narrow form.
-    fn encode_first(&mut self, range: Range<usize>, dst: &mut [u8]) {
-        let _ = (range, dst);
+    /// Step 0's message for `range`: this rank's values in the narrow form, written into
+    /// `scratch` (exactly the message's size) or, where the caller already holds them in that
+    /// form, borrowed from there (no copy).
+    fn encode_first<'s>(&'s mut self, range: Range<usize>, scratch: &'s mut [u8]) -> &'s [u8] {
+        let _ = (range, scratch);
         unreachable!("encode_first without first_step_bytes");
     }
     /// `dst` = this rank's values for `range` reduced with the values a peer's step-0 message
@@ -176,8 +178,9 @@ pub fn ring_reduce_scatter_produced<T: Element>(
             let recv_seg = segment(&recv_chunk, nseg, j);
             let out: &[u8] = match (s, narrow) {
                 (0, Some(b)) => {
-                    let o = &mut outgoing_narrow[..b * send_seg.len()];
-                    values.encode_first(send_seg.clone(), o);
+                    let scratch = &mut outgoing_narrow[..b * send_seg.len()];
+                    let o = values.encode_first(send_seg.clone(), scratch);
+                    debug_assert_eq!(o.len(), b * send_seg.len());
                     o
                 }
                 (0, None) => {
