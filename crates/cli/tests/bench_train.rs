@@ -136,7 +136,8 @@ fn all_four_cases_run_and_exact_equals_one_worker() {
             "exact/1x1",
             "plain/1x1",
             "exact/nocomm",
-            "plain/nocomm"
+            "plain/nocomm",
+            "nocomm/1x1"
         ]
     );
     let c = |i: usize| cases[i]["samples_per_sec"]["median"].as_f64().unwrap();
