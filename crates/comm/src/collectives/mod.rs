@@ -206,8 +206,9 @@ impl<'a> Group<'a> {
     }
 }
 
-/// Reusable receive buffer for reducing algorithms (one segment), kept by the communicator so
-/// that steady-state collectives do not allocate. Backed by `u64` words so the bytes are aligned
+/// Reusable buffers for reducing algorithms (a received segment; the produced reduce-scatter's
+/// working segments and carries), kept by the communicator so that steady-state collectives do
+/// not allocate. Backed by `u64` words so the bytes are aligned
 /// for every built-in element type and reductions take the aligned fast path.
 #[derive(Default)]
 pub struct Scratch {
@@ -223,6 +224,21 @@ impl Scratch {
             self.words.resize(words, 0);
         }
         &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words[..words])[..n]
+    }
+
+    /// `K` disjoint byte buffers of the given sizes, each 8-byte aligned, from the same reusable
+    /// storage as [`Scratch::bytes`] (contents are stale: write before reading).
+    pub fn carve<const K: usize>(&mut self, sizes: [usize; K]) -> [&mut [u8]; K] {
+        let total: usize = sizes.iter().map(|n| n.div_ceil(8)).sum();
+        if self.words.len() < total {
+            self.words.resize(total, 0);
+        }
+        let mut rest: &mut [u64] = &mut self.words[..total];
+        sizes.map(|n| {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n.div_ceil(8));
+            rest = tail;
+            &mut bytemuck::cast_slice_mut::<u64, u8>(head)[..n]
+        })
     }
 }
 
@@ -296,6 +312,27 @@ pub(crate) fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn carved_buffers_are_aligned_disjoint_and_of_the_asked_sizes() {
+        let mut scratch = Scratch::default();
+        for sizes in [[0usize, 5, 16, 3], [8, 0, 0, 1], [4096, 7, 64, 0]] {
+            let parts = scratch.carve(sizes);
+            for (k, part) in parts.into_iter().enumerate() {
+                assert_eq!(part.len(), sizes[k]);
+                assert_eq!(part.as_ptr() as usize % 8, 0, "part {k} of {sizes:?}");
+                part.fill(k as u8 + 1);
+            }
+            // Written part by part, each keeps its own value: no two overlap.
+            let parts = scratch.carve(sizes);
+            for (k, part) in parts.iter().enumerate() {
+                assert!(
+                    part.iter().all(|&b| b == k as u8 + 1),
+                    "part {k} of {sizes:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn chunks_partition_exactly_and_differ_by_at_most_one() {

@@ -146,7 +146,40 @@ pub fn ring_reduce_scatter_produced<T: Element>(
     let nseg = segment_count(chunk_range(len, n, 0).len(), g.seg_elems::<T>());
     let mine = chunk_range(len, n, me);
     let seg_cap = segment(&chunk_range(len, n, 0), nseg, 0).len();
-    let mut reduced = vec![T::zeroed(); seg_cap];
+    let narrow = if n > 1 {
+        values.first_step_bytes()
+    } else {
+        None
+    };
+    // carries[s % 2] holds, at chunk-relative offsets, the partial sums received and reduced at
+    // step s, which step s + 1 sends on (two buffers: segment j of two chunks of different
+    // lengths need not start at the same offset).
+    let chunk_cap = if n > 2 {
+        chunk_range(len, n, 0).len()
+    } else {
+        0
+    };
+    // Every working buffer comes from the communicator's reusable scratch: no allocation and no
+    // zero-filling per call (each range is written before it is read).
+    let widest = esz.max(narrow.unwrap_or(0));
+    let [incoming_buf, reduced, outgoing, outgoing_narrow, carry0, carry1] = scratch.carve([
+        widest * seg_cap,
+        esz * seg_cap,
+        if narrow.is_some() || n == 1 {
+            0
+        } else {
+            esz * seg_cap
+        },
+        narrow.map_or(0, |b| b * seg_cap),
+        esz * chunk_cap,
+        esz * chunk_cap,
+    ]);
+    let reduced: &mut [T] = bytemuck::cast_slice_mut(reduced);
+    let outgoing: &mut [T] = bytemuck::cast_slice_mut(outgoing);
+    let carries: [&mut [T]; 2] = [
+        bytemuck::cast_slice_mut(carry0),
+        bytemuck::cast_slice_mut(carry1),
+    ];
     if n == 1 {
         for j in 0..nseg {
             let seg = segment(&mine, nseg, j);
@@ -156,18 +189,6 @@ pub fn ring_reduce_scatter_produced<T: Element>(
         }
         return Ok(mine);
     }
-    let narrow = values.first_step_bytes();
-    // carries[s % 2] holds, at chunk-relative offsets, the partial sums received and reduced at
-    // step s, which step s + 1 sends on (two buffers: segment j of two chunks of different
-    // lengths need not start at the same offset).
-    let chunk_cap = if n > 2 {
-        chunk_range(len, n, 0).len()
-    } else {
-        0
-    };
-    let mut carries = [vec![T::zeroed(); chunk_cap], vec![T::zeroed(); chunk_cap]];
-    let mut outgoing = vec![T::zeroed(); if narrow.is_some() { 0 } else { seg_cap }];
-    let mut outgoing_narrow = vec![0u8; narrow.map_or(0, |b| b * seg_cap)];
     for s in 0..n - 1 {
         let send_chunk = chunk_range(len, n, (me + 2 * n - s - 1) % n);
         let recv_chunk = chunk_range(len, n, (me + 2 * n - s - 2) % n);
@@ -198,7 +219,7 @@ pub fn ring_reduce_scatter_produced<T: Element>(
                 (0, Some(b)) => b,
                 _ => esz,
             };
-            let incoming = scratch.bytes(recv_seg.len() * incoming_bytes);
+            let incoming = &mut incoming_buf[..recv_seg.len() * incoming_bytes];
             g.exchange(right, out, left, incoming, t)?;
             if s == 0 && narrow.is_some() {
                 values.produce_with_first(recv_seg.clone(), incoming, v);
