@@ -574,17 +574,12 @@ impl ColumnParallelLinearConfig {
     /// A layer initialised like burn's `Linear` (uniform in ±1/√d_input) on `device`.
     pub fn init(&self, device: &Device) -> ColumnParallelLinear {
         check_split(COLUMN, "d_output", self.d_output, self.pieces);
-        let bound = 1.0 / (self.d_input as f64).sqrt();
-        let weight = Param::from_tensor(Tensor::random(
+        let (weight, bias) = linear_params(
             [self.d_output, self.d_input],
-            Distribution::Uniform(-bound, bound),
+            self.d_input,
+            self.d_output,
             device,
-        ));
-        let bias = Param::from_tensor(Tensor::random(
-            [self.d_output],
-            Distribution::Uniform(-bound, bound),
-            device,
-        ));
+        );
         let split = |kind| TpParam {
             kind,
             pieces: self.pieces,
@@ -621,17 +616,12 @@ impl RowParallelLinearConfig {
     /// A layer initialised like burn's `Linear` (uniform in ±1/√d_input) on `device`.
     pub fn init(&self, device: &Device) -> RowParallelLinear {
         check_split(ROW, "d_input", self.d_input, self.pieces);
-        let bound = 1.0 / (self.d_input as f64).sqrt();
-        let weight = Param::from_tensor(Tensor::random(
+        let (weight, bias) = linear_params(
             [self.d_input, self.d_output],
-            Distribution::Uniform(-bound, bound),
+            self.d_input,
+            self.d_output,
             device,
-        ));
-        let bias = Param::from_tensor(Tensor::random(
-            [self.d_output],
-            Distribution::Uniform(-bound, bound),
-            device,
-        ));
+        );
         register(
             weight.id,
             TpParam {
@@ -646,6 +636,24 @@ impl RowParallelLinearConfig {
             d_input: self.d_input,
         }
     }
+}
+
+/// A linear layer's weight (of `weight_shape`, the layer's own layout) and bias `[d_output]`,
+/// drawn in that order uniform in ±1/√d_input, like burn's `Linear`.
+fn linear_params(
+    weight_shape: [usize; 2],
+    d_input: usize,
+    d_output: usize,
+    device: &Device,
+) -> (Param<Tensor<2>>, Param<Tensor<1>>) {
+    let uniform = {
+        let bound = 1.0 / (d_input as f64).sqrt();
+        Distribution::Uniform(-bound, bound)
+    };
+    (
+        Param::from_tensor(Tensor::random(weight_shape, uniform, device)),
+        Param::from_tensor(Tensor::random([d_output], uniform, device)),
+    )
 }
 
 fn check_split(layer: &str, what: &str, features: usize, pieces: usize) {
