@@ -85,6 +85,9 @@ pub struct ExactReducer {
     /// The most micro-batches any rank held in the last exact sum (agreed with the exponents).
     most_local_parts: usize,
     acc: Vec<i64>,
+    /// Step 1's local scan done ahead ([`ExactReducer::scan_part`]): per-bucket max exponents of
+    /// the parts scanned so far, and how many parts; taken by the next reduction.
+    prescanned: Option<(Vec<i32>, usize)>,
 }
 
 impl ExactReducer {
@@ -96,7 +99,26 @@ impl ExactReducer {
             exponents: Vec::new(),
             most_local_parts: 0,
             acc: Vec::new(),
+            prescanned: None,
         }
+    }
+
+    /// Step 1's local part for one micro-batch gradient, done now rather than inside the next
+    /// reduction: fold `part`'s per-bucket max exponents (over `buckets`, which must be the next
+    /// reduction's) into the pre-scan. Call it right after the gradient was written, while its
+    /// values are still in cache: a scan then costs a fraction of the cold one the reduction
+    /// would otherwise run over all parts (on 2 workers of the benchmark MLP, ≈ 0.05 ms per
+    /// micro-batch instead of 0.1–0.16). The next reduction (any of this type's, on any group)
+    /// takes the pre-scan and refuses it unless it covers exactly its `local_parts`; the shared
+    /// exponents, and so the bits, are the same either way.
+    pub fn scan_part(&mut self, part: &[f32], buckets: &[Range<usize>]) {
+        let (maxima, parts) = self
+            .prescanned
+            .get_or_insert_with(|| (vec![ALL_ZERO; buckets.len()], 0));
+        for (m, b) in maxima.iter_mut().zip(buckets) {
+            *m = (*m).max(max_exponent(&part[b.clone()]));
+        }
+        *parts += 1;
     }
 
     /// Buckets of a vector of `len` values: `(start, end)` pairs.
@@ -286,15 +308,8 @@ impl ExactReducer {
         check_tiling(buckets, len)?;
         let ranges: Vec<(usize, usize)> = buckets.iter().map(|b| (b.start, b.end)).collect();
 
-        // Step 1: shared exponent per bucket.
-        self.exponents.clear();
-        for &(s, e) in &ranges {
-            let mut m = ALL_ZERO;
-            for p in local_parts {
-                m = m.max(max_exponent(&p[s..e]));
-            }
-            self.exponents.push(m);
-        }
+        // Step 1: shared exponent per bucket, from this rank's parts (scanned ahead or now).
+        self.local_exponents(local_parts, &ranges)?;
         // One more value agreed in the same collective: the most micro-batches any rank holds
         // (whether a reduce-scatter's first messages may carry plain f32 values).
         self.exponents
@@ -306,6 +321,43 @@ impl ExactReducer {
             return Err(ExactError::NonFinite { start, end });
         }
         Ok(ranges)
+    }
+
+    /// This rank's per-bucket max exponents into `self.exponents`: the pre-scan when there is
+    /// one (which must cover exactly `local_parts` and `ranges`), else a scan of the parts now.
+    fn local_exponents(
+        &mut self,
+        local_parts: &[&[f32]],
+        ranges: &[(usize, usize)],
+    ) -> Result<(), ExactError> {
+        self.exponents.clear();
+        match self.prescanned.take() {
+            Some((maxima, parts)) => {
+                if parts != local_parts.len() || maxima.len() != ranges.len() {
+                    return Err(ExactError::Invalid(format!(
+                        "the exponents scanned ahead cover {parts} parts in {} buckets, but the \
+                         reduction has {} parts in {} buckets",
+                        maxima.len(),
+                        local_parts.len(),
+                        ranges.len()
+                    )));
+                }
+                debug_assert!(ranges.iter().zip(&maxima).all(|(&(s, e), &m)| {
+                    local_parts.iter().map(|p| max_exponent(&p[s..e])).max().unwrap_or(ALL_ZERO) == m
+                }));
+                self.exponents.extend_from_slice(&maxima);
+            }
+            None => {
+                for &(s, e) in ranges {
+                    let mut m = ALL_ZERO;
+                    for p in local_parts {
+                        m = m.max(max_exponent(&p[s..e]));
+                    }
+                    self.exponents.push(m);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Step 4 for the values in `within`: `out` (which holds exactly those values, `out[0]` being
@@ -346,6 +398,13 @@ impl ExactReducer {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), ExactError> {
+        if self.prescanned.take().is_some() {
+            return Err(ExactError::Invalid(
+                "reduce_bucket scans its bucket itself: exponents scanned ahead \
+                 (scan_part) would be left unused"
+                    .into(),
+            ));
+        }
         let len = out.len();
         check_parts(local_parts, total_parts, len)?;
         let (s, e) = (range.start, range.end);
@@ -426,12 +485,22 @@ impl ExactReducer {
         let len = out.len();
         check_parts(local_parts, total_parts, len)?;
         check_tiling(buckets, len)?;
-        for b in buckets {
-            let e_max = local_parts
-                .iter()
-                .map(|p| max_exponent(&p[b.clone()]))
-                .max()
-                .unwrap_or(ALL_ZERO);
+        // Without a pre-scan, each bucket is scanned just before it is summed (still in cache).
+        let prescanned = self.prescanned.is_some();
+        if prescanned {
+            let ranges: Vec<(usize, usize)> = buckets.iter().map(|b| (b.start, b.end)).collect();
+            self.local_exponents(local_parts, &ranges)?;
+        }
+        for (i, b) in buckets.iter().enumerate() {
+            let e_max = if prescanned {
+                self.exponents[i]
+            } else {
+                local_parts
+                    .iter()
+                    .map(|p| max_exponent(&p[b.clone()]))
+                    .max()
+                    .unwrap_or(ALL_ZERO)
+            };
             if e_max == NON_FINITE {
                 return Err(ExactError::NonFinite {
                     start: b.start,

@@ -306,6 +306,108 @@ fn the_cheapest_schedule_and_each_bucket_alone_give_the_bits_of_the_all_reduce()
 }
 
 #[test]
+fn exponents_scanned_ahead_give_the_same_bits_on_every_schedule() {
+    // Each rank scans its parts as they are made (scan_part), then reduces: every schedule must
+    // give the one-rank bits, and a second reduction without a pre-scan too (it was taken).
+    for n in 1..=4 {
+        for len in [0usize, 5, 4099, 40_000] {
+            for bucket in [256usize, 1 << 15] {
+                let m = 7;
+                let all = parts(m, len);
+                let want = one_rank_sum(&all, len, bucket);
+                let got = spmd(n, |comm| {
+                    let refs: Vec<&[f32]> = all[share(m, n, comm.rank())]
+                        .iter()
+                        .map(|p| p.as_slice())
+                        .collect();
+                    let mut reducer = ExactReducer::new(bucket);
+                    let buckets: Vec<Range<usize>> =
+                        reducer.buckets(len).map(|(s, e)| s..e).collect();
+                    let scan = |reducer: &mut ExactReducer| {
+                        for p in &refs {
+                            reducer.scan_part(p, &buckets);
+                        }
+                    };
+                    let mut cheapest = vec![f32::NAN; len];
+                    scan(&mut reducer);
+                    reducer
+                        .reduce_cheapest(comm, &refs, m, &mut cheapest, &buckets)
+                        .unwrap();
+                    let mut all_reduced = vec![f32::NAN; len];
+                    scan(&mut reducer);
+                    reducer
+                        .reduce_with_buckets(comm, &refs, m, &mut all_reduced, &buckets)
+                        .unwrap();
+                    let mine = chunk_range(len, comm.size(), comm.rank());
+                    let mut shard = vec![f32::NAN; mine.len()];
+                    scan(&mut reducer);
+                    reducer
+                        .reduce_scatter_with_buckets(comm, &refs, m, &mut shard, &buckets)
+                        .unwrap();
+                    let mut unscanned = vec![f32::NAN; len];
+                    reducer
+                        .reduce_cheapest(comm, &refs, m, &mut unscanned, &buckets)
+                        .unwrap();
+                    (cheapest, all_reduced, mine, shard, unscanned)
+                });
+                for (r, (cheapest, all_reduced, mine, shard, unscanned)) in got.iter().enumerate()
+                {
+                    let case = format!("n={n} len={len} bucket={bucket} rank={r}");
+                    assert_eq!(bits(cheapest), bits(&want), "{case}: reduce_cheapest");
+                    assert_eq!(bits(all_reduced), bits(&want), "{case}: all-reduce");
+                    assert_eq!(bits(shard), bits(&want[mine.clone()]), "{case}: shard");
+                    assert_eq!(bits(unscanned), bits(&want), "{case}: after the pre-scan");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_pre_scan_that_does_not_cover_the_parts_is_refused() {
+    let all = parts(3, 1000);
+    let refs: Vec<&[f32]> = all.iter().map(|p| p.as_slice()).collect();
+    spmd(1, |comm| {
+        let mut reducer = ExactReducer::new(256);
+        let buckets: Vec<Range<usize>> = reducer.buckets(1000).map(|(s, e)| s..e).collect();
+        let mut out = vec![0f32; 1000];
+        // Two parts scanned, three reduced: on the fused one-rank pass and on the all-reduce.
+        for all_reduce in [false, true] {
+            reducer.scan_part(refs[0], &buckets);
+            reducer.scan_part(refs[1], &buckets);
+            let e = if all_reduce {
+                reducer.reduce_with_buckets(comm, &refs, 3, &mut out, &buckets)
+            } else {
+                reducer.reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
+            }
+            .unwrap_err();
+            assert!(
+                matches!(&e, ExactError::Invalid(m) if m.contains("2 parts") && m.contains("3 parts")),
+                "{e}"
+            );
+        }
+        // Scanned over other buckets.
+        let coarse: Vec<Range<usize>> = vec![0..500, 500..1000];
+        for p in &refs {
+            reducer.scan_part(p, &coarse);
+        }
+        let e = reducer
+            .reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
+            .unwrap_err();
+        assert!(matches!(&e, ExactError::Invalid(m) if m.contains("2 buckets")), "{e}");
+        // reduce_bucket scans its own bucket: a pending pre-scan is refused, not left over.
+        reducer.scan_part(refs[0], &buckets);
+        let e = reducer
+            .reduce_bucket(comm, &refs, 3, 0..256, &mut out)
+            .unwrap_err();
+        assert!(matches!(&e, ExactError::Invalid(m) if m.contains("scan_part")), "{e}");
+        reducer
+            .reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
+            .unwrap();
+    });
+}
+
+#[test]
 fn the_cheapest_schedule_scatters_only_where_it_saves_bytes() {
     let comms = spmd(2, |comm| {
         let small = scatter_pays(comm, 32_767);

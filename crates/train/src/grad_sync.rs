@@ -214,6 +214,20 @@ impl GradSync {
         }
     }
 
+    /// One local micro-batch gradient of the coming [`GradSync::sync`] (or
+    /// [`GradSync::sync_sharded`]) is complete: in reproducible mode on more than one rank, scan
+    /// its per-bucket exponents now, while its values are still in cache, instead of in one cold
+    /// pass over all parts inside the sum (which needs them before it can convert anything).
+    /// Either every part of the step is announced, in any order, or none; not for
+    /// `sync_overlapped`, which scans bucket by bucket. One worker needs no scan ahead: its fused
+    /// local pass scans each bucket just before summing it.
+    pub fn part_ready(&mut self, comm: &Communicator, part: &[f32]) {
+        if self.reproducible && comm.size() > 1 {
+            self.set_buckets(part.len());
+            self.reducer.scan_part(part, &self.buckets);
+        }
+    }
+
     /// Sum `local_grads` (one per local micro-batch, already scaled by 1/global_batch) over all ranks
     /// into `out`, and the local losses into the returned global loss.
     pub fn sync(

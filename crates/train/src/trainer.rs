@@ -259,6 +259,7 @@ fn gradients(
     // backward streams gradients to the communication thread); the others are computed here.
     let streamed = usize::from(cfg.dist.overlap && !mine.is_empty());
     let mut losses = Vec::with_capacity(mine.len());
+    let mut scanned_ahead = 0.0;
     for (slot, k) in mine.clone().enumerate().take(mine.len() - streamed) {
         activity::touch();
         let c = replica
@@ -268,6 +269,12 @@ fn gradients(
         sec.forward += c.forward_seconds;
         sec.backward += c.backward_seconds;
         losses.push(c.loss);
+        if !cfg.dist.overlap {
+            // Part of the exact sum's work, done while the gradient is in cache: counted with it.
+            let scan = Instant::now();
+            sync.part_ready(comm, &grads[slot]);
+            scanned_ahead += scan.elapsed().as_secs_f64();
+        }
     }
     let sync_error = |source: SyncError| match source {
         SyncError::Exact(ExactError::Comm(c)) => TrainError::Comm(c),
@@ -323,7 +330,7 @@ fn gradients(
         .map_err(|e| sync_error(SyncError::Exact(e)))?
     };
     sec.waiting = timing.waiting;
-    sec.communication = timing.communication;
+    sec.communication = timing.communication + scanned_ahead;
     sec.overlapped_communication = timing.overlapped_communication;
     Ok((loss, sec))
 }
