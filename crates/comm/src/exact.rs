@@ -343,7 +343,12 @@ impl ExactReducer {
                     )));
                 }
                 debug_assert!(ranges.iter().zip(&maxima).all(|(&(s, e), &m)| {
-                    local_parts.iter().map(|p| max_exponent(&p[s..e])).max().unwrap_or(ALL_ZERO) == m
+                    local_parts
+                        .iter()
+                        .map(|p| max_exponent(&p[s..e]))
+                        .max()
+                        .unwrap_or(ALL_ZERO)
+                        == m
                 }));
                 self.exponents.extend_from_slice(&maxima);
             }

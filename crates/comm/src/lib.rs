@@ -15,6 +15,7 @@ pub mod admission;
 pub mod auth;
 pub mod collectives;
 pub mod communicator;
+pub mod copy;
 pub mod element;
 pub mod error;
 pub mod exact;

@@ -350,8 +350,7 @@ fn exponents_scanned_ahead_give_the_same_bits_on_every_schedule() {
                         .unwrap();
                     (cheapest, all_reduced, mine, shard, unscanned)
                 });
-                for (r, (cheapest, all_reduced, mine, shard, unscanned)) in got.iter().enumerate()
-                {
+                for (r, (cheapest, all_reduced, mine, shard, unscanned)) in got.iter().enumerate() {
                     let case = format!("n={n} len={len} bucket={bucket} rank={r}");
                     assert_eq!(bits(cheapest), bits(&want), "{case}: reduce_cheapest");
                     assert_eq!(bits(all_reduced), bits(&want), "{case}: all-reduce");
@@ -394,13 +393,19 @@ fn a_pre_scan_that_does_not_cover_the_parts_is_refused() {
         let e = reducer
             .reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
             .unwrap_err();
-        assert!(matches!(&e, ExactError::Invalid(m) if m.contains("2 buckets")), "{e}");
+        assert!(
+            matches!(&e, ExactError::Invalid(m) if m.contains("2 buckets")),
+            "{e}"
+        );
         // reduce_bucket scans its own bucket: a pending pre-scan is refused, not left over.
         reducer.scan_part(refs[0], &buckets);
         let e = reducer
             .reduce_bucket(comm, &refs, 3, 0..256, &mut out)
             .unwrap_err();
-        assert!(matches!(&e, ExactError::Invalid(m) if m.contains("scan_part")), "{e}");
+        assert!(
+            matches!(&e, ExactError::Invalid(m) if m.contains("scan_part")),
+            "{e}"
+        );
         reducer
             .reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
             .unwrap();

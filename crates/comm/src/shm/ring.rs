@@ -17,6 +17,9 @@
 use std::sync::atomic::Ordering;
 
 use super::segment::SlotHeader;
+// Not `std::ptr::copy_nonoverlapping`: the distance between a caller's buffer and the ring slot
+// drifts with the write position, through distances where `rep movsb` is slow (see `copy`).
+use crate::copy::copy_nonoverlapping;
 use crate::transport::Tag;
 
 pub(super) const FRAME_HEADER: u64 = 64;
@@ -63,8 +66,8 @@ impl Ring {
     unsafe fn copy_in(&self, pos: u64, src: *const u8, n: usize) {
         let off = (pos & (self.size - 1)) as usize;
         let first = n.min(self.size as usize - off);
-        std::ptr::copy_nonoverlapping(src, self.data.add(off), first);
-        std::ptr::copy_nonoverlapping(src.add(first), self.data, n - first);
+        copy_nonoverlapping(src, self.data.add(off), first);
+        copy_nonoverlapping(src.add(first), self.data, n - first);
     }
 
     /// Copy `n` bytes at stream position `pos` out of the ring into `dst`, wrapping at the end.
@@ -74,8 +77,8 @@ impl Ring {
     unsafe fn copy_out(&self, pos: u64, dst: *mut u8, n: usize) {
         let off = (pos & (self.size - 1)) as usize;
         let first = n.min(self.size as usize - off);
-        std::ptr::copy_nonoverlapping(self.data.add(off), dst, first);
-        std::ptr::copy_nonoverlapping(self.data, dst.add(first), n - first);
+        copy_nonoverlapping(self.data.add(off), dst, first);
+        copy_nonoverlapping(self.data, dst.add(first), n - first);
     }
 }
 

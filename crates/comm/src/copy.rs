@@ -1,0 +1,98 @@
+//! A byte copy that avoids a 4 KiB-aliasing slow path of `rep movsb`.
+//!
+//! glibc's `memcpy` copies mid-sized blocks (from a few KiB up to its non-temporal threshold, a
+//! fraction of the L3 cache) with `rep movsb`. On AMD Zen CPUs that instruction runs 10–20×
+//! slower when the destination lies just after the source modulo 4 KiB: measured on the 2-core
+//! AMD EPYC dev box, 447 KiB copies ran at 2–3.5 GB/s when `(dst − src) mod 4096` was 1–15 and
+//! ~30 GB/s at 16–63, against ~45–50 GB/s otherwise (`examples/copy_alias.rs`). A ring transport
+//! hits that distance by chance: its write position moves on by every message, so the distance
+//! between a caller's buffer and the ring slot drifts across it, and a training run's
+//! communication time switched between two regimes (1.1 and 2.3 ms per step) for hundreds of
+//! steps at a time. Below 64 bytes of distance [`copy_nonoverlapping`] therefore copies with
+//! plain 32-byte vector loads and stores, which keep ~40 GB/s at every distance; everywhere else
+//! it is `memcpy`.
+
+/// Copies at least this long take the vector loop at a bad distance (`memcpy` uses plain vector
+/// moves for short copies anyway).
+const VECTOR_FROM: usize = 2048;
+
+/// `std::ptr::copy_nonoverlapping(src, dst, n)`, but never `rep movsb` at a distance where it is
+/// slow (see the module doc).
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`: `src` valid for `n` reads, `dst` for `n` writes, the two
+/// ranges disjoint.
+pub unsafe fn copy_nonoverlapping(src: *const u8, dst: *mut u8, n: usize) {
+    let distance = (dst as usize).wrapping_sub(src as usize) % 4096;
+    #[cfg(target_arch = "x86_64")]
+    if n >= VECTOR_FROM && (1..64).contains(&distance) && has_avx2() {
+        // SAFETY: AVX2 is present (checked); the caller guarantees the ranges.
+        return vector_copy_avx2(src, dst, n);
+    }
+    std::ptr::copy_nonoverlapping(src, dst, n)
+}
+
+/// Safe form for slices of equal length.
+pub fn copy_from_slice(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_from_slice: lengths differ");
+    // SAFETY: both slices are valid for their length, and `&mut` cannot alias `&`.
+    unsafe { copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr(), src.len()) }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+}
+
+/// 128 bytes per iteration in four unaligned 32-byte loads, then four stores (loads first, so a
+/// store never waits on a load it could alias); the tail goes to `memcpy` (short: no `rep movsb`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn vector_copy_avx2(src: *const u8, dst: *mut u8, n: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
+    let mut i = 0;
+    while i + 128 <= n {
+        let s = src.add(i).cast::<__m256i>();
+        let d = dst.add(i).cast::<__m256i>();
+        let a = _mm256_loadu_si256(s);
+        let b = _mm256_loadu_si256(s.add(1));
+        let c = _mm256_loadu_si256(s.add(2));
+        let e = _mm256_loadu_si256(s.add(3));
+        _mm256_storeu_si256(d, a);
+        _mm256_storeu_si256(d.add(1), b);
+        _mm256_storeu_si256(d.add(2), c);
+        _mm256_storeu_si256(d.add(3), e);
+        i += 128;
+    }
+    std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_every_byte_at_every_distance_and_length() {
+        let src: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut dst = vec![0u8; 20_000 + 4096 + 128];
+        // Distances around the vector path's window, lengths around its threshold and the
+        // 128-byte step, source offsets that are not vector aligned.
+        for src_off in [0usize, 1, 5, 64] {
+            for distance in [0usize, 1, 4, 15, 16, 63, 64, 100, 4095] {
+                for n in [0usize, 1, 127, 2047, 2048, 2049, 4096 + 3, 12_345] {
+                    let s = &src[src_off..src_off + n];
+                    let base = dst.as_ptr() as usize;
+                    let want_addr = s.as_ptr() as usize + distance;
+                    let dst_off = (want_addr.wrapping_sub(base)) % 4096;
+                    dst.fill(0xAA);
+                    copy_from_slice(&mut dst[dst_off..dst_off + n], s);
+                    assert_eq!(&dst[dst_off..dst_off + n], s, "n={n} distance={distance}");
+                    assert!(dst[..dst_off].iter().all(|&b| b == 0xAA), "wrote before");
+                    assert!(dst[dst_off + n..].iter().all(|&b| b == 0xAA), "wrote after");
+                }
+            }
+        }
+    }
+}
