@@ -1,16 +1,14 @@
 //! A byte copy that avoids a 4 KiB-aliasing slow path of `rep movsb`.
 //!
 //! glibc's `memcpy` copies mid-sized blocks (from a few KiB up to its non-temporal threshold, a
-//! fraction of the L3 cache) with `rep movsb`. On AMD Zen CPUs that instruction runs 10–20×
-//! slower when the destination lies just after the source modulo 4 KiB: measured on the 2-core
-//! AMD EPYC dev box, 447 KiB copies ran at 2–3.5 GB/s when `(dst − src) mod 4096` was 1–15 and
-//! ~30 GB/s at 16–63, against ~45–50 GB/s otherwise (`examples/copy_alias.rs`). A ring transport
-//! hits that distance by chance: its write position moves on by every message, so the distance
-//! between a caller's buffer and the ring slot drifts across it, and a training run's
-//! communication time switched between two regimes (1.1 and 2.3 ms per step) for hundreds of
-//! steps at a time. Below 64 bytes of distance [`copy_nonoverlapping`] therefore copies with
-//! plain 32-byte vector loads and stores, which keep ~40 GB/s at every distance; everywhere else
-//! it is `memcpy`.
+//! fraction of the L3 cache) with `rep movsb`. On the AMD EPYC dev box that instruction runs
+//! 10–20× slower when the destination lies just after the source modulo 4 KiB. 447 KiB copies ran
+//! at 2–3.5 GB/s when `(dst − src) mod 4096` was 1–15, and at ~28–41 GB/s at 16–63, against
+//! ~45–50 GB/s otherwise (`examples/copy_alias.rs`). A ring transport hits those distances by
+//! chance: its write position moves on by every message, so the distance between a caller's
+//! buffer and the ring slot drifts through them. Below 64 bytes of distance
+//! [`copy_nonoverlapping`] therefore copies with plain 32-byte vector loads and stores, which keep
+//! ~40–49 GB/s at every distance; everywhere else it calls `memcpy`.
 
 /// Copies at least this long take the vector loop at a bad distance (`memcpy` uses plain vector
 /// moves for short copies anyway).

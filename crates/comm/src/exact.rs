@@ -11,6 +11,8 @@
 //! 1. each rank finds, per bucket, the max exponent over its micro-batch gradients;
 //!    `all_reduce(max)` of B + 1 i32 (latency-bound, (B + 1)·4 bytes; the extra value is the
 //!    number of micro-batches a rank holds, whose maximum decides the first step's form below);
+//!    a caller may run the local scan ahead, one micro-batch at a time while it is still in cache
+//!    ([`ExactReducer::scan_part`]), and the next reduction then only agrees the maxima;
 //! 2. each rank converts every local micro-batch gradient to fixed point with
 //!    `shift = 62 − headroom − e_max` (headroom = ⌈log2 M⌉ bits, so the sum of M values can't overflow)
 //!    and adds them into an `i64` accumulator: exact (all local parts in one pass, each sum stored
@@ -85,9 +87,17 @@ pub struct ExactReducer {
     /// The most micro-batches any rank held in the last exact sum (agreed with the exponents).
     most_local_parts: usize,
     acc: Vec<i64>,
-    /// Step 1's local scan done ahead ([`ExactReducer::scan_part`]): per-bucket max exponents of
-    /// the parts scanned so far, and how many parts; taken by the next reduction.
-    prescanned: Option<(Vec<i32>, usize)>,
+    /// Step 1's local scan done ahead ([`ExactReducer::scan_part`]); taken by the next reduction.
+    prescanned: Option<Prescan>,
+}
+
+/// Per-bucket max exponents of the parts scanned ahead.
+struct Prescan {
+    maxima: Vec<i32>,
+    parts: usize,
+    /// The buckets' end (the vector length) of the first scan; `None` once a later scan used
+    /// other buckets or a part of another length (the reduction then refuses the pre-scan).
+    len: Option<usize>,
 }
 
 impl ExactReducer {
@@ -112,13 +122,20 @@ impl ExactReducer {
     /// takes the pre-scan and refuses it unless it covers exactly its `local_parts`; the shared
     /// exponents, and so the bits, are the same either way.
     pub fn scan_part(&mut self, part: &[f32], buckets: &[Range<usize>]) {
-        let (maxima, parts) = self
-            .prescanned
-            .get_or_insert_with(|| (vec![ALL_ZERO; buckets.len()], 0));
-        for (m, b) in maxima.iter_mut().zip(buckets) {
+        let end = buckets.last().map_or(0, |b| b.end);
+        let scan = self.prescanned.get_or_insert_with(|| Prescan {
+            maxima: vec![ALL_ZERO; buckets.len()],
+            parts: 0,
+            len: Some(end),
+        });
+        scan.parts += 1;
+        if scan.len != Some(end) || scan.maxima.len() != buckets.len() || part.len() != end {
+            scan.len = None;
+            return;
+        }
+        for (m, b) in scan.maxima.iter_mut().zip(buckets) {
             *m = (*m).max(max_exponent(&part[b.clone()]));
         }
-        *parts += 1;
     }
 
     /// Buckets of a vector of `len` values: `(start, end)` pairs.
@@ -332,11 +349,19 @@ impl ExactReducer {
     ) -> Result<(), ExactError> {
         self.exponents.clear();
         match self.prescanned.take() {
-            Some((maxima, parts)) => {
-                if parts != local_parts.len() || maxima.len() != ranges.len() {
+            Some(Prescan { maxima, parts, len }) => {
+                let end = ranges.last().map_or(0, |b| b.1);
+                let Some(len) = len else {
+                    return Err(ExactError::Invalid(
+                        "the exponents scanned ahead (scan_part) mixed parts or buckets of \
+                         different lengths"
+                            .into(),
+                    ));
+                };
+                if parts != local_parts.len() || maxima.len() != ranges.len() || len != end {
                     return Err(ExactError::Invalid(format!(
-                        "the exponents scanned ahead cover {parts} parts in {} buckets, but the \
-                         reduction has {} parts in {} buckets",
+                        "the exponents scanned ahead cover {parts} parts in {} buckets of \
+                         {len} values, but the reduction has {} parts in {} buckets of {end}",
                         maxima.len(),
                         local_parts.len(),
                         ranges.len()

@@ -397,6 +397,17 @@ fn a_pre_scan_that_does_not_cover_the_parts_is_refused() {
             matches!(&e, ExactError::Invalid(m) if m.contains("2 buckets")),
             "{e}"
         );
+        // A part of another length among the scanned ones.
+        reducer.scan_part(refs[0], &buckets);
+        reducer.scan_part(&refs[1][..999], &buckets);
+        reducer.scan_part(refs[2], &buckets);
+        let e = reducer
+            .reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
+            .unwrap_err();
+        assert!(
+            matches!(&e, ExactError::Invalid(m) if m.contains("different lengths")),
+            "{e}"
+        );
         // reduce_bucket scans its own bucket: a pending pre-scan is refused, not left over.
         reducer.scan_part(refs[0], &buckets);
         let e = reducer
