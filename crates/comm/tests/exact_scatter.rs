@@ -52,6 +52,19 @@ fn share(m: usize, n: usize, r: usize) -> Range<usize> {
     chunk_range(m, n, r)
 }
 
+/// This rank's contiguous share of the `all` parts.
+fn my_parts<'a>(all: &'a [Vec<f32>], comm: &Communicator) -> Vec<&'a [f32]> {
+    all[share(all.len(), comm.size(), comm.rank())]
+        .iter()
+        .map(|p| p.as_slice())
+        .collect()
+}
+
+/// `reducer`'s buckets of a `len`-value vector, as ranges.
+fn bucket_ranges(reducer: &ExactReducer, len: usize) -> Vec<Range<usize>> {
+    reducer.buckets(len).map(|(s, e)| s..e).collect()
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -275,13 +288,9 @@ fn the_cheapest_schedule_and_each_bucket_alone_give_the_bits_of_the_all_reduce()
                 ] {
                     let got = spmd(n, |comm| {
                         comm.set_algorithm(alg);
-                        let refs: Vec<&[f32]> = all[share(m, n, comm.rank())]
-                            .iter()
-                            .map(|p| p.as_slice())
-                            .collect();
+                        let refs = my_parts(&all, comm);
                         let mut reducer = ExactReducer::new(bucket);
-                        let buckets: Vec<Range<usize>> =
-                            reducer.buckets(len).map(|(s, e)| s..e).collect();
+                        let buckets = bucket_ranges(&reducer, len);
                         let mut whole = vec![f32::NAN; len];
                         reducer
                             .reduce_cheapest(comm, &refs, m, &mut whole, &buckets)
@@ -316,13 +325,9 @@ fn exponents_scanned_ahead_give_the_same_bits_on_every_schedule() {
                 let all = parts(m, len);
                 let want = one_rank_sum(&all, len, bucket);
                 let got = spmd(n, |comm| {
-                    let refs: Vec<&[f32]> = all[share(m, n, comm.rank())]
-                        .iter()
-                        .map(|p| p.as_slice())
-                        .collect();
+                    let refs = my_parts(&all, comm);
                     let mut reducer = ExactReducer::new(bucket);
-                    let buckets: Vec<Range<usize>> =
-                        reducer.buckets(len).map(|(s, e)| s..e).collect();
+                    let buckets = bucket_ranges(&reducer, len);
                     let scan = |reducer: &mut ExactReducer| {
                         for p in &refs {
                             reducer.scan_part(p, &buckets);
@@ -385,29 +390,33 @@ fn a_pre_scan_that_does_not_cover_the_parts_is_refused() {
                 "{e}"
             );
         }
-        // Scanned over other buckets.
+        // Scanned over other buckets; a part of another length among the scanned ones.
         let coarse: Vec<Range<usize>> = vec![0..500, 500..1000];
-        for p in &refs {
-            reducer.scan_part(p, &coarse);
+        let short = &refs[1][..999];
+        // (parts scanned with their buckets, what the refusal says)
+        type Scans<'a> = Vec<(&'a [f32], &'a [Range<usize>])>;
+        let cases: [(Scans, &str); 2] = [
+            (
+                refs.iter().map(|p| (*p, &coarse[..])).collect(),
+                "2 buckets",
+            ),
+            (
+                vec![(refs[0], &buckets), (short, &buckets), (refs[2], &buckets)],
+                "different lengths",
+            ),
+        ];
+        for (scans, needle) in cases {
+            for (part, b) in scans {
+                reducer.scan_part(part, b);
+            }
+            let e = reducer
+                .reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
+                .unwrap_err();
+            assert!(
+                matches!(&e, ExactError::Invalid(m) if m.contains(needle)),
+                "{e}"
+            );
         }
-        let e = reducer
-            .reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
-            .unwrap_err();
-        assert!(
-            matches!(&e, ExactError::Invalid(m) if m.contains("2 buckets")),
-            "{e}"
-        );
-        // A part of another length among the scanned ones.
-        reducer.scan_part(refs[0], &buckets);
-        reducer.scan_part(&refs[1][..999], &buckets);
-        reducer.scan_part(refs[2], &buckets);
-        let e = reducer
-            .reduce_cheapest(comm, &refs, 3, &mut out, &buckets)
-            .unwrap_err();
-        assert!(
-            matches!(&e, ExactError::Invalid(m) if m.contains("different lengths")),
-            "{e}"
-        );
         // reduce_bucket scans its own bucket: a pending pre-scan is refused, not left over.
         reducer.scan_part(refs[0], &buckets);
         let e = reducer
