@@ -94,6 +94,11 @@ pub struct CaseResult {
     pub communicates: bool,
     pub samples_per_sec: Spread,
     pub median_step_ms: Spread,
+    /// The slowest rank's median communication per step (exposed: summing its gradients with
+    /// the other ranks'; for one worker and the bound, summing its own micro-batches). A
+    /// repetition far above the others of its case ran while communication was slow on the
+    /// machine (README, "`lockstep bench`").
+    pub communication_ms: Spread,
     /// `param_hash` of every repetition (of the first job, for the no-communication bound).
     pub param_hashes: Vec<String>,
 }
@@ -216,8 +221,8 @@ pub fn run(a: BenchTrainArgs) -> Result<()> {
         a.runs.display()
     );
 
-    // [case][rep] = (samples/s, median step seconds, param hash)
-    let mut results: Vec<Vec<(f64, f64, String)>> = vec![Vec::new(); cases.len()];
+    // [case][rep]
+    let mut results: Vec<Vec<Measured>> = vec![Vec::new(); cases.len()];
     let mut steps = 0;
     for rep in 0..a.reps {
         for i in 0..cases.len() {
@@ -310,26 +315,38 @@ fn run_case(a: &BenchTrainArgs, case: &Case, rep: usize, global_batch: usize) ->
 
 /// A repetition's samples/s, median step seconds and parameter hash: of its one job, or of the
 /// slowest of its independent jobs (whose global batches add up to the case's).
-fn measure(case: &Case, runs: &[Run]) -> (f64, f64, String) {
+/// One repetition of one case.
+#[derive(Debug, Clone)]
+struct Measured {
+    samples_per_sec: f64,
+    /// Median step of the slowest rank (of the slower job for the bound).
+    step_seconds: f64,
+    /// That rank's median communication per step (the bound's: summing its own micro-batches).
+    communication_seconds: f64,
+    param_hash: String,
+}
+
+fn measure(case: &Case, runs: &[Run]) -> Measured {
     let points = scaling::compare(runs);
-    let step = points
+    let slowest = points
         .points
         .iter()
-        .map(|p| p.median_step_seconds)
-        .fold(0.0, f64::max);
+        .max_by(|a, b| a.median_step_seconds.total_cmp(&b.median_step_seconds))
+        .expect("a case runs at least one job");
     let batch: usize = runs.iter().map(|r| r.summary.global_batch).sum();
     debug_assert_eq!(runs.len(), case.jobs);
-    (
-        batch as f64 / step,
-        step,
-        runs[0].summary.param_hash.clone(),
-    )
+    Measured {
+        samples_per_sec: batch as f64 / slowest.median_step_seconds,
+        step_seconds: slowest.median_step_seconds,
+        communication_seconds: slowest.communication,
+        param_hash: runs[0].summary.param_hash.clone(),
+    }
 }
 
 fn assemble(
     a: &BenchTrainArgs,
     cases: Vec<Case>,
-    results: Vec<Vec<(f64, f64, String)>>,
+    results: Vec<Vec<Measured>>,
     global_batch: usize,
     steps: u64,
     machine: Machine,
@@ -342,9 +359,10 @@ fn assemble(
             workers: c.workers * c.jobs,
             reproducible: c.reproducible,
             communicates: c.communicates(),
-            samples_per_sec: Spread::of(r.iter().map(|x| x.0).collect()),
-            median_step_ms: Spread::of(r.iter().map(|x| x.1 * 1e3).collect()),
-            param_hashes: r.iter().map(|x| x.2.clone()).collect(),
+            samples_per_sec: Spread::of(r.iter().map(|x| x.samples_per_sec).collect()),
+            median_step_ms: Spread::of(r.iter().map(|x| x.step_seconds * 1e3).collect()),
+            communication_ms: Spread::of(r.iter().map(|x| x.communication_seconds * 1e3).collect()),
+            param_hashes: r.iter().map(|x| x.param_hash.clone()).collect(),
         })
         .collect();
     let ratio = |name: &str, of: usize, to: usize| Ratio {
@@ -357,7 +375,7 @@ fn assemble(
             results[of]
                 .iter()
                 .zip(&results[to])
-                .map(|(x, y)| x.0 / y.0)
+                .map(|(x, y)| x.samples_per_sec / y.samples_per_sec)
                 .collect(),
         ),
     };
@@ -428,18 +446,19 @@ pub fn format_table(r: &BenchReport) -> String {
         r.machine.cpu_model
     );
     s += &format!(
-        "{:<12} {:>7} {:>12} {:>17} {:>9} {:>8}\n",
-        "case", "workers", "samples/s", "min–max", "step_ms", "hash"
+        "{:<12} {:>7} {:>12} {:>17} {:>9} {:>17} {:>8}\n",
+        "case", "workers", "samples/s", "min–max", "step_ms", "comm_ms (min–max)", "hash"
     );
     for c in &r.cases {
-        let sps = &c.samples_per_sec;
+        let (sps, comm) = (&c.samples_per_sec, &c.communication_ms);
         s += &format!(
-            "{:<12} {:>7} {:>12.0} {:>17} {:>9.2} {:>8}\n",
+            "{:<12} {:>7} {:>12.0} {:>17} {:>9.2} {:>17} {:>8}\n",
             c.name,
             c.workers,
             sps.median,
             format!("{:.0}–{:.0}", sps.min, sps.max),
             c.median_step_ms.median,
+            format!("{:.2} ({:.2}–{:.2})", comm.median, comm.min, comm.max),
             c.param_hashes.first().map_or("", |h| &h[..8.min(h.len())])
         );
     }

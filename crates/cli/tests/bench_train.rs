@@ -80,6 +80,10 @@ fn all_four_cases_run_and_exact_equals_one_worker() {
         assert!(min <= median && median <= max, "{c}");
         assert_eq!(c["param_hashes"].as_array().unwrap().len(), 2);
         assert_eq!(c["median_step_ms"]["per_rep"].as_array().unwrap().len(), 2);
+        // Every case sums gradients (the exact ones and the bound their own micro-batches too).
+        let comm = c["communication_ms"]["per_rep"].as_array().unwrap();
+        assert_eq!(comm.len(), 2, "{c}");
+        assert!(comm.iter().all(|v| v.as_f64().unwrap() > 0.0), "{c}");
     }
 
     // Exact on two workers ends with the one-worker bits, every repetition; plain mode does not
