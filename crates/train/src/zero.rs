@@ -95,6 +95,12 @@ impl Zero {
         self.len == 0
     }
 
+    /// Whether [`Zero::reduce_gradients`] sums all the values in one reduction (not layer by
+    /// layer, as level 3 does): exponents scanned ahead over the whole vector then fit it.
+    pub fn reduces_in_one_call(&self) -> bool {
+        self.segments.len() <= 1
+    }
+
     /// Values of the exact reducer's accumulator: the largest segment (the sum is reduced a
     /// segment at a time from level 2 on, the whole vector at once below).
     pub fn scratch_len(&self) -> usize {

@@ -89,6 +89,16 @@ struct Work<'a> {
     link: &'a TpLink,
     losses: Vec<f32>,
     data_seconds: f64,
+    /// The exact sum's exponent scan, run on each micro-batch's stage gradient as soon as its
+    /// backward has written it (while it is in cache); `None` where nothing is scanned ahead.
+    scan_ahead: Option<ScanAhead<'a>>,
+}
+
+/// Where [`Work`] scans gradients ahead ([`ExactReducer::scan_part`]), and the time it took.
+struct ScanAhead<'a> {
+    reducer: &'a mut ExactReducer,
+    buckets: &'a [Range<usize>],
+    seconds: f64,
 }
 
 impl Work<'_> {
@@ -140,7 +150,14 @@ impl StageWork for Work<'_> {
             .stage
             .backward(mb as u64, grad_output, &mut self.grads[mb])
         {
-            Ok(g) => Ok(g),
+            Ok(g) => {
+                if let Some(scan) = &mut self.scan_ahead {
+                    let t0 = Instant::now();
+                    scan.reducer.scan_part(&self.grads[mb], scan.buckets);
+                    scan.seconds += t0.elapsed().as_secs_f64();
+                }
+                Ok(g)
+            }
             Err(e) => Err(self.error(mb, e)),
         }
     }
@@ -371,16 +388,27 @@ pub fn train<'a>(
             losses: vec![0.0; my_micro.len()],
             data_seconds: 0.0,
             link: &tp_link,
+            // Only where one reduction takes every part (not ZeRO 3's layer by layer), and not
+            // on one data-parallel replica, whose fused pass scans each bucket as it sums it.
+            scan_ahead: (cfg.dist.reproducible && dp_comm.size() > 1 && zero.reduces_in_one_call())
+                .then(|| ScanAhead {
+                    reducer: &mut reducer,
+                    buckets: &buckets,
+                    seconds: 0.0,
+                }),
         };
         let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
         let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
+        let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
         if zero.level() >= 3 {
             // Freed after use: the last backward of the step is done.
             stage.release_params();
         }
         sec.data = data_seconds;
         sec.forward = (timing.forward - data_seconds).max(0.0);
-        sec.backward = timing.backward;
+        // The scan ahead ran inside backward but is the exact sum's work: counted with it.
+        sec.backward = (timing.backward - scanned_ahead).max(0.0);
+        sec.communication += scanned_ahead;
         if slowdown > 1.0 {
             let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
             std::thread::sleep(std::time::Duration::from_secs_f64(extra));
