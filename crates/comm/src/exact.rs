@@ -367,24 +367,18 @@ impl ExactReducer {
                         ranges.len()
                     )));
                 }
-                debug_assert!(ranges.iter().zip(&maxima).all(|(&(s, e), &m)| {
-                    local_parts
-                        .iter()
-                        .map(|p| max_exponent(&p[s..e]))
-                        .max()
-                        .unwrap_or(ALL_ZERO)
-                        == m
-                }));
+                debug_assert!(ranges
+                    .iter()
+                    .zip(&maxima)
+                    .all(|(&(s, e), &m)| parts_max_exponent(local_parts, s..e) == m));
                 self.exponents.extend_from_slice(&maxima);
             }
             None => {
-                for &(s, e) in ranges {
-                    let mut m = ALL_ZERO;
-                    for p in local_parts {
-                        m = m.max(max_exponent(&p[s..e]));
-                    }
-                    self.exponents.push(m);
-                }
+                self.exponents.extend(
+                    ranges
+                        .iter()
+                        .map(|&(s, e)| parts_max_exponent(local_parts, s..e)),
+                );
             }
         }
         Ok(())
@@ -447,11 +441,7 @@ impl ExactReducer {
         }
 
         // Step 1: the bucket's shared exponent.
-        let mut e_max = [local_parts
-            .iter()
-            .map(|p| max_exponent(&p[s..e]))
-            .max()
-            .unwrap_or(ALL_ZERO)];
+        let mut e_max = [parts_max_exponent(local_parts, s..e)];
         comm.all_reduce(&mut e_max, ReduceOp::Max)?;
         let e_max = e_max[0];
         if e_max == NON_FINITE {
@@ -525,11 +515,7 @@ impl ExactReducer {
             let e_max = if prescanned {
                 self.exponents[i]
             } else {
-                local_parts
-                    .iter()
-                    .map(|p| max_exponent(&p[b.clone()]))
-                    .max()
-                    .unwrap_or(ALL_ZERO)
+                parts_max_exponent(local_parts, b.clone())
             };
             if e_max == NON_FINITE {
                 return Err(ExactError::NonFinite {
@@ -546,6 +532,16 @@ impl ExactReducer {
         }
         Ok(())
     }
+}
+
+/// The largest exponent bound ([`max_exponent`]) of `range` over all `parts`; `ALL_ZERO` when
+/// there are none, `NON_FINITE` when any value is NaN or infinite.
+fn parts_max_exponent(parts: &[&[f32]], range: Range<usize>) -> i32 {
+    parts
+        .iter()
+        .map(|p| max_exponent(&p[range.clone()]))
+        .max()
+        .unwrap_or(ALL_ZERO)
 }
 
 /// The exact sum's values as a produced reduce-scatter asks for them: each segment's fixed-point
@@ -677,11 +673,7 @@ fn check_tiling(buckets: &[Range<usize>], len: usize) -> Result<(), ExactError> 
 /// (and with that one-bucket reduction over its tensor-parallel group on several).
 pub fn sum_local(parts: &[&[f32]], total_parts: usize, out: &mut [f32]) -> Result<(), ExactError> {
     check_parts(parts, total_parts, out.len())?;
-    let e_max = parts
-        .iter()
-        .map(|p| max_exponent(p))
-        .max()
-        .unwrap_or(ALL_ZERO);
+    let e_max = parts_max_exponent(parts, 0..out.len());
     if e_max == NON_FINITE {
         return Err(ExactError::NonFinite {
             start: 0,
