@@ -4,7 +4,7 @@
 Why a script and not a test: speed is a benchmark, never a test. This runs, interleaved in one
 invocation (the machine's speed drifts between runs, and other work may share it), for each model
 (small: MLP 784-512-512-10, big: 784-2048x3-10; global batch 256, SGD lr 0.05 momentum 0.9,
-1 thread per process):
+1 thread per process, 2 in the 1x2 cases):
 
   torch_1x1     PyTorch, 1 process x 1 thread      (/work/shared/anchors/ddp_mlp.py config a)
   torch_ddp2    PyTorch DDP over gloo, 2 x 1        (config c)
@@ -12,6 +12,12 @@ invocation (the machine's speed drifts between runs, and other work may share it
   lockstep_1x1_plain  the same with dist.reproducible = false
   lockstep_2x1  --nproc 2, exact reduction (dist.reproducible = true, the default)
   lockstep_2x1_plain  --nproc 2, plain f32 all-reduce (dist.reproducible = false)
+  torch_1x2     PyTorch, 1 process x 2 threads      (config b): per-worker compute at
+  lockstep_1x2  --nproc 1 --threads-per-worker 2      cores / nproc threads with nproc = 1
+
+lockstep's 2 threads only speed up its dense layers' matrix products (gemm splits each product's
+outputs between them; every other kernel runs on one thread), with the bits of one thread:
+lockstep_1x2 must end with lockstep_1x1's hash (checked here).
 
 samples/s = 256 / median step time over the steps after the first 20, where a step's time is the
 slowest rank's (PyTorch: ddp_mlp.py's own figure; lockstep: metrics.jsonl's `step_seconds`, max
@@ -42,11 +48,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARMUP = 20
 MODELS = {"small": ("[512, 512]", 200), "big": ("[2048, 2048, 2048]", 60)}
 CONFIGS = ["torch_1x1", "lockstep_1x1", "lockstep_1x1_plain", "torch_ddp2", "lockstep_2x1",
-           "lockstep_2x1_plain"]
+           "lockstep_2x1_plain", "torch_1x2", "lockstep_1x2"]
 
 
-def run_torch(py, anchor, config, model, steps):
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+def run_torch(py, anchor, config, model, steps, threads=1):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     cmd = [py, anchor, "one", "--config", config, "--model", model, "--steps", str(steps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
@@ -57,12 +63,12 @@ def run_torch(py, anchor, config, model, steps):
             "torch": d["torch"]}
 
 
-def run_lockstep(binary, model, steps, nproc, reproducible):
+def run_lockstep(binary, model, steps, nproc, reproducible, threads=1):
     hidden, _ = MODELS[model]
     with tempfile.TemporaryDirectory(prefix="vs-pytorch-") as d:
         out_dir = os.path.join(d, "run")
         cmd = [binary, "train", "--config", os.path.join(ROOT, "configs/bench-mlp784.toml"),
-               "--nproc", str(nproc), "--threads-per-worker", "1", "--out", out_dir,
+               "--nproc", str(nproc), "--threads-per-worker", str(threads), "--out", out_dir,
                "--set", f"model.hidden={hidden}", "--set", f"train.steps={steps}",
                "--set", "train.microbatch=128", "--set", "train.log_every=1000",
                "--set", f"dist.reproducible={'true' if reproducible else 'false'}"]
@@ -121,6 +127,10 @@ def main():
                     r = run_torch(a.python, a.anchor, "a", model, steps)
                 elif cfg == "torch_ddp2":
                     r = run_torch(a.python, a.anchor, "c", model, steps)
+                elif cfg == "torch_1x2":
+                    r = run_torch(a.python, a.anchor, "b", model, steps, threads=2)
+                elif cfg == "lockstep_1x2":
+                    r = run_lockstep(a.bin, model, steps, 1, True, threads=2)
                 else:
                     nproc = 1 if cfg.startswith("lockstep_1x1") else 2
                     r = run_lockstep(a.bin, model, steps, nproc, not cfg.endswith("_plain"))
@@ -131,7 +141,7 @@ def main():
 
     result = {
         "what": "samples/s = 256 / median step time (slowest rank) over steps after the first "
-                f"{WARMUP}; 1 thread per process; global batch 256; SGD momentum 0.9; "
+                f"{WARMUP}; 1 thread per process (2 in the 1x2 cases); global batch 256; SGD momentum 0.9; "
                 "runs of both systems interleaved; ratios taken within one repetition",
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "shared": "the machine is shared with other agents' builds and tests: absolute "
@@ -161,9 +171,14 @@ def main():
             "lockstep_2x1 / torch_ddp2": ratio("lockstep_2x1", "torch_ddp2"),
             "lockstep_2x1_plain / torch_ddp2": ratio("lockstep_2x1_plain", "torch_ddp2"),
             "lockstep_2x1 / lockstep_2x1_plain": ratio("lockstep_2x1", "lockstep_2x1_plain"),
+            "lockstep_1x2 / torch_1x2": ratio("lockstep_1x2", "torch_1x2"),
+            "lockstep_1x2 / lockstep_1x1": ratio("lockstep_1x2", "lockstep_1x1"),
+            "torch_1x2 / torch_1x1": ratio("torch_1x2", "torch_1x1"),
         }
         hashes = {h for cfg in ("lockstep_1x1", "lockstep_2x1") for h in m[cfg]["param_hashes"]}
         m["exact_same_hash_1x1_2x1"] = len(hashes) == 1
+        hashes |= set(m["lockstep_1x2"]["param_hashes"])
+        m["exact_same_hash_1x1_2x1_1x2"] = len(hashes) == 1
         result["models"][model] = m
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as fh:
@@ -196,6 +211,14 @@ def print_table(result):
               f"{r(q['lockstep_1x1_plain / torch_1x1'])} | {f(m['torch_ddp2'])} | "
               f"{f(m['lockstep_2x1'])} | {r(q['lockstep_2x1 / torch_ddp2'])} | "
               f"{f(m['lockstep_2x1_plain'])} | {r(q['lockstep_2x1_plain / torch_ddp2'])} |")
+    print("\n| model | PyTorch 1×2 | lockstep 1×2 | ratio | PyTorch 1×2 / 1×1 "
+          "| lockstep 1×2 / 1×1 | same hash 1×1, 2×1, 1×2 |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for model, m in result["models"].items():
+        q = m["ratios"]
+        print(f"| {model} | {f(m['torch_1x2'])} | {f(m['lockstep_1x2'])} | "
+              f"{r(q['lockstep_1x2 / torch_1x2'])} | {r(q['torch_1x2 / torch_1x1'])} | "
+              f"{r(q['lockstep_1x2 / lockstep_1x1'])} | {m['exact_same_hash_1x1_2x1_1x2']} |")
 
 
 if __name__ == "__main__":

@@ -98,9 +98,10 @@ struct TrainArgs {
     #[arg(long, value_name = "SPEC")]
     inject: Option<String>,
     /// Threads each worker may use, passed on as RAYON_NUM_THREADS (default: this host's cores /
-    /// --nproc). lockstep's burn kernels compute on one thread per worker whatever this says:
-    /// burn flex's multi-threaded kernels are left out of the build because their parallel
-    /// reductions do not add in a fixed order (README, "Reproducibility"); run more workers.
+    /// --nproc). The MLP and CNN dense layers' matrix products run on them, with the same bits at any count;
+    /// every other burn kernel runs on one thread per worker, since burn flex's multi-threaded
+    /// kernels are left out of the build (their parallel reductions do not add in a fixed order;
+    /// README, "Reproducibility"). More workers use cores better.
     #[arg(long)]
     threads_per_worker: Option<usize>,
     /// Run directory (default: runs/run-<time>).
@@ -130,8 +131,8 @@ struct ScaleArgs {
     #[arg(long, value_name = "LIST")]
     layouts: Option<String>,
     /// Threads per worker (RAYON_NUM_THREADS), the same for every size (default 1, so that a
-    /// larger world size is more compute, not the same cores split differently). lockstep's burn
-    /// kernels compute on one thread per worker either way (see `train --help`).
+    /// larger world size is more compute, not the same cores split differently). Only the dense
+    /// layers' matrix products use more than one (see `train --help`).
     #[arg(long, default_value_t = 1)]
     threads_per_worker: usize,
     #[arg(long = "set", value_name = "KEY=VALUE")]

@@ -206,6 +206,34 @@ fn repeated_runs_are_bitwise_identical_in_both_modes() {
     assert_eq!(hash(&a), hash(&e));
 }
 
+/// `--threads-per-worker 2` runs the dense layers' matrix products on two threads (gemm splits
+/// each product's outputs between them) with the bits of one thread; summary.json says how many
+/// threads ran them. The hidden layer is wide enough (64 × 64 × 512 multiply-adds) for gemm to
+/// use both threads.
+#[test]
+fn threads_per_worker_speed_up_products_without_changing_the_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |threads: &str| {
+        let out = tmp.path().join(format!("t{threads}"));
+        let mut c = lockstep(&["train", "--nproc", "1", "--threads-per-worker", threads]);
+        c.arg("--out").arg(&out);
+        for s in [
+            "train.steps=8",
+            "model.hidden=[512, 512]",
+            "train.microbatch=64",
+        ] {
+            c.args(["--set", s]);
+        }
+        run_ok(&mut c);
+        summary(&out)
+    };
+    let (one, two) = (run("1"), run("2"));
+    assert_eq!(one["compute"]["matmul_threads"], 1);
+    assert_eq!(two["compute"]["matmul_threads"], 2);
+    assert_eq!(hash(&one), hash(&two), "2 threads changed the bits");
+    assert_eq!(one["final_loss"], two["final_loss"]);
+}
+
 /// Start `world` workers the way an external engine would, with `vars(rank)` as its variables.
 fn run_under_engine(
     world: usize,

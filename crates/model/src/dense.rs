@@ -31,7 +31,8 @@
 //! The unit tests check all of this bit for bit on the benchmark models' shapes and on odd,
 //! one-row and strided ones.
 //!
-//! Threads: flex runs gemm single-threaded here at every size (see `PARALLELISM`), so do we.
+//! Threads: these products run on the worker's threads (`parallelism`), with the same bits at
+//! any thread count; burn flex runs its own gemm calls on one thread.
 //!
 //! Measured end to end against the previous version (burn's forward and weight gradient, the
 //! transposed input gradient everywhere), 1 worker, 1 thread, bench-mlp784, median `step_seconds`
@@ -74,13 +75,27 @@ impl DenseLinear for Flex {
     }
 }
 
-/// gemm's threading for every product here: the one burn flex's `matmul_2d_strided` picks. Flex
-/// asks for `Rayon(0)` above 192³ multiply-adds only when built with its `rayon` feature, which
-/// this workspace leaves off (burn's default features are off; `cargo tree -i rayon` is empty), so
-/// flex runs `None` at every size, whatever `--threads-per-worker` says. If flex's `rayon` is ever
-/// turned on, this must follow. (gemm splits the rows and columns of the output between threads,
-/// never the sum, so the threading does not change the bits either way.)
-const PARALLELISM: gemm::Parallelism = gemm::Parallelism::None;
+/// gemm's threading for a product here: the calling thread's rayon pool, which the launcher sizes
+/// to the worker's threads (`RAYON_NUM_THREADS` = `--threads-per-worker`, by default cores /
+/// nproc). One thread runs `None`, the call burn flex's `matmul_2d_strided` makes (flex asks for
+/// `Rayon(0)` only when built with its `rayon` feature, which this workspace leaves off, so flex's
+/// own products run on one thread whatever `--threads-per-worker` says). Several threads run
+/// `Rayon(n)`: gemm splits the rows and columns of the output between them, never the sum (the
+/// depth blocks depend on the sizes only), so every output is the same multiply-add chain and
+/// the bits do not depend on the thread count (tested below on every shape at 2–4 threads).
+/// gemm keeps products under 48 × 48 × 256 multiply-adds on one thread.
+fn parallelism() -> gemm::Parallelism {
+    match matmul_threads() {
+        0 | 1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    }
+}
+
+/// Threads a dense layer's matrix products run on when called from this thread (the size of its
+/// rayon pool: in a worker, `RAYON_NUM_THREADS`, which the launcher sets to the worker's threads).
+pub fn matmul_threads() -> usize {
+    rayon::current_num_threads()
+}
 
 /// A 2-D f32 operand of a gemm call, read in place: the tensor's storage, its first element and
 /// its row and column strides, in elements.
@@ -197,7 +212,7 @@ fn gemm_new(lhs: Mat, rhs: Mat, dst: Dst) -> Vec<f32> {
             false,
             false,
             false,
-            PARALLELISM,
+            parallelism(),
         );
         out.set_len(len);
     }
@@ -519,6 +534,39 @@ mod tests {
             // `run` builds W and dy from these same values.
             let (_, dx, _, _) = run(true, (n, i, o), &dev);
             assert_eq!(bits(dx), reference, "autodiff {:?}", (n, i, o));
+        }
+    }
+
+    /// Several threads per worker: every product gives the bits of one thread, on every shape
+    /// (the benchmark models' 2048 × 2048 layers are far above gemm's threading threshold).
+    #[test]
+    fn thread_count_does_not_change_the_bits() {
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let products = |(n, i, o): (usize, usize, usize)| {
+            let (x, w, dy) = (flex(n, i, 1), flex(i, o, 2), flex(n, o, 4));
+            let b = FlexTensor::from_data(TensorData::new(values(o, 3), [o]));
+            [
+                flex_bits(forward(x.clone(), w.clone(), b)),
+                flex_bits(weight_grad(x, dy.clone())),
+                flex_bits(input_grad(w, dy)),
+            ]
+        };
+        let shapes: Vec<_> = SHAPES.iter().copied().chain([(256, 2048, 2048)]).collect();
+        let reference: Vec<_> = one.install(|| shapes.iter().map(|&s| products(s)).collect());
+        for threads in 2..=4 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                assert!(matches!(parallelism(), gemm::Parallelism::Rayon(t) if t == threads));
+                for (&shape, expected) in shapes.iter().zip(&reference) {
+                    assert_eq!(&products(shape), expected, "{threads} threads, {shape:?}");
+                }
+            });
         }
     }
 

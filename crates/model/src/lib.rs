@@ -52,6 +52,7 @@ mod tp_stage;
 mod transformer;
 
 pub use alloc::tune_allocator_for_training;
+pub use dense::matmul_threads;
 pub use error::ModelError;
 pub use kernels::{first_mismatch as first_kernel_mismatch, Kernels};
 pub use model::{param_hash, Model, TimedLoss};
