@@ -42,7 +42,9 @@
 //! fewer rounds win for small vectors), and on a group of one runs
 //! [`ExactReducer::reduce_local_with_buckets`]: steps 2–4 fused into one pass per bucket (each
 //! value's `i64` sum converted back as soon as it is formed), no `i64` vector, no communication —
-//! the same bits, since every step is the same arithmetic on the same values.
+//! the same bits, since every step is the same arithmetic on the same values. Its buckets are
+//! independent, so it splits them between the worker's threads (rayon's pool: a worker with
+//! `--threads-per-worker 2`), with the same bits at any thread count.
 //!
 //! [`ExactReducer::reduce_bucket`] runs the same four steps for one bucket alone (`all_reduce(max)` of
 //! one i32, then that bucket's i64 values reduce-scattered and the finished f32 chunks all-gathered
@@ -59,6 +61,8 @@
 //! Non-finite values (NaN/±Inf) anywhere are detected in step 1 on every rank alike and reported.
 
 use std::ops::Range;
+
+use rayon::prelude::*;
 
 use crate::collectives::ring::Produced;
 use crate::communicator::{Algorithm, Communicator};
@@ -511,28 +515,58 @@ impl ExactReducer {
             let ranges: Vec<(usize, usize)> = buckets.iter().map(|b| (b.start, b.end)).collect();
             self.local_exponents(local_parts, &ranges)?;
         }
-        for (i, b) in buckets.iter().enumerate() {
+        let exponents = &self.exponents;
+        let bucket = |i: usize, b: &Range<usize>, dst: &mut [f32]| {
             let e_max = if prescanned {
-                self.exponents[i]
+                exponents[i]
             } else {
                 parts_max_exponent(local_parts, b.clone())
             };
-            if e_max == NON_FINITE {
-                return Err(ExactError::NonFinite {
+            match e_max {
+                NON_FINITE => Err(ExactError::NonFinite {
                     start: b.start,
                     end: b.end,
-                });
+                }),
+                ALL_ZERO => {
+                    dst.fill(0.0);
+                    Ok(())
+                }
+                e => {
+                    fixed_sum_finished(dst, local_parts, b.clone(), shift_for(e, total_parts));
+                    Ok(())
+                }
             }
-            let dst = &mut out[b.clone()];
-            if e_max == ALL_ZERO {
-                dst.fill(0.0);
-            } else {
-                fixed_sum_finished(dst, local_parts, b.clone(), shift_for(e_max, total_parts));
+        };
+        // Buckets are independent, so the worker's threads may take them in any order: each
+        // bucket's values are the same arithmetic either way (same bits at any thread count).
+        // The first non-finite bucket in order is reported, as on one thread.
+        if len > PARALLEL_MIN && rayon::current_num_threads() > 1 {
+            let mut pieces = Vec::with_capacity(buckets.len());
+            let mut rest = &mut *out;
+            for b in buckets {
+                let (dst, tail) = rest.split_at_mut(b.len());
+                pieces.push(dst);
+                rest = tail;
             }
+            let results: Vec<Result<(), ExactError>> = pieces
+                .into_par_iter()
+                .zip(buckets.par_iter())
+                .enumerate()
+                .map(|(i, (dst, b))| bucket(i, b, dst))
+                .collect();
+            results.into_iter().collect()
+        } else {
+            buckets
+                .iter()
+                .enumerate()
+                .try_for_each(|(i, b)| bucket(i, b, &mut out[b.clone()]))
         }
-        Ok(())
     }
 }
+
+/// Values below which the one-rank pass stays on one thread (handing buckets to threads would
+/// cost more than it saves).
+const PARALLEL_MIN: usize = 1 << 16;
 
 /// The largest exponent bound ([`max_exponent`]) of `range` over all `parts`; `ALL_ZERO` when
 /// there are none, `NON_FINITE` when any value is NaN or infinite.

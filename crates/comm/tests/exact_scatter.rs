@@ -505,3 +505,50 @@ fn one_rank_reports_a_non_finite_bucket_and_zero_buckets_stay_zero() {
         other => panic!("expected NonFinite, got {other:?}"),
     }
 }
+
+/// The one-rank pass splits its buckets between the worker's threads above 64k values: the same
+/// bits at 1–4 threads, with and without exponents scanned ahead, and the first non-finite
+/// bucket in order is the one reported, whichever thread reaches it first.
+#[test]
+fn one_rank_gives_the_same_bits_on_any_number_of_threads() {
+    let len = 200_003;
+    let all = parts(3, len);
+    let refs: Vec<&[f32]> = all.iter().map(|p| p.as_slice()).collect();
+    let mut bad = all[1].clone();
+    bad[150_000] = f32::NAN;
+    bad[90_000] = f32::NEG_INFINITY;
+    let bad_refs = [refs[0], bad.as_slice(), refs[2]];
+    let run = |threads: usize, prescan: bool| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut reducer = ExactReducer::new(4096);
+            let buckets = bucket_ranges(&reducer, len);
+            if prescan {
+                for p in &refs {
+                    reducer.scan_part(p, &buckets);
+                }
+            }
+            let mut out = vec![f32::NAN; len];
+            reducer
+                .reduce_local_with_buckets(&refs, 3, &mut out, &buckets)
+                .unwrap();
+            let err = reducer
+                .reduce_local_with_buckets(&bad_refs, 3, &mut vec![0f32; len], &buckets)
+                .unwrap_err();
+            (bits(&out), err.to_string())
+        })
+    };
+    let (want, want_err) = run(1, false);
+    assert_eq!(want, bits(&one_rank_sum(&all, len, 4096)));
+    assert!(want_err.contains("elements 86016..90112"), "{want_err}");
+    for threads in 1..=4 {
+        for prescan in [false, true] {
+            let (got, err) = run(threads, prescan);
+            assert!(got == want, "{threads} threads, pre-scan {prescan}");
+            assert_eq!(err, want_err, "{threads} threads, pre-scan {prescan}");
+        }
+    }
+}

@@ -31,7 +31,7 @@
 //! The unit tests check all of this bit for bit on the benchmark models' shapes and on odd,
 //! one-row and strided ones.
 //!
-//! Threads: these products run on the worker's threads (`parallelism`), with the same bits at
+//! Threads: these products run on the worker's threads (`parallelism`, `crate::compute_threads`), with the same bits at
 //! any thread count; burn flex runs its own gemm calls on one thread.
 //!
 //! Measured end to end against the previous version (burn's forward and weight gradient, the
@@ -85,16 +85,10 @@ impl DenseLinear for Flex {
 /// the bits do not depend on the thread count (tested below on every shape at 2–4 threads).
 /// gemm keeps products under 48 × 48 × 256 multiply-adds on one thread.
 fn parallelism() -> gemm::Parallelism {
-    match matmul_threads() {
+    match crate::compute_threads() {
         0 | 1 => gemm::Parallelism::None,
         n => gemm::Parallelism::Rayon(n),
     }
-}
-
-/// Threads a dense layer's matrix products run on when called from this thread (the size of its
-/// rayon pool: in a worker, `RAYON_NUM_THREADS`, which the launcher sets to the worker's threads).
-pub fn matmul_threads() -> usize {
-    rayon::current_num_threads()
 }
 
 /// A 2-D f32 operand of a gemm call, read in place: the tensor's storage, its first element and

@@ -52,8 +52,16 @@ mod tp_stage;
 mod transformer;
 
 pub use alloc::tune_allocator_for_training;
-pub use dense::matmul_threads;
 pub use error::ModelError;
+
+/// Threads this worker's own compute loops run on when called from this thread: the size of its
+/// rayon pool (in a worker, `RAYON_NUM_THREADS`, which the launcher sets to
+/// `--threads-per-worker`). The dense layers' matrix products (`dense.rs`) and the optimizers'
+/// updates (`optim.rs`) split their outputs between them, never a sum, so the bits are the same at
+/// any count; burn flex's own kernels run on one thread (built without its `rayon` feature).
+pub fn compute_threads() -> usize {
+    rayon::current_num_threads()
+}
 pub use kernels::{first_mismatch as first_kernel_mismatch, Kernels};
 pub use model::{param_hash, Model, TimedLoss};
 pub use optim::{Optimizer, OptimizerSpec};

@@ -225,18 +225,19 @@ pub struct ComputeSummary {
     /// (`lockstep_model::Kernels`); results' bits are specific to it. "unknown" in summaries
     /// written before it was recorded.
     pub kernels: String,
-    /// Threads each worker's dense-layer matrix products ran on (`--threads-per-worker`;
-    /// `lockstep_model::matmul_threads`); every other kernel runs on one. Any count gives the same
-    /// bits. 0 in summaries written before it was recorded.
+    /// Threads each worker's own compute loops ran on (`--threads-per-worker`;
+    /// `lockstep_model::compute_threads`): the dense layers' matrix products, the optimizer's
+    /// update and the one-worker exact sum; burn's other kernels run on one. Any count gives the
+    /// same bits. 0 in summaries written before it was recorded.
     #[serde(default)]
-    pub matmul_threads: usize,
+    pub threads: usize,
 }
 
 impl Default for ComputeSummary {
     fn default() -> Self {
         ComputeSummary {
             kernels: "unknown".into(),
-            matmul_threads: 0,
+            threads: 0,
         }
     }
 }

@@ -148,7 +148,7 @@ pub(crate) fn build_summary(
         pipeline,
         compute: ComputeSummary {
             kernels: lockstep_model::Kernels::detect().name().to_string(),
-            matmul_threads: lockstep_model::matmul_threads(),
+            threads: lockstep_model::compute_threads(),
         },
     }
 }
