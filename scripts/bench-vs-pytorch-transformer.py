@@ -12,8 +12,9 @@ speed drifts between runs, and other work may share it), for each repetition:
   torch_1x1_eager   the same, attention spelled out as lockstep computes it
                     (q k^T / sqrt(dh) + additive -1e9 mask, softmax, @ v)
   with --two-threads also (informational):
-  lockstep_1x2      --threads-per-worker 2 (lockstep's burn kernels still run on one thread: see
-                    `lockstep train --help`)
+  lockstep_1x2      --threads-per-worker 2 (only lockstep's own loops, the optimizer and the
+                    one-worker exact sum, use the second thread; the transformer's burn kernels
+                    run on one: see `lockstep train --help`)
   torch_1x2         torch.set_num_threads(2), OMP_NUM_THREADS=MKL_NUM_THREADS=2
 
 The model (configs/shakespeare.toml, `model.kind = "transformer"`, crates/model/src/transformer.rs):

@@ -30,6 +30,7 @@
 mod alloc;
 mod dense;
 mod error;
+mod gelu;
 mod init;
 mod kernels;
 mod loss;

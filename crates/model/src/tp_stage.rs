@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use burn::tensor::activation::gelu;
+use crate::gelu::gelu;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::params;

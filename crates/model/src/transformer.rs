@@ -15,8 +15,9 @@
 
 use std::ops::Range;
 
+use crate::gelu::gelu;
 use burn::module::{Module, Param};
-use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::module::embedding;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use sha2::{Digest, Sha256};
