@@ -853,6 +853,19 @@ fn start_heartbeat(rank: usize) {
     });
 }
 
+/// Makes this thread one of the worker's compute threads: rayon's global pool, sized by
+/// `RAYON_NUM_THREADS` (`--threads-per-worker`), with this thread as its first member. Why: the
+/// training loop then takes part in the threaded loops (gemm, optimizer, exact sum) instead of
+/// waiting beside a pool of its own size; with a separate pool, its threads kept spinning for
+/// work after each product on the cores the loop's single-threaded kernels needed (measured:
+/// Shakespeare transformer at 2 threads, 181 → see README). A pool built earlier (a user's
+/// binary may build its own) is kept.
+fn join_compute_threads() {
+    let _ = rayon::ThreadPoolBuilder::new()
+        .use_current_thread()
+        .build_global();
+}
+
 fn run_train_worker(
     w: WorkerEnv,
     cfg: &TrainConfig,
@@ -861,6 +874,7 @@ fn run_train_worker(
     resume: bool,
     faults: &[Fault],
 ) -> Result<()> {
+    join_compute_threads();
     let env = environment();
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_secs);
     let rank = w.rank;

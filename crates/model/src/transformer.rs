@@ -15,6 +15,7 @@
 
 use std::ops::Range;
 
+use crate::dense::dense_linear;
 use crate::gelu::gelu;
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
@@ -410,7 +411,7 @@ pub(crate) fn layer_norm(x: Tensor<3>, gain: Tensor<1>, bias: Tensor<1>) -> Tens
 pub(crate) fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>) -> Tensor<3> {
     let [n, t, d] = x.dims();
     let out = w.dims()[1];
-    (x.reshape([n * t, d]).matmul(w) + b.unsqueeze()).reshape([n, t, out])
+    dense_linear(x.reshape([n * t, d]), w, b).reshape([n, t, out])
 }
 
 /// Causal self-attention of `heads` heads over `qkv = [Q | K | V]` (`[n, t, 3·w]`, each of the
