@@ -5,7 +5,8 @@
 //! step). Here every value goes through the same short branch-free sequence of IEEE operations,
 //! which the compiler turns into vector code (AVX-512, AVX2 or SSE2 copies, picked at run time);
 //! the copies perform the same operations per value (Rust never fuses a multiply and an add), so
-//! the bits do not depend on the CPU's vector width (tested).
+//! the bits do not depend on the CPU's vector width (tested). Being elementwise, a pass is split
+//! between the worker's threads with the same bits at any count (tested).
 //!
 //! Math, for `z = |x|/√2` and `e = exp(−z²) = exp(−x²/2)`:
 //! - `erfc(z) ≈ q = t·(a1 + t·(a2 + t·(a3 + t·(a4 + t·a5))))·e`, `t = 1/(1 + p·z)` (Abramowitz &
@@ -16,8 +17,7 @@
 //!   one is selected: no branch);
 //! - forward `x·Φ(x)`; backward `dy·(Φ(x) + x·φ(x))`, `φ(x) = e/√(2π)` (the same `e`).
 //!
-//! `exp` is Cody–Waite range reduction (`x = n·ln2 + r`) and Cephes' `expf` polynomial on `r`,
-//! scaled by `2ⁿ` through the exponent bits; arguments below −87.3 give 0.
+//! `exp` is `vector_math::exp_nonpositive`.
 //!
 //! Against burn's GELU (tests): forward and input gradient within 3·10⁻⁷ absolute + 10⁻⁶ relative
 //! over [−12, 12]; NaN and infinities as burn gives them.
@@ -32,6 +32,10 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::ops::ActivationOps;
 use burn::backend::{backend_extension, tensor::FloatTensor, Backend, Dispatch, Flex};
 use burn::tensor::{DType, Tensor, TensorData};
+
+use rayon::prelude::*;
+
+use crate::vector_math::{dispatched, exp_nonpositive, tier, Tier};
 
 #[backend_extension(Flex, Autodiff)]
 pub trait ExactGelu: Backend {
@@ -60,33 +64,6 @@ const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 const FRAC_2_SQRT_PI: f32 = std::f32::consts::FRAC_2_SQRT_PI;
 /// 1/√(2π).
 const INV_SQRT_2PI: f32 = 0.398_942_3;
-
-/// `exp(x)` for `x ≤ 0` (the only arguments here), 0 below −87.3 (the smallest normal's log).
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 in two parts, so that n·LN2_HI is exact for |n| < 2⁹.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding and subtracting 1.5·2²³ rounds to the nearest integer (ties to even) in f32.
-    const ROUND: f32 = 12_582_912.0;
-    let xc = x.max(-87.3);
-    let n = (xc * LOG2_E + ROUND) - ROUND;
-    let r = (xc - n * LN2_HI) - n * LN2_LO;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let er = (p * (r * r) + r) + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if x < -87.3 {
-        0.0
-    } else {
-        er * scale
-    }
-}
 
 /// `(Φ(x), e)` with `e = exp(−x²/2)`.
 #[inline(always)]
@@ -126,62 +103,16 @@ fn backward_any(x: &[f32], dy: &[f32], out: &mut [f32]) {
     }
 }
 
-/// The instruction set the passes are compiled for (detected once).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Tier {
-    Avx512,
-    Avx2,
-    Portable,
-}
-
-fn tier() -> Tier {
-    static TIER: std::sync::OnceLock<Tier> = std::sync::OnceLock::new();
-    *TIER.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Tier::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Tier::Avx2;
-            }
-        }
-        Tier::Portable
-    })
-}
-
-/// `$name(args)` running `$any(args)` compiled for `tier`'s instruction set (or `Portable`).
-macro_rules! dispatched {
-    ($name:ident($($arg:ident: $ty:ty),*) = $any:ident) => {
-        fn $name(tier: Tier, $($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            match tier {
-                Tier::Avx512 => {
-                    #[target_feature(enable = "avx512f")]
-                    unsafe fn avx512($($arg: $ty),*) {
-                        $any($($arg),*)
-                    }
-                    // SAFETY: only called with a tier that `tier()` found on this CPU.
-                    return unsafe { avx512($($arg),*) };
-                }
-                Tier::Avx2 => {
-                    #[target_feature(enable = "avx2")]
-                    unsafe fn avx2($($arg: $ty),*) {
-                        $any($($arg),*)
-                    }
-                    // SAFETY: as above.
-                    return unsafe { avx2($($arg),*) };
-                }
-                Tier::Portable => {}
-            }
-            let _ = tier;
-            $any($($arg),*)
-        }
-    };
-}
-
 dispatched!(forward_pass(x: &[f32], out: &mut [f32]) = forward_any);
 dispatched!(backward_pass(x: &[f32], dy: &[f32], out: &mut [f32]) = backward_any);
+
+/// Values per piece of work when a pass is split between the worker's threads (elementwise: the
+/// same bits at any count).
+const CHUNK: usize = 1 << 14;
+
+fn threaded(len: usize) -> bool {
+    len > CHUNK && crate::compute_threads() > 1
+}
 
 /// `t`'s values in order (a copy only when `t` is not contiguous).
 fn values(t: &FlexTensor) -> std::borrow::Cow<'_, [f32]> {
@@ -201,7 +132,14 @@ fn forward(x: FlexTensor) -> FlexTensor {
     }
     let v = values(&x);
     let mut out = vec![0f32; v.len()];
-    forward_pass(tier(), &v, &mut out);
+    let t = tier();
+    if threaded(v.len()) {
+        out.par_chunks_mut(CHUNK)
+            .zip(v.par_chunks(CHUNK))
+            .for_each(|(o, x)| forward_pass(t, x, o));
+    } else {
+        forward_pass(t, &v, &mut out);
+    }
     FlexTensor::from_data(TensorData::new(out, shape(&x)))
 }
 
@@ -211,7 +149,14 @@ fn backward(x: FlexTensor, dy: FlexTensor) -> FlexTensor {
     }
     let (xv, dv) = (values(&x), values(&dy));
     let mut out = vec![0f32; xv.len()];
-    backward_pass(tier(), &xv, &dv, &mut out);
+    let t = tier();
+    if threaded(xv.len()) {
+        out.par_chunks_mut(CHUNK)
+            .zip(xv.par_chunks(CHUNK).zip(dv.par_chunks(CHUNK)))
+            .for_each(|(o, (x, g))| backward_pass(t, x, g, o));
+    } else {
+        backward_pass(t, &xv, &dv, &mut out);
+    }
     FlexTensor::from_data(TensorData::new(out, shape(&x)))
 }
 
@@ -354,7 +299,19 @@ mod tests {
             ])
             .collect();
         let dy: Vec<f32> = x.iter().map(|v| (v * 0.7).cos()).collect();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // NaN's sign and payload depend on operand order, which vector code may change; a NaN
+        // stops training either way (the loss is checked), so all NaNs count as one.
+        let bits = |v: &[f32]| {
+            v.iter()
+                .map(|x| {
+                    if x.is_nan() {
+                        f32::NAN.to_bits()
+                    } else {
+                        x.to_bits()
+                    }
+                })
+                .collect::<Vec<_>>()
+        };
         let run = |tier: Tier| {
             let (mut f, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
             forward_pass(tier, &x, &mut f);
@@ -374,6 +331,31 @@ mod tests {
         }
         for t in tiers {
             assert!(run(t) == portable, "{t:?}");
+        }
+    }
+
+    /// Split between 1–4 threads, both passes give one thread's bits.
+    #[test]
+    fn threads_give_the_same_bits() {
+        let x: Vec<f32> = (0..100_003).map(|i| (i as f32 * 0.001) - 50.0).collect();
+        let dy: Vec<f32> = x.iter().map(|v| (v * 0.7).cos()).collect();
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let f = f32s(forward(flex(x.clone())));
+                let b = f32s(backward(flex(x.clone()), flex(dy.clone())));
+                (
+                    f.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                )
+            })
+        };
+        let want = run(1);
+        for threads in 2..=4 {
+            assert!(run(threads) == want, "{threads} threads");
         }
     }
 

@@ -37,6 +37,7 @@ mod loss;
 mod model;
 mod net;
 mod optim;
+mod softmax;
 /// Flat parameter/gradient access for any burn module (also for users' own models).
 pub mod flat {
     pub use crate::params::{f32_slice, hash_layout, layout, read, read_grads, write, ParamInfo};
@@ -51,6 +52,7 @@ mod tensor_parallel;
 mod tp_layers;
 mod tp_stage;
 mod transformer;
+mod vector_math;
 
 pub use alloc::tune_allocator_for_training;
 pub use error::ModelError;

@@ -17,8 +17,8 @@ use std::ops::Range;
 
 use crate::dense::dense_linear;
 use crate::gelu::gelu;
+use crate::softmax::softmax_last;
 use burn::module::{Module, Param};
-use burn::tensor::activation::softmax;
 use burn::tensor::module::embedding;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use sha2::{Digest, Sha256};
@@ -432,7 +432,7 @@ pub(crate) fn attend(qkv: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3
         .matmul(k.swap_dims(2, 3))
         .mul_scalar(1.0 / (dh as f32).sqrt())
         + mask.clone();
-    softmax(scores, 3)
+    softmax_last(scores)
         .matmul(v)
         .swap_dims(1, 2)
         .reshape([n, t, w])
