@@ -99,10 +99,11 @@ struct TrainArgs {
     inject: Option<String>,
     /// Threads each worker may use, passed on as RAYON_NUM_THREADS (default: this host's cores /
     /// --nproc). The built-in models' dense layers' matrix products (MLP, CNN head, transformer
-    /// linears), the optimizer and the one-worker exact sum run on them, with the same bits at
-    /// any count; every other burn kernel runs on one thread per worker, since burn flex's
-    /// multi-threaded kernels are left out of the build (their parallel reductions do not add in
-    /// a fixed order; README, "Reproducibility"). More workers use cores better.
+    /// linears), the transformer's GELU and softmax, the optimizer and the one-worker exact sum
+    /// run on them, with the same bits at any count; every other burn kernel runs on one thread
+    /// per worker, since burn flex's multi-threaded kernels are left out of the build (their
+    /// parallel reductions do not add in a fixed order; README, "Reproducibility"). More workers
+    /// use cores better.
     #[arg(long)]
     threads_per_worker: Option<usize>,
     /// Run directory (default: runs/run-<time>).
@@ -132,8 +133,8 @@ struct ScaleArgs {
     #[arg(long, value_name = "LIST")]
     layouts: Option<String>,
     /// Threads per worker (RAYON_NUM_THREADS), the same for every size (default 1, so that a
-    /// larger world size is more compute, not the same cores split differently). Only the dense
-    /// layers' matrix products use more than one (see `train --help`).
+    /// larger world size is more compute, not the same cores split differently). Only lockstep's own
+    /// loops use more than one (see `train --help`).
     #[arg(long, default_value_t = 1)]
     threads_per_worker: usize,
     #[arg(long = "set", value_name = "KEY=VALUE")]
