@@ -99,11 +99,11 @@ struct TrainArgs {
     inject: Option<String>,
     /// Threads each worker may use, passed on as RAYON_NUM_THREADS (default: this host's cores /
     /// --nproc). The built-in models' dense layers' matrix products (MLP, CNN head, transformer
-    /// linears), the transformer's GELU and softmax, the optimizer and the one-worker exact sum
-    /// run on them, with the same bits at any count; every other burn kernel runs on one thread
-    /// per worker, since burn flex's multi-threaded kernels are left out of the build (their
-    /// parallel reductions do not add in a fixed order; README, "Reproducibility"). More workers
-    /// use cores better.
+    /// linears), the transformer's GELU, softmax and layer norm, the optimizer and the one-worker
+    /// exact sum run on them, with the same bits at any count; every other burn kernel runs on one
+    /// thread per worker, since burn flex's multi-threaded kernels are left out of the build
+    /// (their parallel reductions do not add in a fixed order; README, "Reproducibility"). More
+    /// workers use cores better.
     #[arg(long)]
     threads_per_worker: Option<usize>,
     /// Run directory (default: runs/run-<time>).

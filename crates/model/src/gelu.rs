@@ -35,6 +35,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 use rayon::prelude::*;
 
+use crate::flex_values::{shape, values};
 use crate::vector_math::{dispatched, exp_nonpositive, tier, Tier};
 
 #[backend_extension(Flex, Autodiff)]
@@ -112,18 +113,6 @@ const CHUNK: usize = 1 << 14;
 
 fn threaded(len: usize) -> bool {
     len > CHUNK && crate::compute_threads() > 1
-}
-
-/// `t`'s values in order (a copy only when `t` is not contiguous).
-fn values(t: &FlexTensor) -> std::borrow::Cow<'_, [f32]> {
-    match t.layout().contiguous_offsets() {
-        Some((start, end)) => std::borrow::Cow::Borrowed(&t.storage::<f32>()[start..end]),
-        None => std::borrow::Cow::Owned(t.to_contiguous().storage::<f32>().to_vec()),
-    }
-}
-
-fn shape(t: &FlexTensor) -> Vec<usize> {
-    t.layout().shape().iter().copied().collect()
 }
 
 fn forward(x: FlexTensor) -> FlexTensor {

@@ -30,9 +30,11 @@
 mod alloc;
 mod dense;
 mod error;
+mod flex_values;
 mod gelu;
 mod init;
 mod kernels;
+mod layer_norm;
 mod loss;
 mod model;
 mod net;

@@ -28,6 +28,7 @@ use burn::backend::{
 use burn::tensor::{DType, Tensor, TensorData};
 use rayon::prelude::*;
 
+use crate::flex_values::{shape, values};
 use crate::vector_math::{dispatched, exp_nonpositive, tier, Tier};
 
 #[backend_extension(Flex, Autodiff)]
@@ -89,17 +90,6 @@ dispatched!(backward_rows(y: &[f32], dy: &[f32], dx: &mut [f32], width: usize) =
 /// Whole rows per piece of work, or `None` when the work stays on this thread.
 fn rows_per_piece(len: usize, width: usize) -> Option<usize> {
     (len > CHUNK && crate::compute_threads() > 1).then(|| (CHUNK / width).max(1) * width)
-}
-
-fn values(t: &FlexTensor) -> std::borrow::Cow<'_, [f32]> {
-    match t.layout().contiguous_offsets() {
-        Some((start, end)) => std::borrow::Cow::Borrowed(&t.storage::<f32>()[start..end]),
-        None => std::borrow::Cow::Owned(t.to_contiguous().storage::<f32>().to_vec()),
-    }
-}
-
-fn shape(t: &FlexTensor) -> Vec<usize> {
-    t.layout().shape().iter().copied().collect()
 }
 
 fn forward(x: FlexTensor) -> FlexTensor {

@@ -23,6 +23,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use crate::gelu::gelu;
+use crate::layer_norm::layer_norm;
 use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::params;
@@ -32,7 +33,7 @@ use crate::stage::{
 };
 use crate::tensor_parallel::{LayerSlots, PieceSum, TpLayout, TpSplit};
 use crate::transformer::{
-    attend, causal_mask, embed_tokens, head_logits, layer_norm, linear3, TransformerSpec,
+    attend, causal_mask, embed_tokens, head_logits, linear3, TransformerSpec,
 };
 use crate::ModelError as E;
 

@@ -17,6 +17,7 @@ use std::ops::Range;
 
 use crate::dense::dense_linear;
 use crate::gelu::gelu;
+use crate::layer_norm::layer_norm;
 use crate::softmax::softmax_last;
 use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
@@ -397,14 +398,6 @@ pub(crate) fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
         }
     }
     Tensor::from_data(TensorData::new(m, [1, 1, t, t]), device)
-}
-
-pub(crate) fn layer_norm(x: Tensor<3>, gain: Tensor<1>, bias: Tensor<1>) -> Tensor<3> {
-    let mean = x.clone().mean_dim(2);
-    let centred = x - mean;
-    let var = centred.clone().square().mean_dim(2);
-    let y = centred / var.add_scalar(1e-5).sqrt();
-    y * gain.unsqueeze() + bias.unsqueeze()
 }
 
 /// `x W + b` over the last dimension of `[n, t, d_in]`.
