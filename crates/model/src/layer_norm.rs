@@ -121,7 +121,7 @@ fn forward(x: &FlexTensor, gain: &FlexTensor, bias: &FlexTensor) -> (FlexTensor,
     let (xv, gv, bv) = (values(x), values(gain), values(bias));
     assert_eq!(gv.len(), width, "layer_norm: gain length");
     assert_eq!(bv.len(), width, "layer_norm: bias length");
-    let rows = if width == 0 { 0 } else { xv.len() / width };
+    let rows = xv.len().checked_div(width).unwrap_or(0);
     let mut y = vec![0f32; xv.len()];
     let mut x_hat = vec![0f32; xv.len()];
     let mut inv_std = vec![0f32; rows];
