@@ -44,6 +44,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import cpu_model, spread, wait_for_quiet  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARMUP = 20
 MODELS = {"small": ("[512, 512]", 200), "big": ("[2048, 2048, 2048]", 60)}
@@ -90,17 +93,8 @@ def run_lockstep(binary, model, steps, nproc, reproducible, threads=1):
             "kernels": summary.get("compute", {}).get("kernels", "unknown")}
 
 
-def wait_for_quiet(thresh, max_wait):
-    """Wait (at most max_wait s) for the 1-minute load average to fall under thresh: other work
-    on a shared machine slows whichever run it overlaps. Returns the load when starting."""
-    t0 = time.time()
-    while os.getloadavg()[0] > thresh and time.time() - t0 < max_wait:
-        time.sleep(5)
-    return os.getloadavg()[0]
 
 
-def spread(v):
-    return {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
 
 
 def main():
@@ -187,12 +181,6 @@ def main():
     print_table(result)
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(l.split(":", 1)[1].strip() for l in fh if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def print_table(result):

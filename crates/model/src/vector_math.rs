@@ -35,29 +35,9 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     }
 }
 
-/// The instruction set the passes are compiled for (detected once).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Tier {
-    Avx512,
-    Avx2,
-    Portable,
-}
-
-pub(crate) fn tier() -> Tier {
-    static TIER: std::sync::OnceLock<Tier> = std::sync::OnceLock::new();
-    *TIER.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Tier::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Tier::Avx2;
-            }
-        }
-        Tier::Portable
-    })
-}
+/// The instruction set a pass runs: `lockstep_comm::fixed_point`'s detection (once per process;
+/// its `portable_only` forces the portable copy on a thread, as tests do).
+pub(crate) use lockstep_comm::fixed_point::{tier, Tier};
 
 /// `$name(tier, args)` running `$any(args)` compiled for `tier`'s instruction set (or
 /// `Portable`).

@@ -1,0 +1,26 @@
+"""Helpers the PyTorch comparison scripts share (bench-vs-pytorch.py, bench-vs-pytorch-transformer.py)."""
+import os
+import platform
+import statistics
+import time
+
+
+def wait_for_quiet(thresh, max_wait):
+    """Wait (at most max_wait s) for the 1-minute load average to fall under thresh: other work
+    on a shared machine slows whichever run it overlaps. Returns the load when starting."""
+    t0 = time.time()
+    while os.getloadavg()[0] > thresh and time.time() - t0 < max_wait:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+def spread(v):
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(l.split(":", 1)[1].strip() for l in fh if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
