@@ -133,8 +133,8 @@ struct ScaleArgs {
     #[arg(long, value_name = "LIST")]
     layouts: Option<String>,
     /// Threads per worker (RAYON_NUM_THREADS), the same for every size (default 1, so that a
-    /// larger world size is more compute, not the same cores split differently). Only lockstep's own
-    /// loops use more than one (see `train --help`).
+    /// larger world size is more compute, not the same cores split differently). Only lockstep's
+    /// own loops use more than one (see `train --help`).
     #[arg(long, default_value_t = 1)]
     threads_per_worker: usize,
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -857,11 +857,12 @@ fn start_heartbeat(rank: usize) {
 
 /// Makes this thread one of the worker's compute threads: rayon's global pool, sized by
 /// `RAYON_NUM_THREADS` (`--threads-per-worker`), with this thread as its first member. Why: the
-/// training loop then takes part in the threaded loops (gemm, optimizer, exact sum) instead of
-/// waiting beside a pool of its own size; with a separate pool, its threads kept spinning for
-/// work after each product on the cores the loop's single-threaded kernels needed (measured:
-/// Shakespeare transformer at 2 threads, 177–179 → 149–164 ms per step). A pool built earlier
-/// (a user's binary may build its own) is kept.
+/// training loop then takes part in the threaded loops (gemm, the transformer's GELU, softmax and
+/// layer norm, the optimizer, the one-worker exact sum) instead of waiting beside a pool of its
+/// own size; with a separate pool, its threads kept spinning for work after each product on the
+/// cores the loop's single-threaded kernels needed (measured: Shakespeare transformer at 2
+/// threads, 177–179 → 149–164 ms per step). A pool built earlier (a user's binary may build its
+/// own) is kept.
 fn join_compute_threads() {
     let _ = rayon::ThreadPoolBuilder::new()
         .use_current_thread()
