@@ -60,7 +60,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import cpu_model, spread, wait_for_quiet  # noqa: E402
+from benchlib import cpu_model, spread, wait_for_quiet, write_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs/shakespeare.toml")
@@ -239,10 +239,6 @@ def run_lockstep(binary, threads, steps, warmup, settings):
             "kernels": summary.get("compute", {}).get("kernels", "unknown")}
 
 
-
-
-
-
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "torch-one":
         ap = argparse.ArgumentParser()
@@ -341,13 +337,8 @@ def main():
     }
     if a.two_threads:
         result["ratios"]["lockstep_1x2 / torch_1x2"] = ratio("lockstep_1x2", "torch_1x2")
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-        fh.write("\n")
+    write_json(a.out, result)
     print_table(result)
-
-
 
 
 def print_table(result):

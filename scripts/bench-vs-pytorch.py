@@ -45,7 +45,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import cpu_model, spread, wait_for_quiet  # noqa: E402
+from benchlib import cpu_model, spread, wait_for_quiet, write_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARMUP = 20
@@ -91,10 +91,6 @@ def run_lockstep(binary, model, steps, nproc, reproducible, threads=1):
     return {"samples_per_s": 256 / med, "step_ms": med * 1e3,
             "param_hash": summary["param_hash"],
             "kernels": summary.get("compute", {}).get("kernels", "unknown")}
-
-
-
-
 
 
 def main():
@@ -174,13 +170,8 @@ def main():
         hashes |= set(m["lockstep_1x2"]["param_hashes"])
         m["exact_same_hash_1x1_2x1_1x2"] = len(hashes) == 1
         result["models"][model] = m
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-        fh.write("\n")
+    write_json(a.out, result)
     print_table(result)
-
-
 
 
 def print_table(result):

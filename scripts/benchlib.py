@@ -1,4 +1,5 @@
 """Helpers the PyTorch comparison scripts share (bench-vs-pytorch.py, bench-vs-pytorch-transformer.py)."""
+import json
 import os
 import platform
 import statistics
@@ -24,3 +25,11 @@ def cpu_model():
             return next(l.split(":", 1)[1].strip() for l in fh if l.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor()
+
+
+def write_json(path, result):
+    """`result` as indented JSON at `path`, creating its folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+        fh.write("\n")

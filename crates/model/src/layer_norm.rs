@@ -72,10 +72,8 @@ struct Saved {
     shape: Vec<usize>,
 }
 
-/// Rows per piece of work when rows are split between threads (`None`: one thread).
-fn rows_per_piece(rows: usize, width: usize) -> Option<usize> {
-    (rows * width > 1 << 14 && crate::compute_threads() > 1).then_some(BLOCK_ROWS)
-}
+/// Values of `x` above which its rows are split between threads, `BLOCK_ROWS` rows per piece.
+const SPLIT_MIN: usize = 1 << 14;
 
 fn forward_rows(
     x: &[f32],
@@ -125,15 +123,15 @@ fn forward(x: &FlexTensor, gain: &FlexTensor, bias: &FlexTensor) -> (FlexTensor,
     let mut y = vec![0f32; xv.len()];
     let mut x_hat = vec![0f32; xv.len()];
     let mut inv_std = vec![0f32; rows];
-    match rows_per_piece(rows, width) {
-        Some(piece) => y
-            .par_chunks_mut(piece * width)
-            .zip(x_hat.par_chunks_mut(piece * width))
-            .zip(inv_std.par_chunks_mut(piece))
-            .zip(xv.par_chunks(piece * width))
-            .for_each(|(((y, h), s), x)| forward_rows(x, &gv, &bv, y, h, s)),
-        None if width > 0 => forward_rows(&xv, &gv, &bv, &mut y, &mut x_hat, &mut inv_std),
-        None => {}
+    if crate::split_between_threads(xv.len(), SPLIT_MIN) {
+        let block = BLOCK_ROWS * width;
+        y.par_chunks_mut(block)
+            .zip(x_hat.par_chunks_mut(block))
+            .zip(inv_std.par_chunks_mut(BLOCK_ROWS))
+            .zip(xv.par_chunks(block))
+            .for_each(|(((y, h), s), x)| forward_rows(x, &gv, &bv, y, h, s));
+    } else if width > 0 {
+        forward_rows(&xv, &gv, &bv, &mut y, &mut x_hat, &mut inv_std);
     }
     let saved = Saved {
         x_hat: Arc::new(x_hat),
@@ -188,7 +186,7 @@ fn backward(s: &Saved, dy: FlexTensor) -> (FlexTensor, FlexTensor, FlexTensor) {
         let block = BLOCK_ROWS * width;
         // Blocks of BLOCK_ROWS rows on any number of threads; their partial sums added in order.
         let partials: Vec<(Vec<f32>, Vec<f32>)> =
-            if rows_per_piece(dyv.len() / width, width).is_some() {
+            if crate::split_between_threads(dyv.len(), SPLIT_MIN) {
                 dx.par_chunks_mut(block)
                     .zip(dyv.par_chunks(block))
                     .enumerate()

@@ -61,11 +61,19 @@ pub use error::ModelError;
 
 /// Threads this worker's own compute loops run on when called from this thread: the size of its
 /// rayon pool (in a worker, `RAYON_NUM_THREADS`, which the launcher sets to
-/// `--threads-per-worker`). The dense layers' matrix products (`dense.rs`) and the optimizers'
-/// updates (`optim.rs`) split their outputs between them, never a sum, so the bits are the same at
-/// any count; burn flex's own kernels run on one thread (built without its `rayon` feature).
+/// `--threads-per-worker`). The dense layers' matrix products (`dense.rs`), the transformer's
+/// GELU, softmax and layer norm and the optimizers' updates (`optim.rs`) split their outputs
+/// between them, never a sum, so the bits are the same at any count; burn flex's own kernels run
+/// on one thread (built without its `rayon` feature).
 pub fn compute_threads() -> usize {
     rayon::current_num_threads()
+}
+
+/// Whether `len` values of elementwise or row-wise work, cut into pieces of about `piece`
+/// values, are worth handing to this thread's [`compute_threads`]: more than one piece and more
+/// than one thread. Each value is the same arithmetic either way.
+pub(crate) fn split_between_threads(len: usize, piece: usize) -> bool {
+    len > piece && compute_threads() > 1
 }
 pub use kernels::{first_mismatch as first_kernel_mismatch, Kernels};
 pub use model::{param_hash, Model, TimedLoss};

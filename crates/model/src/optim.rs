@@ -144,7 +144,7 @@ impl Optimizer {
                 let sgd = |p: &mut [f32], g: &[f32], b: Option<&mut [f32]>| {
                     sgd(p, g, b, lr, momentum, weight_decay, nesterov)
                 };
-                let threaded = threaded(params.len());
+                let threaded = crate::split_between_threads(params.len(), CHUNK);
                 match self.state.first_mut().map(|b| &mut b[offset..end]) {
                     Some(buf) if threaded => params
                         .par_chunks_mut(CHUNK)
@@ -178,7 +178,7 @@ impl Optimizer {
                     bc2,
                 };
                 let (m, v) = (&mut m[0][offset..end], &mut v[0][offset..end]);
-                if threaded(params.len()) {
+                if crate::split_between_threads(params.len(), CHUNK) {
                     params
                         .par_chunks_mut(CHUNK)
                         .zip(grad.par_chunks(CHUNK))
@@ -196,11 +196,6 @@ impl Optimizer {
     pub fn finish_step(&mut self) {
         self.steps += 1;
     }
-}
-
-/// Whether an update of `len` values is split between the worker's threads.
-fn threaded(len: usize) -> bool {
-    len > CHUNK && crate::compute_threads() > 1
 }
 
 fn sgd(

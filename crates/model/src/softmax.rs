@@ -89,7 +89,7 @@ dispatched!(backward_rows(y: &[f32], dy: &[f32], dx: &mut [f32], width: usize) =
 
 /// Whole rows per piece of work, or `None` when the work stays on this thread.
 fn rows_per_piece(len: usize, width: usize) -> Option<usize> {
-    (len > CHUNK && crate::compute_threads() > 1).then(|| (CHUNK / width).max(1) * width)
+    crate::split_between_threads(len, CHUNK).then(|| (CHUNK / width).max(1) * width)
 }
 
 fn forward(x: FlexTensor) -> FlexTensor {
