@@ -253,8 +253,15 @@ fn buckets_are_reduced_while_backward_runs() {
         scale: 1.0 / n as f32,
         grad: &mut grad,
     };
-    let o = sync
-        .sync_overlapped(&mut comm, &model, &[], &[], Some(last), 1, &mut out)
+    // On one compute thread, as a worker at --threads-per-worker 1: with the test process's
+    // default pool, gemm's threads took both cores and backward could end before the
+    // communication thread ran at all.
+    let one_thread = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let o = one_thread
+        .install(|| sync.sync_overlapped(&mut comm, &model, &[], &[], Some(last), 1, &mut out))
         .unwrap();
     assert!(
         o.timing.overlapped_communication > 0.0,
