@@ -55,6 +55,8 @@ use burn::backend::{backend_extension, tensor::FloatTensor, Backend, Dispatch, F
 use burn::tensor::{DType, Tensor, TensorData};
 use std::borrow::Cow;
 
+use crate::gemm_call::{product, Operand};
+
 #[backend_extension(Flex, Autodiff)]
 pub trait DenseLinear: Backend {
     /// `x · weight + bias` (`x` `[n, in]`, `weight` `[in, out]`, `bias` `[out]`).
@@ -91,74 +93,6 @@ fn parallelism() -> gemm::Parallelism {
     }
 }
 
-/// A 2-D f32 operand of a gemm call, read in place: the tensor's storage, its first element and
-/// its row and column strides, in elements.
-#[derive(Clone, Copy)]
-struct Mat<'a> {
-    storage: &'a [f32],
-    offset: usize,
-    rows: usize,
-    cols: usize,
-    rs: isize,
-    cs: isize,
-}
-
-impl<'a> Mat<'a> {
-    /// `t` as it lies in memory (any strides). Panics unless `t` is a 2-D f32 tensor whose
-    /// elements all lie inside its storage (flex's layouts always do; checked because gemm
-    /// reads them through raw pointers).
-    fn of(t: &'a FlexTensor) -> Self {
-        let layout = t.layout();
-        let (shape, strides) = (layout.shape(), layout.strides());
-        assert_eq!(shape.num_dims(), 2, "dense_linear: 2-D operands only");
-        let m = Mat {
-            storage: t.storage::<f32>(),
-            offset: layout.start_offset(),
-            rows: shape[0],
-            cols: shape[1],
-            rs: strides[0],
-            cs: strides[1],
-        };
-        if m.rows > 0 && m.cols > 0 {
-            let (mut lo, mut hi) = (m.offset as isize, m.offset as isize);
-            for (len, stride) in [(m.rows, m.rs), (m.cols, m.cs)] {
-                let reach = (len as isize - 1) * stride;
-                if reach < 0 {
-                    lo += reach;
-                } else {
-                    hi += reach;
-                }
-            }
-            assert!(
-                lo >= 0 && (hi as usize) < m.storage.len(),
-                "dense_linear: layout outside its storage"
-            );
-        }
-        m
-    }
-
-    /// The transposed view (no copy).
-    fn t(self) -> Self {
-        Mat {
-            rows: self.cols,
-            cols: self.rows,
-            rs: self.cs,
-            cs: self.rs,
-            ..self
-        }
-    }
-
-    /// Row-major or column-major, possibly with padding between rows or columns (a narrowed view).
-    fn is_plain(&self) -> bool {
-        (self.cs == 1 && self.rs >= self.cols as isize)
-            || (self.rs == 1 && self.cs >= self.rows as isize)
-    }
-
-    fn ptr(&self) -> *const f32 {
-        self.storage.as_ptr().wrapping_add(self.offset)
-    }
-}
-
 /// How a product's `m × n` result lies in its fresh, densely packed buffer.
 #[derive(Clone, Copy)]
 enum Dst {
@@ -167,47 +101,25 @@ enum Dst {
 }
 
 /// `lhs · rhs` (`[m, k] · [k, n]`) by one gemm call with the arguments burn flex's
-/// `matmul_2d_strided` passes (alpha 0, beta 1, destination not read, operands in place at their
-/// own strides), into a fresh buffer that is never zero-filled.
-fn gemm_new(lhs: Mat, rhs: Mat, dst: Dst) -> Vec<f32> {
-    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
-    assert_eq!(rhs.rows, k, "dense_linear: inner dimensions differ");
+/// `matmul_2d_strided` passes ([`product`]), on the worker's threads, into a fresh buffer that is
+/// never zero-filled.
+fn gemm_new(lhs: Operand, rhs: Operand, dst: Dst) -> Vec<f32> {
+    let (m, n) = (lhs.rows(), rhs.cols());
     let len = m
         .checked_mul(n)
         .expect("dense_linear: output size overflows");
-    let (dst_cs, dst_rs) = match dst {
-        Dst::RowMajor => (1, n as isize),
-        Dst::ColMajor => (m as isize, 1),
+    let (dst_rs, dst_cs) = match dst {
+        Dst::RowMajor => (n as isize, 1),
+        Dst::ColMajor => (1, m as isize),
     };
     let mut out = Vec::<f32>::with_capacity(len);
-    // SAFETY: `lhs` and `rhs` address only elements inside the storage they borrow (checked in
-    // `Mat::of`; `t` keeps that), which outlives the call. The destination strides map the m × n
-    // indices one to one onto `0..len`, inside `out`'s capacity. With `read_dst = false` gemm
-    // never reads the destination before writing it, and writes every one of its elements (the
-    // micro-kernel, gemv and gevv paths, and zeros when k = 0: gemm-common 0.19's
-    // `gemm_basic_generic`), so all `len` values are initialised when `set_len` runs.
+    // SAFETY: the destination strides map the m × n indices one to one onto `0..len`, inside
+    // `out`'s capacity, which nothing else touches. gemm never reads the destination before
+    // writing it, and writes every one of its elements (the micro-kernel, gemv and gevv paths,
+    // and zeros when k = 0: gemm-common 0.19's `gemm_basic_generic`), so all `len` values are
+    // initialised when `set_len` runs.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            dst_cs,
-            dst_rs,
-            false,
-            lhs.ptr(),
-            lhs.cs,
-            lhs.rs,
-            rhs.ptr(),
-            rhs.cs,
-            rhs.rs,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(),
-        );
+        product(lhs, rhs, out.as_mut_ptr(), dst_rs, dst_cs, parallelism());
         out.set_len(len);
     }
     out
@@ -227,8 +139,8 @@ fn forward(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
     if !all_f32(&[&x, &weight, &bias]) {
         return Flex::linear(x, weight, Some(bias));
     }
-    let (xm, wm) = (Mat::of(&x), Mat::of(&weight));
-    let (rows, out) = (xm.rows, wm.cols);
+    let (xm, wm) = (Operand::of(&x), Operand::of(&weight));
+    let (rows, out) = (xm.rows(), wm.cols());
     let mut y = gemm_new(xm, wm, Dst::RowMajor);
     let layout = bias.layout();
     assert_eq!(layout.shape().num_dims(), 1, "dense_linear: 1-D bias");
@@ -262,8 +174,8 @@ fn weight_grad(x: FlexTensor, dy: FlexTensor) -> FlexTensor {
     if !all_f32(&[&x, &dy]) {
         return Flex::linear_weight_backward(x, dy);
     }
-    let (xt, d) = (Mat::of(&x).t(), Mat::of(&dy));
-    let shape = [xt.rows, d.cols];
+    let (xt, d) = (Operand::of(&x).t(), Operand::of(&dy));
+    let shape = [xt.rows(), d.cols()];
     f32_tensor(gemm_new(xt, d, Dst::RowMajor), shape)
 }
 
@@ -286,9 +198,9 @@ fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
     if !all_f32(&[&weight, &dy]) {
         return input_grad_burn(weight, dy);
     }
-    let (w, d) = (Mat::of(&weight), Mat::of(&dy));
-    let (rows, inp, out) = (d.rows, w.rows, w.cols);
-    assert_eq!(d.cols, out, "dense_linear: gradient width");
+    let (w, d) = (Operand::of(&weight), Operand::of(&dy));
+    let (rows, inp, out) = (d.rows(), w.rows(), w.cols());
+    assert_eq!(d.cols(), out, "dense_linear: gradient width");
     // The two forms lay gemm's operands out differently. gemm's result does not depend on the
     // layout when both run its micro-kernel, which they do when no side of the product is 1
     // (gemv), the sums are longer than 2 (gevv) and there are more than 16 × 16 outputs (below
@@ -305,19 +217,19 @@ fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
             w
         } else {
             w_plain = weight.to_contiguous();
-            Mat::of(&w_plain)
+            Operand::of(&w_plain)
         };
         let d_plain;
         let d = if d.is_plain() {
             d
         } else {
             d_plain = dy.to_contiguous();
-            Mat::of(&d_plain)
+            Operand::of(&d_plain)
         };
         return f32_tensor(gemm_new(w, d.t(), Dst::ColMajor), [rows, inp]);
     }
     let dy_t = dy.transpose(0, 1).to_contiguous();
-    let dx_t = gemm_new(Mat::of(&weight), Mat::of(&dy_t), Dst::RowMajor);
+    let dx_t = gemm_new(Operand::of(&weight), Operand::of(&dy_t), Dst::RowMajor);
     f32_tensor(dx_t, [inp, rows])
         .transpose(0, 1)
         .to_contiguous()

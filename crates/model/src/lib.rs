@@ -28,10 +28,12 @@
 //! step page-fault its buffers again.
 
 mod alloc;
+mod attention;
 mod dense;
 mod error;
 mod flex_values;
 mod gelu;
+mod gemm_call;
 mod init;
 mod kernels;
 mod layer_norm;

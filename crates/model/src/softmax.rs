@@ -84,8 +84,8 @@ fn backward_rows_any(y: &[f32], dy: &[f32], dx: &mut [f32], width: usize) {
     }
 }
 
-dispatched!(forward_rows(x: &[f32], y: &mut [f32], width: usize) = forward_rows_any);
-dispatched!(backward_rows(y: &[f32], dy: &[f32], dx: &mut [f32], width: usize) = backward_rows_any);
+dispatched!(pub(crate) forward_rows(x: &[f32], y: &mut [f32], width: usize) = forward_rows_any);
+dispatched!(pub(crate) backward_rows(y: &[f32], dy: &[f32], dx: &mut [f32], width: usize) = backward_rows_any);
 
 /// Whole rows per piece of work, or `None` when the work stays on this thread.
 fn rows_per_piece(len: usize, width: usize) -> Option<usize> {

@@ -33,7 +33,7 @@ use crate::stage::{
 };
 use crate::tensor_parallel::{LayerSlots, PieceSum, TpLayout, TpSplit};
 use crate::transformer::{
-    attend, causal_mask, embed_tokens, head_logits, linear3, TransformerSpec,
+    attend, embed_tokens, head_logits, linear3, TransformerSpec,
 };
 use crate::ModelError as E;
 
@@ -257,7 +257,7 @@ impl TpStage {
     }
 
     /// Local piece `k`'s partial output of a sublayer: `[n, t, d]`, without bias.
-    fn piece(&self, sub: Sub, k: usize, h: Tensor<3>, mask: &Tensor<4>) -> Tensor<3> {
+    fn piece(&self, sub: Sub, k: usize, h: Tensor<3>) -> Tensor<3> {
         let (Sub::Attn(s) | Sub::Mlp(s)) = sub;
         let LayerSlots::Block { attn, mlp, .. } = self.block(s) else {
             unreachable!("sublayers are blocks")
@@ -272,7 +272,7 @@ impl TpStage {
             Sub::Attn(_) => {
                 let [w, b, proj] = attn[k];
                 let heads = self.spec.heads / self.split.pieces;
-                let a = attend(linear3(h, self.mat(w), self.vec1(b)), heads, mask);
+                let a = attend(linear3(h, self.mat(w), self.vec1(b)), heads);
                 rows(a).matmul(self.mat(proj)).reshape([n, t, d])
             }
             Sub::Mlp(_) => {
@@ -321,7 +321,6 @@ impl TpStage {
             },
         )?;
         let dims = x.dims();
-        let mask = causal_mask(dims[1], &self.device);
         let (mut x_in, mut u_in) = (input_leaf, None);
         let mut segments = Vec::new();
         let mut pieces = Vec::new();
@@ -332,7 +331,7 @@ impl TpStage {
             let mut outs = Vec::new();
             for k in 0..self.split.local().len() {
                 let h_in = self.leaf(h_values.clone(), dims, training);
-                let u = self.piece(sub, k, h_in.clone(), &mask);
+                let u = self.piece(sub, k, h_in.clone());
                 outs.push(values(u.clone()));
                 if training {
                     graphs.push(Piece { h_in, u_out: u });

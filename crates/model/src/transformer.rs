@@ -15,13 +15,14 @@
 
 use std::ops::Range;
 
+use crate::attention::{causal_attention, MASKED};
 use crate::dense::dense_linear;
 use crate::gelu::gelu;
 use crate::layer_norm::layer_norm;
 use crate::softmax::softmax_last;
 use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 
 use crate::error::ModelError;
@@ -344,10 +345,8 @@ impl StageNet {
         if self.blocks.is_empty() {
             return x;
         }
-        let [_, t, _] = x.dims();
-        let mask = causal_mask(t, &x.device());
         for b in &self.blocks {
-            x = block_forward(b, x, spec.heads, &mask);
+            x = block_forward(b, x, spec.heads);
         }
         x
     }
@@ -394,7 +393,7 @@ pub(crate) fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
     let mut m = vec![0f32; t * t];
     for i in 0..t {
         for j in i + 1..t {
-            m[i * t + j] = -1e9;
+            m[i * t + j] = MASKED;
         }
     }
     Tensor::from_data(TensorData::new(m, [1, 1, t, t]), device)
@@ -409,8 +408,18 @@ pub(crate) fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>) -> Tensor<3> {
 
 /// Causal self-attention of `heads` heads over `qkv = [Q | K | V]` (`[n, t, 3·w]`, each of the
 /// three `w = heads · dh` wide): `[n, t, w]`, heads side by side. The whole layer's heads, or
-/// one tensor-parallel piece's.
-pub(crate) fn attend(qkv: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3> {
+/// one tensor-parallel piece's. One op (`attention.rs`) with the bits of [`attend_composed`].
+pub(crate) fn attend(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
+    if qkv.dtype() == DType::F32 {
+        return causal_attention(qkv, heads);
+    }
+    let mask = causal_mask(qkv.dims()[1], &qkv.device());
+    attend_composed(qkv, heads, &mask)
+}
+
+/// [`attend`] composed of burn ops, with an additive `mask` ([`causal_mask`]): the reference the
+/// fused op is tested against, and the path for other element types.
+pub(crate) fn attend_composed(qkv: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3> {
     let [n, t, w3] = qkv.dims();
     let w = w3 / 3;
     let dh = w / heads;
@@ -431,9 +440,9 @@ pub(crate) fn attend(qkv: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3
         .reshape([n, t, w])
 }
 
-fn block_forward(b: &Block, x: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3> {
+fn block_forward(b: &Block, x: Tensor<3>, heads: usize) -> Tensor<3> {
     let h = layer_norm(x.clone(), b.ln1_gain.val(), b.ln1_bias.val());
-    let attended = attend(linear3(h, b.qkv_w.val(), b.qkv_b.val()), heads, mask);
+    let attended = attend(linear3(h, b.qkv_w.val(), b.qkv_b.val()), heads);
     let x = x + linear3(attended, b.proj_w.val(), b.proj_b.val());
     let h = layer_norm(x.clone(), b.ln2_gain.val(), b.ln2_bias.val());
     let m = linear3(

@@ -39,11 +39,11 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
 /// its `portable_only` forces the portable copy on a thread, as tests do).
 pub(crate) use lockstep_comm::fixed_point::{tier, Tier};
 
-/// `$name(tier, args)` running `$any(args)` compiled for `tier`'s instruction set (or
+/// `$vis fn $name(tier, args)` running `$any(args)` compiled for `tier`'s instruction set (or
 /// `Portable`).
 macro_rules! dispatched {
-    ($name:ident($($arg:ident: $ty:ty),*) = $any:ident) => {
-        fn $name(tier: Tier, $($arg: $ty),*) {
+    ($vis:vis $name:ident($($arg:ident: $ty:ty),*) = $any:ident) => {
+        $vis fn $name(tier: Tier, $($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             match tier {
                 Tier::Avx512 => {
