@@ -22,8 +22,8 @@
 //!   many elements as `dy` and `dx` together (measured with `examples/gemm_probe.rs`: 4–15×
 //!   faster than the transposed form for a 10-class head, 2–8× slower for a 2048 × 2048 weight);
 //! - transposed, otherwise: the previous version's own gemm call on `contiguous(dyᵀ)`, then `dxᵀ`
-//!   transposed to `dx`, minus the zero-filled buffer; on several threads, `dyᵀ` is copied by all
-//!   of them and `dxᵀ` written column-major (which is `dx`), with no copy back.
+//!   transposed to `dx`, minus the zero-filled buffer; on several threads, both transposes are
+//!   split between them.
 //!
 //! gemm's result does not depend on where its operands lie in memory as long as it runs its
 //! micro-kernel (each output is one fused multiply-add chain over the sum in order, cut into
@@ -238,13 +238,15 @@ fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
         return f32_tensor(dx_t, [inp, rows]).transpose(0, 1).to_contiguous();
     }
     // On several threads, flex's single-threaded copies were 7% of the transformer's step on the
-    // training thread: `dyᵀ` is copied on all threads instead, and `dxᵀ` written column-major,
-    // which is `dx` row-major (the same sums: gemm's micro-kernel on both layouts). On one
-    // thread, flex's tiled copies measured faster than this loop (155 against 153 ms per step).
+    // training thread: both transposes are split between the threads instead. (Writing `dxᵀ`
+    // column-major, which is `dx`, would save the second, but gemm then packs `W` on one thread:
+    // the MLP's 512 × 512 layer went from 6.2 to 8.3 ms per step at 2 threads.) On one thread,
+    // flex's tiled copies measured faster than this loop (153 against 155 ms per step).
     let dy_values = values(&dy);
     let dy_t = transposed(&dy_values, rows, out);
     let dy_t = Operand::rows_of(&dy_t, 0, out, rows, rows as isize);
-    f32_tensor(gemm_new(Operand::of(&weight), dy_t, Dst::ColMajor), [rows, inp])
+    let dx_t = gemm_new(Operand::of(&weight), dy_t, Dst::RowMajor);
+    f32_tensor(transposed(&dx_t, inp, rows), [rows, inp])
 }
 
 /// Output rows per piece of a transpose, and the side of the square tiles it copies.
