@@ -11,10 +11,11 @@ speed drifts between runs, and other work may share it), for each repetition:
                     (nn.Linear, nn.LayerNorm, F.gelu, F.scaled_dot_product_attention is_causal)
   torch_1x1_eager   the same, attention spelled out as lockstep computes it
                     (q k^T / sqrt(dh) + additive -1e9 mask, softmax, @ v)
-  with --two-threads also (informational):
-  lockstep_1x2      --threads-per-worker 2 (only lockstep's own loops, the optimizer and the
-                    one-worker exact sum, use the second thread; the transformer's burn kernels
-                    run on one: see `lockstep train --help`)
+  with --two-threads also:
+  lockstep_1x2      --threads-per-worker 2 (lockstep's own loops split their outputs between the
+                    two: the linear layers' and attention's products, GELU, softmax, layer norm,
+                    the copies, the optimizer and the one-worker exact sum; burn's remaining
+                    kernels run on one: see `lockstep train --help`)
   torch_1x2         torch.set_num_threads(2), OMP_NUM_THREADS=MKL_NUM_THREADS=2
 
 The model (configs/shakespeare.toml, `model.kind = "transformer"`, crates/model/src/transformer.rs):
@@ -34,7 +35,9 @@ summary.json), each micro-batch forward + backward with loss = sum of token cros
 steps after the first --warmup; lockstep's step time is metrics.jsonl's `step_seconds`, its phases
 (`seconds`: data, forward, backward, communication, optimizer, ...) are reported as medians too.
 Ratios are taken within one repetition (lockstep run next to the PyTorch run it is compared
-with), then the median and range over repetitions.
+with), then the median and range over repetitions. Every other repetition runs the
+configurations in reverse order (a run can leave the VM slower for the next tens of seconds; see
+scripts/bench-vs-pytorch.py).
 
 Differences that remain: lockstep reads Shakespeare windows, PyTorch random token ids of the same
 shape (the compute does not depend on the values); lockstep's learning rate follows its warmup /
@@ -272,7 +275,7 @@ def main():
     configs = CONFIGS_1 + (CONFIGS_2 if a.two_threads else [])
     runs = {}  # config -> [result per rep]
     for rep in range(a.reps):
-        for cfg in configs:
+        for cfg in (configs if rep % 2 == 0 else configs[::-1]):
             load0 = wait_for_quiet(a.quiet_load, a.max_wait)
             threads = 2 if "_1x2" in cfg else 1
             if cfg.startswith("lockstep"):
@@ -357,7 +360,7 @@ def print_table(result):
           f"{r(q['lockstep_1x1 / torch_1x1'])} | {f(c['torch_1x1_eager'])} | "
           f"{r(q['lockstep_1x1 / torch_1x1_eager'])} |")
     if "lockstep_1x2" in c:
-        print(f"| 2 (informational) | {f(c['lockstep_1x2'])} | {f(c['torch_1x2'])} | "
+        print(f"| 2 | {f(c['lockstep_1x2'])} | {f(c['torch_1x2'])} | "
               f"{r(q['lockstep_1x2 / torch_1x2'])} | | |")
     phases = c["lockstep_1x1"]["phases_ms_median"]
     print("\nlockstep 1×1 phase medians (ms/step): "

@@ -15,9 +15,14 @@ invocation (the machine's speed drifts between runs, and other work may share it
   torch_1x2     PyTorch, 1 process x 2 threads      (config b): per-worker compute at
   lockstep_1x2  --nproc 1 --threads-per-worker 2      cores / nproc threads with nproc = 1
 
-lockstep's 2 threads only speed up its dense layers' matrix products (gemm splits each product's
-outputs between them; every other kernel runs on one thread), with the bits of one thread:
-lockstep_1x2 must end with lockstep_1x1's hash (checked here).
+lockstep's 2 threads split its own loops' outputs (the dense layers' products, the parameter and
+gradient copies, the optimizer, the one-worker exact sum; burn's kernels stay on one), with the
+bits of one thread: lockstep_1x2 must end with lockstep_1x1's hash (checked here).
+
+Order: every other repetition runs the configurations in reverse, so each system's runs come
+before and after the other's equally often. A run can leave this VM slower for the next tens of
+seconds: lockstep 1x2 measured 8.3 ms per step right after a PyTorch 2-thread run and for ~20 s
+after it, 5.6 ms alone (2026-12-05).
 
 samples/s = 256 / median step time over the steps after the first 20, where a step's time is the
 slowest rank's (PyTorch: ddp_mlp.py's own figure; lockstep: metrics.jsonl's `step_seconds`, max
@@ -111,7 +116,7 @@ def main():
     for model in a.models.split(","):
         _, steps = MODELS[model]
         for rep in range(a.reps if model == "small" else a.reps_big):
-            for cfg in CONFIGS:
+            for cfg in (CONFIGS if rep % 2 == 0 else CONFIGS[::-1]):
                 load0 = wait_for_quiet(a.quiet_load, a.max_wait)
                 if cfg == "torch_1x1":
                     r = run_torch(a.python, a.anchor, "a", model, steps)
@@ -132,7 +137,7 @@ def main():
     result = {
         "what": "samples/s = 256 / median step time (slowest rank) over steps after the first "
                 f"{WARMUP}; 1 thread per process (2 in the 1x2 cases); global batch 256; SGD momentum 0.9; "
-                "runs of both systems interleaved; ratios taken within one repetition",
+                "runs of both systems interleaved, order reversed every other repetition; ratios taken within one repetition",
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "shared": "the machine is shared with other agents' builds and tests: absolute "
                               "figures swing; compare the ratios (measured side by side), and see "
