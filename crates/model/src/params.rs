@@ -212,3 +212,29 @@ pub fn hash_layout(h: &mut sha2::Sha256, layout: &[ParamInfo]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Copies split between 1–3 threads give every value, at lengths around the piece size.
+    #[test]
+    fn copies_on_threads_give_every_value() {
+        for threads in 1..=3 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for len in [0, 1, COPY_PIECE - 1, COPY_PIECE, COPY_PIECE + 1, 3 * COPY_PIECE + 7] {
+                let src: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
+                let (fresh, into) = pool.install(|| {
+                    let mut into = vec![f32::NAN; len];
+                    copy_values(&mut into, &src);
+                    (copied(&src), into)
+                });
+                assert!(fresh == src, "copied, {threads} threads, {len} values");
+                assert!(into == src, "copy_values, {threads} threads, {len} values");
+            }
+        }
+    }
+}
