@@ -75,7 +75,11 @@ struct Dims {
 
 impl Dims {
     fn of(qkv_shape: &[usize], heads: usize) -> Dims {
-        assert_eq!(qkv_shape.len(), 3, "causal_attention: qkv must be [n, t, 3·w]");
+        assert_eq!(
+            qkv_shape.len(),
+            3,
+            "causal_attention: qkv must be [n, t, 3·w]"
+        );
         let (n, t, w3) = (qkv_shape[0], qkv_shape[1], qkv_shape[2]);
         assert!(
             heads > 0 && w3 % (3 * heads) == 0,
@@ -174,7 +178,11 @@ fn forward(qkv: &FlexTensor, heads: usize) -> (FlexTensor, FlexTensor) {
 fn backward(s: &Saved, dy: &FlexTensor) -> FlexTensor {
     let qkv_shape = shape(&s.qkv);
     let d = Dims::of(&qkv_shape, s.heads);
-    assert_eq!(shape(dy), [d.n, d.t, d.w()], "causal_attention: gradient shape");
+    assert_eq!(
+        shape(dy),
+        [d.n, d.t, d.w()],
+        "causal_attention: gradient shape"
+    );
     let (x, p_all, g) = (values(&s.qkv), values(&s.probs), values(dy));
     let (t, dh, w) = (d.t, d.dh, d.w());
     let scale = 1.0 / (dh as f32).sqrt();
@@ -203,8 +211,22 @@ fn backward(s: &Saved, dy: &FlexTensor) -> FlexTensor {
         // its row and column strides swapped, i.e. as dK.
         unsafe {
             product(dsm, k, dqkv_ptr.at(d.qkv_at(p, 0)), stride, 1, ONE_THREAD);
-            product(q.t(), dsm, dqkv_ptr.at(d.qkv_at(p, 1)), 1, stride, ONE_THREAD);
-            product(pm.t(), dout, dqkv_ptr.at(d.qkv_at(p, 2)), stride, 1, ONE_THREAD);
+            product(
+                q.t(),
+                dsm,
+                dqkv_ptr.at(d.qkv_at(p, 1)),
+                1,
+                stride,
+                ONE_THREAD,
+            );
+            product(
+                pm.t(),
+                dout,
+                dqkv_ptr.at(d.qkv_at(p, 2)),
+                stride,
+                1,
+                ONE_THREAD,
+            );
         }
     });
     FlexTensor::from_data(TensorData::new(dqkv, qkv_shape))
@@ -267,13 +289,10 @@ mod tests {
     fn run(ours: bool, n: usize, t: usize, heads: usize, dh: usize) -> (Vec<u32>, Vec<u32>) {
         let dev = Device::flex().autodiff();
         let w = heads * dh;
-        let qkv = Tensor::<3>::from_data(
-            TensorData::new(data(n * t * 3 * w, 1), [n, t, 3 * w]),
-            &dev,
-        )
-        .require_grad();
-        let weights =
-            Tensor::<3>::from_data(TensorData::new(data(n * t * w, 2), [n, t, w]), &dev);
+        let qkv =
+            Tensor::<3>::from_data(TensorData::new(data(n * t * 3 * w, 1), [n, t, 3 * w]), &dev)
+                .require_grad();
+        let weights = Tensor::<3>::from_data(TensorData::new(data(n * t * w, 2), [n, t, w]), &dev);
         let y = if ours {
             causal_attention(qkv.clone(), heads)
         } else {
@@ -287,11 +306,22 @@ mod tests {
     /// tensor-parallel piece of 2 heads) and small odd ones: burn's bits, both passes.
     #[test]
     fn both_passes_give_burns_bits() {
-        for (n, t, heads, dh) in [(8, 64, 4, 32), (2, 64, 2, 32), (3, 40, 3, 24), (2, 33, 2, 20)] {
+        for (n, t, heads, dh) in [
+            (8, 64, 4, 32),
+            (2, 64, 2, 32),
+            (3, 40, 3, 24),
+            (2, 33, 2, 20),
+        ] {
             let ours = run(true, n, t, heads, dh);
             let burns = run(false, n, t, heads, dh);
-            assert!(ours.0 == burns.0, "output, n {n} t {t} heads {heads} dh {dh}");
-            assert!(ours.1 == burns.1, "gradient, n {n} t {t} heads {heads} dh {dh}");
+            assert!(
+                ours.0 == burns.0,
+                "output, n {n} t {t} heads {heads} dh {dh}"
+            );
+            assert!(
+                ours.1 == burns.1,
+                "gradient, n {n} t {t} heads {heads} dh {dh}"
+            );
         }
     }
 

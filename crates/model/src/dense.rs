@@ -235,7 +235,9 @@ fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
     if crate::compute_threads() == 1 {
         let dy_t = dy.transpose(0, 1).to_contiguous();
         let dx_t = gemm_new(Operand::of(&weight), Operand::of(&dy_t), Dst::RowMajor);
-        return f32_tensor(dx_t, [inp, rows]).transpose(0, 1).to_contiguous();
+        return f32_tensor(dx_t, [inp, rows])
+            .transpose(0, 1)
+            .to_contiguous();
     }
     // On several threads, flex's single-threaded copies were 7% of the transformer's step on the
     // training thread: both transposes are split between the threads instead. (Writing `dxᵀ`

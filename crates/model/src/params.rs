@@ -225,7 +225,14 @@ mod tests {
                 .num_threads(threads)
                 .build()
                 .unwrap();
-            for len in [0, 1, COPY_PIECE - 1, COPY_PIECE, COPY_PIECE + 1, 3 * COPY_PIECE + 7] {
+            for len in [
+                0,
+                1,
+                COPY_PIECE - 1,
+                COPY_PIECE,
+                COPY_PIECE + 1,
+                3 * COPY_PIECE + 7,
+            ] {
                 let src: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
                 let (fresh, into) = pool.install(|| {
                     let mut into = vec![f32::NAN; len];

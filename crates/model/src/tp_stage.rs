@@ -32,9 +32,7 @@ use crate::stage::{
     StageEval, StageInput, StageOutput,
 };
 use crate::tensor_parallel::{LayerSlots, PieceSum, TpLayout, TpSplit};
-use crate::transformer::{
-    attend, embed_tokens, head_logits, linear3, TransformerSpec,
-};
+use crate::transformer::{attend, embed_tokens, head_logits, linear3, TransformerSpec};
 use crate::ModelError as E;
 
 /// One replicated segment's graph: its leaves and outputs.
