@@ -99,8 +99,9 @@ struct TrainArgs {
     inject: Option<String>,
     /// Threads each worker may use, passed on as RAYON_NUM_THREADS (default: this host's cores /
     /// --nproc). The built-in models' dense layers' matrix products (MLP, CNN head, transformer
-    /// linears), the transformer's GELU, softmax and layer norm, the optimizer and the one-worker
-    /// exact sum run on them, with the same bits at any count; every other burn kernel runs on one
+    /// linears), the transformer's attention, GELU, softmax and layer norm, the per-step parameter
+    /// and gradient copies, the optimizer and the one-worker exact sum run on them, with the same
+    /// bits at any count; every other burn kernel runs on one
     /// thread per worker, since burn flex's multi-threaded kernels are left out of the build
     /// (their parallel reductions do not add in a fixed order; README, "Reproducibility"). More
     /// workers use cores better.
@@ -857,8 +858,9 @@ fn start_heartbeat(rank: usize) {
 
 /// Makes this thread one of the worker's compute threads: rayon's global pool, sized by
 /// `RAYON_NUM_THREADS` (`--threads-per-worker`), with this thread as its first member. Why: the
-/// training loop then takes part in the threaded loops (gemm, the transformer's GELU, softmax and
-/// layer norm, the optimizer, the one-worker exact sum) instead of waiting beside a pool of its
+/// training loop then takes part in the threaded loops (gemm, the transformer's attention, GELU,
+/// softmax and layer norm, the copies, the optimizer, the one-worker exact sum) instead of waiting
+/// beside a pool of its
 /// own size; with a separate pool, its threads kept spinning for work after each product on the
 /// cores the loop's single-threaded kernels needed (measured: Shakespeare transformer at 2
 /// threads, 177–179 → 149–164 ms per step). A pool built earlier (a user's binary may build its

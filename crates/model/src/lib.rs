@@ -63,10 +63,11 @@ pub use error::ModelError;
 
 /// Threads this worker's own compute loops run on when called from this thread: the size of its
 /// rayon pool (in a worker, `RAYON_NUM_THREADS`, which the launcher sets to
-/// `--threads-per-worker`). The dense layers' matrix products (`dense.rs`), the transformer's
-/// GELU, softmax and layer norm and the optimizers' updates (`optim.rs`) split their outputs
-/// between them, never a sum, so the bits are the same at any count; burn flex's own kernels run
-/// on one thread (built without its `rayon` feature).
+/// `--threads-per-worker`). The dense layers' matrix products and transposes (`dense.rs`), the
+/// transformer's attention, GELU, softmax and layer norm, the parameter and gradient copies
+/// (`params.rs`) and the optimizers' updates (`optim.rs`) split their outputs between them, never
+/// a sum, so the bits are the same at any count; burn flex's own kernels run on one thread (built
+/// without its `rayon` feature).
 pub fn compute_threads() -> usize {
     rayon::current_num_threads()
 }
