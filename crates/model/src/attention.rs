@@ -103,6 +103,11 @@ impl Dims {
         let (b, h) = (p / self.heads, p % self.heads);
         b * self.t * 3 * self.w() + which * self.w() + h * self.dh
     }
+    /// Pair `p`'s `Q`, `K` and `V` (`[t, dh]` each) where they lie in `qkv`'s values.
+    fn qkv_blocks<'a>(&self, qkv: &'a [f32], p: usize) -> [Operand<'a>; 3] {
+        let stride = 3 * self.w() as isize;
+        [0, 1, 2].map(|which| Operand::rows_of(qkv, self.qkv_at(p, which), self.t, self.dh, stride))
+    }
     /// Where pair `p`'s block starts in an `[n, t, w]` tensor.
     fn out_at(&self, p: usize) -> usize {
         let (b, h) = (p / self.heads, p % self.heads);
@@ -147,11 +152,8 @@ fn forward(qkv: &FlexTensor, heads: usize) -> (FlexTensor, FlexTensor) {
     let out_ptr = Shared(out.as_mut_ptr());
     let probs_ptr = Shared(probs.as_mut_ptr());
     let simd = tier();
-    let stride = 3 * w as isize;
     for_each_pair(d, |p| {
-        let q = Operand::rows_of(&x, d.qkv_at(p, 0), t, dh, stride);
-        let k = Operand::rows_of(&x, d.qkv_at(p, 1), t, dh, stride);
-        let v = Operand::rows_of(&x, d.qkv_at(p, 2), t, dh, stride);
+        let [q, k, v] = d.qkv_blocks(&x, p);
         let mut scores = vec![0f32; t * t];
         // SAFETY: `scores` is t × t, row-major.
         unsafe { product(q, k.t(), scores.as_mut_ptr(), t as isize, 1, ONE_THREAD) };
@@ -191,9 +193,7 @@ fn backward(s: &Saved, dy: &FlexTensor) -> FlexTensor {
     let simd = tier();
     let stride = 3 * w as isize;
     for_each_pair(d, |p| {
-        let q = Operand::rows_of(&x, d.qkv_at(p, 0), t, dh, stride);
-        let k = Operand::rows_of(&x, d.qkv_at(p, 1), t, dh, stride);
-        let v = Operand::rows_of(&x, d.qkv_at(p, 2), t, dh, stride);
+        let [q, k, v] = d.qkv_blocks(&x, p);
         let probs = &p_all[p * t * t..(p + 1) * t * t];
         let pm = Operand::rows_of(probs, 0, t, t, t as isize);
         let dout = Operand::rows_of(&g, d.out_at(p), t, dh, w as isize);
