@@ -18,7 +18,10 @@
 //! in the same order, that burn's composition (`attend_composed` in `transformer.rs`) computes;
 //! gemm's result does not depend on where its operands lie when it runs its micro-kernel
 //! (`dense.rs`), so the output and the gradient are burn's bit for bit (tested, and the
-//! Shakespeare run's `param_hash` is unchanged). Pairs are independent, so they are split between
+//! Shakespeare run's `param_hash` is unchanged). For tiny products (a few positions or a head
+//! width of 1–2, where gemm switches to its gemv and dot-product paths, whose order can depend on
+//! the layout) the bits may differ from burn's, still the same on every run, rank and thread
+//! count. Pairs are independent, so they are split between
 //! the worker's threads ([`crate::compute_threads`]), each product on one thread: the same bits
 //! at any thread count (tested).
 
