@@ -331,13 +331,7 @@ mod tests {
     /// Pairs split between 1–4 threads give the same bits.
     #[test]
     fn threads_give_the_same_bits() {
-        let on = |threads: usize| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap()
-                .install(|| run(true, 8, 64, 4, 32))
-        };
+        let on = |threads: usize| crate::on_threads(threads, || run(true, 8, 64, 4, 32));
         let want = on(1);
         for threads in 2..=4 {
             assert!(on(threads) == want, "{threads} threads");

@@ -504,10 +504,6 @@ mod tests {
     /// (the benchmark models' 2048 × 2048 layers are far above gemm's threading threshold).
     #[test]
     fn thread_count_does_not_change_the_bits() {
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
         let products = |(n, i, o): (usize, usize, usize)| {
             let (x, w, dy) = (flex(n, i, 1), flex(i, o, 2), flex(n, o, 4));
             let b = FlexTensor::from_data(TensorData::new(values(o, 3), [o]));
@@ -518,13 +514,10 @@ mod tests {
             ]
         };
         let shapes: Vec<_> = SHAPES.iter().copied().chain([(256, 2048, 2048)]).collect();
-        let reference: Vec<_> = one.install(|| shapes.iter().map(|&s| products(s)).collect());
+        let reference: Vec<_> =
+            crate::on_threads(1, || shapes.iter().map(|&s| products(s)).collect());
         for threads in 2..=4 {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
+            crate::on_threads(threads, || {
                 assert!(matches!(parallelism(), gemm::Parallelism::Rayon(t) if t == threads));
                 for (&shape, expected) in shapes.iter().zip(&reference) {
                     assert_eq!(&products(shape), expected, "{threads} threads, {shape:?}");

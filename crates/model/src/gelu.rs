@@ -325,11 +325,7 @@ mod tests {
         let x: Vec<f32> = (0..100_003).map(|i| (i as f32 * 0.001) - 50.0).collect();
         let dy: Vec<f32> = x.iter().map(|v| (v * 0.7).cos()).collect();
         let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
+            crate::on_threads(threads, || {
                 let f = f32s(forward(flex(x.clone())));
                 let b = f32s(backward(flex(x.clone()), flex(dy.clone())));
                 (

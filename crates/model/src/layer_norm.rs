@@ -335,13 +335,7 @@ mod tests {
     fn threads_give_the_same_bits() {
         let bits =
             |o: [Vec<f32>; 4]| o.map(|v| v.into_iter().map(f32::to_bits).collect::<Vec<_>>());
-        let on = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| bits(run(true, [8, 67, 128])))
-        };
+        let on = |threads: usize| crate::on_threads(threads, || bits(run(true, [8, 67, 128])));
         let want = on(1);
         for threads in 2..=4 {
             assert!(on(threads) == want, "{threads} threads");

@@ -78,6 +78,17 @@ pub fn compute_threads() -> usize {
 pub(crate) fn split_between_threads(len: usize, piece: usize) -> bool {
     len > piece && compute_threads() > 1
 }
+
+/// Runs `f` with `threads` compute threads (a rayon pool of that size), as a worker with
+/// `--threads-per-worker threads` would: for the tests that compare thread counts bit for bit.
+#[cfg(test)]
+pub(crate) fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("building a test thread pool")
+        .install(f)
+}
 pub use kernels::{first_mismatch as first_kernel_mismatch, Kernels};
 pub use model::{param_hash, Model, TimedLoss};
 pub use optim::{Optimizer, OptimizerSpec};

@@ -306,11 +306,7 @@ mod tests {
             },
         ];
         let run = |spec: &OptimizerSpec, threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
+            crate::on_threads(threads, || {
                 assert_eq!(crate::compute_threads(), threads);
                 let mut opt = Optimizer::new(spec, len);
                 let mut params: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();

@@ -221,10 +221,6 @@ mod tests {
     #[test]
     fn copies_on_threads_give_every_value() {
         for threads in 1..=3 {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
             for len in [
                 0,
                 1,
@@ -234,7 +230,7 @@ mod tests {
                 3 * COPY_PIECE + 7,
             ] {
                 let src: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
-                let (fresh, into) = pool.install(|| {
+                let (fresh, into) = crate::on_threads(threads, || {
                     let mut into = vec![f32::NAN; len];
                     copy_values(&mut into, &src);
                     (copied(&src), into)

@@ -256,11 +256,7 @@ mod tests {
         let dy: Vec<f32> = (0..x.len()).map(|i| (i as f32 * 0.29).sin()).collect();
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
         let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
+            crate::on_threads(threads, || {
                 let y = forward(flex(x.clone(), vec![count, width]));
                 let dx = backward(y.clone(), flex(dy.clone(), vec![count, width]));
                 (bits(f32s(y)), bits(f32s(dx)))
