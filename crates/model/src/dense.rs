@@ -55,10 +55,9 @@ use burn::backend::ops::{FloatTensorOps, ModuleOps};
 use burn::backend::{backend_extension, tensor::FloatTensor, Backend, Dispatch, Flex};
 use burn::tensor::{DType, Tensor, TensorData};
 use rayon::prelude::*;
-use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
-use crate::flex_values::values;
+use crate::flex_values::{shape, values};
 use crate::gemm_call::{product, Operand};
 
 #[backend_extension(Flex, Autodiff)]
@@ -146,21 +145,8 @@ fn forward(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
     let (xm, wm) = (Operand::of(&x), Operand::of(&weight));
     let (rows, out) = (xm.rows(), wm.cols());
     let mut y = gemm_new(xm, wm, Dst::RowMajor);
-    let layout = bias.layout();
-    assert_eq!(layout.shape().num_dims(), 1, "dense_linear: 1-D bias");
-    assert_eq!(layout.shape()[0], out, "dense_linear: bias length");
-    let storage: &[f32] = bias.storage();
-    let b: Cow<[f32]> = match layout.contiguous_offsets() {
-        Some((start, end)) => Cow::Borrowed(&storage[start..end]),
-        None => Cow::Owned(
-            (0..out)
-                .map(|j| {
-                    storage[(layout.start_offset() as isize + j as isize * layout.strides()[0])
-                        as usize]
-                })
-                .collect(),
-        ),
-    };
+    assert_eq!(shape(&bias), [out], "dense_linear: bias of length {out}");
+    let b = values(&bias);
     if out > 0 {
         for row in y.chunks_exact_mut(out) {
             for (v, b) in row.iter_mut().zip(b.iter()) {
