@@ -1,4 +1,5 @@
-//! A byte copy that avoids a 4 KiB-aliasing slow path of `rep movsb`.
+//! Byte copies into shared memory: one that avoids a 4 KiB-aliasing slow path of `rep movsb`,
+//! and one with streaming stores.
 //!
 //! glibc's `memcpy` copies mid-sized blocks (from a few KiB up to its non-temporal threshold, a
 //! fraction of the L3 cache) with `rep movsb`. On the AMD EPYC dev box that instruction runs
@@ -9,6 +10,10 @@
 //! buffer and the ring slot drifts through them. Below 64 bytes of distance
 //! [`copy_nonoverlapping`] therefore copies with plain 32-byte vector loads and stores, which keep
 //! ~40–49 GB/s at every distance; everywhere else it calls `memcpy`.
+//!
+//! [`stream_nonoverlapping`] is the other way to fill a ring slot: streaming stores that do not
+//! wait for the reader's core to give up its copies of the lines (`shm::write_path` picks between
+//! the two while the transport runs).
 
 /// Copies at least this long take the vector loop at a bad distance (`memcpy` uses plain vector
 /// moves for short copies anyway).
@@ -67,9 +72,98 @@ unsafe fn vector_copy_avx2(src: *const u8, dst: *mut u8, n: usize) {
     std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
 }
 
+/// `copy_nonoverlapping`, but the destination's whole 64-byte lines are written with
+/// non-temporal (streaming) stores: they go to memory without first fetching the line, and
+/// without waiting for other cores to give up their copies of it. For shared memory that
+/// another core reads (a ring slot its reader emptied earlier), that wait is what a cached store
+/// pays per line; when the two cores sit far apart (another die or socket) it bounds a cached
+/// copy to a few GB/s (see `shm::write_path`). Ends with `sfence`, so a `Release` store after
+/// the call publishes the streamed bytes too. The partial lines at either end go through
+/// [`copy_nonoverlapping`].
+///
+/// # Safety
+/// As [`copy_nonoverlapping`].
+pub unsafe fn stream_nonoverlapping(src: *const u8, dst: *mut u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let head = dst.align_offset(64).min(n);
+        let body = (n - head) / 64 * 64;
+        if body > 0 {
+            copy_nonoverlapping(src, dst, head);
+            if has_avx2() {
+                // SAFETY: AVX2 is present (checked); the caller guarantees the ranges, and
+                // `dst + head` is 64-byte aligned.
+                stream_lines_avx2(src.add(head), dst.add(head), body);
+            } else {
+                // SAFETY: SSE2 is part of x86-64; as above.
+                stream_lines_sse2(src.add(head), dst.add(head), body);
+            }
+            let done = head + body;
+            copy_nonoverlapping(src.add(done), dst.add(done), n - done);
+            return;
+        }
+    }
+    copy_nonoverlapping(src, dst, n)
+}
+
+/// `n` (a multiple of 64) bytes into the 64-aligned `dst` with 32-byte streaming stores, then
+/// `sfence` (streaming stores are weakly ordered; the fence orders them before later stores).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_lines_avx2(src: *const u8, dst: *mut u8, n: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
+    let mut i = 0;
+    while i < n {
+        let s = src.add(i).cast::<__m256i>();
+        let d = dst.add(i).cast::<__m256i>();
+        let a = _mm256_loadu_si256(s);
+        let b = _mm256_loadu_si256(s.add(1));
+        _mm256_stream_si256(d, a);
+        _mm256_stream_si256(d.add(1), b);
+        i += 64;
+    }
+    _mm_sfence();
+}
+
+/// As [`stream_lines_avx2`] with 16-byte stores (x86-64's baseline).
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_lines_sse2(src: *const u8, dst: *mut u8, n: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    let mut i = 0;
+    while i < n {
+        let s = src.add(i).cast::<__m128i>();
+        let d = dst.add(i).cast::<__m128i>();
+        for k in 0..4 {
+            _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k)));
+        }
+        i += 64;
+    }
+    _mm_sfence();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streams_every_byte_at_every_alignment_and_length() {
+        let src: Vec<u8> = (0..20_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
+        let mut dst = vec![0u8; 20_000 + 256];
+        for src_off in [0usize, 1, 33, 64] {
+            for dst_off in [0usize, 1, 31, 63, 64, 65] {
+                for n in [0usize, 1, 63, 64, 65, 127, 128, 200, 4096 + 3, 12_345] {
+                    let s = &src[src_off..src_off + n];
+                    dst.fill(0xAA);
+                    let d = &mut dst[dst_off..dst_off + n];
+                    // SAFETY: both ranges are valid for `n` bytes and disjoint.
+                    unsafe { stream_nonoverlapping(s.as_ptr(), d.as_mut_ptr(), n) };
+                    assert_eq!(&dst[dst_off..dst_off + n], s, "n={n} dst_off={dst_off}");
+                    assert!(dst[..dst_off].iter().all(|&b| b == 0xAA), "wrote before");
+                    assert!(dst[dst_off + n..].iter().all(|&b| b == 0xAA), "wrote after");
+                }
+            }
+        }
+    }
 
     #[test]
     fn copies_every_byte_at_every_distance_and_length() {

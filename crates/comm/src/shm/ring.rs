@@ -16,10 +16,13 @@
 
 use std::sync::atomic::Ordering;
 
+use std::time::Instant;
+
 use super::segment::SlotHeader;
+use super::write_path::{WritePath, WritePathChooser};
 // Not `std::ptr::copy_nonoverlapping`: the distance between a caller's buffer and the ring slot
 // drifts with the write position, through distances where `rep movsb` is slow (see `copy`).
-use crate::copy::copy_nonoverlapping;
+use crate::copy::{copy_nonoverlapping, stream_nonoverlapping};
 use crate::transport::Tag;
 
 pub(super) const FRAME_HEADER: u64 = 64;
@@ -70,6 +73,17 @@ impl Ring {
         copy_nonoverlapping(src.add(first), self.data, n - first);
     }
 
+    /// [`Ring::copy_in`] with streaming stores (see `write_path`).
+    ///
+    /// # Safety
+    /// As [`Ring::copy_in`].
+    unsafe fn stream_in(&self, pos: u64, src: *const u8, n: usize) {
+        let off = (pos & (self.size - 1)) as usize;
+        let first = n.min(self.size as usize - off);
+        stream_nonoverlapping(src, self.data.add(off), first);
+        stream_nonoverlapping(src.add(first), self.data, n - first);
+    }
+
     /// Copy `n` bytes at stream position `pos` out of the ring into `dst`, wrapping at the end.
     ///
     /// # Safety
@@ -86,6 +100,7 @@ impl Ring {
 pub(super) struct Outgoing<'a> {
     pub peer: usize,
     ring: Ring,
+    write_path: &'a WritePathChooser,
     tag: Tag,
     data: &'a [u8],
     seq: u64,
@@ -94,10 +109,18 @@ pub(super) struct Outgoing<'a> {
 }
 
 impl<'a> Outgoing<'a> {
-    pub fn new(peer: usize, ring: Ring, tag: Tag, data: &'a [u8], seq: u64) -> Self {
+    pub fn new(
+        peer: usize,
+        ring: Ring,
+        write_path: &'a WritePathChooser,
+        tag: Tag,
+        data: &'a [u8],
+        seq: u64,
+    ) -> Self {
         Outgoing {
             peer,
             ring,
+            write_path,
             tag,
             data,
             seq,
@@ -145,8 +168,17 @@ impl<'a> Outgoing<'a> {
             let from = (self.done - FRAME_HEADER) as usize;
             let to = (from + n as usize).min(self.data.len());
             if to > from {
+                let (src, len) = (self.data[from..].as_ptr(), to - from);
+                let path = self.write_path.pick(len);
+                let started = Instant::now();
                 // SAFETY: `n` free bytes from `pos`; the source range is inside `data`.
-                unsafe { ring.copy_in(pos, self.data.as_ptr().add(from), to - from) };
+                unsafe {
+                    match path {
+                        WritePath::Cached => ring.copy_in(pos, src, len),
+                        WritePath::Streamed => ring.stream_in(pos, src, len),
+                    }
+                }
+                self.write_path.record(path, len, started.elapsed());
             }
             pos += n;
             self.done += n;
