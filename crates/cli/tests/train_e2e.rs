@@ -44,8 +44,15 @@ fn param_hash_is_identical_for_1_2_3_4_workers() {
     let runs: Vec<serde_json::Value> = (1..=4)
         .map(|n| train(n, &tmp.path().join(format!("n{n}")), &[]))
         .collect();
+    // The same sum through the transport's collectives (TCP: no shared memory).
+    let tcp = train(2, &tmp.path().join("tcp"), &["dist.transport=tcp"]);
+    assert_eq!(hash(&tcp), hash(&runs[0]), "2 workers over TCP differ");
+    assert_eq!(tcp["gradient_sum"], "collectives");
     for (i, s) in runs.iter().enumerate() {
         assert_eq!(s["world_size"], i + 1);
+        // One host, shared memory: each worker reads its peers' gradients where they lie.
+        let how = if i == 0 { "local" } else { "shared_windows" };
+        assert_eq!(s["gradient_sum"], how, "world size {}", i + 1);
         assert_eq!(
             hash(s),
             hash(&runs[0]),

@@ -165,6 +165,12 @@ impl Communicator {
         self.transport.name()
     }
 
+    /// Where the group's ranks can share memory, if its transport has such a place
+    /// ([`Transport::shared_memory`]).
+    pub fn shared_memory(&self) -> Option<crate::transport::SharedMemory> {
+        self.transport.shared_memory()
+    }
+
     pub fn timeout(&self) -> Duration {
         self.timeout
     }

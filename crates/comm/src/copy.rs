@@ -141,6 +141,51 @@ unsafe fn stream_lines_sse2(src: *const u8, dst: *mut u8, n: usize) {
     _mm_sfence();
 }
 
+/// Evicts the cache lines of `bytes` from every cache (`clflushopt`, or `clflush` where the
+/// CPU lacks it; nothing off x86-64). For memory another core writes next: a line this core
+/// keeps a copy of makes that core's store wait until the copy is invalidated, which between far
+/// cores costs more than fetching the line from memory (see `shared_parts`). Changes no value.
+pub fn evict(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut at = bytes.as_ptr() as usize & !63;
+        let end = bytes.as_ptr() as usize + bytes.len();
+        if has_clflushopt() {
+            while at < end {
+                // SAFETY: CLFLUSHOPT is present (checked); the line holds bytes of `bytes`,
+                // which is mapped. It only evicts the line (no value changes).
+                unsafe {
+                    std::arch::asm!("clflushopt [{0}]", in(reg) at, options(nostack, preserves_flags))
+                };
+                at += 64;
+            }
+            // Orders the flushes before later stores (clflushopt itself is weakly ordered).
+            // SAFETY: SSE is part of x86-64.
+            unsafe { std::arch::x86_64::_mm_sfence() };
+        } else {
+            while at < end {
+                // SAFETY: SSE2 is part of x86-64; the line holds bytes of `bytes`.
+                unsafe { std::arch::x86_64::_mm_clflush(at as *const u8) };
+                at += 64;
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// CPUID leaf 7, EBX bit 23 (no `is_x86_feature_detected!` name for it on stable Rust).
+#[cfg(target_arch = "x86_64")]
+fn has_clflushopt() -> bool {
+    use std::sync::OnceLock;
+    static CLFLUSHOPT: OnceLock<bool> = OnceLock::new();
+    // CPUID exists on every x86-64 CPU; leaf 7 when leaf 0 says so.
+    *CLFLUSHOPT.get_or_init(|| {
+        std::arch::x86_64::__cpuid(0).eax >= 7
+            && std::arch::x86_64::__cpuid_count(7, 0).ebx & (1 << 23) != 0
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -163,6 +208,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn evicting_changes_no_value() {
+        let v: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        for (from, to) in [(0, 0), (0, 1), (3, 70), (63, 65), (5, 9_999), (0, 10_000)] {
+            evict(&v[from..to]);
+        }
+        assert!(v
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i as u32 * 7) as u8));
     }
 
     #[test]

@@ -72,6 +72,7 @@ pub use crate::fixed_point::{
     accumulate_fixed, finish_fixed, headroom_bits, max_exponent, shift_for,
 };
 use crate::fixed_point::{fixed_sum, fixed_sum_finished, ALL_ZERO, NON_FINITE};
+use crate::shared_parts::SharedParts;
 
 /// Why an exact reduction could not be performed.
 #[derive(Debug, thiserror::Error)]
@@ -494,6 +495,90 @@ impl ExactReducer {
         } else {
             self.reduce_with_buckets(comm, local_parts, total_parts, out, buckets)
         }
+    }
+
+    /// The exact sum of every rank's parts in `shared` into its sum area ([`SharedParts::sum`]),
+    /// reading the peers' parts where they lie (the steps are in [`crate::shared_parts`]); this
+    /// rank's parts are `0..local_parts` of its window. Same bits as [`ExactReducer::reduce`] of
+    /// the same parts; `shared` must have been set up over `comm`.
+    pub fn reduce_shared(
+        &mut self,
+        comm: &mut Communicator,
+        shared: &mut SharedParts,
+        local_parts: usize,
+        total_parts: usize,
+        buckets: &[Range<usize>],
+    ) -> Result<(), ExactError> {
+        let (len, n, me) = (shared.len(), comm.size(), comm.rank());
+        if shared.size() != n || shared.rank() != me {
+            return Err(ExactError::Invalid(format!(
+                "shared parts of rank {} of {} used on rank {me} of {n}",
+                shared.rank(),
+                shared.size()
+            )));
+        }
+        shared.set_parts_now(local_parts);
+        // Step 1, and the barrier after which every rank's parts are complete.
+        let ranges = self.exponents(
+            comm,
+            &shared.own_parts(local_parts),
+            total_parts,
+            len,
+            buckets,
+        )?;
+
+        // Step 2: this rank's chunk of every part of every rank, into its sum area.
+        let mine = crate::collectives::chunk_range(len, n, me);
+        let (tagged, sum) = shared.parts_and_sum(mine.clone())?;
+        let all: Vec<&[f32]> = tagged.iter().map(|&(p, _)| p).collect();
+        if all.len() != total_parts {
+            return Err(ExactError::Invalid(format!(
+                "the ranks' windows hold {} parts, the job has {total_parts}",
+                all.len()
+            )));
+        }
+        let mut pieces = Vec::new();
+        for_buckets_in(&ranges, &mine, |b, sub| pieces.push((b, sub)));
+        let exponents = &self.exponents;
+        let piece = |(b, sub): &(usize, Range<usize>), dst: &mut [f32]| match exponents[*b] {
+            ALL_ZERO => dst.fill(0.0),
+            e => fixed_sum_finished(dst, &all, sub.clone(), shift_for(e, total_parts)),
+        };
+        let mut dsts = Vec::with_capacity(pieces.len());
+        let mut rest = sum;
+        for (_, sub) in &pieces {
+            let (dst, tail) = rest.split_at_mut(sub.len());
+            dsts.push(dst);
+            rest = tail;
+        }
+        // Pieces are independent: the worker's threads may take them in any order (same bits).
+        if mine.len() > PARALLEL_MIN && rayon::current_num_threads() > 1 {
+            dsts.into_par_iter()
+                .zip(pieces.par_iter())
+                .for_each(|(dst, p)| piece(p, dst));
+        } else {
+            for (dst, p) in dsts.into_iter().zip(&pieces) {
+                piece(p, dst);
+            }
+        }
+        // A far peer writes these lines next (its next backward): evicted, its stores do not
+        // wait for this core to give up its copies.
+        for &(part, far) in &tagged {
+            if far {
+                crate::copy::evict(bytemuck::cast_slice(&part[mine.clone()]));
+            }
+        }
+
+        // Step 3: every chunk is finished (and, now and then, how far the peers are).
+        comm.barrier()?;
+        if shared.due_for_measuring() {
+            shared.measure_distances();
+        }
+        // Step 4: the peers' chunks.
+        for r in (0..n).filter(|&r| r != me) {
+            shared.copy_sum_from(r, crate::collectives::chunk_range(len, n, r));
+        }
+        Ok(())
     }
 
     /// [`ExactReducer::reduce_with_buckets`] on a group of one: the same bits, with steps 2–4

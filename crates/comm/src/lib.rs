@@ -25,6 +25,7 @@ mod fuzz_util;
 pub mod inproc;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod shared_parts;
 pub mod shm;
 pub mod store;
 pub mod tcp;
@@ -35,4 +36,4 @@ pub use auth::JobSecret;
 pub use communicator::{Algorithm, CommStats, Communicator};
 pub use element::{Element, ReduceOp};
 pub use error::{CommError, LinkFailure, Result, TransportError};
-pub use transport::{Tag, Transport};
+pub use transport::{SharedMemory, Tag, Transport};

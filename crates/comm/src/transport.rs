@@ -76,4 +76,19 @@ pub trait Transport: Send + Sync {
 
     /// Total payload bytes this transport has sent so far (for run reports).
     fn bytes_sent(&self) -> u64;
+
+    /// Where every rank of this transport can create memory that all of them map: set only by
+    /// transports whose ranks share one host's memory ([`crate::shm`]). The exact sum then reads
+    /// its peers' gradients where they lie ([`crate::shared_parts`]).
+    fn shared_memory(&self) -> Option<SharedMemory> {
+        None
+    }
+}
+
+/// A directory of memory-backed files every rank of a transport can open, and the job id that
+/// keeps one job's files apart from another's.
+#[derive(Debug, Clone)]
+pub struct SharedMemory {
+    pub dir: std::path::PathBuf,
+    pub job_id: String,
 }

@@ -792,6 +792,7 @@ mod tests {
             ranks: vec![rank(0), rank(1)],
             pipeline: None,
             compute: Default::default(),
+            gradient_sum: None,
         }
     }
 

@@ -501,6 +501,7 @@ pub(crate) mod tests {
             ranks: vec![],
             pipeline: None,
             compute: Default::default(),
+            gradient_sum: None,
         }
     }
 

@@ -55,6 +55,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use lockstep_comm::exact::{ExactError, ExactReducer};
+use lockstep_comm::shared_parts::SharedParts;
 use lockstep_comm::{Communicator, ReduceOp};
 use lockstep_model::{Model, ModelError, TimedLoss};
 
@@ -260,6 +261,32 @@ impl GradSync {
         let timing = SyncTiming {
             waiting: (t1 - t0).as_secs_f64(),
             communication: (t2 - t1).as_secs_f64(),
+            overlapped_communication: 0.0,
+        };
+        Ok((loss, timing))
+    }
+
+    /// [`GradSync::sync`] of the parts in `shared` (this rank's are its first `local_parts`),
+    /// reading the peers' parts from their windows (`lockstep_comm::shared_parts`), into
+    /// `shared.sum()`: exact mode only, the same bits.
+    pub fn sync_shared(
+        &mut self,
+        comm: &mut Communicator,
+        shared: &mut SharedParts,
+        local_parts: usize,
+        local_losses: &[f32],
+        total_microbatches: usize,
+    ) -> Result<(f64, SyncTiming), ExactError> {
+        assert!(self.reproducible, "shared parts are summed exactly");
+        let t0 = Instant::now();
+        let loss = self.exchange_loss(comm, local_losses, total_microbatches)?;
+        let t1 = Instant::now();
+        self.set_buckets(shared.len());
+        self.reducer
+            .reduce_shared(comm, shared, local_parts, total_microbatches, &self.buckets)?;
+        let timing = SyncTiming {
+            waiting: (t1 - t0).as_secs_f64(),
+            communication: t1.elapsed().as_secs_f64(),
             overlapped_communication: 0.0,
         };
         Ok((loss, timing))

@@ -11,6 +11,7 @@ pub mod datasets;
 pub mod error;
 pub mod faults;
 pub mod files;
+pub mod grad_parts;
 pub mod grad_sync;
 pub mod job;
 pub mod limits;

@@ -216,6 +216,23 @@ pub struct Summary {
     /// How the workers computed (the same on every rank: checked at start-up).
     #[serde(default)]
     pub compute: ComputeSummary,
+    /// How a data-parallel run summed its gradients (absent for pipelines and in summaries
+    /// written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gradient_sum: Option<GradientSum>,
+}
+
+/// How a data-parallel step's gradients were summed across the workers.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum GradientSum {
+    /// One worker: its own micro-batches only.
+    Local,
+    /// Through the transport's collectives (rings, recursive doubling, the streamed overlap).
+    Collectives,
+    /// Each worker read its peers' gradients from their shared-memory windows
+    /// (`lockstep_comm::shared_parts`).
+    SharedWindows,
 }
 
 /// The `compute` part of `summary.json`.

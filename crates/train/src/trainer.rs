@@ -17,10 +17,11 @@ use crate::config::TrainConfig;
 use crate::context::WorkerContext;
 use crate::error::TrainError;
 use crate::faults;
+use crate::grad_parts::GradParts;
 use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
 use crate::job::{catch_job_panic, JobSpec, Replica, ReplicaError, Trainable};
 use crate::memory::ModelState;
-use crate::metrics::{Eval, PhaseSeconds, StepRecord, Summary};
+use crate::metrics::{Eval, GradientSum, PhaseSeconds, StepRecord, Summary};
 use crate::run::collect::{check_same_hash, check_same_kernels, check_same_structure};
 use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
@@ -154,8 +155,22 @@ fn train_replica<'a>(
         len: params.len(),
     };
     let mut sync = GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems);
-    let mut grads: Vec<Vec<f32>> = vec![vec![0f32; params.len()]; plan.mine.len()];
-    let mut total_grad = vec![0f32; zero.grad_len()];
+    // Exact sums that take every part at once read the peers' parts where they lie, when the
+    // ranks share memory (`grad_parts`).
+    let shared = cfg.dist.reproducible && !cfg.dist.overlap && zero.level() < 2;
+    let mut grads = GradParts::new(comm, plan.mine.len(), params.len(), shared)?;
+    ledger.set_gradient_sum(match (&grads, comm.size()) {
+        (_, 1) => GradientSum::Local,
+        (GradParts::Shared(_), _) => GradientSum::SharedWindows,
+        (GradParts::Private(_), _) => GradientSum::Collectives,
+    });
+    // With shared windows the sum lands in this rank's window (`GradParts::sum`).
+    let sum_len = if grads.sum().is_some() {
+        0
+    } else {
+        zero.grad_len()
+    };
+    let mut total_grad = vec![0f32; sum_len];
 
     for step in ledger.start_step..total_steps {
         // Progress marks for the launcher's stall detection (lockstep_comm::activity).
@@ -183,7 +198,8 @@ fn train_replica<'a>(
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
-        let gather_seconds = zero.step(&mut optimizer, &mut params, &total_grad, lr, comm)?;
+        let grad = grads.sum().unwrap_or(&total_grad);
+        let gather_seconds = zero.step(&mut optimizer, &mut params, grad, lr, comm)?;
         replica
             .set_params_flat(&params)
             .map_err(|e| setup(e.to_string()))?;
@@ -223,7 +239,7 @@ fn train_replica<'a>(
     let hash = param_hash(&params);
     check_same_hash(comm, &hash)?;
     let held = ModelState::new(&params, &optimizer)
-        .grads(grads.iter().map(Vec::as_slice).chain([&total_grad[..]]))
+        .grads(grads.held().into_iter().chain([&total_grad[..]]))
         .exact_scratch(cfg.dist.reproducible, params.len())
         .activations_per_microbatch(replica.activation_bytes(t.microbatch));
     ledger.finish(comm, hash, held, |_, _| None)
@@ -240,7 +256,7 @@ fn gradients(
     comm: &mut Communicator,
     sync: &mut GradSync,
     zero: &Zero,
-    grads: &mut [Vec<f32>],
+    grads: &mut GradParts,
     total_grad: &mut [f32],
 ) -> Result<(f64, PhaseSeconds), TrainError> {
     let t = &cfg.train;
@@ -263,7 +279,7 @@ fn gradients(
     for (slot, k) in mine.clone().enumerate().take(mine.len() - streamed) {
         activity::touch();
         let c = replica
-            .loss_and_grad(pieces[k], plan.scale, &mut grads[slot])
+            .loss_and_grad(pieces[k], plan.scale, grads.part_mut(slot))
             .map_err(|e| job_error(k, e))?;
         sec.data += c.data_seconds;
         sec.forward += c.forward_seconds;
@@ -272,7 +288,7 @@ fn gradients(
         if !cfg.dist.overlap {
             // Part of the exact sum's work, done while the gradient is in cache: counted with it.
             let scan = Instant::now();
-            sync.part_ready(comm, &grads[slot]);
+            sync.part_ready(comm, grads.part(slot));
             scanned_ahead += scan.elapsed().as_secs_f64();
         }
     }
@@ -283,6 +299,9 @@ fn gradients(
         SyncError::Replica(r) => job_error(mine.end - 1, r),
     };
     let (loss, timing) = if cfg.dist.overlap {
+        let GradParts::Private(grads) = grads else {
+            unreachable!("an overlapped sum keeps its parts private (GradParts::new)")
+        };
         let (earlier, rest) = grads.split_at_mut(mine.len() - streamed);
         let mut compute = ReplicaCompute {
             replica,
@@ -312,8 +331,11 @@ fn gradients(
         sec.forward += o.forward;
         sec.backward += o.backward;
         (o.loss, o.timing)
+    } else if let GradParts::Shared(shared) = grads {
+        sync.sync_shared(comm, shared, mine.len(), &losses, plan.n_micro)
+            .map_err(|e| sync_error(SyncError::Exact(e)))?
     } else {
-        let grad_refs: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
+        let grad_refs = grads.parts();
         if zero.level() >= 2 {
             sync.sync_sharded(
                 comm,

@@ -64,7 +64,7 @@ use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, LinkFailure, Result, TransportError};
-use crate::transport::{Tag, Transport};
+use crate::transport::{SharedMemory, Tag, Transport};
 use ring::{Incoming, Outgoing, Ring};
 use segment::{segment_path, Attach, Expect, Segment};
 use wait::{Backoff, Phase};
@@ -122,6 +122,8 @@ pub struct ShmTransport {
     links: Vec<LinkState>,
     ring_bytes: usize,
     bytes_sent: AtomicU64,
+    /// The segments' directory and job id (also where `shared_parts` creates its windows).
+    shared: SharedMemory,
 }
 
 fn validate_job_id(job_id: &str) -> Result<()> {
@@ -146,7 +148,7 @@ fn validate_job_id(job_id: &str) -> Result<()> {
     Ok(())
 }
 
-fn random_nonce() -> Result<u64> {
+pub(crate) fn random_nonce() -> Result<u64> {
     let mut b = [0u8; 8];
     getrandom::getrandom(&mut b).map_err(|e| CommError::setup("shm establish: random nonce", e))?;
     Ok(u64::from_le_bytes(b) | 1) // never 0, which marks an unclaimed slot
@@ -315,6 +317,10 @@ impl ShmTransport {
             links: (0..world).map(|_| LinkState::default()).collect(),
             ring_bytes,
             bytes_sent: AtomicU64::new(0),
+            shared: SharedMemory {
+                dir: opts.dir.clone(),
+                job_id: job_id.to_string(),
+            },
         })
     }
 
@@ -712,5 +718,9 @@ impl Transport for ShmTransport {
 
     fn bytes_sent(&self) -> u64 {
         self.bytes_sent.load(Ordering::Relaxed)
+    }
+
+    fn shared_memory(&self) -> Option<SharedMemory> {
+        Some(self.shared.clone())
     }
 }

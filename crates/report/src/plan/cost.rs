@@ -260,10 +260,13 @@ impl<'a> Placement<'a> {
         let be = w.bucket_elems;
         if w.reproducible && !w.overlap {
             let n = groups.first().map_or(1, Vec::len);
+            let exponents = self.all_reduce(groups, params.div_ceil(be) + 1, 4, w, false);
+            if self.shared_windows(groups, w) {
+                return exponents + self.shared_sum(groups, params, w);
+            }
             // Every rank of a data-parallel group holds ⌈microbatches / n⌉ micro-batches.
             let narrow_first = w.microbatches <= n;
-            return self.all_reduce(groups, params.div_ceil(be) + 1, 4, w, false)
-                + self.exact_sum(groups, params, w, true, narrow_first);
+            return exponents + self.exact_sum(groups, params, w, true, narrow_first);
         }
         let bucket = |len: usize, fresh: bool| -> Cost {
             if w.reproducible {
@@ -285,6 +288,44 @@ impl<'a> Placement<'a> {
             c = c + bucket(last, full == 0);
         }
         c
+    }
+
+    /// Whether the exact sum of `groups` reads shared-memory windows (`GradParts` in the
+    /// trainer): the data-parallel loop, whole-vector exact sum (no overlap, ZeRO below 2), one
+    /// group of every rank, all on one node.
+    fn shared_windows(&self, groups: &[Vec<usize>], w: &Workload) -> bool {
+        w.data_parallel_loop
+            && w.zero < 2
+            && self.nodes_used == 1
+            && groups.len() == 1
+            && groups[0].len() > 1
+    }
+
+    /// `ExactReducer::reduce_shared` after the exponents: a dissemination barrier (⌈log2 n⌉
+    /// rounds of a 1-byte token), and reads from the peers' windows at the shared-memory link's
+    /// bandwidth: this rank's chunk of every part the others hold, then their chunks of the sum.
+    /// Only the barrier's tokens are sent.
+    fn shared_sum(&self, groups: &[Vec<usize>], params: usize, w: &Workload) -> Cost {
+        let n = groups[0].len();
+        let mut barrier = Cost::default();
+        let mut dist = 1;
+        while dist < n {
+            let flows: Vec<(usize, usize, f64)> = groups[0]
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| (r, groups[0][(i + dist) % n], 1.0))
+                .collect();
+            barrier.seconds += self.round_seconds(&flows, false);
+            barrier.bytes_per_rank += 1.0;
+            dist <<= 1;
+        }
+        let others_parts = w.microbatches - w.microbatches.div_ceil(n).min(w.microbatches);
+        let chunk = params as f64 / n as f64;
+        let read_bytes = 4.0 * chunk * (others_parts as f64 + (n - 1) as f64);
+        Cost {
+            seconds: barrier.seconds + read_bytes / self.cluster.shm.bytes_per_s,
+            bytes_per_rank: barrier.bytes_per_rank,
+        }
     }
 
     /// Tensor parallelism's exact piece sums (`GroupPieceSum`: one bucket, so an all-reduce of two
@@ -529,6 +570,69 @@ mod tests {
             let b =
                 (place.loss_exchange(n, &w) + place.gradient_sync(&g, w.params, &w)).bytes_per_rank;
             assert!((b - measured).abs() <= 8.0, "n={n}: {b} vs {measured}");
+        }
+    }
+
+    #[test]
+    fn one_node_data_parallel_loop_sends_only_small_messages_through_shared_windows() {
+        // The same MLP and runs through shared windows (crates/cli/tests/plan.rs compares a run's
+        // bytes): loss exchange (2 i32 + 1 i64) and exponents (11 buckets + 1 i32) by recursive
+        // doubling, plus the barrier's ⌈log2 n⌉ 1-byte tokens; no gradient bytes.
+        let w = Workload {
+            data_parallel_loop: true,
+            ..workload(669_706)
+        };
+        let (a, b) = (1e-5, 1e9);
+        for (n, rounds) in [(2usize, 1.0), (4, 2.0)] {
+            let c = one_node(n, Link::new(a, b));
+            let place = Placement::new(&c, n);
+            let g = vec![(0..n).collect::<Vec<_>>()];
+            let sync = place.gradient_sync(&g, w.params, &w);
+            let small = place.all_reduce(&g, w.params.div_ceil(w.bucket_elems) + 1, 4, &w, false);
+            assert!(
+                close(sync.bytes_per_rank, small.bytes_per_rank + rounds),
+                "n={n}"
+            );
+            // Reads: this rank's chunk of the 4 − ⌈4/n⌉ parts others hold, and n − 1 chunks.
+            let chunk = w.params as f64 / n as f64;
+            let reads = 4.0 * chunk * ((4 - 4usize.div_ceil(n)) as f64 + (n - 1) as f64) / b;
+            let barrier = rounds * (a + 1.0 / b);
+            assert!(
+                close(sync.seconds, small.seconds + barrier + reads),
+                "n={n}"
+            );
+        }
+        // Two nodes, ZeRO 2 or overlap: the rings as before.
+        let c = Cluster {
+            nodes: 2,
+            workers_per_node: 1,
+            ..one_node(2, Link::new(a, b))
+        };
+        let g = vec![vec![0, 1]];
+        let rings = Placement::new(&one_node(2, Link::new(a, b)), 2).gradient_sync(
+            &g,
+            w.params,
+            &workload(669_706),
+        );
+        for (cluster, w) in [
+            (&c, w.clone()),
+            (
+                &one_node(2, Link::new(a, b)),
+                Workload {
+                    zero: 2,
+                    ..w.clone()
+                },
+            ),
+            (
+                &one_node(2, Link::new(a, b)),
+                Workload {
+                    overlap: true,
+                    ..w.clone()
+                },
+            ),
+        ] {
+            let got = Placement::new(cluster, 2).gradient_sync(&g, w.params, &w);
+            assert!(got.bytes_per_rank >= rings.bytes_per_rank * 0.99, "{w:?}");
         }
     }
 

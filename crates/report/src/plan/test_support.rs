@@ -28,6 +28,7 @@ pub(super) fn workload(params: usize) -> Workload {
         zero: 0,
         schedule: lockstep_train::config::ScheduleKind::OneFOneB,
         tp_pieces: 1,
+        data_parallel_loop: false,
     }
 }
 

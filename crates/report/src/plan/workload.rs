@@ -68,6 +68,12 @@ pub struct Workload {
     /// none). `from_config` takes `model.tp_pieces`; `lockstep plan` sets the built model's.
     #[serde(default = "one")]
     pub tp_pieces: usize,
+    /// The job trains in the data-parallel loop (not the layered pipeline loop), whose exact sum
+    /// reads the peers' gradients from shared-memory windows when every rank is on one node
+    /// (`lockstep_comm::shared_parts`). `lockstep plan` takes it from the run: its summary
+    /// records a `gradient_sum` only when that loop trained it.
+    #[serde(default)]
+    pub data_parallel_loop: bool,
 }
 
 fn one() -> usize {
@@ -95,6 +101,7 @@ impl Workload {
             zero: cfg.parallel.zero,
             schedule: cfg.parallel.schedule,
             tp_pieces: cfg.model.tp_pieces.max(1),
+            data_parallel_loop: false,
         }
     }
 

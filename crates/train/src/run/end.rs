@@ -14,8 +14,8 @@ use crate::context::{Event, Progress};
 use crate::error::TrainError;
 use crate::memory::RankMemory;
 use crate::metrics::{
-    imbalance, imbalance_within_stages, rank_summaries, ComputeSummary, Eval, PipelineSummary,
-    RankSummary, StepRecord, Summary,
+    imbalance, imbalance_within_stages, rank_summaries, ComputeSummary, Eval, GradientSum,
+    PipelineSummary, RankSummary, StepRecord, Summary,
 };
 
 /// Where the run stands after a step, for [`emit_progress`].
@@ -83,6 +83,7 @@ pub(crate) struct RunEnd {
     pub last_loss: f64,
     pub evals: Vec<(u64, Eval)>,
     pub param_hash: String,
+    pub gradient_sum: Option<GradientSum>,
 }
 
 /// Build the summary (same on every rank); rank 0 also announces a straggler.
@@ -150,5 +151,6 @@ pub(crate) fn build_summary(
             kernels: lockstep_model::Kernels::detect().name().to_string(),
             threads: lockstep_model::compute_threads(),
         },
+        gradient_sum: end.gradient_sum,
     }
 }

@@ -23,7 +23,7 @@ use crate::context::{Event, WorkerContext};
 use crate::error::TrainError;
 use crate::faults::Fault;
 use crate::memory::{current_rss_bytes, ModelState};
-use crate::metrics::{Eval, PipelineSummary, RankSummary, StepRecord, Summary};
+use crate::metrics::{Eval, GradientSum, PipelineSummary, RankSummary, StepRecord, Summary};
 
 /// One rank's bookkeeping over one attempt of a run.
 pub(crate) struct Ledger<'a> {
@@ -46,6 +46,7 @@ pub(crate) struct Ledger<'a> {
     metrics: MetricsLog,
     evals: Vec<(u64, Eval)>,
     last_loss: f64,
+    gradient_sum: Option<GradientSum>,
 }
 
 impl<'a> Ledger<'a> {
@@ -94,6 +95,7 @@ impl<'a> Ledger<'a> {
             metrics: MetricsLog::new(),
             evals: Vec::new(),
             last_loss: f64::NAN,
+            gradient_sum: None,
         };
         (comm, ledger)
     }
@@ -212,6 +214,11 @@ impl<'a> Ledger<'a> {
         Ok(())
     }
 
+    /// Records how the run sums its gradients (`summary.json`'s `gradient_sum`).
+    pub(crate) fn set_gradient_sum(&mut self, how: GradientSum) {
+        self.gradient_sum = Some(how);
+    }
+
     /// Collective, at the end: every rank's records, host and memory (what `held` counts, with
     /// the most micro-batches this rank held at once) gathered, the summary built (with
     /// `pipeline`'s figures from all records and ranks, for a pipeline) and, on rank 0, written
@@ -246,6 +253,7 @@ impl<'a> Ledger<'a> {
             last_loss: self.last_loss,
             evals: self.evals,
             param_hash,
+            gradient_sum: self.gradient_sum,
         };
         let summary = build_summary(
             self.cfg,
