@@ -391,8 +391,9 @@ impl SharedParts {
         }
     }
 
-    /// Rank `rank`'s part `slot` (this rank's included).
-    pub fn part(&self, rank: usize, slot: usize) -> &[f32] {
+    /// Rank `rank`'s part `slot` (this rank's included). Crate-only: a peer's part may only be
+    /// read between the synchronisations of a reduction.
+    pub(crate) fn part(&self, rank: usize, slot: usize) -> &[f32] {
         assert!(slot < self.slots[rank], "rank {rank}'s part {slot}");
         let w = &self.windows[rank];
         // SAFETY: in bounds of that mapping; peers write their parts only outside the reduction
