@@ -5,8 +5,6 @@
 //! announces the wrong number of parts refused on every rank.
 
 use std::ops::Range;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,53 +12,18 @@ use lockstep_comm::collectives::chunk_range;
 use lockstep_comm::exact::{ExactError, ExactReducer};
 use lockstep_comm::inproc::in_process_group;
 use lockstep_comm::shared_parts::{SharedParts, Sharing};
-use lockstep_comm::shm::{ShmOptions, ShmTransport};
+use lockstep_comm::shm::ShmTransport;
 use lockstep_comm::Communicator;
 
+#[path = "common/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
+
 const TIMEOUT: Duration = Duration::from_secs(30);
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-
-/// A fresh directory for one group's files (removed on drop) and a job id nobody else uses.
-struct Scratch {
-    dir: PathBuf,
-    job: String,
-}
-
-impl Scratch {
-    fn new() -> Scratch {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let base = if Path::new("/dev/shm").is_dir() {
-            PathBuf::from("/dev/shm")
-        } else {
-            std::env::temp_dir()
-        };
-        let dir = base.join(format!("lockstep-parts-test-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch {
-            dir,
-            job: format!("p{:x}-{n}", std::process::id()),
-        }
-    }
-    fn files(&self) -> Vec<String> {
-        std::fs::read_dir(&self.dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect()
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// Runs `f` on `n` ranks (threads) joined by shared-memory transports in `s`'s directory.
 fn spmd_shm<R: Send>(s: &Scratch, n: usize, f: impl Fn(&mut Communicator) -> R + Sync) -> Vec<R> {
-    let opts = ShmOptions {
-        ring_bytes: 1 << 16,
-        dir: s.dir.clone(),
-    };
+    let opts = s.opts(1 << 16);
     std::thread::scope(|sc| {
         let f = &f;
         let handles: Vec<_> = (0..n)
@@ -142,7 +105,7 @@ fn shared_sums(n: usize, len: usize, m: usize, bucket: usize, steps: usize) -> V
             })
             .collect()
     });
-    assert_eq!(s.files(), Vec::<String>::new(), "window files left behind");
+    s.assert_empty();
     got
 }
 
@@ -225,7 +188,7 @@ fn a_window_that_cannot_be_created_leaves_every_rank_on_the_rings() {
             "rank {r}: {why}"
         );
     }
-    assert_eq!(s.files(), Vec::<String>::new(), "window files left behind");
+    s.assert_empty();
 }
 
 #[test]

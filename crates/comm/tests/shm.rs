@@ -7,10 +7,12 @@
 
 mod common;
 use common::waited_in_message;
+#[path = "common/scratch.rs"]
+mod scratch;
+use scratch::Scratch;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use lockstep_comm::error::{CommError, LinkFailure, TransportError};
@@ -20,59 +22,6 @@ use std::sync::Arc;
 
 const LONG: Duration = Duration::from_secs(30);
 const CHILD_ENV: &str = "LOCKSTEP_SHM_TEST_CHILD";
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-
-/// A fresh directory for one test's segment files (removed on drop) and a job id nobody else uses.
-struct Scratch {
-    dir: PathBuf,
-    job: String,
-}
-
-impl Scratch {
-    fn new() -> Scratch {
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let base = if Path::new("/dev/shm").is_dir() {
-            PathBuf::from("/dev/shm")
-        } else {
-            std::env::temp_dir()
-        };
-        let dir = base.join(format!("lockstep-shm-test-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch {
-            dir,
-            job: format!("t{:x}-{n}", std::process::id()),
-        }
-    }
-    fn opts(&self, ring_bytes: usize) -> ShmOptions {
-        ShmOptions {
-            ring_bytes,
-            dir: self.dir.clone(),
-        }
-    }
-    fn files(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&self.dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    }
-    fn assert_empty(&self) {
-        assert_eq!(
-            self.files(),
-            Vec::<String>::new(),
-            "files left behind in {}",
-            self.dir.display()
-        );
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// Establish a whole group, one thread per rank (establish blocks until all ranks are there).
 fn group(s: &Scratch, world: usize, ring_bytes: usize) -> Vec<ShmTransport> {
