@@ -46,6 +46,12 @@
 //! independent, so it splits them between the worker's threads (rayon's pool: a worker with
 //! `--threads-per-worker 2`), with the same bits at any thread count.
 //!
+//! [`ExactReducer::reduce_shared`] runs steps 2–4 without messages when every rank's parts lie in
+//! shared-memory windows that all ranks map ([`crate::shared_parts`]): after step 1, each rank
+//! sums its chunk of every rank's parts where they lie (one fused pass per bucket, as on one rank),
+//! then, after a barrier, copies the peers' finished chunks; on 2 workers of the benchmark MLP
+//! 0.55 ms per step against 1.05 through the rings. Same bits.
+//!
 //! [`ExactReducer::reduce_bucket`] runs the same four steps for one bucket alone (`all_reduce(max)` of
 //! one i32, then that bucket's i64 values reduce-scattered and the finished f32 chunks all-gathered
 //! when [`scatter_pays`], else all-reduced; skipped when the bucket is zero on every rank), so a

@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::segment::SlotHeader;
-use super::write_path::{WritePath, WritePathChooser};
+use super::write_path::{WritePath, WritePathChooser, CHOOSE_FROM};
 // Not `std::ptr::copy_nonoverlapping`: the distance between a caller's buffer and the ring slot
 // drifts with the write position, through distances where `rep movsb` is slow (see `copy`).
 use crate::copy::{copy_nonoverlapping, stream_nonoverlapping};
@@ -170,7 +170,8 @@ impl<'a> Outgoing<'a> {
             if to > from {
                 let (src, len) = (self.data[from..].as_ptr(), to - from);
                 let path = self.write_path.pick(len);
-                let started = Instant::now();
+                // Only large copies are timed: a small message's latency is not spent on the clock.
+                let started = (len >= CHOOSE_FROM).then(Instant::now);
                 // SAFETY: `n` free bytes from `pos`; the source range is inside `data`.
                 unsafe {
                     match path {
@@ -178,7 +179,9 @@ impl<'a> Outgoing<'a> {
                         WritePath::Streamed => ring.stream_in(pos, src, len),
                     }
                 }
-                self.write_path.record(path, len, started.elapsed());
+                if let Some(started) = started {
+                    self.write_path.record(path, len, started.elapsed());
+                }
             }
             pos += n;
             self.done += n;
