@@ -148,26 +148,25 @@ unsafe fn stream_lines_sse2(src: *const u8, dst: *mut u8, n: usize) {
 pub fn evict(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
-        let mut at = bytes.as_ptr() as usize & !63;
+        let start = bytes.as_ptr() as usize & !63;
         let end = bytes.as_ptr() as usize + bytes.len();
-        if has_clflushopt() {
-            while at < end {
+        let opt = has_clflushopt();
+        for at in (start..end).step_by(64) {
+            if opt {
                 // SAFETY: CLFLUSHOPT is present (checked); the line holds bytes of `bytes`,
                 // which is mapped. It only evicts the line (no value changes).
                 unsafe {
                     std::arch::asm!("clflushopt [{0}]", in(reg) at, options(nostack, preserves_flags))
                 };
-                at += 64;
+            } else {
+                // SAFETY: SSE2 is part of x86-64; the line holds bytes of `bytes`.
+                unsafe { std::arch::x86_64::_mm_clflush(at as *const u8) };
             }
+        }
+        if opt {
             // Orders the flushes before later stores (clflushopt itself is weakly ordered).
             // SAFETY: SSE is part of x86-64.
             unsafe { std::arch::x86_64::_mm_sfence() };
-        } else {
-            while at < end {
-                // SAFETY: SSE2 is part of x86-64; the line holds bytes of `bytes`.
-                unsafe { std::arch::x86_64::_mm_clflush(at as *const u8) };
-                at += 64;
-            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -550,13 +550,7 @@ impl ExactReducer {
             ALL_ZERO => dst.fill(0.0),
             e => fixed_sum_finished(dst, &all, sub.clone(), shift_for(e, total_parts)),
         };
-        let mut dsts = Vec::with_capacity(pieces.len());
-        let mut rest = sum;
-        for (_, sub) in &pieces {
-            let (dst, tail) = rest.split_at_mut(sub.len());
-            dsts.push(dst);
-            rest = tail;
-        }
+        let dsts = cut(sum, pieces.iter().map(|(_, sub)| sub.len()));
         // Pieces are independent: the worker's threads may take them in any order (same bits).
         if mine.len() > PARALLEL_MIN && rayon::current_num_threads() > 1 {
             dsts.into_par_iter()
@@ -632,13 +626,7 @@ impl ExactReducer {
         // bucket's values are the same arithmetic either way (same bits at any thread count).
         // The first non-finite bucket in order is reported, as on one thread.
         if len > PARALLEL_MIN && rayon::current_num_threads() > 1 {
-            let mut pieces = Vec::with_capacity(buckets.len());
-            let mut rest = &mut *out;
-            for b in buckets {
-                let (dst, tail) = rest.split_at_mut(b.len());
-                pieces.push(dst);
-                rest = tail;
-            }
+            let pieces = cut(out, buckets.iter().map(|b| b.len()));
             let results: Vec<Result<(), ExactError>> = pieces
                 .into_par_iter()
                 .zip(buckets.par_iter())
@@ -653,6 +641,18 @@ impl ExactReducer {
                 .try_for_each(|(i, b)| bucket(i, b, &mut out[b.clone()]))
         }
     }
+}
+
+/// `out` cut into consecutive pieces of `lens` (which must not exceed it), for the threads.
+fn cut(out: &mut [f32], lens: impl Iterator<Item = usize>) -> Vec<&mut [f32]> {
+    let mut pieces = Vec::with_capacity(lens.size_hint().0);
+    let mut rest = out;
+    for len in lens {
+        let (piece, tail) = rest.split_at_mut(len);
+        pieces.push(piece);
+        rest = tail;
+    }
+    pieces
 }
 
 /// Values below which the one-rank pass stays on one thread (handing buckets to threads would

@@ -50,9 +50,7 @@
 //! collective and the exact sum goes through the rings.
 
 use std::fs::OpenOptions;
-use std::io;
 use std::ops::Range;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -147,7 +145,8 @@ fn window_path(dir: &Path, job_id: &str, global_rank: usize, nonce: u64) -> Path
     ))
 }
 
-fn map(path: &Path, bytes: usize, writable: bool) -> Result<*mut u8, CommError> {
+/// Opens `path` and maps its `bytes` (which must be its size).
+fn open_and_map(path: &Path, bytes: usize, writable: bool) -> Result<*mut u8, CommError> {
     let file = OpenOptions::new()
         .read(true)
         .write(writable)
@@ -163,29 +162,7 @@ fn map(path: &Path, bytes: usize, writable: bool) -> Result<*mut u8, CommError> 
             path.display()
         )));
     }
-    let prot = if writable {
-        libc::PROT_READ | libc::PROT_WRITE
-    } else {
-        libc::PROT_READ
-    };
-    // SAFETY: plain FFI call; the result is checked.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            prot,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(CommError::setup(
-            format!("mmap {} ({bytes} bytes)", path.display()),
-            io::Error::last_os_error(),
-        ));
-    }
-    Ok(p.cast())
+    crate::shm::map(&file, bytes, path, writable)
 }
 
 /// Creates our window file with its memory reserved and its header written.
@@ -205,24 +182,18 @@ fn create(path: &Path, bytes: usize, nonce: u64) -> Result<Window, CommError> {
     };
     file.set_len(bytes as u64)
         .map_err(|e| CommError::setup(format!("size {} to {bytes} bytes", path.display()), e))?;
-    // SAFETY: FFI with a valid fd.
-    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, bytes as libc::off_t) } {
-        0 | libc::EOPNOTSUPP | libc::EINVAL => {}
-        err => {
-            return Err(CommError::setup(
-                format!("reserve {bytes} bytes for {}", path.display()),
-                format!(
-                    "{}: the exact sum's shared gradient windows need their micro-batch \
-                     gradients' bytes in {}; enlarge it (e.g. docker --shm-size)",
-                    io::Error::from_raw_os_error(err),
-                    path.parent()
-                        .map_or("?".into(), |d| d.display().to_string())
-                ),
-            ));
-        }
-    }
-    drop(file);
-    window.base = map(path, bytes, true)?;
+    crate::shm::reserve(&file, bytes).map_err(|why| {
+        CommError::setup(
+            format!("reserve {bytes} bytes for {}", path.display()),
+            format!(
+                "{why}: the exact sum's shared gradient windows need their micro-batch \
+                 gradients' bytes in {}; enlarge it (e.g. docker --shm-size)",
+                path.parent()
+                    .map_or("?".into(), |d| d.display().to_string())
+            ),
+        )
+    })?;
+    window.base = crate::shm::map(&file, bytes, path, true)?;
     window.bytes = bytes;
     let words = window.header();
     words[1].store(nonce, Ordering::Relaxed);
@@ -315,7 +286,7 @@ impl SharedParts {
             }
             let path = window_path(&shared.dir, &shared.job_id, comm.global_rank_of(r), nonce_r);
             let bytes = window_bytes(slots_r as usize, len).expect("created, so it fits");
-            match map(&path, bytes, false) {
+            match open_and_map(&path, bytes, false) {
                 Ok(base) => {
                     let window = Window {
                         base,
@@ -588,7 +559,7 @@ fn round_robin_partner(i: usize, round: usize, m: usize) -> usize {
     if i == k {
         return round;
     }
-    let p = (2 * round + k - i % k) % k;
+    let p = (2 * round + k - i) % k;
     if p == i {
         k
     } else {

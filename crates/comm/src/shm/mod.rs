@@ -66,6 +66,7 @@ use std::time::{Duration, Instant};
 use crate::error::{CommError, LinkFailure, Result, TransportError};
 use crate::transport::{SharedMemory, Tag, Transport};
 use ring::{Incoming, Outgoing, Ring};
+pub(crate) use segment::{map, reserve};
 use segment::{segment_path, Attach, Expect, Segment};
 use wait::{Backoff, Phase};
 use write_path::WritePathChooser;

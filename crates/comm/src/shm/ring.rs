@@ -15,7 +15,6 @@
 //! the next (both cores busy), and large messages stream through rings smaller than themselves.
 
 use std::sync::atomic::Ordering;
-
 use std::time::Instant;
 
 use super::segment::SlotHeader;

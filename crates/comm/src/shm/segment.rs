@@ -131,13 +131,24 @@ fn os_err(context: impl Into<String>, e: io::Error) -> CommError {
     CommError::setup(context, e)
 }
 
-fn map(file: &File, len: usize, path: &Path) -> Result<*mut u8, CommError> {
+/// Maps `len` bytes of `file` shared, read-write or read-only (also `shared_parts`' windows).
+pub(crate) fn map(
+    file: &File,
+    len: usize,
+    path: &Path,
+    writable: bool,
+) -> Result<*mut u8, CommError> {
+    let prot = if writable {
+        libc::PROT_READ | libc::PROT_WRITE
+    } else {
+        libc::PROT_READ
+    };
     // SAFETY: plain FFI call; the result is checked.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             len,
-            libc::PROT_READ | libc::PROT_WRITE,
+            prot,
             libc::MAP_SHARED,
             file.as_raw_fd(),
             0,
@@ -150,6 +161,17 @@ fn map(file: &File, len: usize, path: &Path) -> Result<*mut u8, CommError> {
         ));
     }
     Ok(p.cast())
+}
+
+/// Reserves the first `len` bytes of `file` (`posix_fallocate`), so that a tmpfs too small for
+/// them is an error now instead of a SIGBUS on first touch; a file system that cannot preallocate
+/// is accepted (best effort). Also used for `shared_parts`' windows.
+pub(crate) fn reserve(file: &File, len: usize) -> io::Result<()> {
+    // SAFETY: FFI with a valid fd.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
+        0 | libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+        err => Err(io::Error::from_raw_os_error(err)),
+    }
 }
 
 fn whole_file_lock(kind: libc::c_int) -> libc::flock {
@@ -206,25 +228,20 @@ impl Segment {
             .map_err(|e| os_err(format!("size {} to {len} bytes", tmp.display()), e))?;
         // Reserve the memory now: a tmpfs that runs out of space later (Docker's default /dev/shm is
         // 64 MiB) would kill us with SIGBUS on first touch of a ring page instead of an error.
-        // SAFETY: FFI with a valid fd.
-        match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
-            0 | libc::EOPNOTSUPP | libc::EINVAL => {} // file system cannot preallocate: best effort
-            err => {
-                let why = io::Error::from_raw_os_error(err);
-                return Err(CommError::setup(
-                    format!("reserve {len} bytes for {}", tmp.display()),
-                    format!(
-                        "{why}: every rank needs world × ring_bytes = {world} × {ring_bytes} bytes \
-                         in {}; enlarge it (e.g. docker --shm-size) or use smaller rings",
-                        dir.display()
-                    ),
-                ));
-            }
-        }
+        reserve(&file, len).map_err(|why| {
+            CommError::setup(
+                format!("reserve {len} bytes for {}", tmp.display()),
+                format!(
+                    "{why}: every rank needs world × ring_bytes = {world} × {ring_bytes} bytes \
+                     in {}; enlarge it (e.g. docker --shm-size) or use smaller rings",
+                    dir.display()
+                ),
+            )
+        })?;
         let meta = file
             .metadata()
             .map_err(|e| os_err(format!("stat {}", tmp.display()), e))?;
-        let base = map(&file, len, &tmp)?;
+        let base = map(&file, len, &tmp, true)?;
         let mut seg = Segment {
             file,
             base,
@@ -287,7 +304,7 @@ impl Segment {
                 path.display()
             )));
         }
-        let base = map(&file, size, path)?;
+        let base = map(&file, size, path, true)?;
         let mut seg = Segment {
             file,
             base,
