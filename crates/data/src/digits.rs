@@ -17,6 +17,18 @@ pub const DIGITS_PATH: &str = "data/digits/digits.csv.gz";
 /// sha256 of the committed file (scikit-learn 1.7.2's `sklearn/datasets/data/digits.csv.gz`).
 pub const DIGITS_SHA256: &str = "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22";
 
+/// The most bytes a digits CSV may hold, after decompression: 256 MiB.
+///
+/// CSV has no header saying how long it is, so without a cap a small gzip bomb would be
+/// inflated into memory whole; reading stops as soon as the file passes the cap. The committed
+/// file is 265 KB (1,797 samples); the cap admits about 1.3 million 8×8 samples (1.3 GB of `f32`
+/// features at most, 4 bytes for each pixel's 2 or 3 characters), far more than any data in
+/// this format, while bounding what a loader holds.
+pub const DIGITS_MAX_BYTES: u64 = 256 << 20;
+
+/// Names the CSV in [`DataError::TooLarge`].
+const DIGITS_WHAT: &str = "the digits CSV (decompressed)";
+
 const PIXELS: usize = 64;
 const MAX_PIXEL: u8 = 16;
 const CLASSES: usize = 10;
@@ -26,10 +38,20 @@ const FIELD_COUNT_RULE: &str = "expected 65 comma-separated values (64 pixels, t
 static EMBEDDED: &[u8] = include_bytes!("../../../data/digits/digits.csv.gz");
 
 /// Loads the digits from a `.csv.gz` or plain `.csv` file in the format above.
+///
+/// The file is streamed through one bounded reader: only a regular file is opened (not
+/// /dev/zero, not a FIFO), and more than [`DIGITS_MAX_BYTES`] (after decompression) is refused
+/// as soon as reading passes the cap.
 pub fn load_digits(path: &Path) -> Result<Dataset, DataError> {
+    load_digits_capped(path, DIGITS_MAX_BYTES)
+}
+
+fn load_digits_capped(path: &Path, cap: u64) -> Result<Dataset, DataError> {
     let text = read_maybe_gz(
         path,
         "the digits file is committed at data/digits/digits.csv.gz in the lockstep repository",
+        cap,
+        DIGITS_WHAT,
     )?;
     parse_csv(&text, path)
 }
@@ -40,9 +62,13 @@ pub fn load_digits_embedded() -> Result<Dataset, DataError> {
 }
 
 /// Parses digits from bytes in memory, gzipped or plain CSV; `origin` names them in errors.
+/// At most [`DIGITS_MAX_BYTES`] are decompressed.
 pub fn parse_digits(bytes: &[u8], origin: impl AsRef<Path>) -> Result<Dataset, DataError> {
-    let origin = origin.as_ref();
-    parse_csv(&decode(bytes, origin)?, origin)
+    parse_digits_capped(bytes, origin.as_ref(), DIGITS_MAX_BYTES)
+}
+
+fn parse_digits_capped(bytes: &[u8], origin: &Path, cap: u64) -> Result<Dataset, DataError> {
+    parse_csv(&decode(bytes, origin, cap, DIGITS_WHAT)?, origin)
 }
 
 /// Parses decompressed CSV bytes; `origin` names the source in errors.
@@ -117,4 +143,41 @@ fn parse_csv(text: &[u8], origin: &Path) -> Result<Dataset, DataError> {
         shape: [1, 8, 8],
         classes: CLASSES,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The cap, lowered; tests/bounds.rs has the real one.
+
+    use super::*;
+    use crate::read::tests::{gzip, Scratch};
+
+    #[test]
+    fn a_gzip_bomb_is_refused_at_the_cap() {
+        let bomb = gzip(&b"1,".repeat(4 << 20));
+        let err = parse_digits_capped(&bomb, "b.csv.gz".as_ref(), 1 << 20).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "b.csv.gz: the digits CSV (decompressed) is more than the limit of 1048576 bytes \
+             (reading stopped there)"
+        );
+        let dir = Scratch::new("digits-bomb");
+        let p = dir.0.join("digits.csv.gz");
+        std::fs::write(&p, &bomb).unwrap();
+        let err = load_digits_capped(&p, 1 << 20).unwrap_err();
+        assert!(
+            matches!(err, DataError::TooLarge { ref path, found: None, .. } if *path == p),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn the_committed_file_is_far_below_the_cap() {
+        let text = decode(EMBEDDED, "e".as_ref(), DIGITS_MAX_BYTES, DIGITS_WHAT).unwrap();
+        assert!(
+            (text.len() as u64) < DIGITS_MAX_BYTES / 500,
+            "{}",
+            text.len()
+        );
+    }
 }

@@ -14,6 +14,40 @@ pub enum DataError {
         cause: std::io::Error,
     },
 
+    /// Not a regular file: a device such as /dev/zero, a FIFO, a socket or a directory. Such
+    /// paths are refused before they are opened (opening a FIFO would block, and a device can
+    /// yield bytes forever).
+    #[error("{}: not a regular file ({kind}); a dataset must be a regular file", .path.display())]
+    NotRegularFile { path: PathBuf, kind: &'static str },
+
+    /// More bytes than the cap of the format (see `read.rs` for the caps): a decompression
+    /// bomb, or the wrong file. `found` is the size when it is known before reading (the length
+    /// of a file, of bytes in memory); otherwise reading stopped as soon as the cap was passed,
+    /// so nothing larger than the cap was ever held.
+    #[error("{}: {what} is {}", .path.display(), size_text(.found, *.limit))]
+    TooLarge {
+        path: PathBuf,
+        /// What was measured, e.g. "the text after decompression".
+        what: &'static str,
+        limit: u64,
+        found: Option<u64>,
+    },
+
+    /// An IDX header declaring a payload larger than [`crate::idx::IDX_MAX_PAYLOAD_BYTES`];
+    /// refused from the header alone, before anything is allocated for it.
+    #[error(
+        "{}: header declares {} = {declared} bytes of {what}, more than the limit of {limit} bytes",
+        .path.display(),
+        dims_text(.dims)
+    )]
+    IdxTooLarge {
+        path: PathBuf,
+        dims: Vec<usize>,
+        declared: u64,
+        limit: u64,
+        what: &'static str,
+    },
+
     #[error("{}: gzip data is corrupt or truncated: {cause}", .path.display())]
     Gzip {
         path: PathBuf,
@@ -68,4 +102,20 @@ pub enum DataError {
         global_batch: usize,
         problem: &'static str,
     },
+}
+
+/// The size found against the limit: exact when known, else where reading stopped.
+fn size_text(found: &Option<u64>, limit: u64) -> String {
+    match found {
+        Some(n) => format!("{n} bytes, more than the limit of {limit} bytes"),
+        None => format!("more than the limit of {limit} bytes (reading stopped there)"),
+    }
+}
+
+/// IDX dimensions as the messages write them: "60000×28×28".
+pub(crate) fn dims_text(dims: &[usize]) -> String {
+    dims.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join("×")
 }

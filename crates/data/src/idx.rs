@@ -4,14 +4,11 @@
 //! dimensions), then NN big-endian u32 sizes, then the elements in row-major order. Images are
 //! `0x00000803` (count × rows × cols, u8 pixels) and labels `0x00000801` (count, u8).
 
-use std::io::Read;
 use std::path::Path;
 
-use flate2::read::MultiGzDecoder;
-
 use crate::dataset::Dataset;
-use crate::error::DataError;
-use crate::read::{is_gzip, read_file};
+use crate::error::{dims_text, DataError};
+use crate::read::Bounded;
 
 /// Magic of an IDX file of u8 images (3 dimensions).
 pub const IDX_IMAGES_U8: u32 = 0x0000_0803;
@@ -20,6 +17,19 @@ pub const IDX_LABELS_U8: u32 = 0x0000_0801;
 
 /// Class count assumed by [`load_idx`]: MNIST and Fashion-MNIST both have 10.
 pub const IDX_DEFAULT_CLASSES: usize = 10;
+
+/// The most payload bytes (elements after the header) an IDX file may declare: 1 GiB.
+///
+/// A header declaring more is refused from the header alone, before anything is allocated. The
+/// cap admits every IDX dataset in common use with a wide margin (Fashion-MNIST and MNIST hold
+/// 47 MB of training images, EMNIST ByClass, the largest, 547 MB) while bounding what a loader
+/// holds: the bytes, then 4 bytes per pixel as `f32` features, 5 GiB at the cap. A 2048×2048
+/// image file reaches the cap at 256 images. Training jobs check the memory of the declared
+/// shape first (`idx_images_shape`); this cap is the loader's own last line.
+pub const IDX_MAX_PAYLOAD_BYTES: u64 = 1 << 30;
+
+/// The longest IDX header: the magic and 255 dimensions of 4 bytes.
+const IDX_MAX_HEADER: u64 = 4 + 4 * 255;
 
 const NOT_FOUND_HINT: &str =
     "for Fashion-MNIST run scripts/setup.sh as root; it installs /usr/share/datasets/fashion-mnist";
@@ -33,80 +43,79 @@ pub struct IdxArray {
 
 /// Reads an IDX file whose magic must equal `expected_magic` (a u8 type); `what` describes it in
 /// errors ("u8 images").
+///
+/// The file is streamed (through the gzip decoder when it is gzip) and bounded as
+/// [`parse_idx`] describes; only a regular file is opened, and a plain file longer than any
+/// header plus [`IDX_MAX_PAYLOAD_BYTES`] is refused from its length.
 pub fn read_idx(
     path: &Path,
     expected_magic: u32,
     what: &'static str,
 ) -> Result<IdxArray, DataError> {
-    let raw = read_file(path, NOT_FOUND_HINT)?;
-    parse_idx(&raw, path, expected_magic, what)
+    read_idx_capped(path, expected_magic, what, IDX_MAX_PAYLOAD_BYTES)
+}
+
+fn read_idx_capped(
+    path: &Path,
+    expected_magic: u32,
+    what: &'static str,
+    cap: u64,
+) -> Result<IdxArray, DataError> {
+    let mut r = Bounded::file(path, NOT_FOUND_HINT, IDX_MAX_HEADER + cap, "the IDX file")?;
+    parse_stream(&mut r, path, expected_magic, what, cap)
 }
 
 /// Parses IDX bytes in memory, gzipped or raw (detected by content); `origin` names them in
 /// errors.
 ///
-/// Memory is bounded by the input, whatever the header claims: the header is read and checked
-/// first, and at most the payload it announces is kept (a gzip stream is decompressed only that
-/// far; the excess of an over-long one is counted, not stored). So a header claiming
-/// 2^31 × 2^31 images in a small file is refused after reading the file, not after allocating
-/// for the claim, and a small gzip that inflates far beyond its header is not inflated into
-/// memory.
+/// Memory is bounded by the input and by the header, whatever the header claims: the header is
+/// read and checked first, a declared payload over [`IDX_MAX_PAYLOAD_BYTES`] is refused
+/// ([`DataError::IdxTooLarge`]), and at most the payload it declares is kept (a gzip stream is
+/// decompressed only that far; the excess of an over-long one is counted, not stored, and
+/// counting stops at the cap). So a header claiming 2^31 × 2^31 images in a small file is
+/// refused without allocating for the claim, and a small gzip that inflates far beyond its
+/// header is not inflated into memory.
 pub fn parse_idx(
     raw: &[u8],
     origin: impl AsRef<Path>,
     expected_magic: u32,
     what: &'static str,
 ) -> Result<IdxArray, DataError> {
-    let origin = origin.as_ref();
-    if is_gzip(raw) {
-        parse_stream(
-            &mut MultiGzDecoder::new(raw),
-            raw.len(),
-            origin,
-            expected_magic,
-            what,
-        )
-    } else {
-        parse_stream(&mut &raw[..], raw.len(), origin, expected_magic, what)
-    }
+    parse_idx_capped(
+        raw,
+        origin.as_ref(),
+        expected_magic,
+        what,
+        IDX_MAX_PAYLOAD_BYTES,
+    )
 }
 
-/// Reads up to `n` bytes (fewer only at the end of the stream) into `buf`.
-fn read_up_to(
-    r: &mut dyn Read,
-    n: usize,
-    buf: &mut Vec<u8>,
-    origin: &Path,
-) -> Result<(), DataError> {
-    r.take(n as u64)
-        .read_to_end(buf)
-        .map(drop)
-        .map_err(|cause| gzip_err(origin, cause))
-}
-
-fn gzip_err(origin: &Path, cause: std::io::Error) -> DataError {
-    // Reading from memory fails only in the gzip decoder.
-    DataError::Gzip {
-        path: origin.to_path_buf(),
-        cause,
-    }
-}
-
-/// `r` yields the IDX bytes (decompressed); `raw_len` is the size of the input, which bounds
-/// what is allocated before the data has arrived.
-fn parse_stream(
-    r: &mut dyn Read,
-    raw_len: usize,
+fn parse_idx_capped(
+    raw: &[u8],
     origin: &Path,
     expected_magic: u32,
     what: &'static str,
+    cap: u64,
 ) -> Result<IdxArray, DataError> {
+    let mut r = Bounded::memory(raw, origin, IDX_MAX_HEADER + cap, "the IDX data")?;
+    parse_stream(&mut r, origin, expected_magic, what, cap)
+}
+
+/// The header of an IDX stream: its dimensions and the payload bytes they declare (at most
+/// `cap`, else [`DataError::IdxTooLarge`]). Reads only the header's bytes.
+fn read_header(
+    r: &mut Bounded<'_>,
+    origin: &Path,
+    expected_magic: u32,
+    what: &'static str,
+    cap: u64,
+) -> Result<(Vec<usize>, usize), DataError> {
     let length_err = |problem: String| DataError::IdxLength {
         path: origin.to_path_buf(),
         problem,
     };
     let mut head = Vec::with_capacity(4);
-    read_up_to(r, 4, &mut head, origin)?;
+    r.read_up_to(4, &mut head)?;
     if head.len() < 4 {
         return Err(length_err(format!(
             "truncated: {} bytes, too short for the 4-byte IDX magic",
@@ -125,7 +134,7 @@ fn parse_stream(
     }
     let ndims = (magic & 0xff) as usize;
     let header = 4 + 4 * ndims;
-    read_up_to(r, header - 4, &mut head, origin)?;
+    r.read_up_to(header as u64 - 4, &mut head)?;
     if head.len() < header {
         return Err(length_err(format!(
             "truncated: the header of {ndims} dimension(s) takes {header} bytes, file has {}",
@@ -136,33 +145,60 @@ fn parse_stream(
         .chunks_exact(4)
         .map(|b| be_u32(b) as usize)
         .collect();
-    let dims_text = dims
-        .iter()
-        .map(usize::to_string)
-        .collect::<Vec<_>>()
-        .join("×");
     // usize is 64-bit on every supported target and each factor is below 2^32, so three factors
     // can still overflow; say so instead of wrapping.
     let expected = dims
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| length_err(format!("header dimensions {dims_text} overflow")))?;
-    // Reserve what the header announces only as far as the input can hold it (raw data is the
+        .ok_or_else(|| length_err(format!("header dimensions {} overflow", dims_text(&dims))))?;
+    if expected as u64 > cap {
+        return Err(DataError::IdxTooLarge {
+            path: origin.to_path_buf(),
+            dims,
+            declared: expected as u64,
+            limit: cap,
+            what,
+        });
+    }
+    Ok((dims, expected))
+}
+
+/// `r` yields the IDX bytes (decompressed). Holds at most the header and the payload it
+/// declares; what follows is counted up to `cap` bytes of payload, not stored.
+fn parse_stream(
+    r: &mut Bounded<'_>,
+    origin: &Path,
+    expected_magic: u32,
+    what: &'static str,
+    cap: u64,
+) -> Result<IdxArray, DataError> {
+    let (dims, expected) = read_header(r, origin, expected_magic, what, cap)?;
+    r.lower_limit(r.consumed() + cap);
+    // Reserves what the header declares only as far as the input can hold it (raw data is the
     // input; gzip of these files inflates a few times, and the vector grows if it is more).
-    let mut data = Vec::with_capacity(expected.min(raw_len));
-    read_up_to(r, expected, &mut data, origin)?;
-    // Whatever follows the announced payload is only counted.
-    let extra = std::io::copy(r, &mut std::io::sink()).map_err(|cause| gzip_err(origin, cause))?;
+    let mut data = Vec::new();
+    r.read_up_to(expected as u64, &mut data)?;
+    // Whatever follows the declared payload is only counted, and only up to the cap.
+    let (extra, past_cap) = r.skip_rest()?;
     let payload = data.len() as u64 + extra;
-    if payload != expected as u64 {
-        let state = if (data.len()) < expected {
+    if payload != expected as u64 || past_cap {
+        let state = if data.len() < expected {
             "truncated"
         } else {
             "trailing bytes"
         };
-        return Err(length_err(format!(
-            "{state}: header says {dims_text} = {expected} bytes of {what}, file has {payload}"
-        )));
+        let found = if past_cap {
+            format!("more than {payload} (reading stopped there)")
+        } else {
+            payload.to_string()
+        };
+        return Err(DataError::IdxLength {
+            path: origin.to_path_buf(),
+            problem: format!(
+                "{state}: header says {} = {expected} bytes of {what}, file has {found}",
+                dims_text(&dims)
+            ),
+        });
     }
     Ok(IdxArray { dims, data })
 }
@@ -217,4 +253,77 @@ pub fn load_idx_with_classes(
         shape: [1, rows, cols],
         classes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The cap on a header's claim, lowered; tests/bounds.rs has the real one.
+
+    use super::*;
+    use crate::read::tests::{gzip, Scratch};
+
+    fn images(dims: &[u32], payload: &[u8]) -> Vec<u8> {
+        let mut out = IDX_IMAGES_U8.to_be_bytes().to_vec();
+        for d in dims {
+            out.extend_from_slice(&d.to_be_bytes());
+        }
+        out.extend_from_slice(payload);
+        out
+    }
+
+    #[test]
+    fn a_claim_over_the_cap_is_refused_from_the_header() {
+        let raw = images(&[2, 2, 2], &[1; 8]);
+        for input in [raw.clone(), gzip(&raw)] {
+            let ok = parse_idx_capped(&input, "m".as_ref(), IDX_IMAGES_U8, "u8 images", 8);
+            assert_eq!(ok.unwrap().data, [1; 8]);
+            let err =
+                parse_idx_capped(&input, "m".as_ref(), IDX_IMAGES_U8, "u8 images", 7).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                "m: header declares 2×2×2 = 8 bytes of u8 images, more than the limit of 7 bytes"
+            );
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_are_counted_only_to_the_cap() {
+        let mut raw = images(&[1, 1, 1], &[7]);
+        raw.resize(raw.len() + (8 << 20), 0);
+        let err = parse_idx_capped(&gzip(&raw), "m".as_ref(), IDX_IMAGES_U8, "u8 images", 1000)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "m: trailing bytes: header says 1×1×1 = 1 bytes of u8 images, file has more than 1000 \
+             (reading stopped there)"
+        );
+        // Below the cap the excess is counted exactly.
+        let err = parse_idx_capped(
+            &raw[..16 + 50],
+            "m".as_ref(),
+            IDX_IMAGES_U8,
+            "u8 images",
+            1000,
+        )
+        .unwrap_err();
+        assert!(err.to_string().ends_with("file has 50"), "{err}");
+    }
+
+    #[test]
+    fn a_plain_file_longer_than_any_header_and_the_cap_is_refused_from_its_length() {
+        let dir = Scratch::new("idx-long-file");
+        let p = dir.0.join("train-images-idx3-ubyte");
+        let raw = images(&[1, 1, 1], &[7; 2000]);
+        std::fs::write(&p, &raw).unwrap();
+        let err = read_idx_capped(&p, IDX_IMAGES_U8, "u8 images", 100).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{}: the IDX file is {} bytes, more than the limit of {} bytes",
+                p.display(),
+                raw.len(),
+                IDX_MAX_HEADER + 100
+            )
+        );
+    }
 }

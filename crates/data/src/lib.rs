@@ -1,5 +1,6 @@
 //! lockstep-data: datasets and the deterministic, world-size-independent sampler.
 //!
+//! - `read` (private): the one bounded reader every loader reads files and gzip through.
 //! - [`dataset`]: the in-memory [`Dataset`] and the seeded train/test split.
 //! - [`digits`] (committed, embedded) and [`idx`] / [`fashion`] (MNIST-style files): loaders.
 //! - [`text`]: character corpora (the embedded Shakespeare plays) as token ids in fixed windows.
@@ -21,16 +22,19 @@ pub mod sampler;
 pub mod text;
 
 pub use dataset::{split_train_test, Dataset};
-pub use digits::{load_digits, load_digits_embedded, parse_digits, DIGITS_PATH, DIGITS_SHA256};
+pub use digits::{
+    load_digits, load_digits_embedded, parse_digits, DIGITS_MAX_BYTES, DIGITS_PATH, DIGITS_SHA256,
+};
 pub use error::DataError;
 pub use fashion::{load_fashion_mnist, FASHION_MNIST_DIR};
 pub use idx::{
     load_idx, load_idx_with_classes, parse_idx, read_idx, IdxArray, IDX_IMAGES_U8, IDX_LABELS_U8,
+    IDX_MAX_PAYLOAD_BYTES,
 };
 pub use partition::{assign, microbatches};
 pub use rng::Rng;
 pub use sampler::Sampler;
 pub use text::{
-    load_shakespeare_embedded, parse_char_corpus, CharCorpus, Split, SHAKESPEARE_TRAIN_SHA256,
-    SHAKESPEARE_VAL_SHA256,
+    char_corpus_files, load_char_corpus, load_shakespeare_embedded, parse_char_corpus, CharCorpus,
+    Split, SHAKESPEARE_TRAIN_SHA256, SHAKESPEARE_VAL_SHA256, TEXT_MAX_BYTES,
 };

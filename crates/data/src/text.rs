@@ -16,10 +16,28 @@
 //! each play is validation. Both files are compiled into the library (415 KB of gzip).
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::error::DataError;
-use crate::read::decode;
+use crate::read::{decode, read_maybe_gz};
+
+/// The most bytes one text of a corpus (train or validation) may hold, after decompression:
+/// 1 GiB.
+///
+/// Text has no header saying how long it is, so without a cap a small gzip bomb (2 MB of gzip
+/// inflates to 2 GiB) would be inflated into memory whole. Reading stops as soon as a text
+/// passes the cap. The cap admits the usual character-level corpora with a wide margin (this
+/// Shakespeare: 1 MB; text8 and enwik8: 100 MB) while bounding what a loader holds: the bytes
+/// and their `u16` token ids, 3 GiB per text at the cap. Gzip's compression ratio is not capped:
+/// a synthetic, repetitive corpus can legitimately deflate 1000:1, and the absolute cap already
+/// bounds memory and time (inflating 1 GiB takes about a second).
+pub const TEXT_MAX_BYTES: u64 = 1 << 30;
+
+/// Shown when a corpus folder lacks a text.
+const TEXT_HINT: &str = "data.dir of a text dataset must hold train.txt and val.txt (or .txt.gz)";
+
+/// Names the text in [`DataError::TooLarge`].
+const TEXT_WHAT: &str = "the text (decompressed)";
 
 /// sha256 of the uncompressed `data/shakespeare/train.txt` (932,958 bytes).
 pub const SHAKESPEARE_TRAIN_SHA256: &str =
@@ -79,11 +97,63 @@ pub fn parse_char_corpus(
     )
 }
 
+/// Loads a corpus from the folder `dir`: its `train.txt` and `val.txt`, each plain or gzipped as
+/// `train.txt.gz` / `val.txt.gz` (the `.gz` file is read when it exists, else the plain one; see
+/// [`char_corpus_files`]). The corpus is named after the folder as written, and its texts'
+/// errors call them "`{dir}` train text" and "`{dir}` validation text", as
+/// [`parse_char_corpus`]'s do; errors reading a file name the file.
+///
+/// Each file is streamed through one bounded reader: only a regular file is opened (not
+/// /dev/zero, not a FIFO), and a text of more than [`TEXT_MAX_BYTES`] (after decompression) is
+/// refused as soon as reading passes the cap.
+pub fn load_char_corpus(dir: &Path) -> Result<CharCorpus, DataError> {
+    load_char_corpus_capped(dir, TEXT_MAX_BYTES)
+}
+
+fn load_char_corpus_capped(dir: &Path, cap: u64) -> Result<CharCorpus, DataError> {
+    let name = dir.display().to_string();
+    let (train_path, val_path) = char_corpus_files(dir);
+    let train = read_maybe_gz(&train_path, TEXT_HINT, cap, TEXT_WHAT)?;
+    let val = read_maybe_gz(&val_path, TEXT_HINT, cap, TEXT_WHAT)?;
+    tokenised(
+        &name,
+        check_text(train, &format!("{name} train text"))?,
+        check_text(val, &format!("{name} validation text"))?,
+    )
+}
+
+/// The (train, validation) files [`load_char_corpus`] reads in `dir`: `train.txt.gz` when it
+/// exists, else `train.txt`, and the same for `val`.
+pub fn char_corpus_files(dir: &Path) -> (PathBuf, PathBuf) {
+    let pick = |stem: &str| {
+        let gz = dir.join(format!("{stem}.txt.gz"));
+        if gz.exists() {
+            gz
+        } else {
+            dir.join(format!("{stem}.txt"))
+        }
+    };
+    (pick("train"), pick("val"))
+}
+
 /// `(bytes, origin)`: the origin names the text in errors.
 fn build(name: &str, train: (&[u8], &str), val: (&[u8], &str)) -> Result<CharCorpus, DataError> {
-    let train_text = checked_text(train.0, train.1)?;
-    let val_text = checked_text(val.0, val.1)?;
+    build_capped(name, train, val, TEXT_MAX_BYTES)
+}
 
+fn build_capped(
+    name: &str,
+    train: (&[u8], &str),
+    val: (&[u8], &str),
+    cap: u64,
+) -> Result<CharCorpus, DataError> {
+    let train_text = check_text(decode(train.0, train.1.as_ref(), cap, TEXT_WHAT)?, train.1)?;
+    let val_text = check_text(decode(val.0, val.1.as_ref(), cap, TEXT_WHAT)?, val.1)?;
+    tokenised(name, train_text, val_text)
+}
+
+/// The corpus of two checked texts.
+fn tokenised(name: &str, train_text: Vec<u8>, val_text: Vec<u8>) -> Result<CharCorpus, DataError> {
     let mut present = [false; 128];
     for &b in train_text.iter().chain(&val_text) {
         present[usize::from(b)] = true;
@@ -103,9 +173,8 @@ fn build(name: &str, train: (&[u8], &str), val: (&[u8], &str)) -> Result<CharCor
     })
 }
 
-/// Gunzips if needed, then checks the text is non-empty ASCII without stray control characters.
-fn checked_text(raw: &[u8], origin: &str) -> Result<Vec<u8>, DataError> {
-    let text = decode(raw, origin.as_ref())?;
+/// Checks the (decompressed) text is non-empty ASCII without stray control characters.
+fn check_text(text: Vec<u8>, origin: &str) -> Result<Vec<u8>, DataError> {
     if text.is_empty() {
         return Err(DataError::Empty {
             path: PathBuf::from(origin),
@@ -270,5 +339,50 @@ impl fmt::Debug for CharCorpus {
             .field("train_tokens", &self.train.len())
             .field("val_tokens", &self.val.len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The cap, lowered; tests/bounds.rs has the real one.
+
+    use super::*;
+    use crate::read::tests::{gzip, Scratch};
+
+    #[test]
+    fn a_gzip_bomb_is_refused_at_the_cap() {
+        let bomb = gzip(&vec![b' '; 8 << 20]);
+        let err =
+            build_capped("c", (&bomb, "c train text"), (b"ab", "c val"), 1 << 20).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "c train text: the text (decompressed) is more than the limit of 1048576 bytes \
+             (reading stopped there)"
+        );
+        // From a folder: the error names the file.
+        let dir = Scratch::new("text-bomb");
+        std::fs::write(dir.0.join("train.txt"), "ab\n").unwrap();
+        std::fs::write(dir.0.join("val.txt.gz"), &bomb).unwrap();
+        let err = load_char_corpus_capped(&dir.0, 1 << 20).unwrap_err();
+        assert!(
+            matches!(err, DataError::TooLarge { ref path, found: None, .. }
+                if *path == dir.0.join("val.txt.gz")),
+            "{err:?}"
+        );
+        // Under a cap that holds it, the same folder loads.
+        let corpus = load_char_corpus_capped(&dir.0, 8 << 20).unwrap();
+        assert_eq!(corpus.val.len(), 8 << 20);
+    }
+
+    #[test]
+    fn the_embedded_texts_are_far_below_the_cap() {
+        for gz in [SHAKESPEARE_TRAIN_GZ, SHAKESPEARE_VAL_GZ] {
+            let text = decode(gz, "e".as_ref(), TEXT_MAX_BYTES, TEXT_WHAT).unwrap();
+            assert!(
+                (text.len() as u64) < TEXT_MAX_BYTES / 1000,
+                "{}",
+                text.len()
+            );
+        }
     }
 }

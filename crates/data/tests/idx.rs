@@ -193,6 +193,7 @@ mod fuzz {
                         e,
                         DataError::IdxMagic { .. }
                             | DataError::IdxLength { .. }
+                            | DataError::IdxTooLarge { .. }
                             | DataError::Gzip { .. }
                     ),
                     "unexpected error kind: {e:?}"
@@ -311,7 +312,8 @@ mod fuzz {
         }
 
         /// Headers claiming far more than the file holds are refused without allocating for the
-        /// claim, and the message says truncated (or overflow) with the header's numbers.
+        /// claim, and the message says truncated (or overflow, or over the cap on what a header
+        /// may declare) with the header's numbers.
         #[test]
         fn huge_header_claims_are_refused_before_allocating(
             dims in proptest::collection::vec(prop_oneof![Just(u32::MAX), Just(1u32 << 31), 1u32..1 << 20], 3),
@@ -325,7 +327,17 @@ mod fuzz {
             let err = parse_checked(&input, IDX_IMAGES_U8, budget(raw.len())).unwrap_err();
             let text = dims.iter().map(u32::to_string).collect::<Vec<_>>().join("×");
             prop_assert!(err.contains(&text), "{}", err);
-            prop_assert!(err.contains("truncated") || err.contains("overflow"), "{}", err);
+            prop_assert!(
+                err.contains("truncated")
+                    || err.contains("overflow")
+                    || (claim > u128::from(lockstep_data::IDX_MAX_PAYLOAD_BYTES)
+                        && err.contains(&format!(
+                            "= {claim} bytes of u8 images, more than the limit of {} bytes",
+                            lockstep_data::IDX_MAX_PAYLOAD_BYTES
+                        ))),
+                "{}",
+                err
+            );
         }
     }
 
@@ -358,11 +370,22 @@ mod fuzz {
             err.ends_with("header dimensions 2147483648×2147483648×2147483648 overflow"),
             "{err}"
         );
-        // Labels: one dimension, so a claim of 2^32 - 1 is merely truncated.
+        // Labels: one dimension, so a claim of 2^32 - 1 does not overflow; it is over the cap
+        // on what a header may declare, and refused from the header.
         let raw = idx_bytes(IDX_LABELS_U8, &[u32::MAX], &[1, 2]);
         let err = parse_checked(&raw, IDX_LABELS_U8, budget(raw.len())).unwrap_err();
         assert!(
-            err.contains("truncated: header says 4294967295 = 4294967295 bytes"),
+            err.ends_with(
+                "header declares 4294967295 = 4294967295 bytes of u8 images, more than the limit \
+                 of 1073741824 bytes"
+            ),
+            "{err}"
+        );
+        // Under the cap, the same claim in a short file is merely truncated.
+        let raw = idx_bytes(IDX_LABELS_U8, &[1 << 30], &[1, 2]);
+        let err = parse_checked(&raw, IDX_LABELS_U8, budget(raw.len())).unwrap_err();
+        assert!(
+            err.contains("truncated: header says 1073741824 = 1073741824 bytes"),
             "{err}"
         );
     }
