@@ -6,23 +6,17 @@ use std::path::Path;
 
 use crate::dataset::Dataset;
 use crate::error::DataError;
-use crate::idx::load_idx;
+use crate::idx::{load_idx_split, IdxSplit};
 
 /// Where `dataset-fashion-mnist` puts the files.
 pub const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
 
 /// Loads the official (train, test) split from `dir`, e.g. [`FASHION_MNIST_DIR`]; the datasets
-/// are named "fashion-mnist-train" and "fashion-mnist-test".
+/// are named "fashion-mnist-train" and "fashion-mnist-test". The files are those of
+/// [`crate::idx_files`] (`.gz` as installed, or gunzipped copies).
 pub fn load_fashion_mnist(dir: &Path) -> Result<(Dataset, Dataset), DataError> {
-    let part = |prefix: &str, name: &str| {
-        load_idx(
-            &dir.join(format!("{prefix}-images-idx3-ubyte.gz")),
-            &dir.join(format!("{prefix}-labels-idx1-ubyte.gz")),
-            name,
-        )
-    };
     Ok((
-        part("train", "fashion-mnist-train")?,
-        part("t10k", "fashion-mnist-test")?,
+        load_idx_split(dir, IdxSplit::Train, "fashion-mnist-train")?,
+        load_idx_split(dir, IdxSplit::Test, "fashion-mnist-test")?,
     ))
 }

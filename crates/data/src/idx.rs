@@ -4,7 +4,7 @@
 //! dimensions), then NN big-endian u32 sizes, then the elements in row-major order. Images are
 //! `0x00000803` (count × rows × cols, u8 pixels) and labels `0x00000801` (count, u8).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::dataset::Dataset;
 use crate::error::{dims_text, DataError};
@@ -25,7 +25,7 @@ pub const IDX_DEFAULT_CLASSES: usize = 10;
 /// 47 MB of training images, EMNIST ByClass, the largest, 547 MB) while bounding what a loader
 /// holds: the bytes, then 4 bytes per pixel as `f32` features, 5 GiB at the cap. A 2048×2048
 /// image file reaches the cap at 256 images. Training jobs check the memory of the declared
-/// shape first (`idx_images_shape`); this cap is the loader's own last line.
+/// shape first ([`idx_images_shape`]); this cap is the loader's own last line.
 pub const IDX_MAX_PAYLOAD_BYTES: u64 = 1 << 30;
 
 /// The longest IDX header: the magic and 255 dimensions of 4 bytes.
@@ -201,6 +201,104 @@ fn parse_stream(
         });
     }
     Ok(IdxArray { dims, data })
+}
+
+/// The shape an IDX file of u8 images declares in its header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdxShape {
+    /// Number of images.
+    pub count: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl IdxShape {
+    /// Pixels (bytes of payload) the header declares: `count × rows × cols`, at most
+    /// [`IDX_MAX_PAYLOAD_BYTES`] for a shape [`idx_images_shape`] returns. The loader holds
+    /// these bytes and then 4 bytes per pixel as `f32` features.
+    pub fn pixels(&self) -> u64 {
+        (self.count as u64) * (self.rows as u64) * (self.cols as u64)
+    }
+}
+
+/// The shape the IDX images file at `path` declares, reading only its header (16 bytes; a
+/// gzip file is decompressed only that far), so a memory check can run before the loader.
+///
+/// The header is checked as [`load_idx`] checks it, with the same errors: only a regular file
+/// is opened, a plain file longer than the cap allows is refused from its length, the magic must
+/// be [`IDX_IMAGES_U8`], and a declared payload over [`IDX_MAX_PAYLOAD_BYTES`] is
+/// [`DataError::IdxTooLarge`]. The payload is not read, so a file whose header is fine but whose
+/// payload is short, long or corrupt passes here and is refused by the loader.
+pub fn idx_images_shape(path: &Path) -> Result<IdxShape, DataError> {
+    idx_images_shape_capped(path, IDX_MAX_PAYLOAD_BYTES)
+}
+
+fn idx_images_shape_capped(path: &Path, cap: u64) -> Result<IdxShape, DataError> {
+    let mut r = Bounded::file(path, NOT_FOUND_HINT, IDX_MAX_HEADER + cap, "the IDX file")?;
+    let (dims, _) = read_header(&mut r, path, IDX_IMAGES_U8, "u8 images", cap)?;
+    // The magic fixes 3 dimensions.
+    Ok(IdxShape {
+        count: dims[0],
+        rows: dims[1],
+        cols: dims[2],
+    })
+}
+
+/// The two parts of a directory in the layout of MNIST and Fashion-MNIST.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdxSplit {
+    /// `train-images-idx3-ubyte`, `train-labels-idx1-ubyte`.
+    Train,
+    /// `t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`.
+    Test,
+}
+
+impl IdxSplit {
+    /// The file-name prefix: "train" or "t10k".
+    pub fn prefix(self) -> &'static str {
+        match self {
+            IdxSplit::Train => "train",
+            IdxSplit::Test => "t10k",
+        }
+    }
+}
+
+/// The image and label files of one part of an MNIST-layout directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdxFiles {
+    pub images: PathBuf,
+    pub labels: PathBuf,
+}
+
+/// The files of `split` in `dir` (MNIST, Fashion-MNIST: both use this layout) that the loaders
+/// open: `{prefix}-images-idx3-ubyte.gz` when it exists, else `{prefix}-images-idx3-ubyte` (a
+/// gunzipped copy; the content decides the format either way), and the same for the labels.
+/// When neither exists the name without `.gz` is returned, and loading it reports it missing.
+///
+/// [`load_idx_split`] and [`crate::load_fashion_mnist`] load these paths, so a memory check that
+/// reads [`idx_images_shape`] of `idx_files(dir, split).images` looks at the file that will be
+/// loaded.
+pub fn idx_files(dir: &Path, split: IdxSplit) -> IdxFiles {
+    let pick = |stem: String| {
+        let gz = dir.join(format!("{stem}.gz"));
+        if gz.exists() {
+            gz
+        } else {
+            dir.join(stem)
+        }
+    };
+    let prefix = split.prefix();
+    IdxFiles {
+        images: pick(format!("{prefix}-images-idx3-ubyte")),
+        labels: pick(format!("{prefix}-labels-idx1-ubyte")),
+    }
+}
+
+/// Loads `split` of the MNIST-layout directory `dir` (the files of [`idx_files`]; 10 classes)
+/// as a dataset named `name`.
+pub fn load_idx_split(dir: &Path, split: IdxSplit, name: &str) -> Result<Dataset, DataError> {
+    let files = idx_files(dir, split);
+    load_idx(&files.images, &files.labels, name)
 }
 
 /// Loads an image IDX file and its label IDX file (MNIST, Fashion-MNIST; 10 classes) as one

@@ -28,7 +28,8 @@ pub use digits::{
 pub use error::DataError;
 pub use fashion::{load_fashion_mnist, FASHION_MNIST_DIR};
 pub use idx::{
-    load_idx, load_idx_with_classes, parse_idx, read_idx, IdxArray, IDX_IMAGES_U8, IDX_LABELS_U8,
+    idx_files, idx_images_shape, load_idx, load_idx_split, load_idx_with_classes, parse_idx,
+    read_idx, IdxArray, IdxFiles, IdxShape, IdxSplit, IDX_IMAGES_U8, IDX_LABELS_U8,
     IDX_MAX_PAYLOAD_BYTES,
 };
 pub use partition::{assign, microbatches};

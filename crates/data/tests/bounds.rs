@@ -352,3 +352,17 @@ fn idx_header_declaring_more_than_the_cap_is_refused_from_the_header() {
     );
     assert!(peak <= SLACK, "peak {peak} bytes");
 }
+
+/// The shape of an images file whose payload is a 2 GiB gzip bomb: only the header is inflated.
+#[test]
+fn idx_images_shape_of_a_bomb_reads_only_the_header() {
+    let dir = TempDir::new("shape-bomb");
+    let p = dir.path("train-images-idx3-ubyte.gz");
+    let mut gz = gzip(&idx_bytes(IDX_IMAGES_U8, &[1000, 1024, 1024], &[]));
+    gz.extend_from_slice(&bomb(0, 2048));
+    write(&p, &gz);
+    let (result, peak) = peak_of(|| lockstep_data::idx_images_shape(&p));
+    let s = result.unwrap();
+    assert_eq!((s.count, s.rows, s.cols), (1000, 1024, 1024));
+    assert!(peak <= SLACK, "peak {peak} bytes");
+}
