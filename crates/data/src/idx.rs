@@ -174,8 +174,9 @@ fn parse_stream(
 ) -> Result<IdxArray, DataError> {
     let (dims, expected) = read_header(r, origin, expected_magic, what, cap)?;
     r.lower_limit(r.consumed() + cap);
-    // Reserves what the header declares only as far as the input can hold it (raw data is the
-    // input; gzip of these files inflates a few times, and the vector grows if it is more).
+    // `read_up_to` reserves what the header declares only as far as the input can hold it (raw
+    // data is the input; gzip of these files inflates a few times, and the vector grows with
+    // the data if it is more).
     let mut data = Vec::new();
     r.read_up_to(expected as u64, &mut data)?;
     // Whatever follows the declared payload is only counted, and only up to the cap.

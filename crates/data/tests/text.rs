@@ -5,10 +5,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::gzip;
+use common::{gzip, write, TempDir};
 use lockstep_data::{
-    load_shakespeare_embedded, parse_char_corpus, CharCorpus, DataError, Split,
-    SHAKESPEARE_TRAIN_SHA256, SHAKESPEARE_VAL_SHA256,
+    char_corpus_files, load_char_corpus, load_shakespeare_embedded, parse_char_corpus, CharCorpus,
+    DataError, Split, SHAKESPEARE_TRAIN_SHA256, SHAKESPEARE_VAL_SHA256,
 };
 use sha2::{Digest, Sha256};
 
@@ -235,6 +235,46 @@ fn non_ascii_and_control_bytes_are_rejected_with_offset_and_line() {
         err(&gzip(b"fine\nthen \xff"), b"x"),
         "tiny train text line 2: byte 0xff at offset 10 is not ASCII: the text must be 7-bit \
          ASCII (no UTF-8, no binary data)"
+    );
+}
+
+/// A corpus folder loads like its bytes given to `parse_char_corpus` under the folder's name;
+/// `.txt.gz` is preferred to `.txt`, file by file.
+#[test]
+fn a_corpus_folder_loads_like_its_texts() {
+    let dir = TempDir::new("corpus-dir");
+    let root = dir.path("");
+    let (train, val) = (
+        b"to be or not to be\n".repeat(50),
+        b"that is the question\n",
+    );
+    write(&dir.path("train.txt.gz"), &gzip(&train));
+    write(&dir.path("train.txt"), b"ignored: the .gz file wins\n");
+    write(&dir.path("val.txt"), val);
+    assert_eq!(
+        char_corpus_files(&root),
+        (dir.path("train.txt.gz"), dir.path("val.txt"))
+    );
+    let name = root.display().to_string();
+    let want = parse_char_corpus(&name, &train, val).unwrap();
+    assert_eq!(load_char_corpus(&root).unwrap(), want);
+
+    // Content errors name the text as parse_char_corpus does; file errors name the file.
+    write(&dir.path("val.txt"), b"caf\xc3\xa9");
+    let msg = load_char_corpus(&root).unwrap_err().to_string();
+    assert!(
+        msg.starts_with(&format!("{name} validation text line 1: byte 0xc3")),
+        "{msg}"
+    );
+    std::fs::remove_file(dir.path("val.txt")).unwrap();
+    let msg = load_char_corpus(&root).unwrap_err().to_string();
+    assert_eq!(
+        msg,
+        format!(
+            "{}: file not found (data.dir of a text dataset must hold train.txt and val.txt (or \
+             .txt.gz))",
+            dir.path("val.txt").display()
+        )
     );
 }
 
