@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use lockstep_data::{DataError, Dataset};
+use lockstep_data::{DataError, Dataset, IdxSplit};
 
 use crate::config::{DataConfig, DatasetKind};
 
@@ -23,34 +23,23 @@ pub fn load(cfg: &DataConfig, seed: u64) -> Result<(Dataset, Dataset), DataError
         }
         kind @ (DatasetKind::FashionMnist | DatasetKind::Mnist) => {
             let name = kind.name();
-            // MNIST has no packaged location here: its directory must be given in data.dir
-            // (config validation enforces that).
-            let dir = if cfg.dir.is_empty() {
-                PathBuf::from(lockstep_data::FASHION_MNIST_DIR)
-            } else {
-                PathBuf::from(&cfg.dir)
-            };
-            let pick = |stem: &str| {
-                let gz = dir.join(format!("{stem}.gz"));
-                if gz.exists() {
-                    gz
-                } else {
-                    dir.join(stem)
-                }
-            };
-            let train = lockstep_data::load_idx(
-                &pick("train-images-idx3-ubyte"),
-                &pick("train-labels-idx1-ubyte"),
-                name,
-            )?;
-            let test = lockstep_data::load_idx(
-                &pick("t10k-images-idx3-ubyte"),
-                &pick("t10k-labels-idx1-ubyte"),
-                name,
-            )?;
+            let dir = idx_dir(cfg);
+            let train = lockstep_data::load_idx_split(&dir, IdxSplit::Train, name)?;
+            let test = lockstep_data::load_idx_split(&dir, IdxSplit::Test, name)?;
             Ok((train, test))
         }
         // The text corpus is the transformer's (config validation pairs them).
         DatasetKind::Shakespeare => unreachable!("the classifiers never load the text corpus"),
+    }
+}
+
+/// The folder of an IDX dataset (MNIST, Fashion-MNIST): `data.dir`, or Fashion-MNIST's packaged
+/// location. MNIST has none here: its directory must be given in data.dir (config validation
+/// enforces that).
+pub fn idx_dir(cfg: &DataConfig) -> PathBuf {
+    if cfg.dir.is_empty() {
+        PathBuf::from(lockstep_data::FASHION_MNIST_DIR)
+    } else {
+        PathBuf::from(&cfg.dir)
     }
 }

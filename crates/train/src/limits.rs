@@ -172,8 +172,22 @@ fn check_model(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
             format!("{} blocks exceed the limit of {MAX_LAYERS}", m.blocks),
         ));
     }
-    let need = memory_estimate(cfg);
+    let data = dataset_bytes(cfg);
+    let need = memory_estimate(cfg) + data;
     if need > memory {
+        if data > need / 2 {
+            return Err(invalid(
+                "data.dir",
+                format!(
+                    "the {} dataset's images take about {} per worker (as its files' headers \
+                     declare them) and the model about {} more, but this host has {} of memory",
+                    cfg.data.dataset,
+                    gib(data),
+                    gib(need - data),
+                    gib(memory)
+                ),
+            ));
+        }
         let field = match m.kind {
             ModelKind::Transformer => "model.d_model",
             ModelKind::Cnn => "model.conv",
@@ -198,13 +212,42 @@ fn gib(bytes: u128) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u128 << 30) as f64)
 }
 
-/// Features per sample and classes of a built-in dataset (the largest the dataset can have).
+/// Features per sample and classes of a built-in dataset: an IDX dataset's image size from its
+/// training images' header (only the header is read; a file that cannot be read is reported by
+/// the loader, and is taken as 28×28 here).
 fn input_shape(cfg: &TrainConfig) -> ([u128; 3], u128) {
     match cfg.data.dataset {
         DatasetKind::Digits => ([1, 8, 8], 10),
-        DatasetKind::FashionMnist | DatasetKind::Mnist | DatasetKind::Shakespeare => {
-            ([1, 28, 28], 10)
+        DatasetKind::FashionMnist | DatasetKind::Mnist => {
+            let shape = idx_shapes(cfg).map_or((28, 28), |[train, _]| (train.rows, train.cols));
+            ([1, shape.0 as u128, shape.1 as u128], 10)
         }
+        DatasetKind::Shakespeare => ([1, 28, 28], 10),
+    }
+}
+
+/// The declared shapes of an IDX dataset's training and test images, from their headers.
+fn idx_shapes(cfg: &TrainConfig) -> Option<[lockstep_data::IdxShape; 2]> {
+    let dir = crate::datasets::idx_dir(&cfg.data);
+    let shape =
+        |split| lockstep_data::idx_images_shape(&lockstep_data::idx_files(&dir, split).images).ok();
+    Some([
+        shape(lockstep_data::IdxSplit::Train)?,
+        shape(lockstep_data::IdxSplit::Test)?,
+    ])
+}
+
+/// Bytes every worker holds for a built-in image dataset: its pixels as bytes while loading and
+/// as `f32` features after (5 bytes per pixel), from the files' headers.
+pub fn dataset_bytes(cfg: &TrainConfig) -> u128 {
+    match cfg.data.dataset {
+        DatasetKind::FashionMnist | DatasetKind::Mnist => idx_shapes(cfg).map_or(0, |shapes| {
+            shapes
+                .iter()
+                .map(|s| s.count as u128 * s.pixels() as u128 * 5)
+                .sum()
+        }),
+        DatasetKind::Digits | DatasetKind::Shakespeare => 0,
     }
 }
 

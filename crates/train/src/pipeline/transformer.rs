@@ -40,32 +40,9 @@ pub fn load_corpus(cfg: &TrainConfig) -> Result<CharCorpus, TrainError> {
     if cfg.data.dir.is_empty() {
         return Ok(lockstep_data::text::load_shakespeare_embedded()?);
     }
-    let dir = PathBuf::from(&cfg.data.dir);
-    let read = |stem: &str| -> Result<Vec<u8>, TrainError> {
-        let gz = dir.join(format!("{stem}.txt.gz"));
-        let path = if gz.exists() {
-            gz
-        } else {
-            dir.join(format!("{stem}.txt"))
-        };
-        std::fs::read(&path).map_err(|cause| {
-            let e = if cause.kind() == std::io::ErrorKind::NotFound {
-                lockstep_data::DataError::NotFound {
-                    path,
-                    hint: "data.dir of a text dataset must hold train.txt and val.txt (or .txt.gz)",
-                }
-            } else {
-                lockstep_data::DataError::Io { path, cause }
-            };
-            TrainError::Data(e)
-        })
-    };
-    let name = dir.display().to_string();
-    Ok(lockstep_data::text::parse_char_corpus(
-        &name,
-        &read("train")?,
-        &read("val")?,
-    )?)
+    Ok(lockstep_data::text::load_char_corpus(&PathBuf::from(
+        &cfg.data.dir,
+    ))?)
 }
 
 /// The transformer of a config with its corpus.
