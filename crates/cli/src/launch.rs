@@ -156,7 +156,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
     let mut stop_at: Option<Instant> = None;
     let mut stopped = false;
-    let mut last_lines: Vec<Vec<String>> = vec![Vec::new(); world];
+    let mut tails = Tails::new(world);
     let mut records: Vec<Option<FailureRecord>> = vec![None; world];
     // Per rank: when its last heartbeat arrived, and what it said (waiting, idle seconds).
     let mut beats: Vec<Option<(Instant, bool, f64)>> = vec![None; world];
@@ -228,11 +228,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                         Some(Err(e)) => e,
                         _ => line,
                     };
-                    let keep = &mut last_lines[rank % world];
-                    keep.push(line.clone());
-                    if keep.len() > 5 {
-                        keep.remove(0);
-                    }
+                    tails.push(rank % world, &line);
                     if stderr {
                         eprintln!("[rank {rank}] {line}");
                     } else {
@@ -260,11 +256,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 Some(Ok(message)) => handle(message, rank, &mut outcome, &mut records),
                 Some(Err(e)) => eprintln!("[rank {rank}] {e}"),
                 None => {
-                    let keep = &mut last_lines[rank % world];
-                    keep.push(line.clone());
-                    if keep.len() > 5 {
-                        keep.remove(0);
-                    }
+                    tails.push(rank % world, &line);
                     eprintln!("[rank {rank}] {line}");
                 }
             }
@@ -274,19 +266,16 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         eprintln!();
     }
     if let Some((rank, what)) = hung.or_else(|| blame(&failures, &records)) {
-        // Bad input or a full disk (exit status 3) and running out of memory (the allocator
-        // aborts with this message) recur on every attempt: not worth a restart.
-        let out_of_memory = |rank: usize| {
-            last_lines[rank % world]
-                .iter()
-                .any(|l| l.contains("memory allocation of") && l.contains("failed"))
-        };
-        // Judged on the root cause: its peers fail only because it left.
+        // Bad input or a full disk (exit status 3) and running out of memory recur on every
+        // attempt: not worth a restart. Judged on the root cause: its peers fail only because
+        // it left.
         let status_permanent = failures
             .iter()
             .find(|(r, _)| *r == rank)
-            .is_some_and(|(r, s)| s.code() == Some(EXIT_PERMANENT) || out_of_memory(*r));
-        let tail = last_lines[rank % world].join("\n    ");
+            .is_some_and(|(r, s)| {
+                s.code() == Some(EXIT_PERMANENT) || tails.out_of_memory(*r % world, *s)
+            });
+        let tail = tails.last(rank % world).join("\n    ");
         let others: Vec<String> = failures
             .iter()
             .filter(|(r, _)| *r != rank)
@@ -317,6 +306,56 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         });
     }
     Ok(outcome)
+}
+
+/// What each worker printed last (for the failure message), and whether it ran out of memory.
+struct Tails {
+    last: Vec<Vec<String>>,
+    /// The worker printed the line Rust's allocator prints before it aborts the process.
+    allocation_failed: Vec<bool>,
+}
+
+impl Tails {
+    /// Lines kept per worker for the failure message.
+    const KEEP: usize = 5;
+
+    fn new(world: usize) -> Tails {
+        Tails {
+            last: vec![Vec::new(); world],
+            allocation_failed: vec![false; world],
+        }
+    }
+
+    fn push(&mut self, rank: usize, line: &str) {
+        // Seen on every line, not only the last few: a backtrace (RUST_BACKTRACE=1) follows it.
+        if is_allocation_failure(line) {
+            self.allocation_failed[rank] = true;
+        }
+        let keep = &mut self.last[rank];
+        keep.push(line.to_string());
+        if keep.len() > Self::KEEP {
+            keep.remove(0);
+        }
+    }
+
+    fn last(&self, rank: usize) -> &[String] {
+        &self.last[rank]
+    }
+
+    /// Did the worker run out of memory: aborted (SIGABRT) after its allocator failed?
+    fn out_of_memory(&self, rank: usize, status: ExitStatus) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        self.allocation_failed[rank] && status.signal() == Some(libc::SIGABRT)
+    }
+}
+
+/// Exactly the line Rust's default allocation-error handler writes before it aborts:
+/// `memory allocation of <N> bytes failed` (std's `default_alloc_error_hook`).
+fn is_allocation_failure(line: &str) -> bool {
+    line.trim_end()
+        .strip_prefix("memory allocation of ")
+        .and_then(|rest| rest.strip_suffix(" bytes failed"))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// The first live worker that is hung by its heartbeats: none for `limit` (a frozen process), or

@@ -20,7 +20,8 @@ pub struct Item {
 pub struct Settings {
     pub hidden: usize,
     pub train_samples: usize,
-    /// "none", "short-dataset", "wrong-shape", "nan-loss", "panic-in-data", "hang-in-data".
+    /// "none", "short-dataset", "wrong-shape", "nan-loss", "panic-in-data", "hang-in-data",
+    /// "out-of-memory".
     pub misbehave: String,
 }
 
@@ -50,13 +51,14 @@ pub fn item(i: usize, poison: bool, truncate: bool) -> Item {
 /// Sample whose target is NaN with `misbehave = "nan-loss"`.
 pub const POISONED: usize = 37;
 
-pub const MISBEHAVIOURS: [&str; 6] = [
+pub const MISBEHAVIOURS: [&str; 7] = [
     "none",
     "short-dataset",
     "wrong-shape",
     "nan-loss",
     "panic-in-data",
     "hang-in-data",
+    "out-of-memory",
 ];
 
 /// With `misbehave = "hang-in-data"`, reading training sample [`POISONED`] never returns — once
@@ -92,6 +94,7 @@ pub fn train_set(cfg: &TrainConfig) -> Result<TrainSet, BoxError> {
                 .collect(),
         ),
         hang: s.misbehave == "hang-in-data",
+        out_of_memory: s.misbehave == "out-of-memory",
     })
 }
 
@@ -100,6 +103,8 @@ pub fn train_set(cfg: &TrainConfig) -> Result<TrainSet, BoxError> {
 pub struct TrainSet {
     items: InMemDataset<Item>,
     hang: bool,
+    /// Reading sample [`POISONED`] asks for 32 TiB: the allocator fails and aborts the process.
+    out_of_memory: bool,
 }
 
 impl Dataset<Item> for TrainSet {
@@ -109,6 +114,10 @@ impl Dataset<Item> for TrainSet {
             loop {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             }
+        }
+        if self.out_of_memory && index == POISONED {
+            let huge: Vec<u8> = Vec::with_capacity(1 << 45);
+            std::hint::black_box(&huge);
         }
         self.items.get(index)
     }

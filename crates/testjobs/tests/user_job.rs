@@ -256,3 +256,33 @@ fn a_user_jobs_settings_are_part_of_its_identity() {
     assert_ok(&o);
     assert_eq!(summary(&out)["steps"], 16);
 }
+
+/// A worker that runs out of memory aborts after Rust's allocator says so; with
+/// `RUST_BACKTRACE=1` a backtrace follows that line (it is no longer among the last lines the
+/// launcher shows). Still out of memory, still final: no restart of a failure that recurs.
+#[test]
+fn a_worker_out_of_memory_is_final_even_with_a_backtrace_after_the_allocators_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_lockstep-testjob"))
+        .args([
+            "train",
+            "--nproc",
+            "2",
+            "--out",
+            tmp.path().join("run").to_str().unwrap(),
+            "--set",
+            "job.misbehave=\"out-of-memory\"",
+        ])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("spawn lockstep-testjob");
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("memory allocation of"), "{err}");
+    assert!(
+        err.contains("stack backtrace"),
+        "the backtrace did not follow:\n{err}"
+    );
+    assert!(err.contains("not restarting"), "{err}");
+    assert!(!err.contains("lockstep: restart "), "restarted:\n{err}");
+}
