@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use lockstep_comm::{Algorithm, Communicator, ReduceOp};
 use serde::{Deserialize, Serialize};
 
@@ -31,7 +31,15 @@ pub struct Report {
 
 pub const OPS: &[&str] = &["all_reduce", "broadcast", "all_gather", "reduce_scatter"];
 
-/// Parse "4K..256M" (powers of two between, inclusive) or a comma list "4K,1M".
+/// Largest buffer a benchmark size may name (bytes per rank).
+pub const MAX_SIZE: u64 = 1 << 36;
+
+fn bad(message: String) -> anyhow::Error {
+    crate::request::BadRequest(message).into()
+}
+
+/// Parse "4K..256M" (powers of two between, inclusive) or a comma list "4K,1M"; every size from
+/// 1 byte to [`MAX_SIZE`].
 pub fn parse_sizes(spec: &str) -> Result<Vec<u64>> {
     let one = |s: &str| -> Result<u64> {
         let s = s.trim();
@@ -41,15 +49,29 @@ pub fn parse_sizes(spec: &str) -> Result<Vec<u64>> {
             Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
             _ => (s, 1),
         };
-        let n: u64 = num
-            .parse()
-            .with_context(|| format!("size `{s}` is not a number with optional K/M/G suffix"))?;
-        Ok(n * mult)
+        let n = num
+            .parse::<u64>()
+            .ok()
+            .and_then(|n| n.checked_mul(mult))
+            .ok_or_else(|| {
+                bad(format!(
+                    "--sizes {spec}: `{s}` is not a number of bytes with optional K/M/G suffix"
+                ))
+            })?;
+        if n == 0 || n > MAX_SIZE {
+            return Err(bad(format!(
+                "--sizes {spec}: `{s}` must be from 1 byte to {} GiB",
+                MAX_SIZE >> 30
+            )));
+        }
+        Ok(n)
     };
     if let Some((a, b)) = spec.split_once("..") {
         let (lo, hi) = (one(a)?, one(b)?);
-        if lo == 0 || lo > hi {
-            bail!("size range `{spec}` must go from a positive size up to a larger one");
+        if lo > hi {
+            return Err(bad(format!(
+                "--sizes {spec}: a range must go from a size up to a larger one"
+            )));
         }
         let mut v = Vec::new();
         let mut s = lo;
@@ -61,6 +83,25 @@ pub fn parse_sizes(spec: &str) -> Result<Vec<u64>> {
     } else {
         spec.split(',').map(one).collect()
     }
+}
+
+/// Buffers of the largest size, on every rank of this host, must fit in its memory: each rank
+/// holds about three (input, output, a ring's scratch).
+pub fn check_memory(sizes: &[u64], nproc: usize) -> Result<()> {
+    let largest = sizes.iter().copied().max().unwrap_or(0) as u128;
+    let need = largest * 3 * nproc as u128;
+    let memory = lockstep_train::limits::host_memory_bytes();
+    if need > memory {
+        return Err(bad(format!(
+            "--sizes: {} ranks with buffers of {:.1} GiB need about {:.1} GiB, more than this \
+             host's {:.1} GiB of memory",
+            nproc,
+            largest as f64 / (1u64 << 30) as f64,
+            need as f64 / (1u64 << 30) as f64,
+            memory as f64 / (1u64 << 30) as f64
+        )));
+    }
+    Ok(())
 }
 
 pub fn bus_factor(op: &str, n: usize) -> f64 {

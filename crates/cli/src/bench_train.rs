@@ -177,15 +177,10 @@ fn cases(n: usize) -> Vec<Case> {
 
 /// Run the benchmark: print the table, write the JSON.
 pub fn run(a: BenchTrainArgs) -> Result<()> {
-    if a.nproc < 2 {
-        bail!(
-            "--nproc {}: the parallel cases need at least 2 workers",
-            a.nproc
-        );
-    }
-    if a.reps == 0 {
-        bail!("--reps 0: at least one repetition is needed");
-    }
+    crate::flags::count("--nproc", a.nproc, 2, crate::flags::MAX_LOCAL_WORKERS)?;
+    crate::flags::count("--reps", a.reps, 1, 10_000)?;
+    crate::flags::threads("--threads-per-worker", a.threads_per_worker)?;
+    crate::flags::output_file("--out", &a.out)?;
     let cases = cases(a.nproc);
     // Every case's config is checked before the first run (bad input: exit status 3).
     let base = TrainConfig::load_for(crate::job(), Some(&a.config), &a.sets)?;
@@ -249,6 +244,20 @@ pub fn run(a: BenchTrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// A run's log file, replaced each repetition; never opened through a link or as a device.
+fn create_log(path: &std::path::Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    lockstep_train::files::check_output_path(path)
+        .map_err(|e| crate::request::BadRequest(e.to_string()))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))
+}
+
 /// Run one repetition of `case`: its job(s) as `lockstep train` child processes, all started
 /// before any is waited for; returns each job's run.
 fn run_case(a: &BenchTrainArgs, case: &Case, rep: usize, global_batch: usize) -> Result<Vec<Run>> {
@@ -257,8 +266,7 @@ fn run_case(a: &BenchTrainArgs, case: &Case, rep: usize, global_batch: usize) ->
     for j in 0..case.jobs {
         let dir = a.runs.join(format!("{}-r{}-j{}", case.name, rep + 1, j));
         let log_path = dir.with_extension("log");
-        let log = std::fs::File::create(&log_path)
-            .with_context(|| format!("creating {}", log_path.display()))?;
+        let log = create_log(&log_path)?;
         let mut cmd = Command::new(&exe);
         cmd.arg("train")
             .arg("--config")

@@ -13,6 +13,10 @@
 use anyhow::{bail, Context, Result};
 use lockstep_train::faults::Fault;
 
+/// Largest `slow` factor: a straggler, not a worker that never finishes a step (and a sleep that
+/// a `Duration` can hold).
+pub const MAX_SLOWDOWN: f64 = 1000.0;
+
 pub fn parse(spec: &str) -> Result<Vec<Fault>> {
     spec.split(';')
         .filter(|s| !s.trim().is_empty())
@@ -49,8 +53,8 @@ fn parse_one(spec: &str) -> Result<Fault> {
                     .trim()
                     .parse()
                     .with_context(|| format!("--inject {spec}: factor `{v}`"))?;
-                if !(f.is_finite() && f >= 1.0) {
-                    bail!("--inject {spec}: factor must be a number ≥ 1");
+                if !(f.is_finite() && (1.0..=MAX_SLOWDOWN).contains(&f)) {
+                    bail!("--inject {spec}: factor must be a number from 1 to {MAX_SLOWDOWN}");
                 }
                 factor = Some(f);
             }

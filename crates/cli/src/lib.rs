@@ -8,6 +8,7 @@ mod bench;
 mod bench_train;
 mod cluster_env;
 mod elastic;
+mod flags;
 mod inject;
 mod launch;
 mod orphan;
@@ -176,7 +177,8 @@ impl NodeArgs {
 
     /// `--nnodes N` or `MIN:MAX`, checked against `--node-rank`.
     fn range(&self) -> Result<(usize, usize), request::BadRequest> {
-        let (lo, hi) = train_cmd::parse_range("--nnodes", "node count", &self.nnodes)?;
+        let (lo, hi) =
+            train_cmd::parse_range("--nnodes", "node count", &self.nnodes, flags::MAX_NODES)?;
         if self.node_rank >= hi {
             return Err(request::BadRequest(format!(
                 "--node-rank {} must be below --nnodes {}",
@@ -326,7 +328,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
     if JOB.set(job).is_err() {
         panic!("lockstep_cli::run called twice");
     }
-    let cli = Cli::parse();
+    let cli = parse_args();
     let launched_worker = matches!(cli.command, Some(Command::Worker { .. }));
     // Keep big step buffers in the heap instead of re-faulting them every step (see lockstep-model).
     lockstep_model::tune_allocator_for_training();
@@ -380,6 +382,22 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
         std::process::exit(if permanent { launch::EXIT_PERMANENT } else { 1 });
     }
     std::process::exit(0)
+}
+
+/// argv as a [`Cli`]; a malformed command line is bad input like any other (exit status 3, not
+/// clap's 2), while `--help` and `--version` print and exit 0.
+fn parse_args() -> Cli {
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            std::process::exit(if e.use_stderr() {
+                launch::EXIT_PERMANENT
+            } else {
+                0
+            });
+        }
+    }
 }
 
 /// Refuse a layout that cannot work before any worker starts: `dp · pp` must be the world size
@@ -458,6 +476,7 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
             || c.is::<run_dir::RunDirError>()
             || c.is::<request::BadRequest>()
             || c.is::<supervise::PermanentFailure>()
+            || c.is::<lockstep_report::plan::PlanError>()
             || c.downcast_ref::<lockstep_train::TrainError>()
                 .is_some_and(|t| t.is_permanent())
             || c.downcast_ref::<lockstep_train::checkpoint::CheckpointError>()
@@ -465,6 +484,7 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
                     matches!(
                         e,
                         lockstep_train::checkpoint::CheckpointError::NoSpace { .. }
+                            | lockstep_train::checkpoint::CheckpointError::NotRegular { .. }
                     )
                 })
     })
@@ -479,7 +499,12 @@ fn parse_algorithm(s: &str) -> Result<Algorithm> {
         "auto" => Algorithm::Auto,
         "ring" => Algorithm::Ring,
         "recursive-doubling" => Algorithm::RecursiveDoubling,
-        other => bail!("algorithm `{other}` is not one of auto, ring, recursive-doubling"),
+        other => {
+            return Err(request::BadRequest(format!(
+                "--algorithm {other} is not one of auto, ring, recursive-doubling"
+            ))
+            .into())
+        }
     })
 }
 
@@ -621,13 +646,15 @@ fn launch_spec(
 }
 
 fn cmd_scale(a: ScaleArgs) -> Result<()> {
+    flags::threads("--threads-per-worker", a.threads_per_worker)?;
     let sizes = scale::parse_nprocs(&a.nproc)?;
     // Every layout is checked against the config before the first run starts.
     let plan = scale::plan(a.layouts.as_deref(), &sizes, a.config.as_deref(), &a.sets)?;
     // A sweep never replaces earlier runs: every run directory is checked before the first run.
     let base = load_config(a.config.as_deref(), &a.sets)?;
     for layout in &plan {
-        run_dir::prepare_fresh(&scale::run_dir(&a.out, layout), &base, false)?;
+        let _nothing_to_remove =
+            run_dir::check_fresh(&scale::run_dir(&a.out, layout), &base, false)?;
     }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let names: Vec<&str> = plan.iter().map(|l| l.name.as_str()).collect();
@@ -682,14 +709,28 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     let sizes = bench::parse_sizes(&a.sizes)?;
     parse_algorithm(&a.algorithm)?;
     if !bench::OPS.contains(&a.op.as_str()) {
-        bail!("--op {} is not one of {:?}", a.op, bench::OPS);
+        return Err(
+            request::BadRequest(format!("--op {} is not one of {:?}", a.op, bench::OPS)).into(),
+        );
+    }
+    if let Some(path) = &a.json {
+        flags::output_file("--json", path)?;
+    }
+    if let Some(b) = a.segment_bytes {
+        flags::count("--segment-bytes", b, 1, bench::MAX_SIZE as usize)?;
     }
     if a.transport == "mpi" {
         return bench_under_mpi(&a);
     }
     if !matches!(a.transport.as_str(), "shm" | "tcp") {
-        bail!("--transport {} is not one of shm, tcp, mpi", a.transport);
+        return Err(request::BadRequest(format!(
+            "--transport {} is not one of shm, tcp, mpi",
+            a.transport
+        ))
+        .into());
     }
+    flags::count("--nproc", a.nproc, 1, flags::MAX_LOCAL_WORKERS)?;
+    bench::check_memory(&sizes, a.nproc)?;
     let memcpy = bench::memcpy_gbps(64 << 20);
     let env = environment();
     let (mut spec, _server) = launch_spec(
@@ -735,8 +776,11 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     };
     print!("{}", bench::format_table(&report));
     if let Some(path) = a.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
+        lockstep_train::write_atomic(
+            &path,
+            (serde_json::to_string_pretty(&report)? + "\n").as_bytes(),
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
@@ -784,8 +828,11 @@ fn bench_under_mpi(a: &BenchArgs) -> Result<()> {
         };
         print!("{}", bench::format_table(&report));
         if let Some(path) = &a.json {
-            std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-                .with_context(|| format!("writing {}", path.display()))?;
+            lockstep_train::write_atomic(
+                path,
+                (serde_json::to_string_pretty(&report)? + "\n").as_bytes(),
+            )
+            .with_context(|| format!("writing {}", path.display()))?;
         }
     }
     Ok(())
@@ -838,7 +885,7 @@ fn cmd_worker(role: WorkerRole) -> Result<()> {
 }
 
 /// How often a worker under a launcher says it is alive (see `WorkerMessage::Heartbeat`).
-const WORKER_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const WORKER_HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 
 /// A thread that reports this worker's liveness to its launcher: a heartbeat that stops means a
 /// frozen process; one that says "not waiting, idle for long" means code stuck outside any
@@ -879,16 +926,18 @@ fn run_train_worker(
     resume: bool,
     faults: &[Fault],
 ) -> Result<()> {
-    join_compute_threads();
-    let env = environment();
-    let timeout = Duration::from_secs_f64(cfg.dist.timeout_secs);
     let rank = w.rank;
-    let mut worker = worker::connect(w, cfg.dist.transport, timeout, &tcp_options(&env)?)?;
-    worker.comm.set_algorithm(cfg.dist.algorithm);
     if under_launcher {
+        // First: a worker whose launcher dies at any later point (while its threads start, while
+        // it connects) ends within a second.
         orphan::watch_launcher(rank);
         start_heartbeat(rank);
     }
+    join_compute_threads();
+    let env = environment();
+    let timeout = Duration::from_secs_f64(cfg.dist.timeout_secs);
+    let mut worker = worker::connect(w, cfg.dist.transport, timeout, &tcp_options(&env)?)?;
+    worker.comm.set_algorithm(cfg.dist.algorithm);
     let mut on_event = |e: Event| match e {
         Event::Progress(p) if under_launcher => {
             let progress = WorkerMessage::Progress(protocol::Progress {

@@ -8,9 +8,13 @@ use anyhow::{bail, Context, Result};
 use lockstep_report::plan::{self, ClusterSpec, Plan, Workload};
 use lockstep_train::TrainConfig;
 
-use crate::PlanArgs;
+use crate::request::BadRequest;
+use crate::{flags, PlanArgs};
 
 pub fn run(a: &PlanArgs) -> Result<()> {
+    if let Some(path) = &a.json {
+        flags::output_file("--json", path)?;
+    }
     let cfg = TrainConfig::load_for(crate::job(), Some(&a.from.join("config.toml")), &[])
         .with_context(|| format!("reading the config of run {}", a.from.display()))?;
     let (summary, records) = crate::scale::load_run(&a.from)?;
@@ -31,8 +35,11 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         .transpose()
         .context("--layouts")?;
     let limit = match a.memory_gib {
-        Some(g) if !(g.is_finite() && g > 0.0) => {
-            bail!("--memory-gib: {g} is not a positive number of GiB")
+        Some(g) if !(g.is_finite() && g > 0.0 && g <= 1e9) => {
+            return Err(BadRequest(format!(
+                "--memory-gib {g}: must be a positive number of GiB (at most 1e9)"
+            ))
+            .into())
         }
         g => g.map(plan::gib_bytes),
     };
@@ -56,13 +63,12 @@ pub fn run(a: &PlanArgs) -> Result<()> {
 fn cluster_spec(a: &PlanArgs) -> Result<ClusterSpec> {
     let file = match &a.cluster {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading cluster file {}", path.display()))?;
+            let text = flags::small_file("--cluster", path, 1 << 20)?;
             ClusterSpec::from_toml_str(&text, &path.display().to_string())?
         }
         None => ClusterSpec::default(),
     };
-    let flags = ClusterSpec {
+    let given = ClusterSpec {
         nodes: a.nodes,
         workers_per_node: a.workers_per_node,
         link_gbps: a.link_gbps,
@@ -75,7 +81,14 @@ fn cluster_spec(a: &PlanArgs) -> Result<ClusterSpec> {
         shm_latency_us: a.shm_latency_us,
         compute_scale: a.compute_scale,
     };
-    Ok(flags.or(file))
+    let spec = given.or(file);
+    if let Some(n) = spec.nodes {
+        flags::count("--nodes", n, 1, flags::MAX_NODES)?;
+    }
+    if let Some(n) = spec.workers_per_node {
+        flags::count("--workers-per-node", n, 1, flags::MAX_LOCAL_WORKERS)?;
+    }
+    Ok(spec)
 }
 
 fn ms(s: f64) -> String {

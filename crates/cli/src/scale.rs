@@ -4,22 +4,27 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use lockstep_report::scaling::{self, Layout, LayoutSpec, Run, ScaleReport};
 use lockstep_train::{StepRecord, Summary, TrainConfig};
 
 /// Parse "1,2,4".
 pub fn parse_nprocs(spec: &str) -> Result<Vec<usize>> {
+    let bad = || {
+        crate::request::BadRequest(format!(
+            "--nproc {spec}: needs one or more worker counts from 1 to {}, e.g. 1,2,4",
+            crate::flags::MAX_LOCAL_WORKERS
+        ))
+    };
     let v: Vec<usize> = spec
         .split(',')
-        .map(|s| {
-            s.trim()
-                .parse::<usize>()
-                .with_context(|| format!("--nproc: `{s}` is not a worker count"))
-        })
-        .collect::<Result<_>>()?;
-    if v.is_empty() || v.contains(&0) {
-        bail!("--nproc needs one or more worker counts ≥ 1, e.g. 1,2,4");
+        .map(|s| s.trim().parse::<usize>().map_err(|_| bad()))
+        .collect::<Result<_, _>>()?;
+    if v.is_empty()
+        || v.iter()
+            .any(|&n| n == 0 || n > crate::flags::MAX_LOCAL_WORKERS)
+    {
+        return Err(bad().into());
     }
     Ok(v)
 }

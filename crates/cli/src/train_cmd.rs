@@ -2,19 +2,32 @@
 //! torchrun) or launch this node's workers under supervision — alone on one node, or as this
 //! node's agent of a job across several (`--nnodes N` or `MIN:MAX`).
 
-use std::time::Duration;
-
 use anyhow::{Context, Result};
 use lockstep_train::faults::Fault;
 use lockstep_train::TrainConfig;
 
 use crate::supervise::{self, Boundary, RestartPolicy};
 use crate::{
-    agent, attempt_spec, check_layout, cluster_env, elastic, environment, inject, job, job_store,
-    launch, load_config, request, resolve_rdzv, run_dir, run_train_worker, TrainArgs,
+    agent, attempt_spec, check_layout, cluster_env, elastic, environment, flags, inject, job,
+    job_store, launch, load_config, request, resolve_rdzv, run_dir, run_train_worker, TrainArgs,
 };
 
 pub(crate) fn run(a: TrainArgs) -> Result<()> {
+    // Every flag is range-checked before anything is read, written or spawned.
+    let stall_timeout = flags::seconds(
+        "--stall-timeout",
+        a.stall_timeout,
+        2.0 * crate::WORKER_HEARTBEAT_EVERY.as_secs_f64(),
+    )?;
+    let heartbeat_timeout = flags::seconds(
+        "--heartbeat-timeout",
+        a.nodes.heartbeat_timeout,
+        2.0 * agent::HEARTBEAT_EVERY.as_secs_f64(),
+    )?;
+    if let Some(t) = a.threads_per_worker {
+        flags::threads("--threads-per-worker", t)?;
+    }
+    flags::count("--max-restarts", a.max_restarts, 0, flags::MAX_RESTARTS)?;
     let env = environment();
     let (config_path, out) = match &a.resume {
         Some(dir) => (Some(dir.join("config.toml")), dir.clone()),
@@ -25,7 +38,12 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
     };
     // Everything is validated before anything is written or spawned.
     let cfg = load_config(config_path.as_deref(), &a.sets)?;
-    let (min_world, max_world) = parse_range("--nproc", "worker count", &a.nproc)?;
+    let (min_world, max_world) = parse_range(
+        "--nproc",
+        "worker count",
+        &a.nproc,
+        flags::MAX_LOCAL_WORKERS,
+    )?;
     let (min_nodes, max_nodes) = a.nodes.range()?;
     let engine = cluster_env::detect(&env)?.filter(|w| w.engine != cluster_env::Engine::Launcher);
     let world = engine
@@ -45,6 +63,29 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             .map_err(|e| request::BadRequest(format!("{e:#}")))?,
         None => Vec::new(),
     };
+    let several = max_nodes > 1;
+    if several && min_world != max_world {
+        return Err(request::BadRequest(format!(
+            "--nproc {} with --nnodes {}: elastic worker counts are for one node; with several nodes give a fixed --nproc (and MIN:MAX to --nnodes)",
+            a.nproc, a.nodes.nnodes
+        ))
+        .into());
+    }
+    // Under an engine only rank 0 writes the run directory (and may already have when a slower
+    // rank gets here): the others leave the checks to it. Likewise the launchers of nodes other
+    // than 0 hold no run data (rank 0 writes it all), so starting one again — an agent rejoining
+    // its job — is not refused.
+    let writes_run_dir = engine
+        .as_ref()
+        .map_or(a.nodes.node_rank == 0, |w| w.rank == 0);
+    // The request is valid: lock the run directory for this launcher's life, then check it under
+    // the lock, so that two launchers can never both pass the checks.
+    let _lock = if writes_run_dir {
+        Some(run_dir::RunDirLock::acquire(&out)?)
+    } else {
+        None
+    };
+    let mut fresh = run_dir::Fresh::default();
     if a.resume.is_some() {
         if let run_dir::Resume::Finished { steps, param_hash } = run_dir::check_resume(&out, &cfg)?
         {
@@ -57,17 +98,10 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             );
             return Ok(());
         }
-    } else if engine
-        .as_ref()
-        .map_or(a.nodes.node_rank == 0, |w| w.rank == 0)
-    {
-        // Under an engine only rank 0 writes the run directory (and may already have when a
-        // slower rank gets here): the others leave the check to it. Likewise the launchers of
-        // nodes other than 0 hold no run data (rank 0 writes it all), so starting one again —
-        // an agent rejoining its job — is not refused.
-        run_dir::prepare_fresh(&out, &cfg, a.overwrite)?;
+    } else if writes_run_dir {
+        fresh = run_dir::check_fresh(&out, &cfg, a.overwrite)?;
     }
-    if cfg.checkpoint.every > 0 && (engine.as_ref().is_none_or(|w| w.rank == 0)) {
+    if cfg.checkpoint.every > 0 && writes_run_dir {
         run_dir::check_writable(&lockstep_train::checkpoint_dir(&cfg, &out))?;
     }
 
@@ -83,6 +117,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         );
         let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
         if w.rank == 0 && a.resume.is_none() {
+            fresh.apply();
             // Written up front (not only with the summary) so that a failed job can be
             // resubmitted with `--resume <out>`.
             std::fs::create_dir_all(&out)
@@ -94,14 +129,6 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
 
     std::fs::create_dir_all(&out)
         .with_context(|| format!("creating run directory {}", out.display()))?;
-    let several = max_nodes > 1;
-    if several && min_world != max_world {
-        return Err(request::BadRequest(format!(
-            "--nproc {} with --nnodes {}: elastic worker counts are for one node; with several nodes give a fixed --nproc (and MIN:MAX to --nnodes)",
-            a.nproc, a.nodes.nnodes
-        ))
-        .into());
-    }
     eprintln!(
         "lockstep: training {} on {} worker(s) ({} node(s)), run directory {}",
         job().label(&cfg),
@@ -130,7 +157,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
                 max_nodes,
                 nproc: max_world,
                 max_restarts: a.max_restarts,
-                heartbeat_timeout: Duration::from_secs_f64(a.nodes.heartbeat_timeout),
+                heartbeat_timeout,
                 join_timeout: agent::JOIN_TIMEOUT,
                 boundary,
                 checkpoint_dir: lockstep_train::checkpoint_dir(&cfg, &out),
@@ -161,6 +188,8 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
     // The workers' config, written only now: a node other than 0 gets here after joining node
     // 0's store, which node 0 serves only once it has checked the run directory — so in a run
     // directory shared by all nodes, no other node's write can make node 0 refuse it as a run.
+    // The replaced run (--overwrite) is removed only now, when nothing is left to refuse.
+    fresh.apply();
     let resolved = out.join("config.toml");
     lockstep_train::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
     let mut servers = Vec::new();
@@ -204,9 +233,9 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             }
         };
         if let Some(t) = a.threads_per_worker {
-            spec.threads_per_worker = t.max(1);
+            spec.threads_per_worker = t;
         }
-        spec.stall_timeout = Some(Duration::from_secs_f64(a.stall_timeout));
+        spec.stall_timeout = Some(stall_timeout);
         Ok(spec)
     })?;
     let runs_rank0 = coordinator.runs_rank0();
@@ -231,11 +260,12 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// `flag`'s "N" or "MIN:MAX" (1 ≤ MIN ≤ MAX).
+/// `flag`'s "N" or "MIN:MAX" (1 ≤ MIN ≤ MAX ≤ `most`).
 pub(crate) fn parse_range(
     flag: &str,
     what: &str,
     s: &str,
+    most: usize,
 ) -> Result<(usize, usize), request::BadRequest> {
     let parse = |v: &str| {
         v.trim()
@@ -249,9 +279,9 @@ pub(crate) fn parse_range(
             (n, n)
         }
     };
-    if lo == 0 || lo > hi {
+    if lo == 0 || lo > hi || hi > most {
         return Err(request::BadRequest(format!(
-            "{flag} {s}: need 1 ≤ MIN ≤ MAX"
+            "{flag} {s}: need 1 ≤ MIN ≤ MAX ≤ {most}"
         )));
     }
     Ok((lo, hi))

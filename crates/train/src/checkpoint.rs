@@ -39,6 +39,10 @@ pub enum CheckpointError {
     /// The disk (or the user's quota) is full: retrying cannot help, freeing space can.
     #[error("{path}: no space left for the checkpoint ({what}); free space or set checkpoint.dir")]
     NoSpace { path: String, what: String },
+    /// Something other than a regular file sits at the checkpoint's name (a link, a FIFO, …):
+    /// never replaced or written through.
+    #[error("{what}")]
+    NotRegular { path: String, what: String },
 }
 
 /// Everything a resumed run needs.
@@ -213,28 +217,70 @@ fn io_err(path: &Path, e: std::io::Error) -> CheckpointError {
     let (path, what) = (path.display().to_string(), e.to_string());
     if crate::files::is_no_space(&e) {
         CheckpointError::NoSpace { path, what }
+    } else if crate::files::is_not_regular(&e) {
+        CheckpointError::NotRegular { path, what }
     } else {
         CheckpointError::Io { path, what }
     }
 }
 
-/// Write `c` atomically into `dir` and prune all but the newest `keep` checkpoints.
+/// Write `c` atomically into `dir` and prune all but the newest `keep` checkpoints of the same
+/// run: files of another run or of nobody (a user's file that happens to be called
+/// `step-<n>.ckpt`, a checkpoint of a run sharing `checkpoint.dir`) are never removed.
 pub fn save(dir: &Path, c: &Checkpoint, keep: usize) -> Result<PathBuf, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
     let path = dir.join(file_name(c.step));
-    let tmp = dir.join(format!(".{}.tmp.{}", file_name(c.step), std::process::id()));
     let bytes = encode(c);
-    crate::files::replace_via(&tmp, &path, &bytes).map_err(|e| io_err(&path, e))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io_err(dir, e))?;
-    let all = list(dir)?;
-    if all.len() > keep.max(1) {
-        for (_, old) in &all[..all.len() - keep.max(1)] {
+    crate::files::replace_atomically(&path, &bytes).map_err(|e| io_err(&path, e))?;
+    let ours = of_run(dir, |id| id == &c.identity)?;
+    if ours.len() > keep.max(1) {
+        for old in &ours[..ours.len() - keep.max(1)] {
             let _ = std::fs::remove_file(old);
         }
     }
     Ok(path)
+}
+
+/// The checkpoint files in `dir` (oldest first) that are regular files whose header names an
+/// identity `is_ours` accepts — what lockstep may delete. Links are never followed.
+pub fn of_run(
+    dir: &Path,
+    is_ours: impl Fn(&Identity) -> bool,
+) -> Result<Vec<PathBuf>, CheckpointError> {
+    Ok(list(dir)?
+        .into_iter()
+        .filter(|(_, p)| read_identity(p).is_some_and(|id| is_ours(&id)))
+        .map(|(_, p)| p)
+        .collect())
+}
+
+/// The identity in a checkpoint file's header, reading only the header (no checksum: a damaged
+/// payload still says whose file it is). `None` for anything that is not a regular file starting
+/// like a lockstep checkpoint.
+pub fn read_identity(path: &Path) -> Option<Identity> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    /// Headers are a few hundred bytes; anything claiming more is not ours.
+    const MAX_HEADER: usize = 1 << 20;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !f.metadata().ok()?.file_type().is_file() {
+        return None;
+    }
+    let mut start = [0u8; 16];
+    f.read_exact(&mut start).ok()?;
+    let hlen = u32::from_le_bytes(start[12..16].try_into().unwrap()) as usize;
+    if &start[..8] != MAGIC || hlen > MAX_HEADER {
+        return None;
+    }
+    let mut header = vec![0u8; hlen];
+    f.read_exact(&mut header).ok()?;
+    serde_json::from_slice::<Header>(&header)
+        .ok()
+        .map(|h| h.identity)
 }
 
 /// Checkpoint files in `dir`, oldest first.

@@ -26,6 +26,11 @@ pub enum ConfigError {
     },
 }
 
+/// Largest learning rate accepted: anything above is a typo, not a schedule.
+pub const MAX_LR: f32 = 1e4;
+/// Shortest wait a collective may be given (seconds).
+pub const MIN_TIMEOUT_SECS: f64 = 0.1;
+
 pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field,
@@ -461,6 +466,29 @@ impl TrainConfig {
         c
     }
 
+    /// The keys lockstep writes for this config (every key of [`TrainConfig::to_toml`]) that the
+    /// TOML `text` lacks, as "section.key". A run's `config.toml` is written whole, so a missing
+    /// key means the file was cut or edited: loading it would silently take a default instead.
+    pub fn missing_keys(&self, text: &str) -> Vec<String> {
+        let Ok(file) = text.parse::<toml::Table>() else {
+            return vec!["(the whole file: not TOML)".into()];
+        };
+        let ours: toml::Table = self.to_toml().parse().expect("our TOML parses");
+        let mut missing = Vec::new();
+        for (section, v) in &ours {
+            match (v, file.get(section)) {
+                (toml::Value::Table(keys), Some(toml::Value::Table(have))) => missing.extend(
+                    keys.keys()
+                        .filter(|k| !have.contains_key(*k))
+                        .map(|k| format!("{section}.{k}")),
+                ),
+                (_, None) => missing.push(section.clone()),
+                _ => {}
+            }
+        }
+        missing
+    }
+
     /// The identity settings in which `other` differs from `self`, as "key: ours → theirs".
     pub fn identity_differences(&self, other: &TrainConfig) -> Vec<String> {
         fn flatten(prefix: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
@@ -560,10 +588,10 @@ impl TrainConfig {
                 ),
             ));
         }
-        if !(t.lr.is_finite() && t.lr > 0.0) {
+        if !(t.lr.is_finite() && t.lr > 0.0 && t.lr <= MAX_LR) {
             return Err(invalid(
                 "train.lr",
-                format!("{} must be a positive number", t.lr),
+                format!("{} must be a positive number up to {MAX_LR}", t.lr),
             ));
         }
         if !(t.min_lr.is_finite() && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
@@ -588,14 +616,18 @@ impl TrainConfig {
                 "beta1 and beta2 must be in [0, 1)",
             ));
         }
-        // Written as negations so that NaN fails the check too.
-        #[allow(clippy::neg_cmp_op_on_partial_ord)]
-        if !(o.eps > 0.0) {
-            return Err(invalid("optimizer.eps", "must be > 0"));
+        // Written as containment tests so that NaN and infinity fail them too.
+        if !(o.eps > 0.0 && o.eps <= 1.0) {
+            return Err(invalid(
+                "optimizer.eps",
+                format!("{} is not in (0, 1]", o.eps),
+            ));
         }
-        #[allow(clippy::neg_cmp_op_on_partial_ord)]
-        if !(o.weight_decay >= 0.0) {
-            return Err(invalid("optimizer.weight_decay", "must be ≥ 0"));
+        if !(0.0..=1.0).contains(&o.weight_decay) {
+            return Err(invalid(
+                "optimizer.weight_decay",
+                format!("{} is not in [0, 1]", o.weight_decay),
+            ));
         }
         if self.checkpoint.keep == 0 {
             return Err(invalid("checkpoint.keep", "must be ≥ 1"));
@@ -604,10 +636,14 @@ impl TrainConfig {
         if d.bucket_elems == 0 {
             return Err(invalid("dist.bucket_elems", "must be ≥ 1"));
         }
-        if !(d.timeout_secs.is_finite() && d.timeout_secs > 0.0) {
+        if !(d.timeout_secs.is_finite() && d.timeout_secs >= MIN_TIMEOUT_SECS) {
             return Err(invalid(
                 "dist.timeout_secs",
-                format!("{} must be a positive number of seconds", d.timeout_secs),
+                format!(
+                    "{} must be a number of seconds ≥ {MIN_TIMEOUT_SECS} (a shorter wait fails \
+                     every collective before a peer can answer)",
+                    d.timeout_secs
+                ),
             ));
         }
         if d.transport == TransportKind::Mpi && !cfg!(feature = "mpi") {

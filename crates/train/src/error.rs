@@ -58,6 +58,12 @@ pub enum TrainError {
     },
     #[error("writing {path}: {cause}")]
     Io { path: String, cause: std::io::Error },
+    #[error("{path}, line {line}: not a step record ({what}); repair or remove that line")]
+    CorruptMetrics {
+        path: String,
+        line: usize,
+        what: String,
+    },
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
     #[error("rank 0 could not load the checkpoint to resume from (see its error)")]
@@ -100,13 +106,17 @@ impl TrainError {
             | TrainError::TooSmall { .. }
             | TrainError::ValidationTooShort { .. }
             | TrainError::ResumeFailed
+            | TrainError::CorruptMetrics { .. }
             | TrainError::JobData { .. }
             | TrainError::JobSetup { .. }
             | TrainError::Job { .. }
             | TrainError::JobEval { .. }
             | TrainError::Checkpoint(CheckpointError::Mismatch { .. })
             | TrainError::Checkpoint(CheckpointError::NoSpace { .. }) => true,
-            TrainError::Io { cause, .. } => crate::files::is_no_space(cause),
+            TrainError::Checkpoint(CheckpointError::NotRegular { .. }) => true,
+            TrainError::Io { cause, .. } => {
+                crate::files::is_no_space(cause) || crate::files::is_not_regular(cause)
+            }
             _ => false,
         }
     }

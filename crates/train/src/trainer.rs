@@ -205,14 +205,6 @@ fn train_replica<'a>(
             .map_err(|e| setup(e.to_string()))?;
         sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
         sec.communication += gather_seconds;
-        let checkpoint_now = ledger.checkpoint_due(step);
-        if checkpoint_now {
-            // Collective when sharded: the optimizer state's chunks gathered whole.
-            let state = zero.whole_state(&optimizer, comm)?;
-            if rank == 0 {
-                ledger.save_checkpoint(step, params.clone(), state, optimizer.steps_taken())?;
-            }
-        }
         let eval = if ledger.eval_due(step) {
             Some(evaluate(comm, job, &mut *replica, step)?)
         } else {
@@ -233,7 +225,20 @@ fn train_replica<'a>(
             pipeline: None,
             rss_bytes: None,
         };
-        ledger.end_step(comm, record, checkpoint_now)?;
+        let checkpoint_now = ledger.checkpoint_due(step);
+        ledger.record_step(comm, record, checkpoint_now)?;
+        if checkpoint_now {
+            // Collective when sharded: the optimizer state's chunks gathered whole.
+            let state = zero.whole_state(&optimizer, comm)?;
+            if rank == 0 {
+                ledger.save_checkpoint(step, params.clone(), state, optimizer.steps_taken())?;
+            }
+        }
+        ledger.step_done(step);
+    }
+    if ledger.final_evaluation_owed() {
+        let eval = evaluate(comm, job, &mut *replica, total_steps - 1)?;
+        ledger.final_evaluation(eval);
     }
 
     let hash = param_hash(&params);

@@ -355,6 +355,21 @@ pub fn train<'a>(
     let scale = model.loss_scale(t.global_batch);
     let is_last = me.stage + 1 == dims.pp;
 
+    // The evaluation after `step`, through each replica's pipeline.
+    let eval_at =
+        |comm: &mut Communicator, pp: &mut Communicator, stage: &mut dyn LayerStage, step: u64| {
+            evaluate(
+                comm,
+                pp,
+                stage,
+                model,
+                dims,
+                me,
+                &tp_link,
+                t.microbatch,
+                step,
+            )
+        };
     for step in start_step..total_steps {
         // Progress marks for the launcher's stall detection (lockstep_comm::activity).
         lockstep_comm::activity::touch();
@@ -454,7 +469,40 @@ pub fn train<'a>(
         sec.communication += gather_seconds;
         let loss = loss[0] as f64;
 
+        let eval = if ledger.eval_due(step) {
+            Some(with_whole_stage(
+                &zero,
+                &params,
+                &mut dp_comm,
+                &mut *stage,
+                setup,
+                |stage| eval_at(comm, &mut pp_comm, stage, step),
+            )?)
+        } else {
+            None
+        };
+        let step_seconds = step_start.elapsed().as_secs_f64();
+        let bytes_after = comm.stats().bytes_sent
+            + pp_comm.stats().bytes_sent
+            + dp_comm.stats().bytes_sent
+            + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
+            + tp_link.bytes_sent();
+        let record = StepRecord {
+            rank,
+            step,
+            loss,
+            lr,
+            samples: mine.iter().map(|p| p.len()).sum(),
+            samples_per_sec: t.global_batch as f64 / step_seconds,
+            step_seconds,
+            seconds: sec,
+            bytes_sent: bytes_after - bytes_before,
+            eval,
+            pipeline: Some(timing.pipeline),
+            rss_bytes: None,
+        };
         let checkpoint_now = ledger.checkpoint_due(step);
+        ledger.record_step(comm, record, checkpoint_now)?;
         if checkpoint_now {
             let gathered;
             let stage_params: &[f32] = if zero.level() >= 3 {
@@ -489,50 +537,13 @@ pub fn train<'a>(
             }
         }
 
-        let eval = if ledger.eval_due(step) {
-            if zero.level() >= 3 {
-                let whole = zero.gather(&params, &mut dp_comm)?;
-                stage.set_params_flat(&whole).map_err(setup)?;
-            }
-            let eval = evaluate(
-                comm,
-                &mut pp_comm,
-                &mut *stage,
-                model,
-                dims,
-                me,
-                &tp_link,
-                t.microbatch,
-                step,
-            )?;
-            if zero.level() >= 3 {
-                stage.release_params();
-            }
-            Some(eval)
-        } else {
-            None
-        };
-        let step_seconds = step_start.elapsed().as_secs_f64();
-        let bytes_after = comm.stats().bytes_sent
-            + pp_comm.stats().bytes_sent
-            + dp_comm.stats().bytes_sent
-            + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
-            + tp_link.bytes_sent();
-        let record = StepRecord {
-            rank,
-            step,
-            loss,
-            lr,
-            samples: mine.iter().map(|p| p.len()).sum(),
-            samples_per_sec: t.global_batch as f64 / step_seconds,
-            step_seconds,
-            seconds: sec,
-            bytes_sent: bytes_after - bytes_before,
-            eval,
-            pipeline: Some(timing.pipeline),
-            rss_bytes: None,
-        };
-        ledger.end_step(comm, record, checkpoint_now)?;
+        ledger.step_done(step);
+    }
+    if ledger.final_evaluation_owed() {
+        let eval = with_whole_stage(&zero, &params, &mut dp_comm, &mut *stage, setup, |stage| {
+            eval_at(comm, &mut pp_comm, stage, total_steps - 1)
+        })?;
+        ledger.final_evaluation(eval);
     }
 
     // Replicas of a stage must agree; then rank 0 hashes the whole model and tells everyone.
@@ -684,6 +695,27 @@ fn gather_model(
         full.extend_from_slice(&buf);
     }
     Ok(Some(full))
+}
+
+/// Run `eval` on `stage` holding all its parameters: with ZeRO 3 gathered for it and released
+/// after (between steps a rank keeps only its chunks).
+fn with_whole_stage<T>(
+    zero: &Zero,
+    params: &[f32],
+    dp_comm: &mut Communicator,
+    stage: &mut dyn LayerStage,
+    setup: impl Fn(ReplicaError) -> TrainError,
+    eval: impl FnOnce(&mut dyn LayerStage) -> Result<T, TrainError>,
+) -> Result<T, TrainError> {
+    if zero.level() >= 3 {
+        let whole = zero.gather(params, dp_comm)?;
+        stage.set_params_flat(&whole).map_err(setup)?;
+    }
+    let out = eval(&mut *stage);
+    if zero.level() >= 3 {
+        stage.release_params();
+    }
+    out
 }
 
 /// Evaluate the model's evaluation samples through each replica's pipeline: fixed chunks of

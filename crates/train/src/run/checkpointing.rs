@@ -110,8 +110,19 @@ fn damage(path: &Path) -> Result<(), TrainError> {
         path: path.display().to_string(),
         cause: source,
     };
-    let mut bytes = std::fs::read(path).map_err(io)?;
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0xff;
-    std::fs::write(path, bytes).map_err(io)
+    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    // The file this rank just wrote, changed in place (never created, never through a link).
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(io)?;
+    let mid = f.metadata().map_err(io)?.len() / 2;
+    let mut byte = [0u8];
+    f.seek(SeekFrom::Start(mid)).map_err(io)?;
+    f.read_exact(&mut byte).map_err(io)?;
+    f.seek(SeekFrom::Start(mid)).map_err(io)?;
+    f.write_all(&[byte[0] ^ 0xff]).map_err(io)
 }

@@ -25,6 +25,15 @@ use crate::faults::Fault;
 use crate::memory::{current_rss_bytes, ModelState};
 use crate::metrics::{Eval, GradientSum, PipelineSummary, RankSummary, StepRecord, Summary};
 
+/// The training loss metrics.jsonl in `dir` records for `step` (NaN when it holds none).
+fn recorded_loss(dir: &Path, step: u64) -> f64 {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<StepRecord>(l).ok())
+        .find(|r| r.step == step)
+        .map_or(f64::NAN, |r| r.loss)
+}
+
 /// One rank's bookkeeping over one attempt of a run.
 pub(crate) struct Ledger<'a> {
     cfg: &'a TrainConfig,
@@ -47,6 +56,9 @@ pub(crate) struct Ledger<'a> {
     evals: Vec<(u64, Eval)>,
     last_loss: f64,
     gradient_sum: Option<GradientSum>,
+    /// Resumed from a checkpoint taken after the last step (an earlier attempt ended before its
+    /// summary): no step runs, the final evaluation is run again for the summary.
+    resumed_at_end: bool,
 }
 
 impl<'a> Ledger<'a> {
@@ -96,6 +108,7 @@ impl<'a> Ledger<'a> {
             evals: Vec::new(),
             last_loss: f64::NAN,
             gradient_sum: None,
+            resumed_at_end: false,
         };
         (comm, ledger)
     }
@@ -141,7 +154,33 @@ impl<'a> Ledger<'a> {
         if step > 0 && self.rank == 0 {
             (self.on_event)(Event::Resumed(step));
         }
+        if step > 0 && step >= self.total_steps {
+            // Every step is done: the summary still needs the last training loss (from
+            // metrics.jsonl, which holds every step up to a checkpoint) and the final evaluation.
+            self.resumed_at_end = true;
+            let mut loss = [f64::NAN];
+            if self.rank == 0 {
+                loss[0] = recorded_loss(self.out_dir, step - 1);
+                self.notice(format!(
+                    "every step was done before this attempt: evaluating the model of step \
+                     {step} again for the summary"
+                ));
+            }
+            comm.broadcast(&mut loss, 0)?;
+            self.last_loss = loss[0];
+        }
         Ok(step)
+    }
+
+    /// Did [`Ledger::resume`] find every step done, so that the loop runs no step and owes the
+    /// summary the final evaluation ([`Ledger::final_evaluation`])?
+    pub(crate) fn final_evaluation_owed(&self) -> bool {
+        self.resumed_at_end
+    }
+
+    /// The final evaluation, run again after a resume at the end.
+    pub(crate) fn final_evaluation(&mut self, eval: Eval) {
+        self.evals.push((self.total_steps, eval));
     }
 
     /// The learning rate of `step`.
@@ -184,34 +223,41 @@ impl<'a> Ledger<'a> {
         )
     }
 
-    /// After a step: keep its record (and evaluation), append to metrics.jsonl when a checkpoint
-    /// was taken (collective then), report progress.
-    pub(crate) fn end_step(
+    /// After a step's evaluation: keep its record (and evaluation), and when a checkpoint is due
+    /// append to metrics.jsonl (collective then). Called before that checkpoint is written, so
+    /// that a checkpoint on disk always has every step up to it in metrics.jsonl: a run that
+    /// fails between the two (a full disk, a kill) resumes from the previous checkpoint and
+    /// records the missing steps again. [`Ledger::step_done`] follows the checkpoint.
+    pub(crate) fn record_step(
         &mut self,
         comm: &mut Communicator,
         mut record: StepRecord,
-        checkpointed: bool,
+        checkpoint_due: bool,
     ) -> Result<(), TrainError> {
         record.rss_bytes = current_rss_bytes();
-        let (step, loss) = (record.step, record.loss);
         if let Some(e) = &record.eval {
-            self.evals.push((step + 1, e.clone()));
+            self.evals.push((record.step + 1, e.clone()));
         }
-        self.last_loss = loss;
+        self.last_loss = record.loss;
         self.records.push(record);
-        if checkpointed {
+        if checkpoint_due {
             self.metrics
                 .flush(comm, &self.records, self.out_dir, self.start_step)?;
         }
+        Ok(())
+    }
+
+    /// Report `step` done (after its checkpoint, if one was due, is on disk: the launcher may
+    /// regroup the job at it).
+    pub(crate) fn step_done(&mut self, step: u64) {
         let point = StepPoint {
             done: step + 1,
             total_steps: self.total_steps,
             start_step: self.start_step,
             started: self.started,
-            loss,
+            loss: self.last_loss,
         };
         emit_progress(self.cfg, self.rank, &point, &mut *self.on_event);
-        Ok(())
     }
 
     /// Records how the run sums its gradients (`summary.json`'s `gradient_sum`).

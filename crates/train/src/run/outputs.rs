@@ -56,14 +56,7 @@ impl MetricsLog {
             let mut lines = Vec::new();
             if !self.started {
                 if start_step > 0 {
-                    for line in std::fs::read_to_string(&path).unwrap_or_default().lines() {
-                        if serde_json::from_str::<StepRecord>(line)
-                            .is_ok_and(|r| r.step < start_step)
-                        {
-                            lines.extend_from_slice(line.as_bytes());
-                            lines.push(b'\n');
-                        }
-                    }
+                    lines = earlier_records(&path, start_step)?;
                 }
             } else {
                 lines = std::fs::read(&path).map_err(io)?;
@@ -78,6 +71,36 @@ impl MetricsLog {
         self.gathered.extend(new);
         Ok(())
     }
+}
+
+/// The lines of metrics.jsonl at `path` for steps before `start_step`, as they are. A line that is
+/// not a step record is an error naming it, never dropped: the file is the run's only record of
+/// those steps.
+fn earlier_records(path: &Path, start_step: u64) -> Result<Vec<u8>, TrainError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(cause) => {
+            return Err(TrainError::Io {
+                path: path.display().to_string(),
+                cause,
+            })
+        }
+    };
+    let mut lines = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let record: StepRecord =
+            serde_json::from_str(line).map_err(|e| TrainError::CorruptMetrics {
+                path: path.display().to_string(),
+                line: i + 1,
+                what: e.to_string(),
+            })?;
+        if record.step < start_step {
+            lines.extend_from_slice(line.as_bytes());
+            lines.push(b'\n');
+        }
+    }
+    Ok(lines)
 }
 
 pub(crate) fn write_outputs(
@@ -96,10 +119,9 @@ pub(crate) fn write_outputs(
     Ok(())
 }
 
-/// [`crate::files::replace_via`] with a temporary name next to `path`, for run outputs.
+/// [`crate::files::replace_atomically`], for run outputs and every other file lockstep writes.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    crate::files::replace_via(&tmp, path, bytes).map_err(|cause| TrainError::Io {
+    crate::files::replace_atomically(path, bytes).map_err(|cause| TrainError::Io {
         path: path.display().to_string(),
         cause,
     })
