@@ -21,6 +21,18 @@ ls -la "$work/mnt/run" "$work/mnt/run/checkpoints" >"$work/listing" 2>&1
 find "$work/mnt/run" -name '*tmp*' >"$work/leftovers"
 ls "$work/mnt/run/checkpoints" | grep -c '^step-' >"$work/kept" || true
 test -s "$work/mnt/run/config.toml" && echo yes >"$work/config_kept"
+# Space freed (the tmpfs grown): the resumed run ends, and metrics.jsonl holds every step once
+# per rank — a full disk while writing the metrics must not leave steps unrecorded for good.
+mount -o remount,size=64m "$work/mnt"
+"$bin" train --nproc 2 --resume "$work/mnt/run" >"$work/resume_log" 2>&1
+echo \$? >"$work/resume_status"
+python3 - "$work/mnt/run/metrics.jsonl" >"$work/metrics_check" 2>&1 <<'PY'
+import collections, json, sys
+seen = collections.Counter((r["rank"], r["step"]) for r in map(json.loads, open(sys.argv[1])))
+want = {(rank, step) for rank in range(2) for step in range(400)}
+missing, twice = want - set(seen), [k for k, n in seen.items() if n > 1]
+print("ok" if not missing and not twice and set(seen) == want else f"missing {sorted(missing)[:5]} ({len(missing)}), twice {twice[:5]}")
+PY
 INNER
 mkdir -p "$work/mnt"
 unshare --mount --propagation private bash "$work/inner.sh"
@@ -34,5 +46,7 @@ if grep -q "restart 1/" "$work/log"; then fail "a full disk was retried"; fi
 [[ ! -s "$work/leftovers" ]] || fail "temporary files left behind: $(cat "$work/leftovers")"
 [[ "$(cat "$work/kept")" -ge 1 ]] || fail "no earlier checkpoint kept"
 [[ -f "$work/config_kept" ]] || fail "config.toml lost"
-echo "disk-full: ok: exit 3, not retried, $(cat "$work/kept") earlier checkpoint(s) kept, no temporary file left"
+[[ "$(cat "$work/resume_status")" == 0 ]] || { tail -n 20 "$work/resume_log"; fail "the resumed run failed once space was freed"; }
+[[ "$(cat "$work/metrics_check")" == ok ]] || fail "metrics.jsonl after the resume: $(cat "$work/metrics_check")"
+echo "disk-full: ok: exit 3, not retried, $(cat "$work/kept") earlier checkpoint(s) kept, no temporary file left; resumed once space was freed, every step recorded once"
 grep "error" "$work/log" | tail -n 2

@@ -18,9 +18,12 @@ use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-/// The disk, or the user's quota, is full.
+/// The disk, or the user's quota, is full. By the error's kind, which survives the path context
+/// `tempfile` wraps its errors in (the raw OS code does not).
 pub fn is_no_space(e: &std::io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+    use std::io::ErrorKind;
+    matches!(e.kind(), ErrorKind::StorageFull | ErrorKind::QuotaExceeded)
+        || matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
 }
 
 /// An output path that holds something other than a regular file. Bad input: a restart cannot
@@ -119,6 +122,14 @@ pub fn probe_writable(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_disk_is_told_apart_through_tempfiles_path_context() {
+        let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        let wrapped = std::io::Error::new(full.kind(), format!("{full} at path \"x\""));
+        assert!(is_no_space(&full) && is_no_space(&wrapped));
+        assert!(!is_no_space(&std::io::Error::from_raw_os_error(libc::EIO)));
+    }
 
     #[test]
     fn replaces_a_regular_file_and_leaves_no_temporary() {
