@@ -13,6 +13,18 @@
 //!
 //! Refusals are logged in aggregate by [`RefusalLog`]: at most one line per interval, counts by
 //! reason, so a flood of thousands of connections writes a handful of lines.
+//!
+//! **Strangers on a real client's own address.** The budgets alone cannot tell a rank from a
+//! stranger on the same IP: when a budget place frees up, it goes to whichever connection arrives
+//! next, and a stranger that reconnects without pause always arrives before a real client pausing
+//! between retries, so it could keep that client out for as long as it liked. Hence the *lobby*
+//! ([`LobbyLimits`], `lobby.rs`): once a budget has been held for [`LobbyLimits::after`] by the same
+//! pending handshake (a real one takes a round trip, so that one is a stranger's), connections over
+//! it are no longer refused but wait in the lobby, without a thread: they are sent the hello at once
+//! and their proofs are checked on the accepting thread as they arrive, before any new connection
+//! is accepted. A real client passes in one round trip; the lobby's places are bounded per source
+//! and in total, and a newcomer pushes out the oldest waiter of its source (whose round trip, if
+//! it were real, would long be over).
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{ErrorKind, Read, Write};
@@ -41,10 +53,56 @@ impl Default for AdmissionLimits {
     }
 }
 
+/// Where connections over a pending budget wait without a thread (see the module documentation).
+#[derive(Debug, Clone, Copy)]
+pub struct LobbyLimits {
+    /// How long a budget must have been held by one pending handshake before connections over it
+    /// wait in the lobby instead of being refused at once.
+    pub after: Duration,
+    /// Waiting connections from one source IP; a new one pushes out that source's oldest.
+    pub per_ip: usize,
+    /// Waiting connections in total (at most a quarter of the process's descriptor limit); a new
+    /// one pushes out the oldest. 0 turns the lobby off.
+    pub total: usize,
+}
+
+impl Default for LobbyLimits {
+    fn default() -> Self {
+        Self {
+            after: Duration::from_millis(2500),
+            per_ip: 256,
+            total: 1024,
+        }
+    }
+}
+
+/// Why a connection got no place in the budgets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverBudget {
+    /// The log category, e.g. "handshake budget of 10.0.0.9 exhausted".
+    pub category: String,
+    /// The budget that refused it has been held by one pending handshake for at least the age
+    /// asked about: the connection may wait in the lobby.
+    pub stale: bool,
+}
+
 #[derive(Default)]
 struct Counts {
     total: usize,
     per_ip: HashMap<IpAddr, usize>,
+    /// Pending handshakes by (admission time, ticket number): the oldest first.
+    since: BTreeMap<(Instant, u64), IpAddr>,
+    next: u64,
+}
+
+impl Counts {
+    /// Whether the oldest pending handshake (of `ip`, or of anyone) was admitted by `cutoff`.
+    fn oldest_before(&self, ip: Option<IpAddr>, cutoff: Instant) -> bool {
+        self.since
+            .iter()
+            .take_while(|((t, _), _)| *t <= cutoff)
+            .any(|(_, &from)| ip.is_none_or(|ip| ip == from))
+    }
 }
 
 /// Counts pending handshakes per source and in total; cheap to share (`Arc` inside).
@@ -57,12 +115,20 @@ pub struct Admission {
 /// A pending handshake's place in the budgets; dropping it gives the place back.
 pub struct Pending {
     ip: IpAddr,
+    key: (Instant, u64),
     counts: Arc<Mutex<Counts>>,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pending({})", self.ip)
+    }
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
         let mut c = lock(&self.counts);
+        c.since.remove(&self.key);
         c.total -= 1;
         if let Some(n) = c.per_ip.get_mut(&self.ip) {
             *n -= 1;
@@ -87,18 +153,42 @@ impl Admission {
 
     /// A place in the budgets for one handshake from `ip`, or the reason (a log category) why not.
     pub fn try_admit(&self, ip: IpAddr) -> Result<Pending, String> {
+        self.try_admit_at(ip, Instant::now(), Duration::MAX)
+            .map_err(|o| o.category)
+    }
+
+    /// [`Admission::try_admit`] at `now`, saying whether the refusing budget has been held by one
+    /// pending handshake for at least `stale_after`.
+    pub fn try_admit_at(
+        &self,
+        ip: IpAddr,
+        now: Instant,
+        stale_after: Duration,
+    ) -> Result<Pending, OverBudget> {
         let mut c = lock(&self.counts);
+        let cutoff = now.checked_sub(stale_after);
+        let stale = |c: &Counts, of: Option<IpAddr>| cutoff.is_some_and(|t| c.oldest_before(of, t));
         let mine = c.per_ip.get(&ip).copied().unwrap_or(0);
         if mine >= self.limits.max_pending_per_ip {
-            return Err(format!("handshake budget of {ip} exhausted"));
+            return Err(OverBudget {
+                category: format!("handshake budget of {ip} exhausted"),
+                stale: stale(&c, Some(ip)),
+            });
         }
         if c.total >= self.limits.max_pending {
-            return Err("global handshake budget exhausted".into());
+            return Err(OverBudget {
+                category: "global handshake budget exhausted".into(),
+                stale: stale(&c, None),
+            });
         }
         c.total += 1;
         *c.per_ip.entry(ip).or_insert(0) += 1;
+        let key = (now, c.next);
+        c.next += 1;
+        c.since.insert(key, ip);
         Ok(Pending {
             ip,
+            key,
             counts: self.counts.clone(),
         })
     }
@@ -283,6 +373,39 @@ mod tests {
         drop(t1);
         assert_eq!(a.pending(), 2);
         let _t4 = a.try_admit(ip1).unwrap();
+    }
+
+    #[test]
+    fn an_over_budget_refusal_says_whether_the_budget_is_held_by_an_old_handshake() {
+        let a = Admission::new(AdmissionLimits {
+            handshake_deadline: Duration::from_secs(10),
+            max_pending_per_ip: 1,
+            max_pending: 2,
+        });
+        let (ip1, ip2, ip3): (IpAddr, IpAddr, IpAddr) = (
+            "127.0.0.2".parse().unwrap(),
+            "127.0.0.3".parse().unwrap(),
+            "127.0.0.4".parse().unwrap(),
+        );
+        let t0 = Instant::now();
+        let after = Duration::from_secs(2);
+        let old = a.try_admit_at(ip1, t0, after).unwrap();
+        let young = t0 + Duration::from_secs(1);
+        let over = a.try_admit_at(ip1, young, after).unwrap_err();
+        assert_eq!(over.category, "handshake budget of 127.0.0.2 exhausted");
+        assert!(!over.stale, "held for 1 s only");
+        assert!(a.try_admit_at(ip1, t0 + after, after).unwrap_err().stale);
+        // The global budget: stale as soon as any of its handshakes is old.
+        let _new = a.try_admit_at(ip2, young, after).unwrap();
+        let over = a.try_admit_at(ip3, young, after).unwrap_err();
+        assert_eq!(over.category, "global handshake budget exhausted");
+        assert!(!over.stale);
+        assert!(a.try_admit_at(ip3, t0 + after, after).unwrap_err().stale);
+        // Another source's old handshake does not make ip2's own budget stale.
+        drop(old);
+        let _ip1 = a.try_admit_at(ip1, t0 + after, after).unwrap();
+        let over = a.try_admit_at(ip2, t0 + after + Duration::from_millis(500), after);
+        assert!(!over.unwrap_err().stale);
     }
 
     #[test]

@@ -78,6 +78,22 @@ pub enum CommError {
     /// Other I/O during setup (binding, mapping shared memory, …).
     #[error("{context}: {detail}")]
     Setup { context: String, detail: String },
+    /// A shared-memory name this job must create or open is held by a file of another user
+    /// (`uid`, `user` when the user database knows it), who got there first. Only that user or
+    /// root can free it, so no restart under the same name can succeed: see
+    /// [`CommError::is_permanent`].
+    #[error(
+        "{path} is held by a file of {} (uid {uid}), not of this job's user (uid {me}): another \
+         user took the name first and only they or root can remove it, so restarting cannot help \
+         (remove the file, or use another shared-memory directory)",
+        .user.as_deref().map_or_else(|| "another user".to_string(), |u| format!("user {u}"))
+    )]
+    NameTaken {
+        path: String,
+        uid: u32,
+        user: Option<String>,
+        me: u32,
+    },
 }
 
 impl CommError {
@@ -92,6 +108,12 @@ impl CommError {
             op,
             detail: detail.into(),
         }
+    }
+
+    /// Whether retrying cannot cure this failure, whatever the timing: a launcher should end the
+    /// job instead of restarting it. Decided by the variant, never by the message.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self, CommError::NameTaken { .. })
     }
 }
 

@@ -23,6 +23,7 @@ pub mod fixed_point;
 #[cfg(test)]
 mod fuzz_util;
 pub mod inproc;
+pub(crate) mod lobby;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod shared_parts;

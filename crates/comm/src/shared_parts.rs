@@ -39,30 +39,37 @@
 //! and converted back by the same function, whichever rank forms it.
 //!
 //! Setup ([`SharedParts::establish`], collective): each rank creates its window under a name
-//! with a fresh random nonce (`lockstep-{job}-parts-{rank}-{nonce}`, 0600, memory reserved up
-//! front so a full tmpfs is found here and not by a SIGBUS later), the ranks all-gather their
-//! nonces, part counts, lengths and whether the window exists, map each other's windows
-//! (read-only) and check the header, then agree that everyone mapped everything, and each rank
-//! removes its window's name: nothing is left in the directory once setup returns, and the
-//! mappings live until the `SharedParts` is dropped. A crash inside setup can leave one window
-//! file; its name (nonce-unique) never collides with a later job's. When some rank cannot set up
-//! its window (a tmpfs too small for the gradients, say), every rank learns it in the same
-//! collective and the exact sum goes through the rings.
+//! with a fresh random nonce and its own pid and start time
+//! (`lockstep-{job}-parts-{rank}-{nonce}.{pid}.{start}`, 0600, never through a symlink, locked
+//! by its creator for as long as it lives, memory reserved up front so a full tmpfs is found here
+//! and not by a SIGBUS later), the ranks all-gather their nonces, part counts, lengths, whether
+//! the window exists and its creator, map each other's windows (read-only, only files of our own
+//! user) and check the header, then agree that everyone mapped everything, and each rank removes
+//! its window's name: nothing is left in the directory once setup returns, and the mappings live
+//! until the `SharedParts` is dropped. A crash inside setup can leave one window file; its name
+//! (nonce-unique) never collides with a later job's, and the next transport set up in that
+//! directory removes it once its creator is provably dead (`shm::reclaim_leaked`). When some rank
+//! cannot set up its window (a tmpfs too small for the gradients, a name held by another user),
+//! every rank learns it in the same collective and the exact sum goes through the rings.
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::ops::Range;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::communicator::Communicator;
 use crate::error::CommError;
+use crate::shm::Creator;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"LSPARTS1");
 /// Header bytes before the first part: line 0 holds magic, nonce and the parts this step; line 1
 /// the ping-pong word (its own line, so a measurement does not disturb the rest).
 const HEADER: usize = 128;
+/// Words per rank in the setup's all-gather: nonce, parts, length, created, creator pid and
+/// start time.
+const INFO: usize = 6;
 /// Reductions between two measurements of how far each peer's core is.
 pub const MEASURE_EVERY: u64 = 64;
 /// A peer whose round trip through the ping words takes longer than this is far: its lines are
@@ -107,6 +114,8 @@ struct Window {
     bytes: usize,
     /// Our own window's name, until it is removed.
     name: Option<PathBuf>,
+    /// Our own window's file, held open for its lock (which tells a reclaimer we are alive).
+    _file: Option<File>,
 }
 
 // SAFETY: the mappings stay valid until Drop; writes go only to our own window through `&mut
@@ -139,23 +148,41 @@ fn window_bytes(slots: usize, len: usize) -> Option<usize> {
         .checked_add(HEADER)
 }
 
-fn window_path(dir: &Path, job_id: &str, global_rank: usize, nonce: u64) -> PathBuf {
+/// The window's name: unique by its nonce, and naming its creator so that a leaked one can be
+/// reclaimed once the creator is provably dead.
+fn window_path(
+    dir: &Path,
+    job_id: &str,
+    global_rank: usize,
+    nonce: u64,
+    creator: Creator,
+) -> PathBuf {
     dir.join(format!(
-        "lockstep-{job_id}-parts-{global_rank}-{nonce:016x}"
+        "lockstep-{job_id}-parts-{global_rank}-{nonce:016x}.{}.{}",
+        creator.pid,
+        creator.start.unwrap_or(0)
     ))
 }
 
-/// Opens `path` and maps its `bytes` (which must be its size).
+/// Opens `path` (not through a symlink, only a file of our own user) and maps its `bytes` (which
+/// must be its size).
 fn open_and_map(path: &Path, bytes: usize, writable: bool) -> Result<*mut u8, CommError> {
     let file = OpenOptions::new()
         .read(true)
         .write(writable)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
-        .map_err(|e| CommError::setup(format!("open {}", path.display()), e))?;
-    let size = file
+        .map_err(|e| {
+            crate::shm::taken_by_other(path)
+                .unwrap_or_else(|| CommError::setup(format!("open {}", path.display()), e))
+        })?;
+    let meta = file
         .metadata()
-        .map_err(|e| CommError::setup(format!("stat {}", path.display()), e))?
-        .len();
+        .map_err(|e| CommError::setup(format!("stat {}", path.display()), e))?;
+    if let Some(taken) = crate::shm::owned_by_other(path, meta.uid(), crate::shm::my_uid()) {
+        return Err(taken);
+    }
+    let size = meta.len();
     if size != bytes as u64 {
         return Err(CommError::Rendezvous(format!(
             "{} holds {size} bytes, its rank announced {bytes}",
@@ -165,21 +192,29 @@ fn open_and_map(path: &Path, bytes: usize, writable: bool) -> Result<*mut u8, Co
     crate::shm::map(&file, bytes, path, writable)
 }
 
-/// Creates our window file with its memory reserved and its header written.
+/// Creates our window file, locked, with its memory reserved and its header written. A name
+/// held by another user is [`CommError::NameTaken`].
 fn create(path: &Path, bytes: usize, nonce: u64) -> Result<Window, CommError> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
-        .map_err(|e| CommError::setup(format!("create {}", path.display()), e))?;
+        .map_err(|e| {
+            crate::shm::taken_by_other(path)
+                .unwrap_or_else(|| CommError::setup(format!("create {}", path.display()), e))
+        })?;
     // The window owns the name from here on: any failure below removes it.
     let mut window = Window {
         base: std::ptr::null_mut(),
         bytes: 0,
         name: Some(path.to_path_buf()),
+        _file: None,
     };
+    crate::shm::lock_for_life(&file)
+        .map_err(|e| CommError::setup(format!("lock {}", path.display()), e))?;
     file.set_len(bytes as u64)
         .map_err(|e| CommError::setup(format!("size {} to {bytes} bytes", path.display()), e))?;
     crate::shm::reserve(&file, bytes).map_err(|why| {
@@ -195,6 +230,7 @@ fn create(path: &Path, bytes: usize, nonce: u64) -> Result<Window, CommError> {
     })?;
     window.base = crate::shm::map(&file, bytes, path, true)?;
     window.bytes = bytes;
+    window._file = Some(file);
     let words = window.header();
     words[1].store(nonce, Ordering::Relaxed);
     words[0].store(MAGIC, Ordering::Release);
@@ -233,7 +269,14 @@ impl SharedParts {
         };
         let me = comm.rank();
         let nonce = crate::shm::random_nonce()?;
-        let path = window_path(&shared.dir, &shared.job_id, comm.global_rank_of(me), nonce);
+        let creator = Creator::me();
+        let path = window_path(
+            &shared.dir,
+            &shared.job_id,
+            comm.global_rank_of(me),
+            nonce,
+            creator,
+        );
         let mut own = match window_bytes(slots, len) {
             Some(bytes) => create(&path, bytes, nonce),
             None => Err(CommError::invalid(
@@ -242,18 +285,20 @@ impl SharedParts {
             )),
         };
 
-        // [nonce, slots, len, created] per rank; i64 carries the u64s bit for bit.
-        let mut info = vec![0i64; 4 * n];
-        info[4 * me..4 * me + 4].copy_from_slice(&[
+        // [nonce, slots, len, created, pid, start] per rank; i64 carries the u64s bit for bit.
+        let mut info = vec![0i64; INFO * n];
+        info[INFO * me..INFO * (me + 1)].copy_from_slice(&[
             nonce as i64,
             slots as i64,
             len as i64,
             own.is_ok() as i64,
+            creator.pid as i64,
+            creator.start.unwrap_or(0) as i64,
         ]);
         comm.all_gather_chunks(&mut info)?;
-        let info: Vec<[u64; 4]> = info
-            .chunks(4)
-            .map(|c| [c[0] as u64, c[1] as u64, c[2] as u64, c[3] as u64])
+        let info: Vec<[u64; INFO]> = info
+            .chunks(INFO)
+            .map(|c| std::array::from_fn(|k| c[k] as u64))
             .collect();
         if let Some(r) = info.iter().position(|i| i[2] != len as u64) {
             return Err(CommError::invalid(
@@ -276,7 +321,7 @@ impl SharedParts {
 
         let mut windows = Vec::with_capacity(n);
         let mut failed = None;
-        for (r, &[nonce_r, slots_r, ..]) in info.iter().enumerate() {
+        for (r, &[nonce_r, slots_r, _, _, pid_r, start_r]) in info.iter().enumerate() {
             if r == me {
                 windows.push(std::mem::replace(
                     &mut own,
@@ -284,7 +329,17 @@ impl SharedParts {
                 )?);
                 continue;
             }
-            let path = window_path(&shared.dir, &shared.job_id, comm.global_rank_of(r), nonce_r);
+            let creator_r = Creator {
+                pid: pid_r as u32,
+                start: Some(start_r).filter(|&s| s != 0),
+            };
+            let path = window_path(
+                &shared.dir,
+                &shared.job_id,
+                comm.global_rank_of(r),
+                nonce_r,
+                creator_r,
+            );
             let bytes = window_bytes(slots_r as usize, len).expect("created, so it fits");
             match open_and_map(&path, bytes, false) {
                 Ok(base) => {
@@ -292,6 +347,7 @@ impl SharedParts {
                         base,
                         bytes,
                         name: None,
+                        _file: None,
                     };
                     let h = window.header();
                     if h[0].load(Ordering::Acquire) != MAGIC

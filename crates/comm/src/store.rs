@@ -11,7 +11,9 @@
 //!
 //! Limits (see `docs/security.md`): a connection that has not authenticated is *pending*; pending
 //! connections are limited per source IP and in total ([`AdmissionLimits`]), and one over budget
-//! is closed on the accept thread without starting a thread or reading a byte. An admitted one has
+//! is closed on the accept thread without starting a thread or reading a byte — unless that budget
+//! has been held by the same handshake for a while, when it waits in the lobby instead
+//! ([`LobbyLimits`]; why: `admission.rs`). An admitted one has
 //! one deadline for its whole handshake, so trickling bytes does not keep it alive. Authenticated
 //! connections have their own cap ([`StoreOptions::max_authenticated`]). Clients retry refused or
 //! broken attempts with capped exponential backoff until their own deadline ([`wire::dial`]).
@@ -31,9 +33,12 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::admission::{categorize, Admission, AdmissionLimits, Deadlined, Pending, RefusalLog};
+use crate::admission::{
+    categorize, Admission, AdmissionLimits, Deadlined, LobbyLimits, Pending, RefusalLog,
+};
 use crate::auth::JobSecret;
 use crate::error::{CommError, Result};
+use crate::lobby::{Lobby, Outcome};
 use crate::wire::{self, Service, PREFIX_LEN};
 
 /// Longest key the store accepts.
@@ -51,6 +56,8 @@ pub struct StoreOptions {
     pub max_authenticated: usize,
     /// At most one refusal log line per this interval.
     pub refusal_log_interval: Duration,
+    /// Where connections over a stale pending budget wait without a thread.
+    pub lobby: LobbyLimits,
 }
 
 impl Default for StoreOptions {
@@ -59,6 +66,7 @@ impl Default for StoreOptions {
             admission: AdmissionLimits::default(),
             max_authenticated: 1024,
             refusal_log_interval: Duration::from_secs(5),
+            lobby: LobbyLimits::default(),
         }
     }
 }
@@ -76,6 +84,10 @@ const ST_OK: u8 = 0;
 const ST_VALUE: u8 = 1;
 const ST_MISSING: u8 = 2;
 const ST_ERROR: u8 = 3;
+
+/// Connections accepted between two looks at the lobby, so that a flood of new ones cannot delay
+/// the proofs already waiting there.
+const ACCEPT_BATCH: usize = 64;
 
 const REQUEST_HEADER_LEN: usize = PREFIX_LEN + 1 + 4 + 4;
 const ANSWER_HEADER_LEN: usize = PREFIX_LEN + 1 + 4;
@@ -107,6 +119,8 @@ struct Shared {
     options: StoreOptions,
     log: Mutex<RefusalLog>,
     log_lines: AtomicU64,
+    /// Connections waiting in the lobby (kept by the accept thread, counted here for tests).
+    lobby_len: AtomicUsize,
 }
 
 /// Decrements `Shared::authenticated` when an authenticated connection ends, however it ends.
@@ -177,11 +191,13 @@ impl StoreServer {
             options,
             log: Mutex::new(RefusalLog::new(options.refusal_log_interval)),
             log_lines: AtomicU64::new(0),
+            lobby_len: AtomicUsize::new(0),
         });
+        let lobby = Lobby::new(options.lobby, secret, &shared.context, Service::Store);
         let s = shared.clone();
         let accept_thread = std::thread::Builder::new()
             .name("lockstep-store-accept".into())
-            .spawn(move || accept_loop(listener, s))
+            .spawn(move || accept_loop(listener, lobby, s))
             .map_err(|e| CommError::setup("starting the store's accept thread", e))?;
         Ok(StoreServer {
             shared,
@@ -209,9 +225,14 @@ impl StoreServer {
         lock(&self.shared.log).cumulative().clone()
     }
 
-    /// Connections in their handshake now.
+    /// Connections in their handshake now, on threads of their own (not counting the lobby).
     pub fn pending_handshakes(&self) -> usize {
         self.shared.admission.pending()
+    }
+
+    /// Connections waiting in the lobby now.
+    pub fn lobby_handshakes(&self) -> usize {
+        self.shared.lobby_len.load(Ordering::SeqCst)
     }
 
     /// Authenticated connections open now.
@@ -247,38 +268,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    let mut pfd = libc::pollfd {
-        fd: listener.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
+fn accept_loop(listener: TcpListener, mut lobby: Lobby, shared: Arc<Shared>) {
     while !shared.stop.load(Ordering::SeqCst) {
-        // SAFETY: one valid pollfd that outlives the call.
-        unsafe { libc::poll(&mut pfd, 1, 100) };
+        // Proofs already waiting in the lobby are judged before anything new is accepted.
+        for outcome in lobby.wait(listener.as_raw_fd(), Duration::from_millis(100)) {
+            settle(outcome, &shared);
+        }
         let line = lock(&shared.log).tick(Instant::now());
         shared.emit(line);
-        loop {
+        for _ in 0..ACCEPT_BATCH {
             match listener.accept() {
-                Ok((stream, peer)) => {
-                    // Over budget: closed here, on the accept thread; nothing read, no thread.
-                    let ticket = match shared.admission.try_admit(peer.ip()) {
-                        Ok(t) => t,
-                        Err(category) => {
-                            drop(stream);
-                            shared.refuse(peer, &category, &category);
-                            continue;
-                        }
-                    };
-                    let s = shared.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("lockstep-store-conn".into())
-                        .spawn(move || serve_connection(stream, peer, ticket, s));
-                    if spawned.is_err() {
-                        // The closure (and with it the ticket) was dropped, giving back the place.
-                        shared.refuse(peer, "no thread", "could not start a thread for it");
-                    }
-                }
+                Ok((stream, peer)) => admit(stream, peer, &mut lobby, &shared),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -289,6 +289,56 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 }
             }
         }
+        shared.lobby_len.store(lobby.len(), Ordering::SeqCst);
+    }
+}
+
+/// A new connection: a place in the budgets and a thread for its handshake; over budget, the
+/// lobby if that budget is stale, else closed here, on the accept thread, with nothing read.
+fn admit(stream: TcpStream, peer: SocketAddr, lobby: &mut Lobby, shared: &Arc<Shared>) {
+    let limits = lobby.limits();
+    let now = Instant::now();
+    match shared.admission.try_admit_at(peer.ip(), now, limits.after) {
+        Ok(ticket) => {
+            let s = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name("lockstep-store-conn".into())
+                .spawn(move || serve_connection(stream, peer, ticket, s));
+            if spawned.is_err() {
+                // The closure (and with it the ticket) was dropped, giving back the place.
+                shared.refuse(peer, "no thread", "could not start a thread for it");
+            }
+        }
+        Err(over) if over.stale && limits.total > 0 => {
+            let until = now + shared.options.admission.handshake_deadline;
+            for outcome in lobby.park(stream, peer, until) {
+                settle(outcome, shared);
+            }
+        }
+        Err(over) => {
+            drop(stream);
+            shared.refuse(peer, &over.category, &over.category);
+        }
+    }
+}
+
+/// What the lobby decided about a waiting connection.
+fn settle(outcome: Outcome, shared: &Arc<Shared>) {
+    match outcome {
+        Outcome::Admitted(stream, peer) => {
+            let s = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name("lockstep-store-conn".into())
+                .spawn(move || serve_authenticated(stream, peer, s));
+            if spawned.is_err() {
+                shared.refuse(peer, "no thread", "could not start a thread for it");
+            }
+        }
+        Outcome::Refused {
+            peer,
+            category,
+            detail,
+        } => shared.refuse(peer, &category, &detail),
     }
 }
 
@@ -325,6 +375,11 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, ticket: Pending, shared
         return;
     }
     drop(ticket);
+    serve_authenticated(stream, peer, shared);
+}
+
+/// Serves the requests of a connection that passed the handshake, within the authenticated cap.
+fn serve_authenticated(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     if shared.authenticated.fetch_add(1, Ordering::SeqCst) >= shared.options.max_authenticated {
         shared.authenticated.fetch_sub(1, Ordering::SeqCst);
         shared.refuse(

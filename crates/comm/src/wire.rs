@@ -35,7 +35,8 @@ pub const PROTOCOL_VERSION: u16 = 1;
 /// `MAGIC` + version.
 pub const PREFIX_LEN: usize = 6;
 const HELLO_LEN: usize = PREFIX_LEN + 1 + NONCE_LEN;
-const PROOF_LEN: usize = PREFIX_LEN + 1 + NONCE_LEN + MAC_LEN;
+/// Bytes of the connector's proof, which the acceptor reads after its hello.
+pub(crate) const PROOF_LEN: usize = PREFIX_LEN + 1 + NONCE_LEN + MAC_LEN;
 const VERDICT_LEN: usize = PREFIX_LEN + 1 + MAC_LEN;
 
 const VERDICT_OK: u8 = 0;
@@ -95,12 +96,8 @@ pub fn accept_handshake<S: Read + Write>(
     service: Service,
 ) -> Result<(), String> {
     let nonce_a = random_nonce();
-    let mut hello = [0u8; HELLO_LEN];
-    hello[..PREFIX_LEN].copy_from_slice(&prefix());
-    hello[PREFIX_LEN] = service as u8;
-    hello[PREFIX_LEN + 1..].copy_from_slice(&nonce_a);
     stream
-        .write_all(&hello)
+        .write_all(&hello_message(service, &nonce_a))
         .map_err(|e| io_reason("sending hello", &e))?;
 
     // Read the prefix on its own first, so garbage is refused after six bytes instead of
@@ -110,43 +107,94 @@ pub fn accept_handshake<S: Read + Write>(
         .read_exact(&mut proof[..PREFIX_LEN])
         .map_err(|e| io_reason("reading proof", &e))?;
     let pre: [u8; PREFIX_LEN] = proof[..PREFIX_LEN].try_into().unwrap();
-    if let Err(reason) = check_prefix(&pre) {
-        if pre[..4] == MAGIC {
-            // A lockstep peer of another version: tell it why before hanging up.
-            let _ = send_verdict(stream, VERDICT_BAD_VERSION, &[0u8; MAC_LEN]);
-        }
-        return Err(reason);
-    }
+    judge_proof_prefix(&pre).map_err(|r| r.answer(stream))?;
     stream
         .read_exact(&mut proof[PREFIX_LEN..])
         .map_err(|e| io_reason("reading proof", &e))?;
-    if proof[PREFIX_LEN] != service as u8 {
-        let _ = send_verdict(stream, VERDICT_WRONG_SERVICE, &[0u8; MAC_LEN]);
-        return Err(format!(
-            "peer expected {} but this is {}",
-            Service::describe(proof[PREFIX_LEN]),
-            Service::describe(service as u8)
-        ));
-    }
-    let nonce_c = &proof[PREFIX_LEN + 1..PREFIX_LEN + 1 + NONCE_LEN];
-    let mac = &proof[PREFIX_LEN + 1 + NONCE_LEN..];
-    if !secret.verify(&[b"lockstep-auth-v1|c|", context, &nonce_a, nonce_c], mac) {
-        let _ = send_verdict(stream, VERDICT_BAD_AUTH, &[0u8; MAC_LEN]);
-        return Err("authentication failed (wrong secret or job id)".into());
-    }
-    let answer = acceptor_proof(secret, context, &nonce_a, nonce_c);
-    send_verdict(stream, VERDICT_OK, &answer).map_err(|e| io_reason("sending verdict", &e))
+    let verdict =
+        judge_proof(&proof, &nonce_a, secret, context, service).map_err(|r| r.answer(stream))?;
+    stream
+        .write_all(&verdict)
+        .map_err(|e| io_reason("sending verdict", &e))
 }
 
-fn send_verdict<S: Write>(stream: &mut S, status: u8, mac: &[u8; MAC_LEN]) -> std::io::Result<()> {
+/// The acceptor's first message: prefix, `service`, `nonce_a`.
+pub(crate) fn hello_message(service: Service, nonce_a: &[u8; NONCE_LEN]) -> [u8; HELLO_LEN] {
+    let mut hello = [0u8; HELLO_LEN];
+    hello[..PREFIX_LEN].copy_from_slice(&prefix());
+    hello[PREFIX_LEN] = service as u8;
+    hello[PREFIX_LEN + 1..].copy_from_slice(nonce_a);
+    hello
+}
+
+/// Why the acceptor refuses a proof: the reason (for its log) and the verdict to send back first,
+/// where the remote deserves one (a lockstep peer of another version or service, a wrong MAC).
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    pub reason: String,
+    pub verdict: Option<[u8; VERDICT_LEN]>,
+}
+
+impl Refusal {
+    /// Sends the verdict, if any (best effort: the connection is dropped next), and gives the
+    /// reason.
+    pub fn answer<S: Write>(self, stream: &mut S) -> String {
+        if let Some(v) = self.verdict {
+            let _ = stream.write_all(&v);
+        }
+        self.reason
+    }
+}
+
+fn verdict_message(status: u8, mac: &[u8; MAC_LEN]) -> [u8; VERDICT_LEN] {
     let mut v = [0u8; VERDICT_LEN];
     v[..PREFIX_LEN].copy_from_slice(&prefix());
     v[PREFIX_LEN] = status;
     v[PREFIX_LEN + 1..].copy_from_slice(mac);
-    stream.write_all(&v)
+    v
 }
 
-fn io_reason(what: &str, e: &std::io::Error) -> String {
+/// Judges the first `PREFIX_LEN` bytes of a proof, so that garbage is refused before the rest.
+pub(crate) fn judge_proof_prefix(pre: &[u8; PREFIX_LEN]) -> Result<(), Refusal> {
+    check_prefix(pre).map_err(|reason| Refusal {
+        reason,
+        // A lockstep peer of another version is told why before the hang-up.
+        verdict: (pre[..4] == MAGIC).then(|| verdict_message(VERDICT_BAD_VERSION, &[0; MAC_LEN])),
+    })
+}
+
+/// Judges a whole proof (its prefix already passed) against our `nonce_a`; on success, the verdict
+/// to send, carrying the acceptor's own proof.
+pub(crate) fn judge_proof(
+    proof: &[u8; PROOF_LEN],
+    nonce_a: &[u8; NONCE_LEN],
+    secret: &JobSecret,
+    context: &[u8],
+    service: Service,
+) -> Result<[u8; VERDICT_LEN], Refusal> {
+    if proof[PREFIX_LEN] != service as u8 {
+        return Err(Refusal {
+            reason: format!(
+                "peer expected {} but this is {}",
+                Service::describe(proof[PREFIX_LEN]),
+                Service::describe(service as u8)
+            ),
+            verdict: Some(verdict_message(VERDICT_WRONG_SERVICE, &[0; MAC_LEN])),
+        });
+    }
+    let nonce_c = &proof[PREFIX_LEN + 1..PREFIX_LEN + 1 + NONCE_LEN];
+    let mac = &proof[PREFIX_LEN + 1 + NONCE_LEN..];
+    if !secret.verify(&[b"lockstep-auth-v1|c|", context, nonce_a, nonce_c], mac) {
+        return Err(Refusal {
+            reason: "authentication failed (wrong secret or job id)".into(),
+            verdict: Some(verdict_message(VERDICT_BAD_AUTH, &[0; MAC_LEN])),
+        });
+    }
+    let answer = acceptor_proof(secret, context, nonce_a, nonce_c);
+    Ok(verdict_message(VERDICT_OK, &answer))
+}
+
+pub(crate) fn io_reason(what: &str, e: &std::io::Error) -> String {
     match e.kind() {
         ErrorKind::UnexpectedEof => format!("connection closed while {what}"),
         ErrorKind::WouldBlock | ErrorKind::TimedOut => format!("timed out while {what}"),

@@ -29,7 +29,18 @@
 //! different file than the one it claimed (it attached to a stale file just before the owner
 //! replaced it) drops it and attaches again. Nothing is left in `dir` once all ranks returned
 //! from `establish` or dropped their transport; a crash leaves at most the crashed rank's file, which
-//! the next job with the same id replaces.
+//! the next job with the same id replaces, and which any later transport set up in `dir` removes
+//! once its owner is provably dead ([`reclaim_leaked`], run at the start of `establish` for every
+//! job but its own; see `reclaim.rs`).
+//!
+//! **Other users.** `dir` is normally `/dev/shm`, shared by every local user (sticky, world
+//! writable). A file of another user at a name this job needs can be neither replaced nor opened
+//! usefully, so `establish` stops at once with [`CommError::NameTaken`] (path, the owner's uid and
+//! name), which [`CommError::is_permanent`] marks as not curable by a restart. Names built from the
+//! job id alone can be guessed by whoever learns the id (it shows in `dir` as soon as one rank's
+//! file exists); [`ShmTransport::establish_keyed`] adds a tag derived from the job's secret to
+//! every name, so no one without the secret can take one first. Segments are never opened through
+//! a symlink.
 //!
 //! **Transfers.** `send`, `recv` and `send_recv` are non-blocking steps driven by one loop
 //! (`drive`): write what fits, read what is there, repeat; so mirror-image `send_recv` calls of any
@@ -54,6 +65,8 @@
 //! an error at setup, not a SIGBUS later); `dir` should be tmpfs, a disk-backed directory works
 //! but is slow.
 
+mod owner;
+mod reclaim;
 mod ring;
 mod segment;
 mod wait;
@@ -63,10 +76,13 @@ use std::path::PathBuf;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::auth::JobSecret;
 use crate::error::{CommError, LinkFailure, Result, TransportError};
 use crate::transport::{SharedMemory, Tag, Transport};
+pub(crate) use owner::{my_uid, owned_by_other, taken_by_other, Creator};
+pub use reclaim::{reclaim_leaked, ReclaimReport};
 use ring::{Incoming, Outgoing, Ring};
-pub(crate) use segment::{map, reserve};
+pub(crate) use segment::{lock_for_life, map, reserve};
 use segment::{segment_path, Attach, Expect, Segment};
 use wait::{Backoff, Phase};
 use write_path::WritePathChooser;
@@ -149,6 +165,20 @@ fn validate_job_id(job_id: &str) -> Result<()> {
     Ok(())
 }
 
+/// Reclaims what dead jobs leaked in `dir` before this job adds its own files, sparing the files
+/// of `job_id` (which `establish` replaces itself); one line on stderr when something was removed.
+fn reclaim_for(dir: &std::path::Path, job_id: &str) {
+    let r = reclaim::reclaim(dir, Some(job_id));
+    if !r.removed.is_empty() {
+        eprintln!(
+            "lockstep shm: removed {} file(s), {} bytes, that dead jobs left in {}",
+            r.removed.len(),
+            r.bytes,
+            dir.display()
+        );
+    }
+}
+
 pub(crate) fn random_nonce() -> Result<u64> {
     let mut b = [0u8; 8];
     getrandom::getrandom(&mut b).map_err(|e| CommError::setup("shm establish: random nonce", e))?;
@@ -159,13 +189,39 @@ impl ShmTransport {
     /// Connect rank `rank` of `world` to all other ranks of job `job_id` on this host. All ranks
     /// call this with the same `job_id` and options; it returns once every rank has mapped every
     /// ring it needs (and the segment names are gone), or fails after `timeout` naming what is
-    /// missing.
+    /// missing. The segment names follow from the job id alone: where another local user could
+    /// learn it, prefer [`ShmTransport::establish_keyed`].
     pub fn establish(
         rank: usize,
         world: usize,
         job_id: &str,
         timeout: Duration,
         opts: &ShmOptions,
+    ) -> Result<ShmTransport> {
+        Self::establish_with(rank, world, job_id, timeout, opts, None)
+    }
+
+    /// [`ShmTransport::establish`] with segment names that also depend on `key` (the job's
+    /// secret, which every rank holds): no one without it can guess a name and create it first.
+    /// All ranks must pass the same key.
+    pub fn establish_keyed(
+        rank: usize,
+        world: usize,
+        job_id: &str,
+        timeout: Duration,
+        opts: &ShmOptions,
+        key: &JobSecret,
+    ) -> Result<ShmTransport> {
+        Self::establish_with(rank, world, job_id, timeout, opts, Some(key))
+    }
+
+    fn establish_with(
+        rank: usize,
+        world: usize,
+        job_id: &str,
+        timeout: Duration,
+        opts: &ShmOptions,
+        key: Option<&JobSecret>,
     ) -> Result<ShmTransport> {
         validate_job_id(job_id)?;
         if world == 0 || world > MAX_WORLD || rank >= world {
@@ -202,8 +258,10 @@ impl ShmTransport {
         let started = Instant::now();
         let deadline = started + timeout;
         let nonce = random_nonce()?;
+        reclaim_for(&opts.dir, job_id);
 
-        let mut own = Segment::create(&opts.dir, job_id, rank, world, ring_bytes, nonce)?;
+        let own_path = segment_path(&opts.dir, job_id, rank, key);
+        let mut own = Segment::create(&opts.dir, own_path, rank, world, ring_bytes, nonce)?;
         let mut peers: Vec<Option<Segment>> = (0..world).map(|_| None).collect();
         let mut peer_ready = vec![false; world];
         peer_ready[rank] = true;
@@ -269,7 +327,7 @@ impl ShmTransport {
                     }
                     continue;
                 }
-                let path = segment_path(&opts.dir, job_id, q);
+                let path = segment_path(&opts.dir, job_id, q, key);
                 let expect = Expect {
                     owner: q,
                     world,

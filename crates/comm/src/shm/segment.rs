@@ -11,7 +11,9 @@
 //! ```
 //!
 //! Identity fields are written before the file gets its public name (create under a temporary name,
-//! then `rename`), so anyone who can open the public name sees a fully initialised header. The owner
+//! then `rename`), so anyone who can open the public name sees a fully initialised header; they
+//! include the owner's start time, so that a later job can prove a leaked file's owner dead even
+//! after its pid was reused (`reclaim.rs`). The owner
 //! holds an open-file-description lock (`F_OFD_SETLK`) on the file for as long as its segment is
 //! mapped; the kernel drops it when the owner's last descriptor closes, i.e. at process exit even
 //! while the process is still an unreaped zombie. Peers test it with `F_OFD_GETLK`: this is how a
@@ -25,6 +27,8 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use super::owner::{my_uid, owned_by_other, taken_by_other, Creator};
+use crate::auth::JobSecret;
 use crate::error::CommError;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"LCKSTSHM");
@@ -43,7 +47,10 @@ pub(super) struct SegHeader {
     pub ring_bytes: u64,
     pub owner_nonce: u64,
     pub data_offset: u64,
-    _pad0: [u8; 128 - 48],
+    /// The owner's start time (`/proc/<pid>/stat`), 0 if unknown; with `owner_pid` it tells the
+    /// owner from a later process that got the same pid.
+    pub owner_start: u64,
+    _pad0: [u8; 128 - 56],
     /// Set by the owner once every writer has claimed its slot (the name is unlinked right after).
     pub ready: AtomicU32,
     /// Set by the owner when its transport is dropped.
@@ -87,8 +94,45 @@ pub(super) fn layout(world: usize, ring_bytes: usize) -> Option<(usize, usize)> 
     Some((data, total))
 }
 
-pub(super) fn segment_path(dir: &Path, job_id: &str, rank: usize) -> PathBuf {
-    dir.join(format!("lockstep-{job_id}-{rank}"))
+/// Public name of rank `rank`'s segment: `lockstep-{job_id}-{rank}`, followed with a key by
+/// `-{tag}`, 16 hex digits of `HMAC(key, job id, rank)`: a user without the key can neither guess
+/// a segment's name before it exists nor derive one rank's name from another's, so cannot take
+/// it first.
+pub(super) fn segment_path(
+    dir: &Path,
+    job_id: &str,
+    rank: usize,
+    key: Option<&JobSecret>,
+) -> PathBuf {
+    match key {
+        None => dir.join(format!("lockstep-{job_id}-{rank}")),
+        Some(key) => {
+            let mac = key.mac(&[
+                b"lockstep-shm-name-v1|",
+                job_id.as_bytes(),
+                b"|",
+                &(rank as u64).to_le_bytes(),
+            ]);
+            dir.join(format!(
+                "lockstep-{job_id}-{rank}-{}",
+                hex::encode(&mac[..8])
+            ))
+        }
+    }
+}
+
+/// The private name a segment is prepared under before it is renamed to `public`:
+/// `.{public}.{pid}.{start}.{nonce}.tmp`, so that a leaked one names its creator.
+fn tmp_path(public: &Path, me: Creator, nonce: u64) -> PathBuf {
+    let name = public
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    public.with_file_name(format!(
+        ".{name}.{}.{}.{nonce:016x}.tmp",
+        me.pid,
+        me.start.unwrap_or(0)
+    ))
 }
 
 /// What a writer expects of the segment it opens.
@@ -187,43 +231,39 @@ fn dev_ino(meta: &std::fs::Metadata) -> (u64, u64) {
 }
 
 impl Segment {
-    /// Create this rank's segment: initialise it under a private temporary name, lock it, then
-    /// atomically `rename` it over the public name. The rename also replaces any stale file a
-    /// crashed earlier job with the same id left there, so such a file can never wedge a new job.
+    /// Create this rank's segment at `path` (in `dir`): initialise it under a private temporary
+    /// name, lock it, then atomically `rename` it over the public name. The rename also replaces
+    /// any stale file a crashed earlier job with the same id left there, so such a file can never
+    /// wedge a new job; a file of another user there cannot be replaced (sticky directory) and is
+    /// [`CommError::NameTaken`].
     pub fn create(
         dir: &Path,
-        job_id: &str,
+        path: PathBuf,
         rank: usize,
         world: usize,
         ring_bytes: usize,
         nonce: u64,
     ) -> Result<Segment, CommError> {
-        let path = segment_path(dir, job_id, rank);
         let (data_offset, len) = layout(world, ring_bytes).ok_or_else(|| {
             CommError::setup(
                 "shm",
                 format!("segment for world {world} × {ring_bytes} B overflows"),
             )
         })?;
-        let pid = std::process::id();
-        let tmp = dir.join(format!(".lockstep-{job_id}-{rank}.{pid}.{nonce:016x}.tmp"));
+        let me = Creator::me();
+        let pid = me.pid;
+        let tmp = tmp_path(&path, me, nonce);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)
             .map_err(|e| os_err(format!("create {}", tmp.display()), e))?;
         // From here on, remove the temporary name if anything fails.
         let cleanup = TmpGuard(&tmp);
-        let fl = whole_file_lock(libc::F_WRLCK);
-        // SAFETY: FFI with a valid fd and a valid flock.
-        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
-            return Err(os_err(
-                format!("lock {}", tmp.display()),
-                io::Error::last_os_error(),
-            ));
-        }
+        lock_for_life(&file).map_err(|e| os_err(format!("lock {}", tmp.display()), e))?;
         file.set_len(len as u64)
             .map_err(|e| os_err(format!("size {} to {len} bytes", tmp.display()), e))?;
         // Reserve the memory now: a tmpfs that runs out of space later (Docker's default /dev/shm is
@@ -263,12 +303,16 @@ impl Segment {
             std::ptr::addr_of_mut!((*h).ring_bytes).write(ring_bytes as u64);
             std::ptr::addr_of_mut!((*h).owner_nonce).write(nonce);
             std::ptr::addr_of_mut!((*h).data_offset).write(data_offset as u64);
+            std::ptr::addr_of_mut!((*h).owner_start).write(me.start.unwrap_or(0));
         }
         // Our own slot (messages to ourselves) is claimed by us.
         seg.slot(rank).writer_nonce.store(nonce, Ordering::Relaxed);
         seg.slot(rank).writer_pid.store(pid, Ordering::Relaxed);
-        std::fs::rename(&tmp, &path)
-            .map_err(|e| os_err(format!("rename {} to {}", tmp.display(), path.display()), e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| {
+            taken_by_other(&path).unwrap_or_else(|| {
+                os_err(format!("rename {} to {}", tmp.display(), path.display()), e)
+            })
+        })?;
         std::mem::forget(cleanup);
         seg.owns_name = true;
         Ok(seg)
@@ -276,10 +320,20 @@ impl Segment {
 
     /// One attempt to open and claim our writer slot in `path` (the segment of rank `expect.owner`).
     /// Files that may still be replaced by the real owner (missing, foreign, stale, from an older
-    /// version) are `NotYet`; a live owner whose job disagrees with ours is a hard error.
+    /// version) are `NotYet`; a live owner whose job disagrees with ours is a hard error, and so
+    /// is a file of another user, which the owner can never replace ([`CommError::NameTaken`]).
+    /// Symlinks are not followed.
     pub fn attach(path: &Path, expect: &Expect) -> Result<Attach, CommError> {
         let owner = expect.owner;
-        let file = match OpenOptions::new().read(true).write(true).open(path) {
+        if let Some(taken) = taken_by_other(path) {
+            return Err(taken);
+        }
+        let file = match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(path)
+        {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 return Ok(Attach::NotYet(format!(
@@ -297,6 +351,10 @@ impl Segment {
         let meta = file
             .metadata()
             .map_err(|e| os_err(format!("stat {}", path.display()), e))?;
+        // Checked again on what was opened: the name may have been taken since the look above.
+        if let Some(taken) = owned_by_other(path, meta.uid(), my_uid()) {
+            return Err(taken);
+        }
         let size = meta.len() as usize;
         if size < SLOTS_OFFSET {
             return Ok(Attach::NotYet(format!(
@@ -399,11 +457,7 @@ impl Segment {
 
     /// Whether the owning process still holds its lock on the file (false once it has exited).
     pub fn owner_holds_lock(&self) -> bool {
-        let mut fl = whole_file_lock(libc::F_WRLCK);
-        // SAFETY: FFI with a valid fd and a valid flock.
-        let rc = unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
-        // If the query itself fails we cannot tell; assume alive and let the deadline decide.
-        rc != 0 || fl.l_type != libc::F_UNLCK as libc::c_short
+        is_locked(&self.file)
     }
 
     /// Whether the public name still refers to this very file (not removed, not replaced).
@@ -432,6 +486,46 @@ impl Drop for Segment {
         unsafe { libc::munmap(self.base.cast(), self.len) };
         // `file` closes afterwards, which releases the owner's lock.
     }
+}
+
+/// Whether anyone holds a lock on `file` (a segment's or window's creator does while it uses it;
+/// the kernel drops it when the process dies). If the query itself fails we cannot tell: locked.
+pub(crate) fn is_locked(file: &File) -> bool {
+    let mut fl = whole_file_lock(libc::F_WRLCK);
+    // SAFETY: FFI with a valid fd and a valid flock.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    rc != 0 || fl.l_type != libc::F_UNLCK as libc::c_short
+}
+
+/// Takes the creator's lock on `file` (see [`is_locked`]); released when its last descriptor
+/// closes, at the latest when the process dies.
+pub(crate) fn lock_for_life(file: &File) -> io::Result<()> {
+    let fl = whole_file_lock(libc::F_WRLCK);
+    // SAFETY: FFI with a valid fd and a valid flock.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &fl) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The creator recorded in a segment file's header, if the file has this layout's magic and
+/// version (read with `pread`, not mapped: the file may be anything).
+pub(super) fn creator_of(file: &File) -> Option<Creator> {
+    use std::os::unix::fs::FileExt;
+    let mut h = [0u8; std::mem::size_of::<SegHeader>()];
+    file.read_exact_at(&mut h, 0).ok()?;
+    let u64_at = |off: usize| u64::from_ne_bytes(h[off..off + 8].try_into().unwrap());
+    let u32_at = |off: usize| u32::from_ne_bytes(h[off..off + 4].try_into().unwrap());
+    if u64_at(std::mem::offset_of!(SegHeader, magic)) != MAGIC
+        || u32_at(std::mem::offset_of!(SegHeader, version)) != VERSION
+    {
+        return None;
+    }
+    let start = u64_at(std::mem::offset_of!(SegHeader, owner_start));
+    Some(Creator {
+        pid: u32_at(std::mem::offset_of!(SegHeader, owner_pid)),
+        start: (start != 0).then_some(start),
+    })
 }
 
 struct TmpGuard<'a>(&'a Path);

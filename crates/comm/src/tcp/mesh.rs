@@ -4,7 +4,9 @@
 //! each accepted connection is authenticated on a thread of its own, so a silent stranger never
 //! delays the real peers. Strangers are bounded as at the store ([`crate::admission`]): pending
 //! handshakes are limited per source IP and in total (over budget: closed on the accepting thread,
-//! no thread started), each has one deadline for its whole handshake and identity message, and
+//! no thread started; over a budget held by a stale handshake: waiting in the lobby, checked on
+//! the accepting thread, so that a stranger reconnecting from a peer's own address cannot keep
+//! the peer out), each has one deadline for its whole handshake and identity message, and
 //! refusals are logged in aggregate. Dialers retry refused or broken attempts with capped
 //! exponential backoff until the establishment deadline ([`wire::dial`]).
 //!
@@ -19,9 +21,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::admission::{categorize, Admission, AdmissionLimits, Deadlined, RefusalLog};
+use crate::admission::{
+    categorize, Admission, AdmissionLimits, Deadlined, LobbyLimits, Pending, RefusalLog,
+};
 use crate::auth::JobSecret;
 use crate::error::{CommError, Result};
+use crate::lobby::{Lobby, Outcome};
 use crate::store::StoreClient;
 use crate::wire::{self, Service, PREFIX_LEN};
 
@@ -29,6 +34,8 @@ use crate::wire::{self, Service, PREFIX_LEN};
 const HELLO_LEN: usize = PREFIX_LEN + 8;
 /// At most one refusal log line per this interval.
 const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(5);
+/// Connections accepted between two looks at the lobby (as at the store).
+const ACCEPT_BATCH: usize = 64;
 
 pub(super) fn data_context(job_id: &str) -> Vec<u8> {
     [b"tcp|".as_slice(), job_id.as_bytes()].concat()
@@ -57,6 +64,8 @@ enum Event {
     Refused {
         from: SocketAddr,
         reason: String,
+        /// The log category where the lobby already knows it (else derived from `reason`).
+        category: Option<String>,
     },
 }
 
@@ -79,6 +88,12 @@ impl Mesh<'_> {
         let abort = AtomicBool::new(false);
         let (tx, rx) = mpsc::channel::<Event>();
         let admission = Admission::new(AdmissionLimits::default());
+        let mut lobby = Lobby::new(
+            LobbyLimits::default(),
+            self.secret,
+            &self.context,
+            Service::Data,
+        );
         let mut log = RefusalLog::new(REFUSAL_LOG_INTERVAL);
         let emit = |line: Option<String>| {
             if let Some(line) = line {
@@ -103,29 +118,27 @@ impl Mesh<'_> {
                 }
             });
             let outcome = (|| {
-                let mut pfd = libc::pollfd {
-                    fd: listener.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
                 while have < need {
-                    // Accept whatever is pending; each handshake runs on its own thread so a
-                    // silent stranger cannot hold up the real peers.
+                    // Accept what is pending, a batch at a time; each handshake runs on its own
+                    // thread so a silent stranger cannot hold up the real peers.
                     if self.rank + 1 < self.world {
-                        loop {
+                        for _ in 0..ACCEPT_BATCH {
                             match listener.accept() {
-                                Ok((s, from)) => match admission.try_admit(from.ip()) {
-                                    Ok(ticket) => self.spawn_acceptor(s, from, ticket, tx.clone()),
-                                    Err(category) => {
-                                        // Over budget: closed here, nothing read, no thread.
-                                        drop(s);
-                                        emit(log.record(
+                                Ok((s, from)) => {
+                                    match self.admit_new(s, from, &admission, &mut lobby, &tx) {
+                                        // Over budget: closed there, nothing read, no thread.
+                                        Err(category) => emit(log.record(
                                             Instant::now(),
                                             &category,
                                             format!("{from}: {category}"),
-                                        ));
+                                        )),
+                                        Ok(dropped) => {
+                                            for o in dropped {
+                                                self.lobby_outcome(o, &tx);
+                                            }
+                                        }
                                     }
-                                },
+                                }
                                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                                 Err(e) => {
@@ -146,13 +159,15 @@ impl Mesh<'_> {
                                 dialed += 1;
                             }
                             Event::DialFailed(e) => return Err(e),
-                            Event::Refused { from, reason } => {
+                            Event::Refused {
+                                from,
+                                reason,
+                                category,
+                            } => {
                                 let detail = format!("{from}: {reason}");
-                                emit(log.record(
-                                    Instant::now(),
-                                    categorize(&reason),
-                                    detail.clone(),
-                                ));
+                                let category =
+                                    category.unwrap_or_else(|| categorize(&reason).to_string());
+                                emit(log.record(Instant::now(), &category, detail.clone()));
                                 last_refusal = Some(detail);
                             }
                             Event::Claim {
@@ -210,9 +225,11 @@ impl Mesh<'_> {
                             missing.join(", ")
                         )));
                     }
+                    // Proofs waiting in the lobby are judged before anything new is accepted.
                     let wait = (self.deadline - now).min(Duration::from_millis(10));
-                    // SAFETY: one valid pollfd that outlives the call.
-                    unsafe { libc::poll(&mut pfd, 1, wait.as_millis().max(1) as libc::c_int) };
+                    for o in lobby.wait(listener.as_raw_fd(), wait.max(Duration::from_millis(1))) {
+                        self.lobby_outcome(o, &tx);
+                    }
                 }
                 Ok(())
             })();
@@ -311,25 +328,76 @@ impl Mesh<'_> {
         Ok((stream, addr.to_string()))
     }
 
-    /// Authenticate an accepted connection and read its claimed identity, on a separate thread,
-    /// all under one deadline; `ticket` holds its place in the pending budgets until then.
-    fn spawn_acceptor(
+    /// A new connection: a place in the budgets and a thread for its handshake; over budget, the
+    /// lobby if that budget is stale (giving what the lobby dropped to make room), else closed
+    /// here with nothing read (giving the refusal's category).
+    fn admit_new(
         &self,
-        stream: TcpStream,
+        s: TcpStream,
         from: SocketAddr,
-        ticket: crate::admission::Pending,
-        tx: mpsc::Sender<Event>,
-    ) {
-        let secret = self.secret.clone();
-        let context = self.context.clone();
-        let deadline = Instant::now()
+        admission: &Admission,
+        lobby: &mut Lobby,
+        tx: &mpsc::Sender<Event>,
+    ) -> std::result::Result<Vec<Outcome>, String> {
+        let limits = lobby.limits();
+        match admission.try_admit_at(from.ip(), Instant::now(), limits.after) {
+            Ok(ticket) => {
+                self.spawn_acceptor(s, from, Some(ticket), true, tx.clone());
+                Ok(Vec::new())
+            }
+            Err(over) if over.stale && limits.total > 0 => {
+                Ok(lobby.park(s, from, self.handshake_deadline()))
+            }
+            Err(over) => Err(over.category),
+        }
+    }
+
+    /// What the lobby decided: a proven connection goes on to its identity message on a thread of
+    /// its own (which reports as usual); a dropped one is reported as a refusal.
+    fn lobby_outcome(&self, o: Outcome, tx: &mpsc::Sender<Event>) {
+        match o {
+            Outcome::Admitted(s, from) => self.spawn_acceptor(s, from, None, false, tx.clone()),
+            Outcome::Refused {
+                peer,
+                category,
+                detail,
+            } => {
+                let _ = tx.send(Event::Refused {
+                    from: peer,
+                    reason: detail,
+                    category: Some(category),
+                });
+            }
+        }
+    }
+
+    /// When a handshake accepted now must be over: the standard deadline, but never past the
+    /// mesh's own (and at least 100 ms).
+    fn handshake_deadline(&self) -> Instant {
+        Instant::now()
             + self
                 .deadline
                 .saturating_duration_since(Instant::now())
                 .clamp(
                     Duration::from_millis(100),
                     AdmissionLimits::default().handshake_deadline,
-                );
+                )
+    }
+
+    /// Authenticate an accepted connection (unless the lobby did already: `handshake` false) and
+    /// read its claimed identity, on a separate thread, all under one deadline; `ticket` holds its
+    /// place in the pending budgets until then.
+    fn spawn_acceptor(
+        &self,
+        stream: TcpStream,
+        from: SocketAddr,
+        ticket: Option<Pending>,
+        handshake: bool,
+        tx: mpsc::Sender<Event>,
+    ) {
+        let secret = self.secret.clone();
+        let context = self.context.clone();
+        let deadline = self.handshake_deadline();
         let spawned = std::thread::Builder::new()
             .name("lockstep-tcp-accept".into())
             .spawn(move || {
@@ -342,7 +410,9 @@ impl Mesh<'_> {
                         stream: &stream,
                         deadline,
                     };
-                    wire::accept_handshake(&mut d, &secret, &context, Service::Data)?;
+                    if handshake {
+                        wire::accept_handshake(&mut d, &secret, &context, Service::Data)?;
+                    }
                     let mut h = [0u8; HELLO_LEN];
                     d.read_exact(&mut h)
                         .map_err(|e| format!("no rank/world after the handshake: {e}"))?;
@@ -355,7 +425,11 @@ impl Mesh<'_> {
                     })
                 })();
                 drop(ticket);
-                let _ = tx.send(ev.unwrap_or_else(|reason| Event::Refused { from, reason }));
+                let _ = tx.send(ev.unwrap_or_else(|reason| Event::Refused {
+                    from,
+                    reason,
+                    category: None,
+                }));
             });
         if spawned.is_err() {
             eprintln!(
