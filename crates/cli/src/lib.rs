@@ -477,6 +477,8 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
             || c.is::<request::BadRequest>()
             || c.is::<supervise::PermanentFailure>()
             || c.is::<lockstep_report::plan::PlanError>()
+            || c.downcast_ref::<lockstep_comm::CommError>()
+                .is_some_and(|e| e.is_permanent())
             || c.downcast_ref::<lockstep_train::TrainError>()
                 .is_some_and(|t| t.is_permanent())
             || c.downcast_ref::<lockstep_train::checkpoint::CheckpointError>()

@@ -253,8 +253,9 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             );
         }
         eprintln!(
-            "lockstep: done; summary in {}",
-            out.join("summary.json").display()
+            "lockstep: done; summary in {}, report in {}",
+            out.join("summary.json").display(),
+            out.join("report.html").display()
         );
     }
     Ok(())

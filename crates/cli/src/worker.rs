@@ -125,12 +125,14 @@ pub fn connect(
     };
     let t: Arc<dyn Transport> = if use_shm {
         Arc::new(
-            ShmTransport::establish(
+            // Names keyed by the job secret: nobody without it can take them first.
+            ShmTransport::establish_keyed(
                 env.rank,
                 env.world_size,
                 &link_id,
                 timeout,
                 &ShmOptions::default(),
+                &env.secret,
             )
             .context("setting up shared-memory transport")?,
         )

@@ -114,6 +114,8 @@ impl TrainError {
             | TrainError::Checkpoint(CheckpointError::Mismatch { .. })
             | TrainError::Checkpoint(CheckpointError::NoSpace { .. }) => true,
             TrainError::Checkpoint(CheckpointError::NotRegular { .. }) => true,
+            // A shared-memory name another user holds: every attempt would meet it.
+            TrainError::Comm(c) => c.is_permanent(),
             TrainError::Io { cause, .. } => {
                 crate::files::is_no_space(cause) || crate::files::is_not_regular(cause)
             }
