@@ -26,13 +26,17 @@ const VECTOR_FROM: usize = 2048;
 /// As `std::ptr::copy_nonoverlapping`: `src` valid for `n` reads, `dst` for `n` writes, the two
 /// ranges disjoint.
 pub unsafe fn copy_nonoverlapping(src: *const u8, dst: *mut u8, n: usize) {
-    let distance = (dst as usize).wrapping_sub(src as usize) % 4096;
-    #[cfg(target_arch = "x86_64")]
-    if n >= VECTOR_FROM && (1..64).contains(&distance) && has_avx2() {
-        // SAFETY: AVX2 is present (checked); the caller guarantees the ranges.
-        return vector_copy_avx2(src, dst, n);
+    // SAFETY: the caller keeps this function's contract (`src` valid for `n` reads, `dst`
+    // for `n` writes, disjoint; the instruction set checked where it matters).
+    unsafe {
+        let distance = (dst as usize).wrapping_sub(src as usize) % 4096;
+        #[cfg(target_arch = "x86_64")]
+        if n >= VECTOR_FROM && (1..64).contains(&distance) && has_avx2() {
+            // SAFETY: AVX2 is present (checked); the caller guarantees the ranges.
+            return vector_copy_avx2(src, dst, n);
+        }
+        std::ptr::copy_nonoverlapping(src, dst, n)
     }
-    std::ptr::copy_nonoverlapping(src, dst, n)
 }
 
 /// Safe form for slices of equal length.
@@ -54,22 +58,26 @@ fn has_avx2() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn vector_copy_avx2(src: *const u8, dst: *mut u8, n: usize) {
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
-    let mut i = 0;
-    while i + 128 <= n {
-        let s = src.add(i).cast::<__m256i>();
-        let d = dst.add(i).cast::<__m256i>();
-        let a = _mm256_loadu_si256(s);
-        let b = _mm256_loadu_si256(s.add(1));
-        let c = _mm256_loadu_si256(s.add(2));
-        let e = _mm256_loadu_si256(s.add(3));
-        _mm256_storeu_si256(d, a);
-        _mm256_storeu_si256(d.add(1), b);
-        _mm256_storeu_si256(d.add(2), c);
-        _mm256_storeu_si256(d.add(3), e);
-        i += 128;
+    // SAFETY: the caller keeps this function's contract (`src` valid for `n` reads, `dst`
+    // for `n` writes, disjoint; the instruction set checked where it matters).
+    unsafe {
+        use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
+        let mut i = 0;
+        while i + 128 <= n {
+            let s = src.add(i).cast::<__m256i>();
+            let d = dst.add(i).cast::<__m256i>();
+            let a = _mm256_loadu_si256(s);
+            let b = _mm256_loadu_si256(s.add(1));
+            let c = _mm256_loadu_si256(s.add(2));
+            let e = _mm256_loadu_si256(s.add(3));
+            _mm256_storeu_si256(d, a);
+            _mm256_storeu_si256(d.add(1), b);
+            _mm256_storeu_si256(d.add(2), c);
+            _mm256_storeu_si256(d.add(3), e);
+            i += 128;
+        }
+        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
     }
-    std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
 }
 
 /// `copy_nonoverlapping`, but the destination's whole 64-byte lines are written with
@@ -84,26 +92,30 @@ unsafe fn vector_copy_avx2(src: *const u8, dst: *mut u8, n: usize) {
 /// # Safety
 /// As [`copy_nonoverlapping`].
 pub unsafe fn stream_nonoverlapping(src: *const u8, dst: *mut u8, n: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let head = dst.align_offset(64).min(n);
-        let body = (n - head) / 64 * 64;
-        if body > 0 {
-            copy_nonoverlapping(src, dst, head);
-            if has_avx2() {
-                // SAFETY: AVX2 is present (checked); the caller guarantees the ranges, and
-                // `dst + head` is 64-byte aligned.
-                stream_lines_avx2(src.add(head), dst.add(head), body);
-            } else {
-                // SAFETY: SSE2 is part of x86-64; as above.
-                stream_lines_sse2(src.add(head), dst.add(head), body);
+    // SAFETY: the caller keeps this function's contract (`src` valid for `n` reads, `dst`
+    // for `n` writes, disjoint; the instruction set checked where it matters).
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let head = dst.align_offset(64).min(n);
+            let body = (n - head) / 64 * 64;
+            if body > 0 {
+                copy_nonoverlapping(src, dst, head);
+                if has_avx2() {
+                    // SAFETY: AVX2 is present (checked); the caller guarantees the ranges, and
+                    // `dst + head` is 64-byte aligned.
+                    stream_lines_avx2(src.add(head), dst.add(head), body);
+                } else {
+                    // SAFETY: SSE2 is part of x86-64; as above.
+                    stream_lines_sse2(src.add(head), dst.add(head), body);
+                }
+                let done = head + body;
+                copy_nonoverlapping(src.add(done), dst.add(done), n - done);
+                return;
             }
-            let done = head + body;
-            copy_nonoverlapping(src.add(done), dst.add(done), n - done);
-            return;
         }
+        copy_nonoverlapping(src, dst, n)
     }
-    copy_nonoverlapping(src, dst, n)
 }
 
 /// `n` (a multiple of 64) bytes into the 64-aligned `dst` with 32-byte streaming stores, then
@@ -111,34 +123,42 @@ pub unsafe fn stream_nonoverlapping(src: *const u8, dst: *mut u8, n: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn stream_lines_avx2(src: *const u8, dst: *mut u8, n: usize) {
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
-    let mut i = 0;
-    while i < n {
-        let s = src.add(i).cast::<__m256i>();
-        let d = dst.add(i).cast::<__m256i>();
-        let a = _mm256_loadu_si256(s);
-        let b = _mm256_loadu_si256(s.add(1));
-        _mm256_stream_si256(d, a);
-        _mm256_stream_si256(d.add(1), b);
-        i += 64;
+    // SAFETY: the caller keeps this function's contract (`src` valid for `n` reads, `dst`
+    // for `n` writes, disjoint; the instruction set checked where it matters).
+    unsafe {
+        use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
+        let mut i = 0;
+        while i < n {
+            let s = src.add(i).cast::<__m256i>();
+            let d = dst.add(i).cast::<__m256i>();
+            let a = _mm256_loadu_si256(s);
+            let b = _mm256_loadu_si256(s.add(1));
+            _mm256_stream_si256(d, a);
+            _mm256_stream_si256(d.add(1), b);
+            i += 64;
+        }
+        _mm_sfence();
     }
-    _mm_sfence();
 }
 
 /// As [`stream_lines_avx2`] with 16-byte stores (x86-64's baseline).
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_lines_sse2(src: *const u8, dst: *mut u8, n: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    let mut i = 0;
-    while i < n {
-        let s = src.add(i).cast::<__m128i>();
-        let d = dst.add(i).cast::<__m128i>();
-        for k in 0..4 {
-            _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k)));
+    // SAFETY: the caller keeps this function's contract (`src` valid for `n` reads, `dst`
+    // for `n` writes, disjoint; the instruction set checked where it matters).
+    unsafe {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let mut i = 0;
+        while i < n {
+            let s = src.add(i).cast::<__m128i>();
+            let d = dst.add(i).cast::<__m128i>();
+            for k in 0..4 {
+                _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k)));
+            }
+            i += 64;
         }
-        i += 64;
+        _mm_sfence();
     }
-    _mm_sfence();
 }
 
 /// Evicts the cache lines of `bytes` from every cache (`clflushopt`, or `clflush` where the

@@ -79,6 +79,7 @@ pub use crate::fixed_point::{
 };
 use crate::fixed_point::{fixed_sum, fixed_sum_finished, ALL_ZERO, NON_FINITE};
 use crate::shared_parts::SharedParts;
+use lockstep_exact::{check_parts, parts_max_exponent, SumError};
 
 /// Why an exact reduction could not be performed.
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +90,15 @@ pub enum ExactError {
     NonFinite { start: usize, end: usize },
     #[error("exact reduction: {0}")]
     Invalid(String),
+}
+
+impl From<SumError> for ExactError {
+    fn from(e: SumError) -> Self {
+        match e {
+            SumError::NonFinite { start, end } => ExactError::NonFinite { start, end },
+            SumError::Invalid(what) => ExactError::Invalid(what),
+        }
+    }
 }
 
 /// Reusable state for exact reductions of a flat gradient split into fixed buckets.
@@ -659,16 +669,6 @@ fn cut(out: &mut [f32], lens: impl Iterator<Item = usize>) -> Vec<&mut [f32]> {
 /// cost more than it saves).
 const PARALLEL_MIN: usize = 1 << 16;
 
-/// The largest exponent bound ([`max_exponent`]) of `range` over all `parts`; `ALL_ZERO` when
-/// there are none, `NON_FINITE` when any value is NaN or infinite.
-fn parts_max_exponent(parts: &[&[f32]], range: Range<usize>) -> i32 {
-    parts
-        .iter()
-        .map(|p| max_exponent(&p[range.clone()]))
-        .max()
-        .unwrap_or(ALL_ZERO)
-}
-
 /// The exact sum's values as a produced reduce-scatter asks for them: each segment's fixed-point
 /// sums formed on demand, this rank's chunk converted back into `owned_out` as it completes.
 struct FixedValues<'a> {
@@ -791,48 +791,11 @@ fn check_tiling(buckets: &[Range<usize>], len: usize) -> Result<(), ExactError> 
     Ok(())
 }
 
-/// The exact sum of `parts` that one process holds all of, with one shared exponent for the whole
-/// vector: bitwise what [`ExactReducer::reduce_with_buckets`] with the single bucket
-/// `0..out.len()` gives when the same `total_parts` parts are spread over any number of ranks, but
-/// without communication. Tensor parallelism sums a layer's fixed pieces with it on one worker
-/// (and with that one-bucket reduction over its tensor-parallel group on several).
+/// The exact sum of `parts` that one process holds all of ([`lockstep_exact::sum_local`]): the
+/// bits [`ExactReducer::reduce_with_buckets`] gives with the single bucket `0..out.len()` when
+/// the same `total_parts` parts are spread over any number of ranks.
 pub fn sum_local(parts: &[&[f32]], total_parts: usize, out: &mut [f32]) -> Result<(), ExactError> {
-    check_parts(parts, total_parts, out.len())?;
-    let e_max = parts_max_exponent(parts, 0..out.len());
-    if e_max == NON_FINITE {
-        return Err(ExactError::NonFinite {
-            start: 0,
-            end: out.len(),
-        });
-    }
-    if e_max == ALL_ZERO {
-        out.fill(0.0);
-        return Ok(());
-    }
-    let shift = shift_for(e_max, total_parts);
-    let mut acc = vec![0i64; out.len()];
-    for p in parts {
-        accumulate_fixed(&mut acc, p, shift);
-    }
-    finish_fixed(&acc, shift, out);
-    Ok(())
-}
-
-/// Every part must have the output's length, and no rank can hold more parts than the job.
-fn check_parts(local_parts: &[&[f32]], total_parts: usize, len: usize) -> Result<(), ExactError> {
-    if let Some(bad) = local_parts.iter().find(|p| p.len() != len) {
-        return Err(ExactError::Invalid(format!(
-            "a local part has {} values but the output has {len}",
-            bad.len()
-        )));
-    }
-    if local_parts.len() > total_parts {
-        return Err(ExactError::Invalid(format!(
-            "{} local parts but only {total_parts} in the job",
-            local_parts.len()
-        )));
-    }
-    Ok(())
+    Ok(lockstep_exact::sum_local(parts, total_parts, out)?)
 }
 
 #[cfg(test)]

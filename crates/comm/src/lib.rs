@@ -19,7 +19,8 @@ pub mod copy;
 pub mod element;
 pub mod error;
 pub mod exact;
-pub mod fixed_point;
+/// The exact sum's fixed-point loops (in `lockstep-exact`, shared with models).
+pub use lockstep_exact::fixed_point;
 #[cfg(test)]
 mod fuzz_util;
 pub mod inproc;

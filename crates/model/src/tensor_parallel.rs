@@ -48,7 +48,7 @@ impl PieceSum for LocalPieceSum {
         total: usize,
         out: &mut [f32],
     ) -> Result<(), String> {
-        lockstep_comm::exact::sum_local(local, total, out).map_err(|e| e.to_string())
+        lockstep_exact::sum_local(local, total, out).map_err(|e| e.to_string())
     }
 }
 

@@ -824,7 +824,7 @@ mod tests {
     fn exact(parts: &[Vec<f32>]) -> Vec<f32> {
         let refs: Vec<&[f32]> = parts.iter().map(|p| p.as_slice()).collect();
         let mut out = vec![0f32; parts[0].len()];
-        lockstep_comm::exact::sum_local(&refs, refs.len(), &mut out).unwrap();
+        lockstep_exact::sum_local(&refs, refs.len(), &mut out).unwrap();
         out
     }
 
@@ -953,7 +953,7 @@ mod tests {
             {
                 let slots = self.slots.lock().unwrap();
                 let all: Vec<&[f32]> = slots.iter().flatten().map(|p| p.as_slice()).collect();
-                lockstep_comm::exact::sum_local(&all, total, out).map_err(|e| e.to_string())?;
+                lockstep_exact::sum_local(&all, total, out).map_err(|e| e.to_string())?;
             }
             self.barrier.wait();
             Ok(())

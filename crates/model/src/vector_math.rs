@@ -35,9 +35,9 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     }
 }
 
-/// The instruction set a pass runs: `lockstep_comm::fixed_point`'s detection (once per process;
+/// The instruction set a pass runs: `lockstep_exact::fixed_point`'s detection (once per process;
 /// its `portable_only` forces the portable copy on a thread, as tests do).
-pub(crate) use lockstep_comm::fixed_point::{tier, Tier};
+pub(crate) use lockstep_exact::fixed_point::{tier, Tier};
 
 /// `$vis fn $name(tier, args)` running `$any(args)` compiled for `tier`'s instruction set (or
 /// `Portable`).

@@ -66,10 +66,14 @@ impl Ring {
     /// # Safety
     /// `[pos, pos+n)` must be free space owned by the writer and `src` valid for `n` bytes.
     unsafe fn copy_in(&self, pos: u64, src: *const u8, n: usize) {
-        let off = (pos & (self.size - 1)) as usize;
-        let first = n.min(self.size as usize - off);
-        copy_nonoverlapping(src, self.data.add(off), first);
-        copy_nonoverlapping(src.add(first), self.data, n - first);
+        // SAFETY: the caller keeps this function's contract; `off + first` and `n - first`
+        // stay inside the ring's mapped `size` bytes.
+        unsafe {
+            let off = (pos & (self.size - 1)) as usize;
+            let first = n.min(self.size as usize - off);
+            copy_nonoverlapping(src, self.data.add(off), first);
+            copy_nonoverlapping(src.add(first), self.data, n - first);
+        }
     }
 
     /// [`Ring::copy_in`] with streaming stores (see `write_path`).
@@ -77,10 +81,14 @@ impl Ring {
     /// # Safety
     /// As [`Ring::copy_in`].
     unsafe fn stream_in(&self, pos: u64, src: *const u8, n: usize) {
-        let off = (pos & (self.size - 1)) as usize;
-        let first = n.min(self.size as usize - off);
-        stream_nonoverlapping(src, self.data.add(off), first);
-        stream_nonoverlapping(src.add(first), self.data, n - first);
+        // SAFETY: the caller keeps this function's contract; `off + first` and `n - first`
+        // stay inside the ring's mapped `size` bytes.
+        unsafe {
+            let off = (pos & (self.size - 1)) as usize;
+            let first = n.min(self.size as usize - off);
+            stream_nonoverlapping(src, self.data.add(off), first);
+            stream_nonoverlapping(src.add(first), self.data, n - first);
+        }
     }
 
     /// Copy `n` bytes at stream position `pos` out of the ring into `dst`, wrapping at the end.
@@ -88,10 +96,14 @@ impl Ring {
     /// # Safety
     /// `[pos, pos+n)` must be published data owned by the reader and `dst` valid for `n` bytes.
     unsafe fn copy_out(&self, pos: u64, dst: *mut u8, n: usize) {
-        let off = (pos & (self.size - 1)) as usize;
-        let first = n.min(self.size as usize - off);
-        copy_nonoverlapping(self.data.add(off), dst, first);
-        copy_nonoverlapping(self.data, dst.add(first), n - first);
+        // SAFETY: the caller keeps this function's contract; `off + first` and `n - first`
+        // stay inside the ring's mapped `size` bytes.
+        unsafe {
+            let off = (pos & (self.size - 1)) as usize;
+            let first = n.min(self.size as usize - off);
+            copy_nonoverlapping(self.data.add(off), dst, first);
+            copy_nonoverlapping(self.data, dst.add(first), n - first);
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! The fixed-point arithmetic of the exact sum ([`crate::exact`]): exponent bounds, conversion of
+//! The fixed-point arithmetic of the exact sum (`lockstep_comm::exact`, [`crate::sum_local`]): exponent bounds, conversion of
 //! `f32` values to `i64` against a shared exponent and back — the loops that make up most of an
 //! exact reduction's CPU time — compiled for the best vector instruction set this CPU has.
 //!
@@ -9,16 +9,16 @@
 //! value — a conversion, two exact multiplications by powers of two, the rounding addition, integer
 //! adds — and Rust never contracts them into fused operations, so **every copy gives the same
 //! bits** (tested against the portable copy): a job's results do not depend on which copy ran,
-//! unlike burn's matrix kernels (`lockstep_model::Kernels`). `examples/exact_kernels.rs` measures the
-//! copies against the portable one in one process (figures in crates/comm/README.md).
+//! unlike burn's matrix kernels (`lockstep_model::Kernels`). `crates/comm/examples/exact_kernels.rs` measures
+//! the copies against the portable one in one process.
 
 use std::ops::Range;
 use std::sync::OnceLock;
 
 /// Exponent marker for "this bucket contains a NaN or infinity".
-pub(crate) const NON_FINITE: i32 = i32::MAX;
+pub const NON_FINITE: i32 = i32::MAX;
 /// Exponent of an all-zero bucket.
-pub(crate) const ALL_ZERO: i32 = i32::MIN;
+pub const ALL_ZERO: i32 = i32::MIN;
 
 /// Which compiled copy of the loops runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,16 +122,16 @@ dispatched! {
 }
 dispatched! {
     /// `acc[i] = Σ_p round(p[range.start + i] · 2^shift)` (see `fixed_sum_any`).
-    pub(crate) fn fixed_sum(acc: &mut [i64], parts: &[&[f32]], range: Range<usize>, shift: i32) = fixed_sum_any
+    pub fn fixed_sum(acc: &mut [i64], parts: &[&[f32]], range: Range<usize>, shift: i32) = fixed_sum_any
 }
 dispatched! {
     /// [`fixed_sum`] then [`finish_fixed`], block by block (see `fixed_sum_finished_any`).
-    pub(crate) fn fixed_sum_finished(out: &mut [f32], parts: &[&[f32]], range: Range<usize>, shift: i32) = fixed_sum_finished_any
+    pub fn fixed_sum_finished(out: &mut [f32], parts: &[&[f32]], range: Range<usize>, shift: i32) = fixed_sum_finished_any
 }
 
 /// Binary exponent `e` such that `|v| < 2^e` (for finite non-zero v); `ALL_ZERO` for 0.
 #[inline(always)]
-pub(crate) fn exponent_bound(v: f32) -> i32 {
+pub fn exponent_bound(v: f32) -> i32 {
     if v == 0.0 {
         return ALL_ZERO;
     }
@@ -169,7 +169,7 @@ pub fn headroom_bits(terms: usize) -> i32 {
 
 /// Scaled values stay below 2^`MAX_SCALED_BITS`, so [`accumulate_fixed`] can round with the
 /// 1.5·2^52 bit trick; that keeps 51 bits below the bucket's largest value, far more than f32's 24.
-pub(crate) const MAX_SCALED_BITS: i32 = 51;
+pub const MAX_SCALED_BITS: i32 = 51;
 
 /// The fixed-point shift for a bucket whose values are all below 2^`e_max`.
 pub fn shift_for(e_max: i32, terms: usize) -> i32 {
@@ -178,7 +178,7 @@ pub fn shift_for(e_max: i32, terms: usize) -> i32 {
 
 /// 2^k as f64 for any k in the f64 exponent range (exact).
 #[inline(always)]
-pub(crate) fn pow2(k: i32) -> f64 {
+pub fn pow2(k: i32) -> f64 {
     f64::from_bits(((k + 1023) as u64) << 52)
 }
 
@@ -203,7 +203,7 @@ fn accumulate_fixed_any(acc: &mut [i64], values: &[f32], shift: i32) {
 /// of the mantissa, so the hardware's default rounding rounds, and the integer is then the low
 /// mantissa bits: subtracting the constant's bit pattern reads it out.
 #[inline(always)]
-pub(crate) fn round_to_i64(x: f64) -> i64 {
+pub fn round_to_i64(x: f64) -> i64 {
     const MAGIC: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52
     (x + MAGIC).to_bits() as i64 - MAGIC.to_bits() as i64
 }
@@ -223,7 +223,7 @@ fn finish_fixed_any(acc: &[i64], shift: i32, out: &mut [f32]) {
 /// which has no packed i64→f64 conversion: the high half converts exactly as an i32 scaled by
 /// 2^32, the low half exactly through the 2^52 bit trick, and their one addition rounds once.
 #[inline(always)]
-pub(crate) fn i64_to_f64(a: i64) -> f64 {
+pub fn i64_to_f64(a: i64) -> f64 {
     const TWO_52: f64 = 4_503_599_627_370_496.0;
     let hi = ((a >> 32) as i32 as f64) * 4_294_967_296.0;
     let lo = f64::from_bits(TWO_52.to_bits() | (a as u64 & 0xffff_ffff)) - TWO_52;
@@ -312,7 +312,7 @@ mod tests {
         let refs: Vec<&[f32]> = parts.iter().map(|p| p.as_slice()).collect();
         let run = || {
             let e = refs.iter().map(|p| max_exponent(p)).max().unwrap();
-            let shift = crate::fixed_point::shift_for(e, refs.len());
+            let shift = shift_for(e, refs.len());
             let mut acc = vec![0i64; n];
             fixed_sum(&mut acc, &refs, 0..n, shift);
             let mut acc2 = vec![7i64; n];
