@@ -18,6 +18,7 @@
 //! computes it (`lockstep_report::scaling`); the no-communication case takes the slowest of its
 //! independent jobs.
 
+use lockstep_train::ConfigLoad;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 

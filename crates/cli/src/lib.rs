@@ -21,6 +21,7 @@ mod supervise;
 mod train_cmd;
 mod worker;
 
+use lockstep_train::ConfigLoad;
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};

@@ -5,8 +5,9 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use lockstep_report::plan::{self, ClusterSpec, Plan, Workload};
-use lockstep_train::TrainConfig;
+use lockstep_report::plan::{self, ClusterSpec, Layer, Plan, PlanError, Workload};
+use lockstep_train::job::{JobSpec, Trainable};
+use lockstep_train::{ConfigLoad, TrainConfig};
 
 use crate::request::BadRequest;
 use crate::{flags, PlanArgs};
@@ -18,7 +19,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let cfg = TrainConfig::load_for(crate::job(), Some(&a.from.join("config.toml")), &[])
         .with_context(|| format!("reading the config of run {}", a.from.display()))?;
     let (summary, records) = crate::scale::load_run(&a.from)?;
-    let (layers, tp_pieces) = plan::model_layers(crate::job(), &cfg)
+    let (layers, tp_pieces) = model_layers(crate::job(), &cfg)
         .with_context(|| format!("building the model of run {}", a.from.display()))?;
     let mut workload = Workload::from_config(&cfg, layers);
     workload.tp_pieces = tp_pieces;
@@ -57,6 +58,41 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         bail!("no layout fits this cluster and config (see the skipped lines above)");
     }
     Ok(())
+}
+
+/// The layers of `job`'s model for `cfg`, as the trainer builds it, and the fixed
+/// tensor-parallel pieces of its layers (1: none). Not pure: it opens the job's data (for the
+/// input shape and classes, or the vocabulary). A layered model (the built-in transformer, a
+/// user's `LayeredJob`, whose `lockstep::tp` layers give its pieces and split parameters) has its
+/// layers; any other job is one layer of its replica's parameter count.
+fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<(Vec<Layer>, usize), PlanError> {
+    let model_err = |e: &dyn std::fmt::Display| PlanError::Model(e.to_string());
+    Ok(match job.build(cfg).map_err(|e| model_err(&e))? {
+        Trainable::Layered(model) => {
+            let offsets = model.layer_offsets();
+            let floats = model.activation_floats();
+            let layers = (0..model.num_layers())
+                .map(|l| Layer {
+                    name: model.layer_name(l),
+                    params: offsets[l + 1] - offsets[l],
+                    activation_bytes_per_sample: floats[l] * 4,
+                    held_activation_bytes_per_sample: model.held_activation_floats(l..l + 1) * 4,
+                    tp_split_params: model.tp_split_params(l),
+                })
+                .collect();
+            (layers, model.tp_pieces())
+        }
+        Trainable::Replica(replica) => (
+            vec![Layer {
+                name: job.label(cfg),
+                params: replica.layout().iter().map(|p| p.len).sum(),
+                activation_bytes_per_sample: 0,
+                held_activation_bytes_per_sample: replica.activation_bytes(1) as usize,
+                tp_split_params: 0,
+            }],
+            1,
+        ),
+    })
 }
 
 /// The cluster file, if any, with the flags over it.

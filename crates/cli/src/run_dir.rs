@@ -19,6 +19,7 @@
 //!   finished: resuming it evaluates the final model again and writes the summary.
 //! - Checkpoint directories are probed for writability before any worker starts.
 
+use lockstep_train::ConfigLoad;
 use std::io::{Read, Seek, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;

@@ -2,6 +2,7 @@
 //! scaling helped (`scale.json`, `scale_report.md`, `scale_report.html` in the output directory,
 //! one run directory per layout).
 
+use lockstep_train::ConfigLoad;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};

@@ -1,6 +1,7 @@
 //! End-to-end: the real `lockstep` binary, real worker processes, real data.
 //! The headline property: the same config gives the same parameter bits for any world size.
 
+use lockstep_train::ConfigLoad;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 

@@ -33,7 +33,7 @@ pub use lockstep_train::job::{
     Replica, ReplicaError, Trainable,
 };
 pub use lockstep_train::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
-pub use lockstep_train::{ConfigError, TrainConfig};
+pub use lockstep_train::{ConfigError, ConfigLoad, TrainConfig};
 
 /// Tensor parallelism of your own [`LayeredJob`] (Megatron style): put these burn modules in your
 /// layers and `parallel.tp` ranks split them; every layout gives the one-worker parameters bit

@@ -2,12 +2,12 @@
 //! per rank, resident memory over the steps (the run report's "Memory" section and the scale
 //! report's chart of every layout's ranks).
 //!
-//! The figures are `summary.json`'s `ranks[i].memory` (see `lockstep_train::memory`): what the
+//! The figures are `summary.json`'s `ranks[i].memory` (see `lockstep_run::memory`): what the
 //! training loop held, counted from its buffers, against the process's peak resident memory and
 //! the goal 1.5 × model state + 0.5 GiB.
 
-use lockstep_train::memory::{RankMemory, BOUND_ALLOWANCE_BYTES, BOUND_FACTOR};
-use lockstep_train::metrics::{StepRecord, Summary};
+use lockstep_run::memory::{RankMemory, BOUND_ALLOWANCE_BYTES, BOUND_FACTOR};
+use lockstep_run::metrics::{StepRecord, Summary};
 
 use crate::svg::{LineChart, Series, StackedBars, PALETTE};
 

@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 
 use crate::memory;
 use crate::svg::{esc, LineChart, Series, Span, StackedBars, Timeline, PALETTE};
-use lockstep_train::metrics::{Eval, PipelineSummary, RankMemory, StepRecord, Summary};
+use lockstep_run::metrics::{Eval, PipelineSummary, RankMemory, StepRecord, Summary};
 
 /// Extra facts the launcher knows (restarts and failures).
 #[derive(Debug, Default, Clone)]
@@ -503,7 +503,7 @@ fn pipeline_section(doc: &mut Doc, s: &Summary, p: &PipelineSummary) {
         p.bubble_fraction * 100.0,
         p.ideal_bubble_fraction * 100.0
     ));
-    let stage_ranks = |stage: usize| -> Vec<(usize, lockstep_train::metrics::RankPipeline)> {
+    let stage_ranks = |stage: usize| -> Vec<(usize, lockstep_run::metrics::RankPipeline)> {
         s.ranks
             .iter()
             .filter_map(|r| r.pipeline.map(|rp| (r.rank, rp)))
@@ -700,7 +700,7 @@ fn attempt_spans(s: &Summary, failures: &[FailureMark]) -> Vec<Span> {
 mod tests {
     use super::*;
     use crate::svg::well_formed;
-    use lockstep_train::metrics::{
+    use lockstep_run::metrics::{
         Eval, PhaseSeconds, PipelineStep, RankPipeline, RankSummary, StepRecord,
     };
 

@@ -300,7 +300,7 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
 /// Every layout's ranks: held memory against peak resident memory (runs without memory figures
 /// are left out; no section when none has them).
 fn memory_section(doc: &mut Doc, points: &[ScalePoint]) {
-    let rows: Vec<(String, lockstep_train::memory::RankMemory)> = points
+    let rows: Vec<(String, lockstep_run::memory::RankMemory)> = points
         .iter()
         .flat_map(|p| {
             p.memory
@@ -323,7 +323,7 @@ mod tests {
     use super::*;
     use crate::scaling::{compare, Layout};
     use crate::svg::well_formed;
-    use lockstep_train::metrics::{PhaseSeconds, RankMemory, RankSummary, StepRecord, Summary};
+    use lockstep_run::metrics::{PhaseSeconds, RankMemory, RankSummary, StepRecord, Summary};
 
     fn run(name: &str, dp: usize, pp: usize, hash: &str, step_secs: f64, loss_shift: f64) -> Run {
         let world = dp * pp;

@@ -12,12 +12,12 @@
 //! warm-up) are skipped. Speedup and efficiency are relative to the first run (normally 1
 //! worker): speedup = t₀ / tₙ, efficiency = speedup · n₀ / n.
 
-use lockstep_train::metrics::median;
+use lockstep_run::metrics::median;
 use serde::{Deserialize, Serialize};
 
-use lockstep_train::config::{ConfigError, TrainConfig};
-use lockstep_train::metrics::{RankMemory, StepRecord, Summary};
-use lockstep_train::parallel_dims::ParallelDims;
+use lockstep_run::config::{ConfigError, TrainConfig};
+use lockstep_run::metrics::{RankMemory, StepRecord, Summary};
+use lockstep_run::parallel_dims::ParallelDims;
 
 /// One entry of a layout list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,7 +228,7 @@ pub struct ScalePoint {
     #[serde(default)]
     pub test_loss: f64,
     /// The job's `accuracy` metric; NaN (`null`) for a job that reports none.
-    #[serde(default, with = "lockstep_train::metrics::nan_as_null")]
+    #[serde(default, with = "lockstep_run::metrics::nan_as_null")]
     pub test_accuracy: f64,
     /// Wall seconds of the whole run (summary.json).
     #[serde(default)]
@@ -432,7 +432,7 @@ fn headline(points: &[ScalePoint], hashes_agree: bool) -> String {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use lockstep_train::metrics::{PhaseSeconds, PipelineStep, RankSummary};
+    use lockstep_run::metrics::{PhaseSeconds, PipelineStep, RankSummary};
 
     fn rec(rank: usize, step: u64, secs: f64, comm: f64) -> StepRecord {
         StepRecord {
@@ -715,7 +715,7 @@ pub(crate) mod tests {
             pp: 2,
         };
         // The default config is an MLP: its own validation refuses a pipeline.
-        let e = TrainConfig::from_toml_str("", "built-in defaults", &pp2.overrides())
+        let e = TrainConfig::parse_builtin("", "built-in defaults", &pp2.overrides())
             .unwrap_err()
             .to_string();
         assert!(
@@ -724,11 +724,11 @@ pub(crate) mod tests {
         );
         // Pure data parallelism at any size passes.
         let dp3 = &expand(&[LayoutSpec::Dp], &[3])[0];
-        let cfg = TrainConfig::from_toml_str("", "x", &dp3.overrides()).unwrap();
+        let cfg = TrainConfig::parse_builtin("", "x", &dp3.overrides()).unwrap();
         assert_eq!(dp3.check(&cfg).unwrap().world, 3);
         // … as long as every replica gets a micro-batch (the default has 64 / 16 = 4).
         let dp8 = &expand(&[LayoutSpec::Dp], &[8])[0];
-        let cfg = TrainConfig::from_toml_str("", "x", &dp8.overrides()).unwrap();
+        let cfg = TrainConfig::parse_builtin("", "x", &dp8.overrides()).unwrap();
         let e = dp8.check(&cfg).unwrap_err().to_string();
         assert!(
             e.contains("parallel.microbatches") && e.contains("8"),

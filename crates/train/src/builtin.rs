@@ -5,6 +5,7 @@
 //! job; they implement the flat level directly because their forward anchors each parameter in
 //! its layer, which lets `dist.overlap` stream gradients during backward.
 
+use crate::ConfigLoad;
 use lockstep_data::Dataset;
 use lockstep_model::{Model, ModelSpec, ParamInfo};
 

@@ -5,7 +5,12 @@
 
 pub mod builtin;
 pub mod checkpoint;
-pub mod config;
+/// The config types and their TOML mechanics (`lockstep-run`); [`ConfigLoad`] loads them for a job.
+pub use lockstep_run::config;
+/// Step records and the summary (`lockstep-run`).
+pub use lockstep_run::metrics;
+/// Rank ↔ (replica, stage, tp rank) (`lockstep-run`).
+pub use lockstep_run::parallel_dims;
 pub mod context;
 pub mod datasets;
 pub mod error;
@@ -16,9 +21,7 @@ pub mod grad_sync;
 pub mod job;
 pub mod limits;
 pub mod memory;
-pub mod metrics;
 pub mod outcome;
-pub mod parallel_dims;
 pub mod pipeline;
 mod run;
 pub mod trainer;
@@ -35,3 +38,4 @@ pub use parallel_dims::{Coords, ParallelDims};
 pub use run::checkpointing::checkpoint_dir;
 pub use run::outputs::write_atomic;
 pub use trainer::train;
+pub use validation::ConfigLoad;

@@ -351,6 +351,7 @@ pub fn memory_estimate(cfg: &TrainConfig) -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ConfigLoad;
 
     fn with(sets: &[&str]) -> Result<TrainConfig, ConfigError> {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();

@@ -1,40 +1,60 @@
 //! Loading and validating a configuration for a job: the job's defaults underneath the file and
 //! the `--set` overrides, lockstep's own checks (sections, limits; the built-in jobs' model and
-//! data), then the job's. Kept apart from `config.rs` (the types and the TOML mechanics), which
-//! depends on nothing else in the crate.
+//! data), then the job's. The config types and their TOML mechanics live in `lockstep-run`
+//! (plain data, no burn); what needs a job or the model's memory estimate is here, as the
+//! [`ConfigLoad`] trait on [`TrainConfig`].
 
 use std::path::Path;
 
-use crate::config::{apply_override, invalid, merge, table_has, ConfigError, TrainConfig};
+use crate::config::{invalid, ConfigError, TrainConfig};
 use crate::job::JobSpec;
 
-impl TrainConfig {
-    /// Load `path` (or the built-in defaults when `None`), apply `key=value` overrides, validate.
-    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
-        let (text, origin) = match path {
-            Some(p) => (
-                std::fs::read_to_string(p).map_err(|cause| ConfigError::Read {
-                    path: p.to_path_buf(),
-                    cause,
-                })?,
-                p.display().to_string(),
-            ),
-            None => (String::new(), "built-in defaults".to_string()),
-        };
-        Self::from_toml_str(&text, &origin, overrides)
-    }
-
-    pub fn from_toml_str(
+/// Loading a [`TrainConfig`] for a job with every check (import it to call these on
+/// `TrainConfig`).
+pub trait ConfigLoad: Sized {
+    /// Load `path` (or the built-in defaults when `None`), apply `key=value` overrides, validate
+    /// for lockstep's built-in jobs.
+    fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError>;
+    /// [`ConfigLoad::load`] from TOML text.
+    fn from_toml_str(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError>;
+    /// [`ConfigLoad::load`] for `job`: its default config underneath the file, then the
+    /// overrides; lockstep's own sections are validated, then the job's settings by the job.
+    fn load_for(
+        job: &dyn JobSpec,
+        path: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError>;
+    /// [`ConfigLoad::from_toml_str`] for `job` (see [`ConfigLoad::load_for`]).
+    fn from_toml_str_for(
+        job: &dyn JobSpec,
         text: &str,
         origin: &str,
         overrides: &[String],
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<Self, ConfigError>;
+    /// Full validation of a config of lockstep's built-in jobs.
+    fn validate(&self) -> Result<(), ConfigError>;
+    /// The built-in jobs: `[model]` and `[data]`, no `[job]`, then lockstep's own sections and
+    /// the memory the model needs.
+    fn validate_builtin(&self) -> Result<(), ConfigError>;
+    /// A user job: lockstep's own sections (train, optimizer, dist, checkpoint, parallel). The
+    /// `[model]` and `[data]` sections belong to the built-in jobs and are ignored.
+    fn validate_common(&self) -> Result<(), ConfigError>;
+    /// A user's layered job ([`crate::job::LayeredJob`]): like [`ConfigLoad::validate_common`],
+    /// with pipelines allowed (the stages are checked against the model's layers once the job
+    /// has built it).
+    fn validate_common_layered(&self) -> Result<(), ConfigError>;
+}
+
+impl ConfigLoad for TrainConfig {
+    fn load(path: Option<&Path>, overrides: &[String]) -> Result<Self, ConfigError> {
+        Self::load_for(&crate::builtin::BuiltinJob, path, overrides)
+    }
+
+    fn from_toml_str(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
         Self::from_toml_str_for(&crate::builtin::BuiltinJob, text, origin, overrides)
     }
 
-    /// [`TrainConfig::load`] for `job`: its default config underneath the file, then the
-    /// overrides; lockstep's own sections are validated, then the job's settings by the job.
-    pub fn load_for(
+    fn load_for(
         job: &dyn JobSpec,
         path: Option<&Path>,
         overrides: &[String],
@@ -56,58 +76,24 @@ impl TrainConfig {
         Self::from_toml_str_for(job, &text, &origin, overrides)
     }
 
-    /// [`TrainConfig::from_toml_str`] for `job` (see [`TrainConfig::load_for`]).
-    pub fn from_toml_str_for(
+    fn from_toml_str_for(
         job: &dyn JobSpec,
         text: &str,
         origin: &str,
         overrides: &[String],
     ) -> Result<Self, ConfigError> {
-        let parse = |text: &str, origin: &str| {
-            text.parse::<toml::Table>()
-                .map_err(|e: toml::de::Error| ConfigError::Parse {
-                    origin: origin.into(),
-                    message: e.to_string(),
-                })
-        };
         let defaults = job.default_config();
-        let mut table = parse(
-            &defaults,
-            &format!("the default config of job `{}`", job.name()),
-        )?;
-        merge(&mut table, parse(text, origin)?);
-        for o in overrides {
-            apply_override(&mut table, o)?;
-        }
-        let both_micro = table_has(&table, "train", "microbatch")
-            && table_has(&table, "parallel", "microbatches");
-        let mut cfg: TrainConfig =
-            toml::Value::Table(table)
-                .try_into()
-                .map_err(|e: toml::de::Error| {
-                    let origin = if overrides.is_empty() {
-                        origin.to_string()
-                    } else {
-                        format!("{origin} with --set overrides")
-                    };
-                    ConfigError::Parse {
-                        origin,
-                        message: e.to_string().trim().replace('\n', " "),
-                    }
-                })?;
-        cfg.resolve_microbatches(both_micro)?;
+        let defaults_origin = format!("the default config of job `{}`", job.name());
+        let cfg = TrainConfig::parse((&defaults, &defaults_origin), text, origin, overrides)?;
         job.validate(&cfg)?;
         Ok(cfg)
     }
 
-    /// Full validation of a config of lockstep's built-in jobs.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    fn validate(&self) -> Result<(), ConfigError> {
         self.validate_builtin()
     }
 
-    /// The built-in jobs: `[model]` and `[data]`, no `[job]`, then lockstep's own sections and
-    /// the memory the model needs.
-    pub fn validate_builtin(&self) -> Result<(), ConfigError> {
+    fn validate_builtin(&self) -> Result<(), ConfigError> {
         if let Some(key) = self.job.keys().next() {
             return Err(invalid(
                 "job",
@@ -122,9 +108,7 @@ impl TrainConfig {
         crate::limits::check(self, crate::limits::host_memory_bytes())
     }
 
-    /// A user job: lockstep's own sections (train, optimizer, dist, checkpoint, parallel). The
-    /// `[model]` and `[data]` sections belong to the built-in jobs and are ignored.
-    pub fn validate_common(&self) -> Result<(), ConfigError> {
+    fn validate_common(&self) -> Result<(), ConfigError> {
         if self.parallel.pp > 1 {
             return Err(invalid(
                 "parallel.pp",
@@ -159,12 +143,88 @@ impl TrainConfig {
         self.validate_common_layered()
     }
 
-    /// A user's layered job ([`crate::job::LayeredJob`]): like [`TrainConfig::validate_common`],
-    /// with pipelines allowed (the stages are checked against the model's layers once the job
-    /// has built it).
-    pub fn validate_common_layered(&self) -> Result<(), ConfigError> {
+    fn validate_common_layered(&self) -> Result<(), ConfigError> {
         self.validate_parallel(None)?;
         self.validate_sections()?;
         crate::limits::check_common(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OptimizerKind;
+
+    #[test]
+    fn defaults_are_valid_and_round_trip() {
+        let c = TrainConfig::load(None, &[]).unwrap();
+        assert_eq!(c, TrainConfig::default());
+        let again = TrainConfig::from_toml_str(&c.to_toml(), "resolved", &[]).unwrap();
+        assert_eq!(again, c);
+        assert_eq!(c.hash_hex(), again.hash_hex());
+    }
+
+    #[test]
+    fn overrides_apply_with_types() {
+        let c = TrainConfig::from_toml_str(
+            "[train]\nsteps = 5\n",
+            "t.toml",
+            &[
+                "train.steps=20".into(),
+                "train.lr=0.5".into(),
+                "model.hidden=[32]".into(),
+                "optimizer.kind=adamw".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.train.steps, 20);
+        assert_eq!(c.train.lr, 0.5);
+        assert_eq!(c.model.hidden, vec![32]);
+        assert_eq!(c.optimizer.kind, OptimizerKind::AdamW);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = TrainConfig::from_toml_str("", "x", &["train.microbatch=7".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.microbatch"), "{e}");
+        let e = TrainConfig::from_toml_str("[train]\nstepz = 3\n", "bad.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stepz") && e.contains("bad.toml"), "{e}");
+        let e = TrainConfig::from_toml_str("[train]\nsteps = \"many\"\n", "bad.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("steps"), "{e}");
+        let e = TrainConfig::from_toml_str("", "x", &["dist.transport=carrier-pigeon".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("dist.transport") && e.contains("carrier-pigeon"),
+            "{e}"
+        );
+        let e = TrainConfig::from_toml_str("", "x", &["train.lr=-1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.lr"), "{e}");
+        let e = TrainConfig::from_toml_str("", "x", &["dist.overlap=sometimes".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("overlap") && e.contains("bool"), "{e}");
+        let c = TrainConfig::from_toml_str("[dist]\noverlap = true\n", "x", &[]).unwrap();
+        assert!(c.dist.overlap && !TrainConfig::default().dist.overlap);
+        let e = TrainConfig::from_toml_str("", "x", &["nonsense".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key=value"), "{e}");
+        let e = TrainConfig::from_toml_str("", "x", &["train.steps.x=1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("train.steps"), "{e}");
+        let e = TrainConfig::from_toml_str("[train\n", "broken.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("broken.toml"), "{e}");
     }
 }

@@ -5,6 +5,7 @@
 //! Budget: `PROPTEST_CASES` (default 256 per property in `cargo test`). Findings are kept below as
 //! named regression cases.
 
+use lockstep_train::ConfigLoad;
 use std::time::Duration;
 
 use lockstep_train::limits::{self, MAX_TIMEOUT_SECS};

@@ -2,6 +2,7 @@
 //! synchronisation after backward ([`GradSync::sync`]), on in-process ranks: same bits, errors
 //! instead of hangs.
 
+use lockstep_train::ConfigLoad;
 use std::sync::Arc;
 use std::time::Duration;
 

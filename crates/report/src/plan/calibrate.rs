@@ -2,7 +2,7 @@
 //! per-step overhead as medians over its steady steps, and the CPU cost of the synchronisation
 //! left once the model of the run's own links has taken the network's share.
 
-use lockstep_train::metrics::median;
+use lockstep_run::metrics::median;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -11,7 +11,7 @@ use super::cost::{boundary_bytes, p2p_bytes_per_rank, sync_units, Placement};
 use super::stages::{balanced_stages, even, stage_groups};
 use super::{Cluster, Layout, Link, PlanError, Workload};
 use crate::scaling::warmup_steps;
-use lockstep_train::metrics::{StepRecord, Summary};
+use lockstep_run::metrics::{StepRecord, Summary};
 
 /// What a real run says about this machine and model.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -237,7 +237,7 @@ mod tests {
     use super::*;
     use crate::plan::predict::predict;
     use crate::plan::test_support::{close, pipeline_workload, workload};
-    use lockstep_train::metrics::{PhaseSeconds, PipelineSummary};
+    use lockstep_run::metrics::{PhaseSeconds, PipelineSummary};
 
     fn rec(
         rank: usize,
@@ -344,7 +344,7 @@ mod tests {
     fn calibration_without_steady_steps_says_what_to_do() {
         // A one-step run: its only step is the last, which also evaluates: nothing steady.
         let mut last = rec(0, 0, 0.01, 0.0, 0.001, 0.011, 256);
-        last.eval = Some(lockstep_train::metrics::Eval {
+        last.eval = Some(lockstep_run::metrics::Eval {
             test_loss: 1.0,
             test_accuracy: 0.5,
             ..Default::default()

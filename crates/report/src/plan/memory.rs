@@ -1,5 +1,5 @@
 //! Memory per rank of a layout, before it runs: every stage's model state (the formula of
-//! `lockstep_train::memory::predict`, which the resource limits use too — parameters, a gradient
+//! `lockstep_run::memory::predict`, which the resource limits use too — parameters, a gradient
 //! per local micro-batch, the reduced gradient and its fixed-point accumulator, optimizer state,
 //! each sharded by the ZeRO level; activations of the micro-batches a stage holds at once) and the
 //! predicted peak resident memory, for the fullest rank; and whether it fits `--memory-gib`.
@@ -8,8 +8,8 @@
 //! (`Layer::tp_split_params`); its activations are counted whole, as the training loop counts
 //! them (a tp rank keeps the replicated segments and its pieces' inputs).
 
-use lockstep_train::config::ScheduleKind;
-use lockstep_train::memory::{predict, predicted_peak_bytes, RankMemory, StateShape};
+use lockstep_run::config::ScheduleKind;
+use lockstep_run::memory::{predict, predicted_peak_bytes, RankMemory, StateShape};
 
 use super::stages::rank_params;
 use super::{Layout, Workload};

@@ -48,8 +48,8 @@
 //! phases. `κ` is what is left of the measured synchronisation time after the model of *the
 //! calibration run's own* links ([`Link`] given by the caller) has taken its share.
 //!
-//! Everything here is a pure function of its arguments except [`model_layers`], which reads the
-//! dataset to learn the model's shape, exactly as the trainer does.
+//! Everything here is a pure function of its arguments; the model's layers come from the caller
+//! (`lockstep plan` builds the job's model to learn them, exactly as the trainer does).
 
 // One file per part of the model, in the order a plan is made: describe the cluster and the
 // workload, list layouts, cut pipeline stages, cost the communication, calibrate from a run,
@@ -71,7 +71,7 @@ pub use layout::{candidate_layouts, parse_layouts, Layout};
 pub use memory::gib_bytes;
 pub use predict::{plan, predict, recommend, Plan, Prediction, Recommendation, Skipped};
 pub use stages::balanced_stages;
-pub use workload::{model_layers, Layer, Workload};
+pub use workload::{Layer, Workload};
 
 /// Defaults for links inside one node, measured on the reference machine (2-core VM,
 /// `lockstep bench-collectives`, 2 ranks, 1–64 MiB): shared memory ≈ 5 GB/s bus bandwidth,

@@ -2,7 +2,7 @@
 //! (compute, pipeline schedule, network, CPU sync, optimizer and overhead), every layout's
 //! speedup against one worker, and the fastest layout with its reasons in one sentence.
 
-use lockstep_train::memory::RankMemory;
+use lockstep_run::memory::RankMemory;
 use serde::{Deserialize, Serialize};
 
 use super::cost::{boundary_bytes, p2p_bytes_per_rank, sync_units, Placement};

@@ -26,7 +26,7 @@ pub(super) fn workload(params: usize) -> Workload {
         }],
         optimizer_vectors: 2,
         zero: 0,
-        schedule: lockstep_train::config::ScheduleKind::OneFOneB,
+        schedule: lockstep_run::config::ScheduleKind::OneFOneB,
         tp_pieces: 1,
         data_parallel_loop: false,
     }

@@ -2,16 +2,12 @@
 //! reproducible mode, buckets, collective algorithm, optimizer, ZeRO level, schedule) and the
 //! model's layers (parameters, activation bytes per sample sent and held), which [`model_layers`] reads from the model the trainer builds.
 
-use std::fmt;
-
 use lockstep_comm::collectives::DEFAULT_SEGMENT_BYTES;
 use lockstep_comm::communicator::DEFAULT_SMALL_MESSAGE_THRESHOLD;
 use lockstep_comm::Algorithm;
 use serde::{Deserialize, Serialize};
 
-use super::PlanError;
-use lockstep_train::config::{ScheduleKind, TrainConfig};
-use lockstep_train::job::{JobSpec, Trainable};
+use lockstep_run::config::{ScheduleKind, TrainConfig};
 
 /// One layer a pipeline may cut after.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -97,7 +93,7 @@ impl Workload {
             small_message_threshold: DEFAULT_SMALL_MESSAGE_THRESHOLD,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             layers,
-            optimizer_vectors: lockstep_train::memory::optimizer_vectors(cfg),
+            optimizer_vectors: lockstep_run::memory::optimizer_vectors(cfg),
             zero: cfg.parallel.zero,
             schedule: cfg.parallel.schedule,
             tp_pieces: cfg.model.tp_pieces.max(1),
@@ -108,42 +104,4 @@ impl Workload {
     pub(super) fn algorithm(&self) -> Algorithm {
         self.algorithm
     }
-}
-
-/// The layers of `job`'s model for `cfg`, as the trainer builds it, and the fixed
-/// tensor-parallel pieces of its layers (1: none). Not pure: it opens the job's data (for the
-/// input shape and classes, or the vocabulary). A layered model (the built-in transformer, a
-/// user's `LayeredJob`, whose `lockstep::tp` layers give its pieces and split parameters) has its
-/// layers; any other job is one layer of its replica's parameter count.
-pub fn model_layers(
-    job: &dyn JobSpec,
-    cfg: &TrainConfig,
-) -> Result<(Vec<Layer>, usize), PlanError> {
-    let model_err = |e: &dyn fmt::Display| PlanError::Model(e.to_string());
-    Ok(match job.build(cfg).map_err(|e| model_err(&e))? {
-        Trainable::Layered(model) => {
-            let offsets = model.layer_offsets();
-            let floats = model.activation_floats();
-            let layers = (0..model.num_layers())
-                .map(|l| Layer {
-                    name: model.layer_name(l),
-                    params: offsets[l + 1] - offsets[l],
-                    activation_bytes_per_sample: floats[l] * 4,
-                    held_activation_bytes_per_sample: model.held_activation_floats(l..l + 1) * 4,
-                    tp_split_params: model.tp_split_params(l),
-                })
-                .collect();
-            (layers, model.tp_pieces())
-        }
-        Trainable::Replica(replica) => (
-            vec![Layer {
-                name: job.label(cfg),
-                params: replica.layout().iter().map(|p| p.len).sum(),
-                activation_bytes_per_sample: 0,
-                held_activation_bytes_per_sample: replica.activation_bytes(1) as usize,
-                tp_split_params: 0,
-            }],
-            1,
-        ),
-    })
 }

@@ -7,6 +7,7 @@
 //! burn as flat vectors in the module's declaration order — so the driver's exact sum makes the
 //! result independent of the world size exactly as for lockstep's own models.
 
+use crate::ConfigLoad;
 use std::error::Error;
 use std::time::Instant;
 

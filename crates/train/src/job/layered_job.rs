@@ -8,6 +8,7 @@
 //! `grad_output`: so the parameter gradients of a cut model are bitwise those of the uncut one,
 //! and the driver's exact per-layer sums make every layout reproduce the single-stage run.
 
+use crate::ConfigLoad;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;

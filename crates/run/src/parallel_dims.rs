@@ -192,7 +192,7 @@ mod tests {
 
     #[test]
     fn every_replica_needs_a_microbatch() {
-        let cfg = TrainConfig::from_toml_str(
+        let cfg = TrainConfig::parse_builtin(
             "",
             "x",
             &[

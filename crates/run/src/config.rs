@@ -31,7 +31,7 @@ pub const MAX_LR: f32 = 1e4;
 /// Shortest wait a collective may be given (seconds).
 pub const MIN_TIMEOUT_SECS: f64 = 0.1;
 
-pub(crate) fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
+pub fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field,
         message: message.into(),
@@ -395,7 +395,7 @@ impl TrainConfig {
 
     /// `parallel.microbatches`, when set, decides the micro-batch size (it must divide the batch;
     /// an explicit `train.microbatch` must agree with it).
-    pub(crate) fn resolve_microbatches(&mut self, both_given: bool) -> Result<(), ConfigError> {
+    pub fn resolve_microbatches(&mut self, both_given: bool) -> Result<(), ConfigError> {
         let m = self.parallel.microbatches;
         if m == 0 {
             return Ok(());
@@ -466,6 +466,68 @@ impl TrainConfig {
         c
     }
 
+    /// The config of `text` (from `origin`) on top of `defaults` (a job's default config; empty
+    /// for lockstep's built-in defaults), with `key=value` overrides applied and the micro-batch
+    /// keys resolved: the TOML mechanics only. Loading a job's config with every check is
+    /// `lockstep_train`'s `ConfigLoad`.
+    pub fn parse(
+        defaults: (&str, &str),
+        text: &str,
+        origin: &str,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let parse = |text: &str, origin: &str| {
+            text.parse::<toml::Table>()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    origin: origin.into(),
+                    message: e.to_string(),
+                })
+        };
+        let mut table = parse(defaults.0, defaults.1)?;
+        merge(&mut table, parse(text, origin)?);
+        for o in overrides {
+            apply_override(&mut table, o)?;
+        }
+        let both_micro = table_has(&table, "train", "microbatch")
+            && table_has(&table, "parallel", "microbatches");
+        let mut cfg: TrainConfig =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    let origin = if overrides.is_empty() {
+                        origin.to_string()
+                    } else {
+                        format!("{origin} with --set overrides")
+                    };
+                    ConfigError::Parse {
+                        origin,
+                        message: e.to_string().trim().replace('\n', " "),
+                    }
+                })?;
+        cfg.resolve_microbatches(both_micro)?;
+        Ok(cfg)
+    }
+
+    /// A config of lockstep's built-in jobs from TOML `text`, with the checks that need nothing
+    /// but the config (the model, the data, lockstep's sections, the layout's own rules) — not
+    /// the memory limits, which need the model (`lockstep_train::ConfigLoad` applies them too).
+    pub fn parse_builtin(
+        text: &str,
+        origin: &str,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let cfg = Self::parse(("", "built-in defaults"), text, origin, overrides)?;
+        if let Some(key) = cfg.job.keys().next() {
+            return Err(invalid(
+                "job",
+                format!("`job.{key}`: lockstep's built-in models take no [job] settings"),
+            ));
+        }
+        cfg.validate_model_and_data()?;
+        cfg.validate_sections()?;
+        Ok(cfg)
+    }
+
     /// The keys lockstep writes for this config (every key of [`TrainConfig::to_toml`]) that the
     /// TOML `text` lacks, as "section.key". A run's `config.toml` is written whole, so a missing
     /// key means the file was cut or edited: loading it would silently take a default instead.
@@ -527,7 +589,7 @@ impl TrainConfig {
         self.train.global_batch / self.train.microbatch
     }
 
-    pub(crate) fn validate_model_and_data(&self) -> Result<(), ConfigError> {
+    pub fn validate_model_and_data(&self) -> Result<(), ConfigError> {
         let text_data = self.data.dataset == DatasetKind::Shakespeare;
         if (self.model.kind == ModelKind::Transformer) != text_data {
             return Err(invalid(
@@ -565,7 +627,7 @@ impl TrainConfig {
     }
 
     /// train, optimizer, checkpoint and dist.
-    pub(crate) fn validate_sections(&self) -> Result<(), ConfigError> {
+    pub fn validate_sections(&self) -> Result<(), ConfigError> {
         let t = &self.train;
         if t.steps == 0 && t.epochs == 0 {
             return Err(invalid(
@@ -709,7 +771,7 @@ impl TrainConfig {
 
     /// Checks of `[parallel]` that need no world size (see [`crate::ParallelDims`] for the rest);
     /// with the model's layer count when it is known from the config (the built-in jobs).
-    pub(crate) fn validate_parallel(&self, layers: Option<usize>) -> Result<(), ConfigError> {
+    pub fn validate_parallel(&self, layers: Option<usize>) -> Result<(), ConfigError> {
         let p = &self.parallel;
         if p.pp == 0 {
             return Err(invalid("parallel.pp", "must be ≥ 1"));
@@ -824,7 +886,7 @@ impl ParallelConfig {
     }
 }
 
-pub(crate) fn table_has(table: &toml::Table, section: &str, key: &str) -> bool {
+pub fn table_has(table: &toml::Table, section: &str, key: &str) -> bool {
     table
         .get(section)
         .and_then(|s| s.as_table())
@@ -833,7 +895,7 @@ pub(crate) fn table_has(table: &toml::Table, section: &str, key: &str) -> bool {
 
 /// Apply `a.b.c=value` to a TOML table. The value is parsed as a TOML value when it is one
 /// (numbers, booleans, arrays, quoted strings) and taken as a bare string otherwise.
-pub(crate) fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError> {
+pub fn apply_override(table: &mut toml::Table, spec: &str) -> Result<(), ConfigError> {
     let (key, raw) = spec
         .split_once('=')
         .ok_or_else(|| ConfigError::BadOverride(spec.to_string()))?;
@@ -868,7 +930,7 @@ fn parse_value(raw: &str) -> toml::Value {
 }
 
 /// Deep-merge `top` over `base`: tables merge key by key, anything else in `top` replaces.
-pub(crate) fn merge(base: &mut toml::Table, top: toml::Table) {
+pub fn merge(base: &mut toml::Table, top: toml::Table) {
     for (key, value) in top {
         match (base.get_mut(&key), value) {
             (Some(toml::Value::Table(b)), toml::Value::Table(t)) => merge(b, t),
@@ -876,83 +938,5 @@ pub(crate) fn merge(base: &mut toml::Table, top: toml::Table) {
                 base.insert(key, value);
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn defaults_are_valid_and_round_trip() {
-        let c = TrainConfig::load(None, &[]).unwrap();
-        assert_eq!(c, TrainConfig::default());
-        let again = TrainConfig::from_toml_str(&c.to_toml(), "resolved", &[]).unwrap();
-        assert_eq!(again, c);
-        assert_eq!(c.hash_hex(), again.hash_hex());
-    }
-
-    #[test]
-    fn overrides_apply_with_types() {
-        let c = TrainConfig::from_toml_str(
-            "[train]\nsteps = 5\n",
-            "t.toml",
-            &[
-                "train.steps=20".into(),
-                "train.lr=0.5".into(),
-                "model.hidden=[32]".into(),
-                "optimizer.kind=adamw".into(),
-            ],
-        )
-        .unwrap();
-        assert_eq!(c.train.steps, 20);
-        assert_eq!(c.train.lr, 0.5);
-        assert_eq!(c.model.hidden, vec![32]);
-        assert_eq!(c.optimizer.kind, OptimizerKind::AdamW);
-    }
-
-    #[test]
-    fn errors_name_the_field() {
-        let e = TrainConfig::from_toml_str("", "x", &["train.microbatch=7".into()])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("train.microbatch"), "{e}");
-        let e = TrainConfig::from_toml_str("[train]\nstepz = 3\n", "bad.toml", &[])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("stepz") && e.contains("bad.toml"), "{e}");
-        let e = TrainConfig::from_toml_str("[train]\nsteps = \"many\"\n", "bad.toml", &[])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("steps"), "{e}");
-        let e = TrainConfig::from_toml_str("", "x", &["dist.transport=carrier-pigeon".into()])
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("dist.transport") && e.contains("carrier-pigeon"),
-            "{e}"
-        );
-        let e = TrainConfig::from_toml_str("", "x", &["train.lr=-1".into()])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("train.lr"), "{e}");
-        let e = TrainConfig::from_toml_str("", "x", &["dist.overlap=sometimes".into()])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("overlap") && e.contains("bool"), "{e}");
-        let c = TrainConfig::from_toml_str("[dist]\noverlap = true\n", "x", &[]).unwrap();
-        assert!(c.dist.overlap && !TrainConfig::default().dist.overlap);
-        let e = TrainConfig::from_toml_str("", "x", &["nonsense".into()])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("key=value"), "{e}");
-        let e = TrainConfig::from_toml_str("", "x", &["train.steps.x=1".into()])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("train.steps"), "{e}");
-        let e = TrainConfig::from_toml_str("[train\n", "broken.toml", &[])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("broken.toml"), "{e}");
     }
 }
