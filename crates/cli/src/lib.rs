@@ -64,7 +64,7 @@ enum Command {
     /// Print a fresh job secret (64 hex digits) for multi-node jobs or external launchers.
     Secret,
     /// Predict step time, speedup and efficiency of layouts on a described cluster, calibrated
-    /// from a finished run (see docs/plan.md).
+    /// from a finished run (see docs/src/plan.md).
     Plan(PlanArgs),
     /// Internal: the worker process started by the launcher.
     #[command(hide = true)]

@@ -14,7 +14,7 @@
 //! for any worker count, checkpoints, restarts failed workers (`--max-restarts`, `--nproc
 //! MIN:MAX`), runs under Slurm, `mpirun` and torchrun-style variables, and writes metrics.jsonl,
 //! summary.json and report.md/.html with your metrics; `scale` and `plan` work as well. See
-//! docs/library.md.
+//! docs/src/your-own-model.md.
 //!
 //! A model written as a sequence of layers can implement [`LayeredJob`] instead and run as
 //! `lockstep::main(lockstep::Pipelined(MyJob))`: then `parallel.pp` cuts it into pipeline stages
@@ -42,7 +42,7 @@ pub use lockstep_train::{ConfigError, TrainConfig};
 /// [`RowParallelLinear`](tp::RowParallelLinear) (input features in the same pieces; output
 /// summed exactly over all pieces), with elementwise functions (ReLU, GELU) between them. All
 /// tensor-parallel layers of a model have the same `pieces`, which `parallel.tp` must divide.
-/// See docs/library.md, "Tensor parallelism of your own model".
+/// See docs/src/your-own-model.md, "Tensor parallelism of your own model".
 pub mod tp {
     pub use lockstep_model::{
         ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,

@@ -2,7 +2,7 @@
 //! data-parallel, pipeline and combined layouts on a described cluster, calibrated from a real run.
 //!
 //! The model follows what the code does, message by message (equations and their validation on
-//! shaped links: `docs/plan.md`):
+//! shaped links: `docs/src/plan.md`):
 //!
 //! - **Link** (latency α, payload bandwidth β, token-bucket burst b; `k` flows share it): one
 //!   message of `s` bytes takes `t(s) = α + max(0, s − min(b, αβ)/k) · k/β`. A plain line-rate link
