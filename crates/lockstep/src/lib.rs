@@ -50,6 +50,12 @@ pub mod tp {
     };
 }
 
+/// The user guide's Rust snippets (docs/src, an mdBook), compiled and run as doctests of this
+/// crate by `cargo test -p lockstep --doc`: one module per chapter that holds Rust code.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/src/your-own-model.md")]
+mod guide_your_own_model {}
+
 /// Run the lockstep command line for `job` (`train`, `scale`, `plan`, …; see `--help`) and exit:
 /// status 0 on success, 3 for bad input (config, data, a misbehaving job), 1 otherwise.
 pub fn main<J: JobSpec + 'static>(job: J) -> ! {
