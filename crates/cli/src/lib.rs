@@ -909,11 +909,9 @@ fn start_heartbeat(rank: usize) {
 /// `RAYON_NUM_THREADS` (`--threads-per-worker`), with this thread as its first member. Why: the
 /// training loop then takes part in the threaded loops (gemm, the transformer's attention, GELU,
 /// softmax and layer norm, the copies, the optimizer, the one-worker exact sum) instead of waiting
-/// beside a pool of its
-/// own size; with a separate pool, its threads kept spinning for work after each product on the
-/// cores the loop's single-threaded kernels needed (measured: Shakespeare transformer at 2
-/// threads, 177–179 → 149–164 ms per step). A pool built earlier (a user's binary may build its
-/// own) is kept.
+/// beside a pool of its own size; with a separate pool, its threads kept spinning for work after
+/// each product on the cores the loop's single-threaded kernels needed, and steps were
+/// measurably slower. A pool built earlier (a user's binary may build its own) is kept.
 fn join_compute_threads() {
     let _ = rayon::ThreadPoolBuilder::new()
         .use_current_thread()
