@@ -104,7 +104,7 @@ struct TrainArgs {
     /// and gradient copies, the optimizer and the one-worker exact sum run on them, with the same
     /// bits at any count; every other burn kernel runs on one
     /// thread per worker, since burn flex's multi-threaded kernels are left out of the build
-    /// (their parallel reductions do not add in a fixed order; README, "Reproducibility"). More
+    /// (their parallel reductions do not add in a fixed order; docs/src/reproducibility.md). More
     /// workers use cores better.
     #[arg(long)]
     threads_per_worker: Option<usize>,
