@@ -13,7 +13,7 @@
 # (7) a hung rank under the MPI transport: the survivors fail within 2 × dist.timeout_secs naming
 #     it, and mpirun ends the job;
 # (8) bench-collectives --transport mpi runs and reports.
-# The mpirun lines are README.md's recipes ("Under Slurm and Open MPI"), word for word.
+# The mpirun lines are the recipes of docs/src/clusters.md ("Tested with Slurm and Open MPI"), word for word.
 # Needs root only for the install.
 # Usage: scripts/mpi-check.sh path/to/lockstep path/to/mpi_sweep   (both built with --features mpi:
 #   cargo build -p lockstep-cli -p lockstep-comm --features lockstep-cli/mpi,lockstep-comm/mpi --bin lockstep --example mpi_sweep)
@@ -42,7 +42,7 @@ echo "mpi: $(mpirun --version | head -1)"
 # One-worker references (the lockstep launcher, no engine).
 source "$repo/scripts/lib/cluster-refs.sh"
 
-# (1) mpirun, digits. (README recipe.)
+# (1) mpirun, digits. (docs/src/clusters.md recipe.)
 export MASTER_ADDR=$(hostname) MASTER_PORT=29500 LOCKSTEP_SECRET=$(lockstep secret)
 mpirun --allow-run-as-root --oversubscribe -np 3 -x MASTER_ADDR -x MASTER_PORT -x LOCKSTEP_SECRET lockstep train --out runs/mpi --set train.steps=40 >mpi.log 2>&1 || { cat mpi.log; fail "mpirun -np 3 lockstep train"; }
 h="$(hash_of runs/mpi/summary.json)"
@@ -118,7 +118,7 @@ for n in 1 2 3 4; do
 done
 passed=$((passed + 1))
 
-# (6) The MPI transport: no MASTER_ADDR, no store. (README recipe.)
+# (6) The MPI transport: no MASTER_ADDR, no store. (docs/src/clusters.md recipe.)
 unset MASTER_ADDR MASTER_PORT
 mpirun --allow-run-as-root --oversubscribe -np 3 -x LOCKSTEP_SECRET lockstep train --out runs/mpi-transport --set dist.transport=mpi --set train.steps=40 >mpi-t.log 2>&1 || { cat mpi-t.log; fail "mpirun with dist.transport = mpi"; }
 h="$(hash_of runs/mpi-transport/summary.json)"
@@ -151,7 +151,7 @@ echo "mpi: rank 1 hung at step 30 over the MPI transport: job ended after ${elap
 grep -Eo "rank [02]: .*waiting for rank 1 \(mpi:world rank 1\)" hang.log | sort -u | sed 's/^/mpi:   /'
 passed=$((passed + 1))
 
-# (8) bench-collectives over MPI. (README recipe, shortened sizes.)
+# (8) bench-collectives over MPI. (docs/src/clusters.md recipe, shortened sizes.)
 mpirun --allow-run-as-root --oversubscribe -np 2 -x LOCKSTEP_SECRET lockstep bench-collectives --transport mpi --op all_reduce --sizes 4K..1M --json mpi.json >bench.log 2>&1 || { cat bench.log; fail "bench-collectives --transport mpi"; }
 python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["rows"]; assert r and all(x["transport"]=="mpi" and x["time_us"]>0 for x in r), r' mpi.json || fail "mpi.json has no mpi rows"
 sed 's/^/mpi:   /' bench.log | tail -4

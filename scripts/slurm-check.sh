@@ -7,7 +7,7 @@
 # (4) `srun -n 3` with parallel.pp = 2 is refused on every rank, exit 3, naming Slurm's world and pp;
 # (5) one task SIGKILLed mid-run (its pid from `scontrol listpids`): the job fails within
 #     2 × dist.timeout_secs naming rank 1, and resubmitting with --resume ends on the fault-free hash.
-# The srun/sbatch lines are README.md's recipes ("Under Slurm and Open MPI"), word for word.
+# The srun/sbatch lines are the recipes of docs/src/clusters.md ("Tested with Slurm and Open MPI"), word for word.
 # Usage: scripts/slurm-cluster.sh bash scripts/slurm-check.sh path/to/lockstep
 set -euo pipefail
 bin="$(realpath "${1:?usage: scripts/slurm-cluster.sh bash $0 path/to/lockstep}")"
@@ -28,7 +28,7 @@ passed=0
 # One-worker references (the lockstep launcher, no engine).
 source "$repo/scripts/lib/cluster-refs.sh"
 
-# (1) srun, digits. (README recipe.)
+# (1) srun, digits. (docs/src/clusters.md recipe.)
 export MASTER_ADDR=$(hostname) MASTER_PORT=29500 LOCKSTEP_SECRET=$(lockstep secret)
 srun -n 3 lockstep train --out runs/slurm-digits --set train.steps=40 >srun.log 2>&1 || { cat srun.log; fail "srun -n 3 lockstep train"; }
 h="$(hash_of runs/slurm-digits/summary.json)"
@@ -47,7 +47,7 @@ echo "slurm: srun -n 3 Shakespeare pp = 3: $h (1 worker: $ref_pipe)"
 [[ "$h" == "$ref_pipe" ]] || fail "the 3-stage pipeline under srun differs from 1 worker"
 passed=$((passed + 1))
 
-# (3) sbatch of README's job script.
+# (3) sbatch of the job script in docs/src/clusters.md.
 cat >job.sh <<'EOF'
 #!/bin/bash
 #SBATCH --nodes=1

@@ -36,7 +36,7 @@
 //!    of the attempt's nodes reached it (else it could be the one cut off, and two jobs must never
 //!    write one run) and the checkpoint rank 0 last wrote (the leader publishes rank 0's progress
 //!    in `g{a}/progress`) is reachable from it (a shared `--out` or `checkpoint.dir`); otherwise
-//!    the job ends by name, to be continued with `--resume` (see README, "Several hosts").
+//!    the job ends by name, to be continued with `--resume` (see docs/src/clusters.md).
 //!
 //! Every wait has a deadline or ends with the store, and names what it waited for.
 

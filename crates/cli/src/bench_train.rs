@@ -1,4 +1,4 @@
-//! `lockstep bench`: the training benchmark behind the README's "Benchmarks" figures, in one
+//! `lockstep bench`: the training benchmark behind docs/src/performance.md's figures, in one
 //! invocation so that its cases see the same machine.
 //!
 //! Four cases on one config: one worker (`1x1`), `N` workers exact (`Nx1-exact`, the default
@@ -98,7 +98,7 @@ pub struct CaseResult {
     /// The slowest rank's median communication per step (exposed: summing its gradients with
     /// the other ranks'; for one worker and the bound, summing its own micro-batches). A
     /// repetition far above the others of its case ran while communication was slow on the
-    /// machine (README, "`lockstep bench`").
+    /// machine (docs/src/performance.md, "Training benchmark").
     pub communication_ms: Spread,
     /// `param_hash` of every repetition (of the first job, for the no-communication bound).
     pub param_hashes: Vec<String>,

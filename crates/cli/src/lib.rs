@@ -65,7 +65,7 @@ enum Command {
     /// Print a fresh job secret (64 hex digits) for multi-node jobs or external launchers.
     Secret,
     /// Predict step time, speedup and efficiency of layouts on a described cluster, calibrated
-    /// from a finished run (see docs/plan.md).
+    /// from a finished run (see docs/src/plan.md).
     Plan(PlanArgs),
     /// Internal: the worker process started by the launcher.
     #[command(hide = true)]
@@ -105,7 +105,7 @@ struct TrainArgs {
     /// and gradient copies, the optimizer and the one-worker exact sum run on them, with the same
     /// bits at any count; every other burn kernel runs on one
     /// thread per worker, since burn flex's multi-threaded kernels are left out of the build
-    /// (their parallel reductions do not add in a fixed order; README, "Reproducibility"). More
+    /// (their parallel reductions do not add in a fixed order; docs/src/reproducibility.md). More
     /// workers use cores better.
     #[arg(long)]
     threads_per_worker: Option<usize>,
@@ -910,11 +910,9 @@ fn start_heartbeat(rank: usize) {
 /// `RAYON_NUM_THREADS` (`--threads-per-worker`), with this thread as its first member. Why: the
 /// training loop then takes part in the threaded loops (gemm, the transformer's attention, GELU,
 /// softmax and layer norm, the copies, the optimizer, the one-worker exact sum) instead of waiting
-/// beside a pool of its
-/// own size; with a separate pool, its threads kept spinning for work after each product on the
-/// cores the loop's single-threaded kernels needed (measured: Shakespeare transformer at 2
-/// threads, 177–179 → 149–164 ms per step). A pool built earlier (a user's binary may build its
-/// own) is kept.
+/// beside a pool of its own size; with a separate pool, its threads kept spinning for work after
+/// each product on the cores the loop's single-threaded kernels needed, and steps were
+/// measurably slower. A pool built earlier (a user's binary may build its own) is kept.
 fn join_compute_threads() {
     let _ = rayon::ThreadPoolBuilder::new()
         .use_current_thread()

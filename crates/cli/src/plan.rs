@@ -1,6 +1,6 @@
 //! `lockstep plan`: predicted step time, speedup and efficiency of layouts on a described cluster,
 //! calibrated from a finished run. The model is `lockstep_report::plan` (equations and validation:
-//! docs/plan.md); this file reads the run directory and the cluster description and prints.
+//! docs/src/plan.md); this file reads the run directory and the cluster description and prints.
 
 use std::path::Path;
 

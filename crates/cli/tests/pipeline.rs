@@ -107,8 +107,8 @@ fn every_layout_and_schedule_reproduces_the_single_worker_bits() {
 
 /// The tiny transformer learns the plays through a 2-stage pipeline: 200 steps take the validation
 /// loss from ln(76) ≈ 4.33 nats per character (a uniform guess) to 2.71 and next-character accuracy
-/// to 26% (measured); the floors are 3.0 and 20%. (README's figure for configs/shakespeare.toml
-/// itself, ≤ 2.0 after 400 steps, takes minutes: too long for the test suite.)
+/// to 26% (measured); the floors are 3.0 and 20%. (docs/src/performance.md's figure for
+/// configs/shakespeare.toml itself, 1.93 at step 400, takes minutes: too long for the test suite.)
 #[test]
 fn the_pipeline_learns_the_plays() {
     let tmp = tempfile::tempdir().unwrap();

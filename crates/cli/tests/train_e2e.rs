@@ -145,7 +145,7 @@ fn expected_kernels() -> &'static str {
 const LOSS_FALL_25_STEPS: f64 = 3.0;
 
 /// The main job of README.md (digits MLP, 300 steps, 2 workers) reaches the accuracy README
-/// states (≈ 97%; the floor is 95%).
+/// states (≈ 97%; the floor is 95%, as in scripts/check-readme.sh).
 #[test]
 fn the_default_job_learns_the_digits() {
     let tmp = tempfile::tempdir().unwrap();
@@ -157,8 +157,8 @@ fn the_default_job_learns_the_digits() {
     assert!(s["final_loss"].as_f64().unwrap() < 0.25, "{s}");
 }
 
-/// Fashion-MNIST with configs/fashion-mlp.toml for one epoch (469 steps, 2 workers) reaches the
-/// figure README states for it. Needs scripts/setup.sh (CI sets LOCKSTEP_REQUIRE_FASHION=1, so a
+/// Fashion-MNIST with configs/fashion-mlp.toml for one epoch (469 steps, 2 workers) reaches
+/// `FASHION_ONE_EPOCH`. Needs scripts/setup.sh (CI sets LOCKSTEP_REQUIRE_FASHION=1, so a
 /// missing dataset fails there instead of returning early).
 #[test]
 fn fashion_mnist_learns_to_its_stated_accuracy_in_one_epoch() {
@@ -193,7 +193,8 @@ fn fashion_mnist_learns_to_its_stated_accuracy_in_one_epoch() {
     );
 }
 
-/// Fashion-MNIST test accuracy after one epoch of configs/fashion-mlp.toml (README states it).
+/// Fashion-MNIST test accuracy after one epoch of configs/fashion-mlp.toml: the floor the test
+/// above holds.
 const FASHION_ONE_EPOCH: f64 = 0.82;
 
 #[test]

@@ -2,14 +2,14 @@
 //! and one with streaming stores.
 //!
 //! glibc's `memcpy` copies mid-sized blocks (from a few KiB up to its non-temporal threshold, a
-//! fraction of the L3 cache) with `rep movsb`. On the AMD EPYC dev box that instruction runs
-//! 10–20× slower when the destination lies just after the source modulo 4 KiB. 447 KiB copies ran
-//! at 2–3.5 GB/s when `(dst − src) mod 4096` was 1–15, and at ~28–41 GB/s at 16–63, against
-//! ~45–50 GB/s otherwise (`examples/copy_alias.rs`). A ring transport hits those distances by
-//! chance: its write position moves on by every message, so the distance between a caller's
-//! buffer and the ring slot drifts through them. Below 64 bytes of distance
-//! [`copy_nonoverlapping`] therefore copies with plain 32-byte vector loads and stores, which keep
-//! ~40–49 GB/s at every distance; everywhere else it calls `memcpy`.
+//! fraction of the L3 cache) with `rep movsb`. On some CPUs (AMD Zen among them) that
+//! instruction runs many times slower when the destination lies just after the source modulo
+//! 4 KiB — a store that seems to alias a pending load is replayed (`examples/copy_alias.rs` shows
+//! the speed by distance; the figures are on docs/src/performance.md). A ring transport hits
+//! those distances by chance: its write position moves on by every message, so the distance
+//! between a caller's buffer and the ring slot drifts through them. Below 64 bytes of distance
+//! [`copy_nonoverlapping`] therefore copies with plain 32-byte vector loads and stores, whose
+//! speed does not depend on the distance; everywhere else it calls `memcpy`.
 //!
 //! [`stream_nonoverlapping`] is the other way to fill a ring slot: streaming stores that do not
 //! wait for the reader's core to give up its copies of the lines (`shm::write_path` picks between

@@ -30,9 +30,9 @@
 //! than one micro-batch (agreed in step 1's collective), a value's fixed-point form is just its
 //! `f32` value rounded at the bucket's scale, so the reduce-scatter's first step sends the `f32`
 //! values and the receiver converts them: the reduce-scatter then sends `P/n·(4 + 8·(n−2))` bytes per
-//! rank, and with 2 ranks the exact sum moves a plain `f32` all-reduce's bytes. Same bits either way. On 2 workers of the benchmark MLP
-//! (670k values, one micro-batch each, shared memory) the exact sum's time per step fell from
-//! 1.2–1.5 ms to 0.8 ms (fused), then to 0.7 ms (f32 first step). Sharded optimizers (ZeRO 1/2)
+//! rank, and with 2 ranks the exact sum moves a plain `f32` all-reduce's bytes. Same bits either
+//! way. Why fused: a full-length `i64` vector is twice the gradient's size, and writing it and
+//! reading it back costs more memory traffic than the ring itself. Sharded optimizers (ZeRO 1/2)
 //! update that chunk only.
 //! [`ExactReducer::reduce_scattered_then_gathered`] follows it with an all-gather of the finished
 //! f32 chunks ((n−1)/n·4·P bytes): the whole sum, same bits as `reduce`, for 1.5× the bytes of a
@@ -49,8 +49,8 @@
 //! [`ExactReducer::reduce_shared`] runs steps 2–4 without messages when every rank's parts lie in
 //! shared-memory windows that all ranks map ([`crate::shared_parts`]): after step 1, each rank
 //! sums its chunk of every rank's parts where they lie (one fused pass per bucket, as on one rank),
-//! then, after a barrier, copies the peers' finished chunks; on 2 workers of the benchmark MLP
-//! 0.55 ms per step against 1.05 through the rings. Same bits.
+//! then, after a barrier, copies the peers' finished chunks. Same bits; no part is copied into a
+//! ring and out again, so each value crosses memory once.
 //!
 //! [`ExactReducer::reduce_bucket`] runs the same four steps for one bucket alone (`all_reduce(max)` of
 //! one i32, then that bucket's i64 values reduce-scattered and the finished f32 chunks all-gathered
@@ -138,8 +138,7 @@ impl ExactReducer {
     /// reduction: fold `part`'s per-bucket max exponents (over `buckets`, which must be the next
     /// reduction's) into the pre-scan. Call it right after the gradient was written, while its
     /// values are still in cache: a scan then costs a fraction of the cold one the reduction
-    /// would otherwise run over all parts (on 2 workers of the benchmark MLP, ≈ 0.05 ms per
-    /// micro-batch instead of 0.1–0.16). The next reduction (any of this type's, on any group)
+    /// would otherwise run over all parts. The next reduction (any of this type's, on any group)
     /// takes the pre-scan and refuses it unless it covers exactly its `local_parts`; the shared
     /// exponents, and so the bits, are the same either way.
     pub fn scan_part(&mut self, part: &[f32], buckets: &[Range<usize>]) {

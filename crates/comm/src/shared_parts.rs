@@ -23,17 +23,17 @@
 //! No barrier after step 4: a rank overwrites its chunk of its sum area only after the next
 //! exponent `all_reduce`, which no rank enters before it has finished copying; the rest of its
 //! sum area nobody else reads; and it overwrites its parts only in the next step's backward,
-//! after step 3, when no rank reads them any more. Measured on 2 workers of the benchmark MLP
-//! with the two vCPUs near each other: the exact sum's time per step 1.0 → 0.6 ms.
+//! after step 3, when no rank reads them any more. Against the rings this saves every copy of
+//! the `i64` sums and one of the two copies of the finished values.
 //!
 //! **Far cores.** Reading a peer's lines leaves copies in this core's caches, and the peer's next
 //! write to them must wait until they are invalidated: cheap between cores that share an L3,
-//! slow between far ones (the dev VM's vCPUs sometimes sit ≈ 360 ns apart in a cache-line round
-//! trip instead of ≈ 55 ns: the peer's backward, which writes its parts, then took ≈ 0.3 ms
-//! longer per step). So every [`MEASURE_EVERY`] reductions each pair of ranks times a short
-//! ping-pong through their windows, and a rank evicts the lines it read from a peer that is far
-//! (round trip above [`FAR_ROUND_TRIP`]) right after reading them (`copy::evict`). Near peers'
-//! lines are kept: evicting them cost ≈ 0.15–0.2 ms per step, more than it saves there.
+//! slow between far ones, where the peer's next backward (which writes its parts) stalls on every
+//! line this rank read. Where two processes' cores sit is not known to them and can change while
+//! they run (a VM's vCPUs move). So every [`MEASURE_EVERY`] reductions each pair of ranks times a
+//! short ping-pong through their windows, and a rank evicts the lines it read from a peer that is
+//! far (round trip above [`FAR_ROUND_TRIP`]) right after reading them (`copy::evict`). Near
+//! peers' lines are kept: there the eviction costs more than the stall it avoids.
 //!
 //! Same bits as the other forms of the exact sum: each value's `i64` sum is exact in any order
 //! and converted back by the same function, whichever rank forms it.
@@ -74,8 +74,8 @@ const INFO: usize = 6;
 pub const MEASURE_EVERY: u64 = 64;
 /// A peer whose round trip through the ping words takes longer than this is far: its lines are
 /// evicted after reading. A trip moves two cache lines (each rank writes only its own window),
-/// each changing hands twice: on the dev VM ≈ 130–150 ns between vCPUs that share an L3,
-/// ≈ 470–510 ns between far ones.
+/// each changing hands twice: between cores that share an L3 that is on the order of 100 ns,
+/// between far cores several hundred; this bound lies between the two.
 pub const FAR_ROUND_TRIP: Duration = Duration::from_nanos(300);
 /// Round trips per measurement: `BATCHES` batches of `TRIPS` (the fastest batch counts).
 const TRIPS: usize = 16;

@@ -9,7 +9,7 @@
 //! [`StoreServer::refused_connections`] and logged in aggregate (at most one line per
 //! [`StoreOptions::refusal_log_interval`], counts by reason, never the secret or a MAC).
 //!
-//! Limits (see `docs/security.md`): a connection that has not authenticated is *pending*; pending
+//! Limits (see `docs/src/security.md`): a connection that has not authenticated is *pending*; pending
 //! connections are limited per source IP and in total ([`AdmissionLimits`]), and one over budget
 //! is closed on the accept thread without starting a thread or reading a byte — unless that budget
 //! has been held by the same handshake for a while, when it waits in the lobby instead

@@ -9,8 +9,9 @@
 //! value — a conversion, two exact multiplications by powers of two, the rounding addition, integer
 //! adds — and Rust never contracts them into fused operations, so **every copy gives the same
 //! bits** (tested against the portable copy): a job's results do not depend on which copy ran,
-//! unlike burn's matrix kernels (`lockstep_model::Kernels`). `crates/comm/examples/exact_kernels.rs` measures
-//! the copies against the portable one in one process.
+//! unlike burn's matrix kernels (`lockstep_model::Kernels`). `crates/comm/examples/exact_kernels.rs`
+//! measures the copies against the portable one in one process (figures on
+//! docs/src/performance.md).
 
 use std::ops::Range;
 use std::sync::OnceLock;

@@ -14,7 +14,7 @@
 //! for any worker count, checkpoints, restarts failed workers (`--max-restarts`, `--nproc
 //! MIN:MAX`), runs under Slurm, `mpirun` and torchrun-style variables, and writes metrics.jsonl,
 //! summary.json and report.md/.html with your metrics; `scale` and `plan` work as well. See
-//! docs/library.md.
+//! docs/src/your-own-model.md.
 //!
 //! A model written as a sequence of layers can implement [`LayeredJob`] instead and run as
 //! `lockstep::main(lockstep::Pipelined(MyJob))`: then `parallel.pp` cuts it into pipeline stages
@@ -42,13 +42,19 @@ pub use lockstep_train::{ConfigError, ConfigLoad, TrainConfig};
 /// [`RowParallelLinear`](tp::RowParallelLinear) (input features in the same pieces; output
 /// summed exactly over all pieces), with elementwise functions (ReLU, GELU) between them. All
 /// tensor-parallel layers of a model have the same `pieces`, which `parallel.tp` must divide.
-/// See docs/library.md, "Tensor parallelism of your own model".
+/// See docs/src/your-own-model.md, "Tensor parallelism of your own model".
 pub mod tp {
     pub use lockstep_model::{
         ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
         RowParallelLinearConfig,
     };
 }
+
+/// The user guide's Rust snippets (docs/src, an mdBook), compiled and run as doctests of this
+/// crate by `cargo test -p lockstep --doc`: one module per chapter that holds Rust code.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/src/your-own-model.md")]
+mod guide_your_own_model {}
 
 /// Run the lockstep command line for `job` (`train`, `scale`, `plan`, …; see `--help`) and exit:
 /// status 0 on success, 3 for bad input (config, data, a misbehaving job), 1 otherwise.

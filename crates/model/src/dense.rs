@@ -3,9 +3,9 @@
 //!
 //! Why: through burn each product allocates a zero-filled output (flex's `FlexTensor::empty`)
 //! that gemm then overwrites, and burn computes the input gradient `dy · Wᵀ` with `Wᵀ` a
-//! transposed view of the weight, which gemm packs element by element (measured on this
-//! project's 2-core VM: `[128, 2048] · [2048, 2048]ᵀ` 22 ms against 11.5 ms for the same product
-//! with contiguous operands; `examples/mm_layouts.rs`). Here every product is one `gemm::gemm`
+//! transposed view of the weight, which gemm packs element by element: about half the speed of
+//! the same product on contiguous operands for large weights (`examples/mm_layouts.rs`; figures on
+//! docs/src/performance.md). Here every product is one `gemm::gemm`
 //! call on the operands' storage at their own strides, written into a buffer that is never
 //! zero-filled; for the input gradient, the transposed copies are only made where they are
 //! cheaper than gemm's packing (below).
@@ -19,8 +19,9 @@
 //! - in place, `dxᵀ = W · dyᵀ` in one gemm call reading `W` and `dy` where they lie and writing
 //!   `dxᵀ` column-major, which is `dx` row-major: no copy, but gemm then packs `W` as its left
 //!   operand row by row, slow for long rows. Used when `out` ≤ 128 and `W` has at most twice as
-//!   many elements as `dy` and `dx` together (measured with `examples/gemm_probe.rs`: 4–15×
-//!   faster than the transposed form for a 10-class head, 2–8× slower for a 2048 × 2048 weight);
+//!   many elements as `dy` and `dx` together (`examples/gemm_probe.rs` times both forms by shape:
+//!   in place wins by far for a narrow head such as 10 classes, and loses by far for a wide
+//!   square weight such as 2048 × 2048);
 //! - transposed, otherwise: the previous version's own gemm call on `contiguous(dyᵀ)`, then `dxᵀ`
 //!   transposed to `dx`, minus the zero-filled buffer; on several threads, both transposes are
 //!   split between them.
@@ -34,15 +35,6 @@
 //!
 //! Threads: these products run on the worker's threads (`parallelism`, `crate::compute_threads`), with the same bits at
 //! any thread count; burn flex runs its own gemm calls on one thread.
-//!
-//! Measured end to end against the previous version (burn's forward and weight gradient, the
-//! transposed input gradient everywhere), 1 worker, 1 thread, bench-mlp784, median `step_seconds`
-//! after step 20, sets of 3 interleaved pairs of runs, same `param_hash` in every run:
-//! - MLP 784-512-512-10, micro-batch 128: 12.0 → 10.9 ms per step; ratio 0.87–0.91 (2 sets);
-//! - MLP 784-2048×3-10, micro-batch 64: 231 → 206 ms per step, ratio 0.86–0.93 (2 sets), nearly
-//!   all of it in backward (141 → 118 ms), where the 2048 × 2048 weight-gradient buffers are no
-//!   longer zero-filled. A third set, run while another job loaded the 2-core VM (load average
-//!   ≈ 3), gave 0.96–1.08.
 
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},

@@ -1,12 +1,12 @@
 //! `gelu`: the exact (erf) GELU, `x · Φ(x)`, as one vectorised pass forward and one backward.
 //!
-//! Why: burn flex computes GELU element by element through `libm`'s scalar `erf` (and `exp` in
-//! the backward), ≈ 30% of the Shakespeare transformer's step at one thread (perf, 266 ms per
-//! step). Here every value goes through the same short branch-free sequence of IEEE operations,
-//! which the compiler turns into vector code (AVX-512, AVX2 or SSE2 copies, picked at run time);
-//! the copies perform the same operations per value (Rust never fuses a multiply and an add), so
-//! the bits do not depend on the CPU's vector width (tested). Being elementwise, a pass is split
-//! between the worker's threads with the same bits at any count (tested).
+//! Why: burn flex computes GELU element by element through `libm`'s scalar `erf` (and `exp` in the
+//! backward): a large share of the Shakespeare transformer's step at one thread. Here every value
+//! goes through the same short branch-free sequence of IEEE operations, which the compiler turns
+//! into vector code (AVX-512, AVX2 or SSE2 copies, picked at run time); the copies perform the same
+//! operations per value (Rust never fuses a multiply and an add), so the bits do not depend on the
+//! CPU's vector width (tested). Being elementwise, a pass is split between the worker's threads
+//! with the same bits at any count (tested).
 //!
 //! Math, for `z = |x|/√2` and `e = exp(−z²) = exp(−x²/2)`:
 //! - `erfc(z) ≈ q = t·(a1 + t·(a2 + t·(a3 + t·(a4 + t·a5))))·e`, `t = 1/(1 + p·z)` (Abramowitz &

@@ -512,8 +512,8 @@ impl TpStage {
     /// included): the parameters moved off autodiff (same storage) and every leaf made on the
     /// inner device. Detached copies on the autodiff device are not enough, and neither is a
     /// head computed from the tracked parameters: either keeps operations that no backward
-    /// ever frees (measured on the 22 M-parameter config at tp = 2: resident memory from
-    /// 0.6 GB to 7.4 GB over one validation pass).
+    /// ever frees, so resident memory would grow with every validation chunk (on the 22 M-parameter
+    /// config at tp = 2, to many times the model state over one validation pass).
     fn eval_forward(&mut self, input: StageInput<'_>, n: usize) -> Result<EvalForward, E> {
         let plain = self.params.iter().map(|p| p.clone().inner()).collect();
         let tracked = std::mem::replace(&mut self.params, plain);

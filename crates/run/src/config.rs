@@ -301,10 +301,9 @@ pub struct DistConfig {
     /// last local micro-batch streams its gradients out). Same result bits either way. Off by
     /// default: on a CPU-only host whose cores are all busy computing (the default
     /// `--threads-per-worker`), the thread's work (fixed-point conversion, shared-memory copies) is
-    /// CPU work too and slows backward by about what it hides. Measured on 2 cores, 2 workers,
-    /// MLP 784-512-512-10 on Fashion-MNIST: ≈2 ms/step hidden, yet steps 4–20% slower. Worth
-    /// turning on when communication leaves CPUs idle (network-bound multi-node jobs) or cores are
-    /// spare. Models that fit in one bucket run the plain schedule either way.
+    /// CPU work too and slows backward by about what it hides, so steps get slower, not faster.
+    /// Worth turning on when communication leaves CPUs idle (network-bound multi-node jobs) or
+    /// cores are spare. Models that fit in one bucket run the plain schedule either way.
     pub overlap: bool,
     /// Seconds any collective may wait for a peer before failing with the peer's name.
     pub timeout_secs: f64,

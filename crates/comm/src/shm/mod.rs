@@ -47,7 +47,7 @@
 //! size cannot deadlock, and a plain `send` bigger than the free space streams as the reader drains.
 //! Payload is copied once from the caller's slice into the ring and once out into the caller's
 //! buffer. Large copies into the ring use cached or streaming stores, whichever each link measures
-//! cheaper for where the two cores sit (`write_path.rs`; 2.4 against 21 GB/s between far cores).
+//! cheaper for where the two cores sit (`write_path.rs`).
 //!
 //! **Failures.** While stuck, a call checks the peer's `closed` flag (set by its Drop) and, each
 //! sleep slice, whether the peer process still exists (its OFD lock, released by the kernel when the
@@ -89,7 +89,7 @@ use write_path::WritePathChooser;
 
 /// Default ring size per directed pair: small enough that a ring stays in the L2/L3 caches (and
 /// that `world²` rings fit a small /dev/shm), large enough that the writer rarely waits for the
-/// reader. On the 2-core dev box 1–4 MiB rings measured the same; 256 KiB was ~20% slower.
+/// reader (1 MiB: larger rings gained nothing measurable, a quarter of it was measurably slower).
 pub const DEFAULT_RING_BYTES: usize = 1 << 20;
 /// Largest world this transport accepts (every rank maps `world × world` rings).
 pub const MAX_WORLD: usize = 256;

@@ -27,8 +27,8 @@ use crate::transport::Tag;
 pub(super) const FRAME_HEADER: u64 = 64;
 const FRAME_MARK: u64 = u64::from_le_bytes(*b"LSFRAME1");
 /// Largest copy between two index publications. 64 KiB keeps both sides copying concurrently
-/// (16 chunks in flight in a 1 MiB ring) at ~1 atomic store per 64 KiB; 16 KiB was measurably
-/// slower on the 2-core dev box, 128–256 KiB within noise of 64 KiB.
+/// (16 chunks in flight in a 1 MiB ring) at ~1 atomic store per 64 KiB; a quarter of it was
+/// measurably slower, two to four times it no faster.
 pub(super) const CHUNK: u64 = 64 * 1024;
 
 /// Bytes a message of `len` payload bytes occupies in the ring.

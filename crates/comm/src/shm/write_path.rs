@@ -5,13 +5,10 @@
 //! a streaming store (`copy::stream_nonoverlapping`) writes the line to memory without waiting,
 //! and the reader then fetches it from memory. Which is faster depends on where the two cores
 //! are, which a process cannot know and which can change while it runs (a VM's vCPUs move).
-//! Measured on the 2-vCPU dev VM, writer and reader on the two vCPUs, 64 KiB chunks through a
-//! 1 MiB ring (`examples/ring_write_paths.rs`):
-//!
-//! | vCPU placement (cache-line round trip) | cached | streaming |
-//! |---|---:|---:|
-//! | near, a shared L3 (≈ 55 ns) | 23.5 GB/s | 17.5 GB/s |
-//! | far (≈ 360 ns) | 2.4 GB/s | 21 GB/s |
+//! Between cores that share an L3 cached stores are the faster; between far cores (another die
+//! or socket, or vCPUs the hypervisor placed apart) a cached copy is bounded by one coherence
+//! round trip per line and streaming is several times faster (`examples/ring_write_paths.rs`
+//! measures both on the machine at hand; figures on docs/src/performance.md).
 //!
 //! So each link times its large copies (≥ [`CHOOSE_FROM`] bytes; smaller ones are
 //! latency-bound and stay cached, where a reader finds them soonest) and keeps, per path, an
@@ -25,15 +22,15 @@ use std::time::Duration;
 /// Copies shorter than this always use cached stores.
 pub(super) const CHOOSE_FROM: usize = 16 * 1024;
 /// One large copy in this many tries the path not currently preferred. A probe of the slow path
-/// costs up to ≈ 9 copies' time (the table above), so probing 1 in 128 costs ≤ 7%; at the
-/// benchmark MLP's exact sum (≈ 64 chunks of 64 KiB per step and rank) it re-measures every
-/// 2 steps.
+/// costs a few copies' time at worst, so probing 1 in 128 costs a few percent, while a link that
+/// moves tens of large chunks per step (the benchmark MLP's exact sum) re-measures every few
+/// steps and follows a change of placement quickly.
 const PROBE_EVERY: u32 = 128;
 /// Streaming must look this many times cheaper to the writer than cached stores before it is
 /// used: a streamed line is read from memory, a cached one from the writer's cache, and the
-/// reader's side of that is not in the writer's timing. Near cores measured ≈ 35–40 ps/B cached
-/// and 45–50 streamed (and streamed cost ≈ 0.1 ms more per step of the benchmark MLP's exact
-/// sum); far cores ≈ 400 and 50.
+/// reader's side of that is not in the writer's timing. Between near cores the two paths cost
+/// the writer about the same and streaming costs the reader more, so it must win clearly; between
+/// far cores it wins by far more than this margin.
 const STREAM_MARGIN: u32 = 2;
 
 /// Which stores fill the ring.

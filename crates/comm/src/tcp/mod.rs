@@ -65,7 +65,7 @@ pub struct TcpOptions {
     pub connect_timeout: Duration,
     /// `SO_SNDBUF`/`SO_RCVBUF` for data sockets (the kernel doubles it and caps it at
     /// `net.core.{w,r}mem_max`); 0 leaves the kernel's autotuning in charge. Default 4 MiB: on
-    /// loopback it moved 1 MiB ring steps ~40% faster than autotuning, and it covers the
+    /// loopback it moved 1 MiB ring steps clearly faster than autotuning, and it covers the
     /// bandwidth-delay product of a 10 Gb/s link up to a few milliseconds of round trip.
     pub socket_buffer_bytes: usize,
     /// Test-only: one-way delay added before each message is sent (emulates a WAN link where
@@ -76,8 +76,8 @@ pub struct TcpOptions {
     pub store_prefix: String,
     /// Receive low-water mark (`SO_RCVLOWAT`) while a call waits for a frame: it sleeps until
     /// `min(bytes still to come, recv_low_water)` have arrived instead of waking for every
-    /// 64 KiB loopback packet. Default 1 MiB: on loopback it raised 1 MiB all-reduce bandwidth
-    /// ~40% and 64 MiB ~15% (fewer wakeups and larger reads). 0 disables it; it is also off when
+    /// 64 KiB loopback packet. Default 1 MiB: fewer wakeups and larger reads raise large
+    /// all-reduces' bandwidth on loopback. 0 disables it; it is also off when
     /// `socket_buffer_bytes` is 0, where raising the mark would let the kernel clamp the window.
     pub recv_low_water: usize,
 }

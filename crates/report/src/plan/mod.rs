@@ -2,7 +2,7 @@
 //! data-parallel, pipeline and combined layouts on a described cluster, calibrated from a real run.
 //!
 //! The model follows what the code does, message by message (equations and their validation on
-//! shaped links: `docs/plan.md`):
+//! shaped links: `docs/src/plan.md`):
 //!
 //! - **Link** (latency α, payload bandwidth β, token-bucket burst b; `k` flows share it): one
 //!   message of `s` bytes takes `t(s) = α + max(0, s − min(b, αβ)/k) · k/β`. A plain line-rate link
@@ -73,9 +73,10 @@ pub use predict::{plan, predict, recommend, Plan, Prediction, Recommendation, Sk
 pub use stages::balanced_stages;
 pub use workload::{Layer, Workload};
 
-/// Defaults for links inside one node, measured on the reference machine (2-core VM,
-/// `lockstep bench-collectives`, 2 ranks, 1–64 MiB): shared memory ≈ 5 GB/s bus bandwidth,
-/// a few µs per message; TCP over loopback ≈ 4 GB/s, ≈ 12 µs.
+/// Defaults for links inside one node, of the order `lockstep bench-collectives` measures with 2
+/// ranks and 1–64 MiB on a small VM: shared memory ≈ 5 GB/s bus bandwidth, a few µs per message;
+/// TCP over loopback ≈ 4 GB/s, ≈ 12 µs. `lockstep plan`'s flags (`--shm-gbytes-per-s`, …) set
+/// the figures of the machine at hand.
 pub const DEFAULT_SHM_GBYTES_PER_S: f64 = 5.0;
 pub const DEFAULT_SHM_LATENCY_US: f64 = 3.0;
 pub const DEFAULT_INTRA_GBYTES_PER_S: f64 = 4.0;
