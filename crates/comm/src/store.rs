@@ -16,7 +16,7 @@
 //! ([`LobbyLimits`]; why: `admission.rs`). An admitted one has
 //! one deadline for its whole handshake, so trickling bytes does not keep it alive. Authenticated
 //! connections have their own cap ([`StoreOptions::max_authenticated`]). Clients retry refused or
-//! broken attempts with capped exponential backoff until their own deadline ([`wire::dial`]).
+//! broken attempts with capped exponential backoff until their own deadline (`wire::dial`).
 //!
 //! Requests after the handshake (integers little-endian):
 //! `MAGIC` · version u16 · op u8 · key_len u32 · value_len u32 · key · value

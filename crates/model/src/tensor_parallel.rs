@@ -283,7 +283,7 @@ impl Builder<'_> {
 }
 
 /// Parameters of `layer` that the canonical split cuts into pieces (a block's `qkv_w`, `qkv_b`,
-/// `proj_w`, `fc1_w`, `fc1_b`, `fc2_w`: the tensors [`Builder::layer`] cuts); the rest of the
+/// `proj_w`, `fc1_w`, `fc1_b`, `fc2_w`: the tensors `Builder::layer` cuts); the rest of the
 /// layer is replicated on every tensor-parallel rank. A rank of `tp` holds
 /// `params − split + split / tp` of the layer.
 pub fn split_params(spec: &TransformerSpec, layer: usize) -> usize {

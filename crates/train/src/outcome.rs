@@ -1,6 +1,6 @@
 //! What a job's code hands back to the drivers — the loss and timings of a micro-batch
 //! ([`Computed`]), evaluation sums ([`EvalSums`]), and its failures ([`ReplicaError`]) — and the
-//! guard every call into job code runs under ([`catch_job_panic`]).
+//! guard every call into job code runs under (`catch_job_panic`).
 
 /// Timings and loss of one micro-batch.
 #[derive(Debug, Clone, Copy, Default)]

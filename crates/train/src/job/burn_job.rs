@@ -29,7 +29,9 @@ pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 /// one micro-batch. lockstep adds everything else: processes, exact data parallelism,
 /// checkpoints, restarts, metrics and the report.
 ///
-/// ```ignore
+/// A sketch (the whole example, compiled: the user guide's "Your own model" chapter):
+///
+/// ```text
 /// impl lockstep::Job for MyJob {
 ///     type Model = MyNet;
 ///     type Item = MyItem;

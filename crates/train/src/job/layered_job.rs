@@ -31,7 +31,9 @@ use crate::TrainError;
 /// A training job whose model is a sequence of burn modules ("layers"), each mapping activations
 /// `[samples, width]` to `[samples, width']`. Everything else is as in [`crate::job::Job`].
 ///
-/// ```ignore
+/// A sketch (compiled examples: `examples/own-pipeline`):
+///
+/// ```text
 /// impl lockstep::LayeredJob for MyJob {
 ///     type Layer = Block;                 // one layer type (an enum deriving Module for several kinds)
 ///     …

@@ -46,8 +46,8 @@ pub trait JobSpec: Send + Sync {
     fn default_config(&self) -> String {
         String::new()
     }
-    /// Checks the whole config: lockstep's sections ([`TrainConfig::validate_common`], or the
-    /// built-in jobs' stricter [`TrainConfig::validate_builtin`]) and the job's own settings.
+    /// Checks the whole config: lockstep's sections ([`ConfigLoad::validate_common`](crate::ConfigLoad::validate_common), or the
+    /// built-in jobs' stricter [`ConfigLoad::validate_builtin`](crate::ConfigLoad::validate_builtin)) and the job's own settings.
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError>;
     /// Builds this rank's replica: model initialised from `train.seed` (rank 0's copy is then
     /// broadcast), datasets opened.
