@@ -172,6 +172,12 @@ fn check_model(cfg: &TrainConfig, memory: u128) -> Result<(), ConfigError> {
             format!("{} blocks exceed the limit of {MAX_LAYERS}", m.blocks),
         ));
     }
+    if matches!(
+        cfg.data.dataset,
+        DatasetKind::FashionMnist | DatasetKind::Mnist
+    ) {
+        read_idx_shapes(cfg).map_err(|e| invalid("data.dir", e.to_string()))?;
+    }
     let data = dataset_bytes(cfg);
     let need = memory_estimate(cfg) + data;
     if need > memory {
@@ -228,24 +234,34 @@ fn input_shape(cfg: &TrainConfig) -> ([u128; 3], u128) {
 
 /// The declared shapes of an IDX dataset's training and test images, from their headers.
 fn idx_shapes(cfg: &TrainConfig) -> Option<[lockstep_data::IdxShape; 2]> {
-    let dir = crate::datasets::idx_dir(&cfg.data);
-    let shape =
-        |split| lockstep_data::idx_images_shape(&lockstep_data::idx_files(&dir, split).images).ok();
-    Some([
-        shape(lockstep_data::IdxSplit::Train)?,
-        shape(lockstep_data::IdxSplit::Test)?,
-    ])
+    read_idx_shapes(cfg).ok().flatten()
 }
 
-/// Bytes every worker holds for a built-in image dataset: its pixels as bytes while loading and
-/// as `f32` features after (5 bytes per pixel), from the files' headers.
+/// [`idx_shapes`], with what is wrong with a header that exists (a declared size over the
+/// loader's cap, a malformed header) as an error; `None` when a file is missing (the loader
+/// names it, with where to get it).
+fn read_idx_shapes(
+    cfg: &TrainConfig,
+) -> Result<Option<[lockstep_data::IdxShape; 2]>, lockstep_data::DataError> {
+    let dir = crate::datasets::idx_dir(&cfg.data);
+    let shape = |split| match lockstep_data::idx_images_shape(
+        &lockstep_data::idx_files(&dir, split).images,
+    ) {
+        Ok(s) => Ok(Some(s)),
+        Err(lockstep_data::DataError::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e),
+    };
+    let train = shape(lockstep_data::IdxSplit::Train)?;
+    let test = shape(lockstep_data::IdxSplit::Test)?;
+    Ok(train.zip(test).map(|(a, b)| [a, b]))
+}
+
+/// Bytes every worker holds for a built-in image dataset: its pixels (all images') as bytes while
+/// loading and as `f32` features after (5 bytes per pixel), from the files' headers.
 pub fn dataset_bytes(cfg: &TrainConfig) -> u128 {
     match cfg.data.dataset {
         DatasetKind::FashionMnist | DatasetKind::Mnist => idx_shapes(cfg).map_or(0, |shapes| {
-            shapes
-                .iter()
-                .map(|s| s.count as u128 * s.pixels() as u128 * 5)
-                .sum()
+            shapes.iter().map(|s| s.pixels() as u128 * 5).sum()
         }),
         DatasetKind::Digits | DatasetKind::Shakespeare => 0,
     }
@@ -356,6 +372,48 @@ mod tests {
     fn with(sets: &[&str]) -> Result<TrainConfig, ConfigError> {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         TrainConfig::from_toml_str("", "test", &sets)
+    }
+
+    /// An IDX dataset folder whose image files declare `count` images of `side`² pixels (headers
+    /// only: the check reads nothing else).
+    fn idx_headers(dir: &std::path::Path, count: u32, side: u32) {
+        for (stem, n) in [("train", count), ("t10k", count / 6)] {
+            let mut h = vec![0, 0, 8, 3];
+            for v in [n, side, side] {
+                h.extend_from_slice(&v.to_be_bytes());
+            }
+            std::fs::write(dir.join(format!("{stem}-images-idx3-ubyte")), h).unwrap();
+        }
+    }
+
+    #[test]
+    fn an_image_datasets_memory_comes_from_its_headers_not_from_28_by_28() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().display().to_string();
+        let cfg = |side| {
+            idx_headers(tmp.path(), 60_000, side);
+            let mut c = with(&[]).unwrap();
+            c.data.dataset = DatasetKind::Mnist;
+            c.data.dir = dir.clone();
+            c
+        };
+        let small = cfg(28);
+        assert_eq!(input_shape(&small).0, [1, 28, 28]);
+        // 70,000 images × 784 pixels × 5 bytes.
+        assert_eq!(dataset_bytes(&small), 70_000 * 784 * 5);
+        check(&small, 8 << 30).unwrap();
+        // 2048 × 2048 images: the MLP's first layer and the images themselves are counted.
+        idx_headers(tmp.path(), 120, 2048);
+        let mut big = small.clone();
+        big.model.hidden = vec![8];
+        assert_eq!(input_shape(&big).0, [1, 2048, 2048]);
+        assert_eq!(dataset_bytes(&big), (120 + 20) * 2048 * 2048 * 5);
+        let e = check(&big, 2 << 30).unwrap_err();
+        assert_eq!(field_of(e), "data.dir");
+        // More than the loader would ever read: refused by the check, from the header alone.
+        idx_headers(tmp.path(), 60_000, 2048);
+        let e = check(&big, 8 << 30).unwrap_err().to_string();
+        assert!(e.contains("data.dir"), "{e}");
     }
 
     fn field_of(e: ConfigError) -> &'static str {
