@@ -23,7 +23,6 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         .with_context(|| format!("building the model of run {}", a.from.display()))?;
     let mut workload = Workload::from_config(&cfg, layers);
     workload.tp_pieces = tp_pieces;
-    workload.data_parallel_loop = summary.gradient_sum.is_some();
     let cluster = cluster_spec(a)?.resolve()?;
     let link =
         plan::calibration_link(&summary.transport, a.calib_gbytes_per_s, a.calib_latency_us)?;

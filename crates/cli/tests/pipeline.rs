@@ -242,3 +242,32 @@ fn a_plain_sum_pipeline_repeats_its_bits_at_a_fixed_layout() {
     assert_eq!(summary(&a)["reproducible"], false);
     assert!(summary(&a)["final_loss"].as_f64().unwrap().is_finite());
 }
+
+/// The transformer's data-parallel replicas on one host sum their gradients through shared
+/// windows (each rank's micro-batch gradients read where they lie), as a pipeline and without
+/// one, with the one-worker bits.
+#[test]
+fn data_parallel_transformer_stages_sum_through_shared_windows_with_the_one_worker_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = tmp.path().join("one");
+    ok(train(&one, "1", &["parallel.pp=1"], &[]));
+    assert_eq!(summary(&one)["gradient_sum"], "local");
+    for (nproc, pp, name) in [("2", "1", "dp2"), ("4", "2", "dp2pp2")] {
+        let dir = tmp.path().join(name);
+        let set = format!("parallel.pp={pp}");
+        ok(train(&dir, nproc, &[&set], &[]));
+        let s = summary(&dir);
+        assert_eq!(s["gradient_sum"], "shared_windows", "{name}");
+        assert_eq!(hash(&dir), hash(&one), "{name}");
+    }
+    // Over TCP the same sum goes through the rings, with the same bits.
+    let tcp = tmp.path().join("tcp");
+    ok(train(
+        &tcp,
+        "2",
+        &["parallel.pp=1", "dist.transport=tcp"],
+        &[],
+    ));
+    assert_eq!(summary(&tcp)["gradient_sum"], "collectives");
+    assert_eq!(hash(&tcp), hash(&one));
+}

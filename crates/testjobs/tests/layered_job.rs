@@ -35,6 +35,11 @@ fn a_layered_user_job_has_the_one_worker_bits_as_a_pipeline() {
     }
     assert_eq!(hash(&dir("pp2")), hash(&dir("one")));
     assert_eq!(hash(&dir("dp2pp2")), hash(&dir("one")));
+    // Its two data-parallel replicas of each stage sum their gradients through shared windows.
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir("dp2pp2").join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(s["gradient_sum"], "shared_windows");
 }
 
 fn misbehaves(how: &str, expected: &[&str]) {

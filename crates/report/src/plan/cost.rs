@@ -291,13 +291,13 @@ impl<'a> Placement<'a> {
     }
 
     /// Whether the exact sum of `groups` reads shared-memory windows (`GradParts` in the
-    /// trainer): the data-parallel loop, whole-vector exact sum (no overlap, ZeRO below 2), one
-    /// group of every rank, all on one node.
+    /// trainer): a whole-vector exact sum (ZeRO below 2) over data-parallel groups of several
+    /// ranks, all on one node, with a transport that shares memory.
     fn shared_windows(&self, groups: &[Vec<usize>], w: &Workload) -> bool {
-        w.data_parallel_loop
+        w.shared_memory
+            && w.reproducible
             && w.zero < 2
             && self.nodes_used == 1
-            && groups.len() == 1
             && groups[0].len() > 1
     }
 
@@ -574,12 +574,12 @@ mod tests {
     }
 
     #[test]
-    fn one_node_data_parallel_loop_sends_only_small_messages_through_shared_windows() {
+    fn one_node_data_parallel_groups_send_only_small_messages_through_shared_windows() {
         // The same MLP and runs through shared windows (crates/cli/tests/plan.rs compares a run's
         // bytes): loss exchange (2 i32 + 1 i64) and exponents (11 buckets + 1 i32) by recursive
         // doubling, plus the barrier's ⌈log2 n⌉ 1-byte tokens; no gradient bytes.
         let w = Workload {
-            data_parallel_loop: true,
+            shared_memory: true,
             ..workload(669_706)
         };
         let (a, b) = (1e-5, 1e9);

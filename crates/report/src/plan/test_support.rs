@@ -28,7 +28,7 @@ pub(super) fn workload(params: usize) -> Workload {
         zero: 0,
         schedule: lockstep_run::config::ScheduleKind::OneFOneB,
         tp_pieces: 1,
-        data_parallel_loop: false,
+        shared_memory: false,
     }
 }
 

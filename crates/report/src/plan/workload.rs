@@ -7,7 +7,7 @@ use lockstep_comm::communicator::DEFAULT_SMALL_MESSAGE_THRESHOLD;
 use lockstep_comm::Algorithm;
 use serde::{Deserialize, Serialize};
 
-use lockstep_run::config::{ScheduleKind, TrainConfig};
+use lockstep_run::config::{ScheduleKind, TrainConfig, TransportKind};
 
 /// One layer a pipeline may cut after.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -64,12 +64,11 @@ pub struct Workload {
     /// none). `from_config` takes `model.tp_pieces`; `lockstep plan` sets the built model's.
     #[serde(default = "one")]
     pub tp_pieces: usize,
-    /// The job trains in the data-parallel loop (not the layered pipeline loop), whose exact sum
-    /// reads the peers' gradients from shared-memory windows when every rank is on one node
-    /// (`lockstep_comm::shared_parts`). `lockstep plan` takes it from the run: its summary
-    /// records a `gradient_sum` only when that loop trained it.
+    /// `dist.transport` lets ranks of one node share memory ("auto" or "shm"): the exact sum of
+    /// a one-node data-parallel group then reads the peers' gradients from shared windows
+    /// (`lockstep_comm::shared_parts`) instead of the rings.
     #[serde(default)]
-    pub data_parallel_loop: bool,
+    pub shared_memory: bool,
 }
 
 fn one() -> usize {
@@ -97,7 +96,7 @@ impl Workload {
             zero: cfg.parallel.zero,
             schedule: cfg.parallel.schedule,
             tp_pieces: cfg.model.tp_pieces.max(1),
-            data_parallel_loop: false,
+            shared_memory: matches!(cfg.dist.transport, TransportKind::Auto | TransportKind::Shm),
         }
     }
 

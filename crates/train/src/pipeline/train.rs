@@ -42,8 +42,11 @@ use crate::config::TrainConfig;
 use crate::context::WorkerContext;
 use crate::error::TrainError;
 use crate::faults;
+use crate::grad_parts::GradParts;
 use crate::memory::ModelState;
-use crate::metrics::{Eval, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary};
+use crate::metrics::{
+    Eval, GradientSum, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary,
+};
 use crate::outcome::ReplicaError;
 use crate::parallel_dims::ParallelDims;
 use crate::run::collect::{check_same_kernels, check_same_structure, gather_strings};
@@ -84,7 +87,7 @@ struct Work<'a> {
     job: &'a str,
     step: u64,
     scale: f32,
-    grads: &'a mut [Vec<f32>],
+    grads: &'a mut GradParts,
     /// Where a tensor-parallel stage's piece sums leave a communication failure.
     link: &'a TpLink,
     losses: Vec<f32>,
@@ -148,12 +151,12 @@ impl StageWork for Work<'_> {
     ) -> Result<Option<Vec<f32>>, TrainError> {
         match self
             .stage
-            .backward(mb as u64, grad_output, &mut self.grads[mb])
+            .backward(mb as u64, grad_output, self.grads.part_mut(mb))
         {
             Ok(g) => {
                 if let Some(scan) = &mut self.scan_ahead {
                     let t0 = Instant::now();
-                    scan.reducer.scan_part(&self.grads[mb], scan.buckets);
+                    scan.reducer.scan_part(self.grads.part(mb), scan.buckets);
                     scan.seconds += t0.elapsed().as_secs_f64();
                 }
                 Ok(g)
@@ -348,8 +351,25 @@ pub fn train<'a>(
     let kind = cfg.parallel.schedule;
     let my_micro = assign(m_total, dims.dp, me.replica);
     let ops = schedule(kind, dims.pp, me.stage, my_micro.len());
-    let mut grads = vec![vec![0f32; stage_len]; my_micro.len()];
-    let mut total_grad = vec![0f32; zero.grad_len()];
+    // Micro-batch gradients in this rank's shared window when the stage's replicas share a host
+    // and the exact sum takes every part at once (ZeRO below 2), else in its own vectors
+    // (`grad_parts`); the bits are the same either way.
+    let try_shared = cfg.dist.reproducible && zero.level() < 2;
+    let mut grads = GradParts::new(&mut dp_comm, my_micro.len(), stage_len, try_shared)?;
+    ledger.set_gradient_sum(match (&grads, dp_comm.size()) {
+        (_, 1) => GradientSum::Local,
+        (GradParts::Shared(_), _) => GradientSum::SharedWindows,
+        (GradParts::Private(_), _) => GradientSum::Collectives,
+    });
+    // With shared windows the sum lands in this rank's window (`GradParts::sum`).
+    let mut total_grad = vec![
+        0f32;
+        if grads.sum().is_some() {
+            0
+        } else {
+            zero.grad_len()
+        }
+    ];
     let mut reducer = ExactReducer::new(cfg.dist.bucket_elems);
     let mut loss_reducer = ExactReducer::new(1);
     let scale = model.loss_scale(t.global_batch);
@@ -443,25 +463,35 @@ pub fn train<'a>(
             .reduce(comm, &loss_parts, m_total, &mut loss)
             .map_err(|e| sync_error(e, step))?;
         let t1 = Instant::now();
-        // The stage's gradients over its data-parallel group.
-        let parts: Vec<&[f32]> = grads.iter().map(|g| g.as_slice()).collect();
-        zero.reduce_gradients(
-            &mut reducer,
-            &mut dp_comm,
-            &parts,
-            m_total,
-            &buckets,
-            cfg.dist.reproducible,
-            &mut total_grad,
-        )
+        // The stage's gradients over its data-parallel group: read where they lie in the shared
+        // windows, or through the rings.
+        match &mut grads {
+            GradParts::Shared(shared) => {
+                reducer.reduce_shared(&mut dp_comm, shared, my_micro.len(), m_total, &buckets)
+            }
+            GradParts::Private(_) => zero.reduce_gradients(
+                &mut reducer,
+                &mut dp_comm,
+                &grads.parts(),
+                m_total,
+                &buckets,
+                cfg.dist.reproducible,
+                &mut total_grad,
+            ),
+        }
         .map_err(|e| sync_error(e, step))?;
         sec.waiting = (t1 - t0).as_secs_f64();
         sec.communication += t1.elapsed().as_secs_f64();
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
-        let gather_seconds =
-            zero.step(&mut optimizer, &mut params, &total_grad, lr, &mut dp_comm)?;
+        let gather_seconds = zero.step(
+            &mut optimizer,
+            &mut params,
+            grads.sum().unwrap_or(&total_grad),
+            lr,
+            &mut dp_comm,
+        )?;
         if zero.level() < 3 {
             stage.set_params_flat(&params).map_err(setup)?;
         }
@@ -548,7 +578,7 @@ pub fn train<'a>(
 
     // Replicas of a stage must agree; then rank 0 hashes the whole model and tells everyone.
     let held = ModelState::new(&params, &optimizer)
-        .grads(grads.iter().map(Vec::as_slice).chain([&total_grad[..]]))
+        .grads(grads.held().into_iter().chain([&total_grad[..]]))
         .exact_scratch(cfg.dist.reproducible, zero.scratch_len())
         .activations_per_microbatch(
             4 * (model.held_activation_floats(my_layers.clone()) * t.microbatch) as u64,
