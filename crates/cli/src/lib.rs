@@ -414,21 +414,23 @@ fn check_layout(
         // Every rank refuses the same way, before any collective: name the world the engine
         // announced next to the layout (the ConfigError stays in the chain: exit status 3).
         Some(w) if w.engine != cluster_env::Engine::Launcher => {
-            lockstep_train::ParallelDims::from_config(cfg, w.world_size).with_context(|| {
-                let dp = match cfg.parallel.dp {
-                    0 => "world / (tp · pp)".to_string(),
-                    dp => dp.to_string(),
-                };
-                format!(
-                    "rank {}: {} started {} ranks, which does not fit the config's layout \
+            lockstep_run::ParallelPlan::new(cfg, w.world_size, &job().shape(cfg)).with_context(
+                || {
+                    let dp = match cfg.parallel.dp {
+                        0 => "world / (tp · pp)".to_string(),
+                        dp => dp.to_string(),
+                    };
+                    format!(
+                        "rank {}: {} started {} ranks, which does not fit the config's layout \
                      (parallel.pp = {}, parallel.tp = {}, parallel.dp = {dp})",
-                    w.rank,
-                    w.engine.name(),
-                    w.world_size,
-                    cfg.parallel.pp,
-                    cfg.parallel.tp,
-                )
-            })?;
+                        w.rank,
+                        w.engine.name(),
+                        w.world_size,
+                        cfg.parallel.pp,
+                        cfg.parallel.tp,
+                    )
+                },
+            )?;
         }
         _ => {
             if cfg.dist.transport == TransportKind::Mpi {
@@ -442,7 +444,7 @@ fn check_layout(
                 }
                 .into());
             }
-            lockstep_train::ParallelDims::from_config(cfg, launched_world)?;
+            lockstep_run::ParallelPlan::new(cfg, launched_world, &job().shape(cfg))?;
         }
     }
     if elastic && cfg.parallel.tp > 1 {

@@ -129,11 +129,13 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
 
     std::fs::create_dir_all(&out)
         .with_context(|| format!("creating run directory {}", out.display()))?;
+    let plan = lockstep_run::ParallelPlan::new(&cfg, max_world * max_nodes, &job().shape(&cfg))?;
     eprintln!(
-        "lockstep: training {} on {} worker(s) ({} node(s)), run directory {}",
+        "lockstep: training {} on {} worker(s) ({} node(s); {}), run directory {}",
         job().label(&cfg),
         max_world * max_nodes,
         a.nodes.nnodes,
+        plan.describe(),
         out.display()
     );
     let policy = RestartPolicy {

@@ -258,6 +258,10 @@ fn data_parallel_transformer_stages_sum_through_shared_windows_with_the_one_work
         ok(train(&dir, nproc, &[&set], &[]));
         let s = summary(&dir);
         assert_eq!(s["gradient_sum"], "shared_windows", "{name}");
+        // The plan the run followed.
+        assert_eq!(s["plan"]["dp"], 2, "{name}");
+        assert_eq!(s["plan"]["pp"], pp.parse::<u64>().unwrap(), "{name}");
+        assert_eq!(s["plan"]["exact_sum"], true, "{name}");
         assert_eq!(hash(&dir), hash(&one), "{name}");
     }
     // Over TCP the same sum goes through the rings, with the same bits.

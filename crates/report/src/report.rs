@@ -793,6 +793,7 @@ mod tests {
             pipeline: None,
             compute: Default::default(),
             gradient_sum: None,
+            plan: None,
         }
     }
 

@@ -502,6 +502,7 @@ pub(crate) mod tests {
             pipeline: None,
             compute: Default::default(),
             gradient_sum: None,
+            plan: None,
         }
     }
 

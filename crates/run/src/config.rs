@@ -787,75 +787,42 @@ impl TrainConfig {
         if p.tp == 0 {
             return Err(invalid("parallel.tp", "must be ≥ 1"));
         }
-        let Some(layers) = layers else {
-            // A user's layered job: `parallel.tp` is checked against its tensor-parallel layers
-            // (`Pipelined::validate`), a plain `Job` refuses it (`validate_common`).
-            return Ok(());
-        };
         let m = &self.model;
-        if (p.tp > 1 || m.tp_pieces > 1) && m.kind != ModelKind::Transformer {
+        if m.tp_pieces > 1 && m.kind != ModelKind::Transformer {
             return Err(invalid(
-                if p.tp > 1 {
-                    "parallel.tp"
-                } else {
-                    "model.tp_pieces"
-                },
+                "model.tp_pieces",
                 format!(
-                    "tensor parallelism (parallel.tp = {}, model.tp_pieces = {}) needs \
-                     model.kind = \"transformer\" (model `{}` runs data-parallel only)",
-                    p.tp, m.tp_pieces, m.kind
+                    "model.tp_pieces = {} splits the transformer's blocks; model `{}` has none",
+                    m.tp_pieces, m.kind
                 ),
             ));
         }
-        if !m.tp_pieces.is_multiple_of(p.tp) {
-            return Err(invalid(
-                "parallel.tp",
-                format!(
-                    "{} tensor-parallel ranks must divide model.tp_pieces = {} (each rank \
-                     computes an equal share of the fixed pieces; set model.tp_pieces to a \
-                     multiple of parallel.tp)",
-                    p.tp, m.tp_pieces
-                ),
-            ));
+        // What the model can do against the layout: `ParallelPlan::check_shape`, for the
+        // built-in models here (a user's job checks it from its own shape).
+        if let Some(layers) = layers {
+            crate::layout::ParallelPlan::check_shape(self, &self.builtin_shape(layers))?;
         }
-        if p.pp > 1 && self.model.kind != ModelKind::Transformer {
-            return Err(invalid(
-                "parallel.pp",
-                format!(
-                    "{} pipeline stages need a layered model: model.kind = \"transformer\" \
-                     (model `{}` runs data-parallel only)",
-                    p.pp, self.model.kind
-                ),
-            ));
-        }
-        if p.pp > layers {
-            return Err(invalid(
-                "parallel.pp",
-                format!(
-                    "{} stages but the model has only {layers} layers (embedding + {} blocks + head)",
-                    p.pp, self.model.blocks
-                ),
-            ));
-        }
-        if p.zero >= 3 && self.model.kind != ModelKind::Transformer {
-            return Err(invalid(
-                "parallel.zero",
-                format!(
-                    "ZeRO 3 gathers the parameters layer by layer, which needs a layered model: \
-                     model.kind = \"transformer\" (model `{}` runs data-parallel only; use \
-                     parallel.zero = 0, 1 or 2)",
+        Ok(())
+    }
+
+    /// The shape of the built-in model of this config, `layers` its pipeline layers.
+    pub fn builtin_shape(&self, layers: usize) -> crate::layout::ModelShape {
+        if self.model.kind == ModelKind::Transformer {
+            crate::layout::ModelShape::Layered {
+                layers: Some(layers),
+                tp_pieces: Some(self.model.tp_pieces.max(1)),
+                pieces_from: format!("model.tp_pieces = {}", self.model.tp_pieces),
+            }
+        } else {
+            crate::layout::ModelShape::Flat {
+                streams_gradients: true,
+                to_layer: format!(
+                    "model.kind = \"transformer\" (model `{}` is trained whole; the transformer \
+                     is split into model.tp_pieces pieces for parallel.tp)",
                     self.model.kind
                 ),
-            ));
+            }
         }
-        if p.zero >= 2 && self.dist.overlap && self.model.kind != ModelKind::Transformer {
-            return Err(invalid(
-                "dist.overlap",
-                "parallel.zero = 2 reduce-scatters the gradient after backward, so it cannot \
-                 overlap with backward: set dist.overlap = false or parallel.zero ≤ 1",
-            ));
-        }
-        p.check_stages(layers)
     }
 }
 

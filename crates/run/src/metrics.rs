@@ -216,10 +216,13 @@ pub struct Summary {
     /// How the workers computed (the same on every rank: checked at start-up).
     #[serde(default)]
     pub compute: ComputeSummary,
-    /// How a data-parallel run summed its gradients (absent for pipelines and in summaries
+    /// How the run summed its gradients over each data-parallel group (absent in summaries
     /// written before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gradient_sum: Option<GradientSum>,
+    /// The parallel plan the run followed (absent in summaries written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<crate::layout::ParallelPlan>,
 }
 
 /// How a data-parallel step's gradients were summed across the workers.

@@ -12,6 +12,7 @@ use lockstep_model::{Model, ModelSpec, ParamInfo};
 use crate::config::{ConfigError, ModelKind, TrainConfig};
 use crate::job::{Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
 use crate::TrainError;
+use lockstep_run::ModelShape;
 
 /// The job `lockstep train` runs: whatever `model.kind` and `data.dataset` say.
 #[derive(Debug, Clone, Copy, Default)]
@@ -28,6 +29,10 @@ impl JobSpec for BuiltinJob {
 
     fn label(&self, cfg: &TrainConfig) -> String {
         cfg.data.dataset.to_string()
+    }
+
+    fn shape(&self, cfg: &TrainConfig) -> ModelShape {
+        cfg.builtin_shape(cfg.pipeline_layers())
     }
 
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {

@@ -27,6 +27,7 @@ use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
 use crate::zero::Zero;
+use lockstep_run::{ModelShape, ParallelPlan};
 
 /// Train `job` according to `cfg` as one rank of `ctx.comm`. Returns the summary (complete on
 /// rank 0; other ranks return it too, with the same global figures).
@@ -40,10 +41,30 @@ pub fn train<'a>(
         job: name.clone(),
         message: format!("opening the job panicked: {p}"),
     })??;
+    // The plan, again from what the built model can do (the launcher made it from what the job
+    // declared): every capability rule is `ParallelPlan`'s.
+    let shape = match &built {
+        Trainable::Layered(model) => ModelShape::Layered {
+            layers: Some(model.num_layers()),
+            tp_pieces: Some(model.tp_pieces()),
+            pieces_from: match job.shape(cfg) {
+                ModelShape::Layered { pieces_from, .. } if !pieces_from.is_empty() => pieces_from,
+                _ => format!("job `{name}`'s tensor-parallel layers"),
+            },
+        },
+        Trainable::Replica(replica) => match job.shape(cfg) {
+            ModelShape::Flat { to_layer, .. } => ModelShape::Flat {
+                streams_gradients: replica.streams_gradients(),
+                to_layer,
+            },
+            layered => layered,
+        },
+    };
+    let plan = ParallelPlan::new(cfg, ctx.comm.size(), &shape)?;
     match built {
         // Layered model: the pipeline loop (one stage when parallel.pp = 1).
-        Trainable::Layered(model) => crate::pipeline::train::train(&*model, cfg, ctx),
-        Trainable::Replica(replica) => train_replica(&name, replica, cfg, ctx),
+        Trainable::Layered(model) => crate::pipeline::train::train(&*model, cfg, &plan, ctx),
+        Trainable::Replica(replica) => train_replica(&name, replica, cfg, &plan, ctx),
     }
 }
 
@@ -66,6 +87,7 @@ fn train_replica<'a>(
     job: &str,
     mut replica: Box<dyn Replica + '_>,
     cfg: &'a TrainConfig,
+    plan: &ParallelPlan,
     ctx: WorkerContext<'a>,
 ) -> Result<Summary, TrainError> {
     let started = Instant::now();
@@ -85,41 +107,18 @@ fn train_replica<'a>(
     if replica.eval_len() == 0 {
         return Err(setup("the evaluation dataset is empty".into()));
     }
-    if cfg.parallel.zero >= 3 {
-        return Err(crate::config::ConfigError::Invalid {
-            field: "parallel.zero",
-            message: format!(
-                "ZeRO 3 gathers the parameters layer by layer, which needs a model written as a \
-                 sequence of layers (lockstep::LayeredJob, or the built-in transformer); job \
-                 `{job}` is data-parallel only: use parallel.zero = 0, 1 or 2"
-            ),
-        }
-        .into());
-    }
-    if cfg.parallel.zero >= 2 && cfg.dist.overlap {
-        return Err(crate::config::ConfigError::Invalid {
-            field: "dist.overlap",
-            message: "parallel.zero = 2 reduce-scatters the gradient after backward, so it cannot \
-                      overlap with backward: set dist.overlap = false or parallel.zero ≤ 1"
-                .into(),
-        }
-        .into());
-    }
-    if cfg.dist.overlap && !replica.streams_gradients() {
-        return Err(crate::config::ConfigError::Invalid {
-            field: "dist.overlap",
-            message: format!(
-                "job `{job}` does not stream gradients during backward \
-                 (Replica::loss_and_grad_streaming); set dist.overlap = false"
-            ),
-        }
-        .into());
-    }
     let sampler = Sampler::new(replica.train_len(), t.global_batch, t.seed)?;
     let total_steps = total_steps(cfg, &sampler)?;
     let n_micro = cfg.microbatches_per_step();
 
-    let (comm, mut ledger) = Ledger::open(cfg, ctx, replica.structure_hash(), total_steps, started);
+    let (comm, mut ledger) = Ledger::open(
+        cfg,
+        ctx,
+        plan,
+        replica.structure_hash(),
+        total_steps,
+        started,
+    );
     check_same_structure(comm, replica.structure_hash())?;
     check_same_kernels(comm)?;
     let mut params = replica.params_flat();

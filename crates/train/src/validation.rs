@@ -8,6 +8,7 @@ use std::path::Path;
 
 use crate::config::{invalid, ConfigError, TrainConfig};
 use crate::job::JobSpec;
+use lockstep_run::ParallelPlan;
 
 /// Loading a [`TrainConfig`] for a job with every check (import it to call these on
 /// `TrainConfig`).
@@ -36,8 +37,9 @@ pub trait ConfigLoad: Sized {
     /// The built-in jobs: `[model]` and `[data]`, no `[job]`, then lockstep's own sections and
     /// the memory the model needs.
     fn validate_builtin(&self) -> Result<(), ConfigError>;
-    /// A user job: lockstep's own sections (train, optimizer, dist, checkpoint, parallel). The
-    /// `[model]` and `[data]` sections belong to the built-in jobs and are ignored.
+    /// A user job trained whole: lockstep's own sections (train, optimizer, dist, checkpoint,
+    /// parallel) and what its model can do ([`ParallelPlan::check_shape`]). The `[model]` and
+    /// `[data]` sections belong to the built-in jobs and are ignored.
     fn validate_common(&self) -> Result<(), ConfigError>;
     /// A user's layered job ([`crate::job::LayeredJob`]): like [`ConfigLoad::validate_common`],
     /// with pipelines allowed (the stages are checked against the model's layers once the job
@@ -109,37 +111,7 @@ impl ConfigLoad for TrainConfig {
     }
 
     fn validate_common(&self) -> Result<(), ConfigError> {
-        if self.parallel.pp > 1 {
-            return Err(invalid(
-                "parallel.pp",
-                format!(
-                    "{} pipeline stages need a model written as a sequence of layers: implement \
-                     lockstep::LayeredJob and run lockstep::main(lockstep::Pipelined(job)); \
-                     this job runs data-parallel only (parallel.pp = 1)",
-                    self.parallel.pp
-                ),
-            ));
-        }
-        if self.parallel.tp > 1 {
-            return Err(invalid(
-                "parallel.tp",
-                format!(
-                    "{} tensor-parallel ranks need a model written as a sequence of layers with \
-                     tensor-parallel layers in it: implement lockstep::LayeredJob with \
-                     lockstep::tp::ColumnParallelLinear and RowParallelLinear, and run \
-                     lockstep::main(lockstep::Pipelined(job)); this job runs with parallel.tp = 1",
-                    self.parallel.tp
-                ),
-            ));
-        }
-        if self.parallel.zero >= 3 {
-            return Err(invalid(
-                "parallel.zero",
-                "ZeRO 3 gathers the parameters layer by layer, which needs a model written as a \
-                 sequence of layers: implement lockstep::LayeredJob and run \
-                 lockstep::main(lockstep::Pipelined(job)); use parallel.zero = 0, 1 or 2 here",
-            ));
-        }
+        ParallelPlan::check_shape(self, &crate::job::flat_job_shape())?;
         self.validate_common_layered()
     }
 

@@ -97,16 +97,6 @@ impl<J: Job> JobSpec for J {
 
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common()?;
-        if cfg.dist.overlap {
-            return Err(ConfigError::Invalid {
-                field: "dist.overlap",
-                message: format!(
-                    "job `{}`: streaming gradients during backward needs each parameter anchored \
-                     in its layer, which a burn `Module` does not expose; set dist.overlap = false",
-                    Job::name(self)
-                ),
-            });
-        }
         Job::validate(self, cfg).map_err(|message| ConfigError::Invalid {
             field: "job",
             message: format!("job `{}`: {message}", Job::name(self)),

@@ -27,6 +27,7 @@ use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
 use crate::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use crate::TrainError;
+use lockstep_run::{ModelShape, ParallelPlan};
 
 /// A training job whose model is a sequence of burn modules ("layers"), each mapping activations
 /// `[samples, width]` to `[samples, width']`. Everything else is as in [`crate::job::Job`].
@@ -92,8 +93,18 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
         self.0.config().to_string()
     }
 
+    fn shape(&self, _cfg: &TrainConfig) -> ModelShape {
+        // Its layers and pieces are known once built: the workers check them then.
+        ModelShape::Layered {
+            layers: None,
+            tp_pieces: None,
+            pieces_from: String::new(),
+        }
+    }
+
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common_layered()?;
+        ParallelPlan::check_shape(cfg, &self.shape(cfg))?;
         self.0
             .validate(cfg)
             .map_err(|message| ConfigError::Invalid {
@@ -111,13 +122,19 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
                 }
             })?;
             let kinds: Vec<_> = layers.iter().map(tp_params_of).collect();
-            check_tp(self.0.name(), &kinds, cfg.parallel.tp).map_err(|e| match e {
+            let pieces = model_pieces(self.0.name(), &kinds).map_err(|e| match e {
                 TrainError::Config(c) => c,
                 other => ConfigError::Invalid {
                     field: "parallel.tp",
                     message: other.to_string(),
                 },
             })?;
+            let shape = ModelShape::Layered {
+                layers: Some(layers.len()),
+                tp_pieces: Some(pieces),
+                pieces_from: format!("job `{}`'s tensor-parallel layers", self.0.name()),
+            };
+            ParallelPlan::check_shape(cfg, &shape)?;
         }
         Ok(())
     }
@@ -169,32 +186,6 @@ fn model_pieces(job: &str, kinds: &[Vec<Option<TpParam>>]) -> Result<usize, Trai
             ),
         }),
     }
-}
-
-/// Refuses `tp` tensor-parallel ranks for a model without tensor-parallel layers or whose pieces
-/// `tp` does not divide; returns the pieces.
-fn check_tp(job: &str, kinds: &[Vec<Option<TpParam>>], tp: usize) -> Result<usize, TrainError> {
-    let pieces = model_pieces(job, kinds)?;
-    let invalid = |message: String| {
-        Err(TrainError::Config(ConfigError::Invalid {
-            field: "parallel.tp",
-            message,
-        }))
-    };
-    if tp > 1 && pieces == 1 {
-        return invalid(format!(
-            "{tp} tensor-parallel ranks need tensor-parallel layers in the model, and job `{job}`'s \
-             layers have none: build them with lockstep::tp::ColumnParallelLinear and \
-             RowParallelLinear (or run with parallel.tp = 1)"
-        ));
-    }
-    if !pieces.is_multiple_of(tp) {
-        return invalid(format!(
-            "{tp} tensor-parallel ranks must divide the {pieces} fixed pieces of job `{job}`'s \
-             tensor-parallel layers (each rank computes an equal share of them)"
-        ));
-    }
-    Ok(pieces)
 }
 
 /// A [`PieceSum`] that only gives shapes (zeros): probing activation widths on a rank's pieces
@@ -447,8 +438,8 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
         tp_rank: usize,
         sum: Box<dyn PieceSum>,
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
+        // The plan checked `tp` against the model's pieces.
         let job = self.job.name();
-        check_tp(job, &self.tp_params, tp)?;
         let setup = |message: String| TrainError::JobSetup {
             job: job.to_string(),
             message,

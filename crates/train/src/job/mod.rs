@@ -27,6 +27,7 @@ pub use crate::outcome::{Computed, EvalSums, ReplicaError};
 
 use crate::config::{ConfigError, TrainConfig};
 use crate::TrainError;
+use lockstep_run::ModelShape;
 
 /// A job as the CLI and the drivers handle it (object safe).
 pub trait JobSpec: Send + Sync {
@@ -46,12 +47,28 @@ pub trait JobSpec: Send + Sync {
     fn default_config(&self) -> String {
         String::new()
     }
+    /// What the job's model can do, as far as the layout is concerned, known before it is built
+    /// (the parallel plan refuses what it cannot do). Default: a model trained whole that does
+    /// not stream gradients, as a user's `Job`.
+    fn shape(&self, _cfg: &TrainConfig) -> ModelShape {
+        flat_job_shape()
+    }
     /// Checks the whole config: lockstep's sections ([`ConfigLoad::validate_common`](crate::ConfigLoad::validate_common), or the
     /// built-in jobs' stricter [`ConfigLoad::validate_builtin`](crate::ConfigLoad::validate_builtin)) and the job's own settings.
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError>;
     /// Builds this rank's replica: model initialised from `train.seed` (rank 0's copy is then
     /// broadcast), datasets opened.
     fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError>;
+}
+
+/// The shape of a user's `Job` (trained whole, no streamed gradients), with how to lay it out.
+pub fn flat_job_shape() -> ModelShape {
+    ModelShape::Flat {
+        streams_gradients: false,
+        to_layer: "implement lockstep::LayeredJob (a model written as a sequence of layers) and \
+                   run lockstep::main(lockstep::Pipelined(job))"
+            .into(),
+    }
 }
 
 /// What [`JobSpec::build`] returns.

@@ -54,6 +54,7 @@ use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
 use crate::zero::Zero;
+use lockstep_run::ParallelPlan;
 
 /// Buckets of a stage's flat gradient (`layers` of a model whose layer offsets are `offsets`),
 /// each within one layer: every layer's range cut into `bucket_elems`-value pieces, relative to the
@@ -182,25 +183,16 @@ impl StageWork for Work<'_> {
 pub fn train<'a>(
     model: &dyn Layered,
     cfg: &'a TrainConfig,
+    plan: &ParallelPlan,
     ctx: WorkerContext<'a>,
 ) -> Result<Summary, TrainError> {
     let started = Instant::now();
-    let (rank, world) = (ctx.comm.rank(), ctx.comm.size());
+    let rank = ctx.comm.rank();
     let t = &cfg.train;
-    let dims = ParallelDims::from_config(cfg, world)?;
+    // The plan checked the layout against the model (layers, pieces, ZeRO).
+    let dims = plan.dims();
     let me = dims.coords(rank);
     let job = model.name();
-    check_layers(cfg, model.num_layers())?;
-    if !model.tp_pieces().is_multiple_of(dims.tp) {
-        return Err(TrainError::Config(crate::config::ConfigError::Invalid {
-            field: "parallel.tp",
-            message: format!(
-                "{} tensor-parallel ranks must divide the model's {} fixed pieces",
-                dims.tp,
-                model.tp_pieces()
-            ),
-        }));
-    }
 
     let samples = model.train_len();
     if samples < t.global_batch {
@@ -214,7 +206,8 @@ pub fn train<'a>(
     let total_steps = total_steps(cfg, &sampler)?;
     let m_total = cfg.microbatches_per_step();
 
-    let (comm, mut ledger) = Ledger::open(cfg, ctx, model.structure_hash(), total_steps, started);
+    let (comm, mut ledger) =
+        Ledger::open(cfg, ctx, plan, model.structure_hash(), total_steps, started);
     check_same_structure(comm, model.structure_hash())?;
     check_same_kernels(comm)?;
     // Stages of one replica talk point to point (tp rank to tp rank); each (stage, tp rank)'s
@@ -240,13 +233,6 @@ pub fn train<'a>(
             "pipeline: {} × {} stages ({}), layers per stage {:?} ({cuts_from} cuts)",
             dims.dp, dims.pp, cfg.parallel.schedule, ranges
         ));
-    }
-    if cfg.dist.overlap {
-        ledger.notice(
-            "dist.overlap is not used by the layered loop: its gradients are reduced after \
-             the pipeline schedule (same bits either way)"
-                .into(),
-        );
     }
     let my_layers = ranges[me.stage].clone();
     let offsets = model.layer_offsets();
@@ -660,19 +646,6 @@ fn choose_cuts(
 
 /// `parallel.pp` and `parallel.stage_cuts` against the model's layers (known only once the job
 /// has built its model; the built-in transformer's are checked with the config already).
-fn check_layers(cfg: &TrainConfig, layers: usize) -> Result<(), TrainError> {
-    let p = &cfg.parallel;
-    let invalid =
-        |field, message| TrainError::Config(crate::config::ConfigError::Invalid { field, message });
-    if p.pp > layers {
-        return Err(invalid(
-            "parallel.pp",
-            format!("{} stages but the model has only {layers} layers", p.pp),
-        ));
-    }
-    Ok(p.check_stages(layers)?)
-}
-
 /// Collective over replica 0 (its tensor-parallel groups, then its pipeline of tp ranks 0): rank
 /// 0 returns the whole model built from every rank's local parameters (`maps`: each tp rank's
 /// index map, known to tp rank 0; without a tp group, this rank's); everyone else gets `None`.

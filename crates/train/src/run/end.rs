@@ -17,6 +17,7 @@ use crate::metrics::{
     imbalance, imbalance_within_stages, rank_summaries, ComputeSummary, Eval, GradientSum,
     PipelineSummary, RankSummary, StepRecord, Summary,
 };
+use lockstep_run::ParallelPlan;
 
 /// Where the run stands after a step, for [`emit_progress`].
 pub(crate) struct StepPoint {
@@ -84,6 +85,7 @@ pub(crate) struct RunEnd {
     pub evals: Vec<(u64, Eval)>,
     pub param_hash: String,
     pub gradient_sum: Option<GradientSum>,
+    pub plan: ParallelPlan,
 }
 
 /// Build the summary (same on every rank); rank 0 also announces a straggler.
@@ -152,5 +154,6 @@ pub(crate) fn build_summary(
             threads: lockstep_model::compute_threads(),
         },
         gradient_sum: end.gradient_sum,
+        plan: Some(end.plan),
     }
 }

@@ -24,6 +24,7 @@ use crate::error::TrainError;
 use crate::faults::Fault;
 use crate::memory::{current_rss_bytes, ModelState};
 use crate::metrics::{Eval, GradientSum, PipelineSummary, RankSummary, StepRecord, Summary};
+use lockstep_run::ParallelPlan;
 
 /// The training loss metrics.jsonl in `dir` records for `step` (NaN when it holds none).
 fn recorded_loss(dir: &Path, step: u64) -> f64 {
@@ -56,18 +57,20 @@ pub(crate) struct Ledger<'a> {
     evals: Vec<(u64, Eval)>,
     last_loss: f64,
     gradient_sum: Option<GradientSum>,
+    plan: ParallelPlan,
     /// Resumed from a checkpoint taken after the last step (an earlier attempt ended before its
     /// summary): no step runs, the final evaluation is run again for the summary.
     resumed_at_end: bool,
 }
 
 impl<'a> Ledger<'a> {
-    /// The ledger of a run of `total_steps` begun at `started`, for a model whose architecture
-    /// fingerprint is `structure_hash` (checkpoints are keyed by it and the config's identity);
-    /// takes the worker context apart and hands back its communicator.
+    /// The ledger of a run of `total_steps` begun at `started` following `plan`, for a model
+    /// whose architecture fingerprint is `structure_hash` (checkpoints are keyed by it and the
+    /// config's identity); takes the worker context apart and hands back its communicator.
     pub(crate) fn open(
         cfg: &'a TrainConfig,
         ctx: WorkerContext<'a>,
+        plan: &ParallelPlan,
         structure_hash: [u8; 32],
         total_steps: u64,
         started: Instant,
@@ -108,6 +111,7 @@ impl<'a> Ledger<'a> {
             evals: Vec::new(),
             last_loss: f64::NAN,
             gradient_sum: None,
+            plan: plan.clone(),
             resumed_at_end: false,
         };
         (comm, ledger)
@@ -300,6 +304,7 @@ impl<'a> Ledger<'a> {
             evals: self.evals,
             param_hash,
             gradient_sum: self.gradient_sum,
+            plan: self.plan,
         };
         let summary = build_summary(
             self.cfg,

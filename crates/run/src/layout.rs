@@ -1,0 +1,320 @@
+//! The parallel plan of a run: how its world is laid out (dp × tp × pp), how its model state is
+//! sharded (ZeRO), whether backward overlaps the gradient sum, and which pipeline schedule runs —
+//! decided once from the config, the world size and what the model can do ([`ModelShape`]).
+//!
+//! Every capability rule lives here and only here ("ZeRO 3 needs layers", "ZeRO 2 excludes
+//! overlap", "tensor-parallel ranks divide the model's pieces", …): the launcher makes the plan
+//! from what a job declares before any worker starts, and every worker makes it again from the
+//! model it built, with the same function, so a request is refused once, with one message naming
+//! the setting and the reason. `summary.json` records the plan the run followed.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ConfigError, ScheduleKind, TrainConfig};
+use crate::parallel_dims::ParallelDims;
+
+/// What a model can do, as far as the layout is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelShape {
+    /// One flat parameter vector trained whole (a user's `Job`, the built-in classifiers):
+    /// data parallelism only.
+    Flat {
+        /// The model hands out each parameter's gradient during backward, so the sum can
+        /// overlap it (`dist.overlap`).
+        streams_gradients: bool,
+        /// How this job would become layered, for refusals ("implement lockstep::LayeredJob
+        /// …", "model.kind = \"transformer\" …").
+        to_layer: String,
+    },
+    /// A sequence of layers (a user's `LayeredJob`, the built-in transformer): pipelines, ZeRO
+    /// 3 layer by layer, tensor parallelism over its fixed pieces. `None`: not known until the
+    /// model is built (the workers check it then).
+    Layered {
+        layers: Option<usize>,
+        tp_pieces: Option<usize>,
+        /// Where the pieces come from, for refusals ("model.tp_pieces = 4", "job `x`'s
+        /// tensor-parallel layers").
+        pieces_from: String,
+    },
+}
+
+/// The plan a run follows (see the module doc).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParallelPlan {
+    pub world: usize,
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Tensor-parallel ranks per stage.
+    pub tp: usize,
+    /// Pipeline stages per replica.
+    pub pp: usize,
+    /// `parallel.zero`, over each stage's data-parallel group.
+    pub zero: u8,
+    /// Micro-batches per step, and the most one replica computes.
+    pub microbatches: usize,
+    pub microbatches_per_replica: usize,
+    /// The pipeline schedule (one stage runs its micro-batches one after another).
+    pub schedule: Option<ScheduleKind>,
+    /// The model's fixed tensor-parallel pieces (1: none).
+    pub tp_pieces: usize,
+    /// Gradient buckets reduced while backward still runs.
+    pub overlap: bool,
+    /// The gradient sum: exact (fixed point, the same bits for every layout) or plain `f32`.
+    pub exact_sum: bool,
+}
+
+fn invalid(field: &'static str, message: String) -> ConfigError {
+    ConfigError::Invalid { field, message }
+}
+
+impl ParallelPlan {
+    /// The plan of `cfg` on `world` ranks for a model of `shape`, or the one refusal that names
+    /// the setting and why.
+    pub fn new(cfg: &TrainConfig, world: usize, shape: &ModelShape) -> Result<Self, ConfigError> {
+        let tp_pieces = Self::check_shape(cfg, shape)?;
+        let dims = ParallelDims::from_config(cfg, world)?;
+        let p = &cfg.parallel;
+        let microbatches = cfg.microbatches_per_step();
+        Ok(ParallelPlan {
+            world,
+            dp: dims.dp,
+            tp: dims.tp,
+            pp: dims.pp,
+            zero: p.zero,
+            microbatches,
+            microbatches_per_replica: microbatches.div_ceil(dims.dp),
+            schedule: (dims.pp > 1).then_some(p.schedule),
+            tp_pieces,
+            overlap: cfg.dist.overlap,
+            exact_sum: cfg.dist.reproducible,
+        })
+    }
+
+    /// The rules that need no world size (checked when a job's config is validated, before the
+    /// world is known); returns the model's tensor-parallel pieces (1 when not known yet).
+    pub fn check_shape(cfg: &TrainConfig, shape: &ModelShape) -> Result<usize, ConfigError> {
+        let p = &cfg.parallel;
+        match shape {
+            ModelShape::Flat {
+                streams_gradients,
+                to_layer,
+            } => {
+                let needs_layers = |field, what: String| {
+                    Err(invalid(
+                        field,
+                        format!(
+                            "{what} needs a layered model: {to_layer}; this job runs \
+                             data-parallel only"
+                        ),
+                    ))
+                };
+                if p.pp > 1 {
+                    return needs_layers("parallel.pp", format!("parallel.pp = {}", p.pp));
+                }
+                if p.tp > 1 {
+                    return needs_layers(
+                        "parallel.tp",
+                        format!("tensor parallelism (parallel.tp = {})", p.tp),
+                    );
+                }
+                if p.zero >= 3 {
+                    return needs_layers(
+                        "parallel.zero",
+                        "ZeRO 3, which gathers the parameters layer by layer,".into(),
+                    );
+                }
+                if cfg.dist.overlap && !streams_gradients {
+                    return Err(invalid(
+                        "dist.overlap",
+                        "this job's model does not hand out its gradients during backward (a \
+                         burn Module does not expose each parameter's place in its layer), so \
+                         the sum cannot overlap it: set dist.overlap = false"
+                            .into(),
+                    ));
+                }
+                Self::check_overlap(cfg)?;
+                Ok(1)
+            }
+            ModelShape::Layered {
+                layers,
+                tp_pieces,
+                pieces_from,
+            } => {
+                if let Some(layers) = *layers {
+                    if p.pp > layers {
+                        return Err(invalid(
+                            "parallel.pp",
+                            format!("{} stages but the model has only {layers} layers", p.pp),
+                        ));
+                    }
+                    p.check_stages(layers)?;
+                }
+                if cfg.dist.overlap {
+                    return Err(invalid(
+                        "dist.overlap",
+                        "a layered model reduces its gradients after the pipeline schedule \
+                         (overlap with backward is for models trained whole); set \
+                         dist.overlap = false"
+                            .into(),
+                    ));
+                }
+                let Some(pieces) = *tp_pieces else {
+                    return Ok(1);
+                };
+                if p.tp > 1 && pieces == 1 {
+                    return Err(invalid(
+                        "parallel.tp",
+                        format!(
+                            "{} tensor-parallel ranks need the model's tensor-parallel pieces, \
+                             and its layers have none ({pieces_from}; the built-in transformer: \
+                             set model.tp_pieces to a multiple of parallel.tp; a LayeredJob: \
+                             build its layers with lockstep::tp::ColumnParallelLinear and \
+                             RowParallelLinear)",
+                            p.tp
+                        ),
+                    ));
+                }
+                if !pieces.is_multiple_of(p.tp) {
+                    return Err(invalid(
+                        "parallel.tp",
+                        format!(
+                            "{} tensor-parallel ranks must divide the {pieces} fixed pieces \
+                             ({pieces_from}); each rank computes an equal share of them",
+                            p.tp
+                        ),
+                    ));
+                }
+                Ok(pieces)
+            }
+        }
+    }
+
+    /// ZeRO 2 reduce-scatters the gradient after backward: nothing to overlap it with.
+    fn check_overlap(cfg: &TrainConfig) -> Result<(), ConfigError> {
+        if cfg.parallel.zero >= 2 && cfg.dist.overlap {
+            return Err(invalid(
+                "dist.overlap",
+                "parallel.zero = 2 reduce-scatters the gradient after backward, so it cannot \
+                 overlap with backward: set dist.overlap = false or parallel.zero ≤ 1"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The layout's coordinates of ranks (`ParallelDims`).
+    pub fn dims(&self) -> ParallelDims {
+        ParallelDims {
+            world: self.world,
+            dp: self.dp,
+            pp: self.pp,
+            tp: self.tp,
+        }
+    }
+
+    /// "dp 2 × tp 1 × pp 2, ZeRO 1, 1f1b, exact sum" for logs.
+    pub fn describe(&self) -> String {
+        let mut s = format!("dp {} × tp {} × pp {}", self.dp, self.tp, self.pp);
+        if self.zero > 0 {
+            s += &format!(", ZeRO {}", self.zero);
+        }
+        if let Some(k) = self.schedule {
+            s += &format!(", {k}");
+        }
+        if self.tp_pieces > 1 {
+            s += &format!(", {} tensor-parallel pieces", self.tp_pieces);
+        }
+        if self.overlap {
+            s += ", overlapped";
+        }
+        s + if self.exact_sum {
+            ", exact sum"
+        } else {
+            ", plain sum"
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(sets: &[&str]) -> TrainConfig {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        TrainConfig::parse(("", "defaults"), "", "test", &sets).unwrap()
+    }
+
+    fn flat(streams: bool) -> ModelShape {
+        ModelShape::Flat {
+            streams_gradients: streams,
+            to_layer: "implement lockstep::LayeredJob".into(),
+        }
+    }
+
+    fn layered(layers: usize, pieces: usize) -> ModelShape {
+        ModelShape::Layered {
+            layers: Some(layers),
+            tp_pieces: Some(pieces),
+            pieces_from: format!("model.tp_pieces = {pieces}"),
+        }
+    }
+
+    fn refused(cfg: &TrainConfig, world: usize, shape: &ModelShape) -> (&'static str, String) {
+        match ParallelPlan::new(cfg, world, shape).unwrap_err() {
+            ConfigError::Invalid { field, message } => (field, message),
+            other => panic!("not a field error: {other}"),
+        }
+    }
+
+    #[test]
+    fn every_capability_rule_is_one_refusal_naming_the_setting() {
+        for (sets, shape, field) in [
+            (vec!["parallel.pp=2"], flat(true), "parallel.pp"),
+            (vec!["parallel.tp=2"], flat(true), "parallel.tp"),
+            (vec!["parallel.zero=3"], flat(true), "parallel.zero"),
+            (vec!["dist.overlap=true"], flat(false), "dist.overlap"),
+            (
+                vec!["dist.overlap=true", "parallel.zero=2"],
+                flat(true),
+                "dist.overlap",
+            ),
+            (vec!["parallel.pp=4"], layered(3, 1), "parallel.pp"),
+            (vec!["parallel.tp=2"], layered(4, 1), "parallel.tp"),
+            (vec!["parallel.tp=2"], layered(4, 3), "parallel.tp"),
+            (vec!["dist.overlap=true"], layered(4, 1), "dist.overlap"),
+        ] {
+            let c = cfg(&sets);
+            let (got, message) = refused(&c, 4, &shape);
+            assert_eq!(got, field, "{sets:?}: {message}");
+        }
+        let (_, m) = refused(&cfg(&["parallel.zero=3"]), 2, &flat(true));
+        assert!(m.contains("implement lockstep::LayeredJob"), "{m}");
+    }
+
+    #[test]
+    fn a_plan_records_the_layout_and_the_paths() {
+        let c = cfg(&[
+            "parallel.pp=2",
+            "parallel.zero=1",
+            "parallel.microbatches=4",
+        ]);
+        let plan = ParallelPlan::new(&c, 4, &layered(4, 1)).unwrap();
+        assert_eq!((plan.dp, plan.tp, plan.pp, plan.zero), (2, 1, 2, 1));
+        assert_eq!(plan.microbatches_per_replica, 2);
+        assert_eq!(plan.schedule, Some(ScheduleKind::OneFOneB));
+        assert_eq!(plan.dims(), ParallelDims::new(4, 0, 1, 2).unwrap());
+        assert_eq!(
+            plan.describe(),
+            "dp 2 × tp 1 × pp 2, ZeRO 1, 1f1b, exact sum"
+        );
+        // Layers not known yet (a user's layered job before it is built): checked later.
+        let unknown = ModelShape::Layered {
+            layers: None,
+            tp_pieces: None,
+            pieces_from: String::new(),
+        };
+        assert!(ParallelPlan::check_shape(&cfg(&["parallel.pp=9"]), &unknown).is_ok());
+        // A world the layout does not fit.
+        assert!(ParallelPlan::new(&cfg(&["parallel.pp=2"]), 3, &layered(4, 1)).is_err());
+    }
+}
