@@ -55,10 +55,10 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use lockstep_comm::exact::{ExactError, ExactReducer};
-use lockstep_comm::shared_parts::SharedParts;
 use lockstep_comm::{Communicator, ReduceOp};
 use lockstep_model::{Model, ModelError, TimedLoss};
 
+use crate::grad_parts::GradParts;
 use crate::outcome::ReplicaError;
 use crate::zero::Zero;
 
@@ -208,7 +208,14 @@ impl GradSync {
         }
     }
 
-    /// Make `self.buckets` the buckets of a `len`-value vector.
+    /// Reduce in these buckets (tiling the gradient in order) instead of fixed ones from offset
+    /// 0: a layered model's never straddle a layer (or a tensor-parallel piece).
+    pub fn with_buckets(mut self, buckets: Vec<Range<usize>>) -> Self {
+        self.buckets = buckets;
+        self
+    }
+
+    /// Make `self.buckets` the buckets of a `len`-value vector (kept when they already cover it).
     fn set_buckets(&mut self, len: usize) {
         if self.buckets.last().map_or(0, |b| b.end) != len {
             self.buckets = self.reducer.buckets(len).map(|(s, e)| s..e).collect();
@@ -223,7 +230,14 @@ impl GradSync {
     /// `sync_overlapped`, which scans bucket by bucket. One worker needs no scan ahead: its fused
     /// local pass scans each bucket just before summing it.
     pub fn part_ready(&mut self, comm: &Communicator, part: &[f32]) {
-        if self.reproducible && comm.size() > 1 {
+        if comm.size() > 1 {
+            self.scan_ahead(part);
+        }
+    }
+
+    /// [`GradSync::part_ready`] for a caller that knows the group has several ranks.
+    pub fn scan_ahead(&mut self, part: &[f32]) {
+        if self.reproducible {
             self.set_buckets(part.len());
             self.reducer.scan_part(part, &self.buckets);
         }
@@ -243,86 +257,11 @@ impl GradSync {
         let loss = self.exchange_loss(comm, local_losses, total_microbatches)?;
         let t1 = Instant::now();
 
-        self.set_buckets(out.len());
-        if self.reproducible {
-            self.reducer.reduce_cheapest(
-                comm,
-                local_grads,
-                total_microbatches,
-                out,
-                &self.buckets,
-            )?;
-        } else {
-            for b in &self.buckets {
-                plain_bucket(comm, local_grads, b.clone(), out)?;
-            }
-        }
+        self.reduce_parts(comm, local_grads, total_microbatches, out)?;
         let t2 = Instant::now();
         let timing = SyncTiming {
             waiting: (t1 - t0).as_secs_f64(),
             communication: (t2 - t1).as_secs_f64(),
-            overlapped_communication: 0.0,
-        };
-        Ok((loss, timing))
-    }
-
-    /// [`GradSync::sync`] of the parts in `shared` (this rank's are its first `local_parts`),
-    /// reading the peers' parts from their windows (`lockstep_comm::shared_parts`), into
-    /// `shared.sum()`: exact mode only, the same bits.
-    pub fn sync_shared(
-        &mut self,
-        comm: &mut Communicator,
-        shared: &mut SharedParts,
-        local_parts: usize,
-        local_losses: &[f32],
-        total_microbatches: usize,
-    ) -> Result<(f64, SyncTiming), ExactError> {
-        assert!(self.reproducible, "shared parts are summed exactly");
-        let t0 = Instant::now();
-        let loss = self.exchange_loss(comm, local_losses, total_microbatches)?;
-        let t1 = Instant::now();
-        self.set_buckets(shared.len());
-        self.reducer
-            .reduce_shared(comm, shared, local_parts, total_microbatches, &self.buckets)?;
-        let timing = SyncTiming {
-            waiting: (t1 - t0).as_secs_f64(),
-            communication: t1.elapsed().as_secs_f64(),
-            overlapped_communication: 0.0,
-        };
-        Ok((loss, timing))
-    }
-
-    /// [`GradSync::sync`] for a sharded run (`parallel.zero`, see [`crate::zero`]): the loss
-    /// exchange, then the gradients summed into `out`, which holds [`Zero::grad_len`] values of the
-    /// `len`-value gradient (this rank's chunk from level 2: the exact sum reduce-scattered).
-    /// The values this rank holds have the bits [`GradSync::sync`] gives them.
-    #[allow(clippy::too_many_arguments)]
-    pub fn sync_sharded(
-        &mut self,
-        comm: &mut Communicator,
-        local_grads: &[&[f32]],
-        local_losses: &[f32],
-        total_microbatches: usize,
-        zero: &Zero,
-        len: usize,
-        out: &mut [f32],
-    ) -> Result<(f64, SyncTiming), ExactError> {
-        let t0 = Instant::now();
-        let loss = self.exchange_loss(comm, local_losses, total_microbatches)?;
-        let t1 = Instant::now();
-        self.set_buckets(len);
-        zero.reduce_gradients(
-            &mut self.reducer,
-            comm,
-            local_grads,
-            total_microbatches,
-            &self.buckets,
-            self.reproducible,
-            out,
-        )?;
-        let timing = SyncTiming {
-            waiting: (t1 - t0).as_secs_f64(),
-            communication: t1.elapsed().as_secs_f64(),
             overlapped_communication: 0.0,
         };
         Ok((loss, timing))
@@ -564,8 +503,75 @@ impl GradSync {
         })
     }
 
-    /// Global loss: exact sum of every rank's micro-batch losses.
-    fn exchange_loss(
+    /// The one reduction after backward (every loop's): the micro-batch gradients in `grads`
+    /// (this rank's first `local_parts`) summed over `comm` into `out` — read where they lie in
+    /// the ranks' shared windows (exact mode; the sum is then in the window), reduce-scattered to
+    /// this rank's chunk (ZeRO 2, or ZeRO 3 layer by layer: `zero`), or whole: exact (the
+    /// cheapest path, `ExactReducer::reduce_cheapest`) or plain per bucket. The same bits for
+    /// every path.
+    pub fn reduce(
+        &mut self,
+        comm: &mut Communicator,
+        grads: &mut GradParts,
+        local_parts: usize,
+        total_microbatches: usize,
+        zero: &Zero,
+        out: &mut [f32],
+    ) -> Result<(), ExactError> {
+        match grads {
+            GradParts::Shared(shared) => {
+                assert!(self.reproducible, "shared parts are summed exactly");
+                self.set_buckets(shared.len());
+                self.reducer.reduce_shared(
+                    comm,
+                    shared,
+                    local_parts,
+                    total_microbatches,
+                    &self.buckets,
+                )
+            }
+            GradParts::Private(_) if zero.level() >= 2 || !zero.reduces_in_one_call() => {
+                let parts = grads.parts();
+                self.set_buckets(parts.first().map_or(out.len(), |p| p.len()));
+                zero.reduce_gradients(
+                    &mut self.reducer,
+                    comm,
+                    &parts,
+                    total_microbatches,
+                    &self.buckets,
+                    self.reproducible,
+                    out,
+                )
+            }
+            GradParts::Private(_) => {
+                self.reduce_parts(comm, &grads.parts(), total_microbatches, out)
+            }
+        }
+    }
+
+    /// The whole sum of `parts` into `out`: exact by the cheapest path, or plain per bucket.
+    fn reduce_parts(
+        &mut self,
+        comm: &mut Communicator,
+        parts: &[&[f32]],
+        total_microbatches: usize,
+        out: &mut [f32],
+    ) -> Result<(), ExactError> {
+        self.set_buckets(out.len());
+        if self.reproducible {
+            self.reducer
+                .reduce_cheapest(comm, parts, total_microbatches, out, &self.buckets)
+        } else {
+            for b in &self.buckets {
+                plain_bucket(comm, parts, b.clone(), out)?;
+            }
+            Ok(())
+        }
+    }
+
+    /// Global loss: exact sum of every rank's micro-batch losses (`local_losses`: this rank's,
+    /// `total_microbatches`: every rank's together).
+    pub fn exchange_loss(
         &mut self,
         comm: &mut Communicator,
         local_losses: &[f32],

@@ -18,7 +18,7 @@ use crate::context::WorkerContext;
 use crate::error::TrainError;
 use crate::faults;
 use crate::grad_parts::GradParts;
-use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
+use crate::grad_sync::{GradSync, StreamedCompute, SyncError, SyncTiming};
 use crate::job::{catch_job_panic, JobSpec, Replica, ReplicaError, Trainable};
 use crate::memory::ModelState;
 use crate::metrics::{Eval, GradientSum, PhaseSeconds, StepRecord, Summary};
@@ -78,8 +78,6 @@ struct Plan<'a> {
     scale: f32,
     /// Flat ranges of the parameter tensors (for streaming).
     tensors: Vec<Range<usize>>,
-    /// Number of parameters.
-    len: usize,
 }
 
 /// The data-parallel loop over one rank's replica of a job (see the module doc).
@@ -151,7 +149,6 @@ fn train_replica<'a>(
             .iter()
             .map(|p| p.offset..p.offset + p.len)
             .collect(),
-        len: params.len(),
     };
     let mut sync = GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems);
     // Exact sums that take every part at once read the peers' parts where they lie, when the
@@ -335,25 +332,21 @@ fn gradients(
         sec.forward += o.forward;
         sec.backward += o.backward;
         (o.loss, o.timing)
-    } else if let GradParts::Shared(shared) = grads {
-        sync.sync_shared(comm, shared, mine.len(), &losses, plan.n_micro)
-            .map_err(|e| sync_error(SyncError::Exact(e)))?
     } else {
-        let grad_refs = grads.parts();
-        if zero.level() >= 2 {
-            sync.sync_sharded(
-                comm,
-                &grad_refs,
-                &losses,
-                plan.n_micro,
-                zero,
-                plan.len,
-                total_grad,
-            )
-        } else {
-            sync.sync(comm, &grad_refs, &losses, plan.n_micro, total_grad)
-        }
-        .map_err(|e| sync_error(SyncError::Exact(e)))?
+        let exact = |e| sync_error(SyncError::Exact(e));
+        let t0 = Instant::now();
+        let loss = sync
+            .exchange_loss(comm, &losses, plan.n_micro)
+            .map_err(exact)?;
+        let t1 = Instant::now();
+        sync.reduce(comm, grads, mine.len(), plan.n_micro, zero, total_grad)
+            .map_err(exact)?;
+        let timing = SyncTiming {
+            waiting: (t1 - t0).as_secs_f64(),
+            communication: t1.elapsed().as_secs_f64(),
+            overlapped_communication: 0.0,
+        };
+        (loss, timing)
     };
     sec.waiting = timing.waiting;
     sec.communication = timing.communication + scanned_ahead;

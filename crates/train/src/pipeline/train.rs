@@ -28,7 +28,7 @@ use std::ops::Range;
 use std::rc::Rc;
 use std::time::Instant;
 
-use lockstep_comm::exact::{ExactError, ExactReducer};
+use lockstep_comm::exact::ExactError;
 use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
 use lockstep_model::{gather_map, param_hash, scatter_map};
@@ -43,6 +43,7 @@ use crate::context::WorkerContext;
 use crate::error::TrainError;
 use crate::faults;
 use crate::grad_parts::GradParts;
+use crate::grad_sync::GradSync;
 use crate::memory::ModelState;
 use crate::metrics::{
     Eval, GradientSum, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary,
@@ -98,10 +99,9 @@ struct Work<'a> {
     scan_ahead: Option<ScanAhead<'a>>,
 }
 
-/// Where [`Work`] scans gradients ahead ([`ExactReducer::scan_part`]), and the time it took.
+/// Where [`Work`] scans gradients ahead ([`GradSync::scan_ahead`]), and the time it took.
 struct ScanAhead<'a> {
-    reducer: &'a mut ExactReducer,
-    buckets: &'a [Range<usize>],
+    sync: &'a mut GradSync,
     seconds: f64,
 }
 
@@ -157,7 +157,7 @@ impl StageWork for Work<'_> {
             Ok(g) => {
                 if let Some(scan) = &mut self.scan_ahead {
                     let t0 = Instant::now();
-                    scan.reducer.scan_part(self.grads.part(mb), scan.buckets);
+                    scan.sync.scan_ahead(self.grads.part(mb));
                     scan.seconds += t0.elapsed().as_secs_f64();
                 }
                 Ok(g)
@@ -356,8 +356,9 @@ pub fn train<'a>(
             zero.grad_len()
         }
     ];
-    let mut reducer = ExactReducer::new(cfg.dist.bucket_elems);
-    let mut loss_reducer = ExactReducer::new(1);
+    // The one reducer, in buckets that never straddle a layer (or a tensor-parallel piece).
+    let mut sync =
+        GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems).with_buckets(buckets.clone());
     let scale = model.loss_scale(t.global_batch);
     let is_last = me.stage + 1 == dims.pp;
 
@@ -413,8 +414,7 @@ pub fn train<'a>(
             // on one data-parallel replica, whose fused pass scans each bucket as it sums it.
             scan_ahead: (cfg.dist.reproducible && dp_comm.size() > 1 && zero.reduces_in_one_call())
                 .then(|| ScanAhead {
-                    reducer: &mut reducer,
-                    buckets: &buckets,
+                    sync: &mut sync,
                     seconds: 0.0,
                 }),
         };
@@ -439,32 +439,25 @@ pub fn train<'a>(
         // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
         let t0 = Instant::now();
         // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
-        let loss_parts: Vec<&[f32]> = if is_last && me.tp_rank == 0 {
-            losses.iter().map(std::slice::from_ref).collect()
+        let loss: Vec<f32> = if is_last && me.tp_rank == 0 {
+            losses
         } else {
             Vec::new()
         };
-        let mut loss = [0f32];
-        loss_reducer
-            .reduce(comm, &loss_parts, m_total, &mut loss)
+        let loss = sync
+            .exchange_loss(comm, &loss, m_total)
             .map_err(|e| sync_error(e, step))?;
         let t1 = Instant::now();
         // The stage's gradients over its data-parallel group: read where they lie in the shared
-        // windows, or through the rings.
-        match &mut grads {
-            GradParts::Shared(shared) => {
-                reducer.reduce_shared(&mut dp_comm, shared, my_micro.len(), m_total, &buckets)
-            }
-            GradParts::Private(_) => zero.reduce_gradients(
-                &mut reducer,
-                &mut dp_comm,
-                &grads.parts(),
-                m_total,
-                &buckets,
-                cfg.dist.reproducible,
-                &mut total_grad,
-            ),
-        }
+        // windows, or through the rings (`GradSync::reduce`).
+        sync.reduce(
+            &mut dp_comm,
+            &mut grads,
+            my_micro.len(),
+            m_total,
+            &zero,
+            &mut total_grad,
+        )
         .map_err(|e| sync_error(e, step))?;
         sec.waiting = (t1 - t0).as_secs_f64();
         sec.communication += t1.elapsed().as_secs_f64();
@@ -483,7 +476,6 @@ pub fn train<'a>(
         }
         sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
         sec.communication += gather_seconds;
-        let loss = loss[0] as f64;
 
         let eval = if ledger.eval_due(step) {
             Some(with_whole_stage(
