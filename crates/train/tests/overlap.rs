@@ -247,13 +247,6 @@ fn buckets_are_reduced_while_backward_runs() {
     let mut out = vec![0f32; model.num_params()];
     let mut comm = comms(1, Duration::from_secs(30)).pop().unwrap();
     let mut sync = GradSync::new(true, 1 << 16);
-    let last = LastMicrobatch {
-        x: &x,
-        y: &y,
-        n,
-        scale: 1.0 / n as f32,
-        grad: &mut grad,
-    };
     // On one compute thread, as a worker at --threads-per-worker 1: with the test process's
     // default pool, gemm's threads took both cores and backward could end before the
     // communication thread ran at all.
@@ -261,13 +254,29 @@ fn buckets_are_reduced_while_backward_runs() {
         .num_threads(1)
         .build()
         .unwrap();
-    let o = one_thread
-        .install(|| sync.sync_overlapped(&mut comm, &model, &[], &[], Some(last), 1, &mut out))
-        .unwrap();
+    // Whether the communication thread gets a core before backward ends is up to the scheduler
+    // (other tests of this process run beside it): a few tries, one must overlap.
+    let mut timings = Vec::new();
+    for _ in 0..5 {
+        let last = LastMicrobatch {
+            x: &x,
+            y: &y,
+            n,
+            scale: 1.0 / n as f32,
+            grad: &mut grad,
+        };
+        let o = one_thread
+            .install(|| sync.sync_overlapped(&mut comm, &model, &[], &[], Some(last), 1, &mut out))
+            .unwrap();
+        timings.push(o.timing);
+        if o.timing.overlapped_communication > 0.0 {
+            break;
+        }
+    }
     assert!(
-        o.timing.overlapped_communication > 0.0,
-        "nothing overlapped: {:?}",
-        o.timing
+        timings.last().unwrap().overlapped_communication > 0.0,
+        "nothing overlapped in {} tries: {timings:?}",
+        timings.len()
     );
     // One micro-batch on one rank: the reduced gradient is that micro-batch's gradient.
     let mut direct = vec![0f32; model.num_params()];

@@ -32,6 +32,11 @@ pub trait Layered {
     /// What evaluation sums are divided by for `samples` evaluated samples (samples, or
     /// predicted characters for the language model).
     fn eval_units(&self, samples: usize) -> f64;
+    /// Evaluation samples per chunk: fixed whatever the layout, so each chunk's sums have the
+    /// same bits everywhere. Default: one micro-batch.
+    fn eval_chunk(&self, microbatch: usize) -> usize {
+        microbatch
+    }
     /// The loss scale of one micro-batch: its gradient is `scale ·` the gradient of its summed
     /// loss, so that all micro-batches of a step add up to the gradient of the step's mean loss.
     fn loss_scale(&self, global_batch: usize) -> f32;
@@ -155,6 +160,11 @@ pub trait LayerStage {
     /// its own (`None`: the layer buckets of the canonical vector).
     fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
         let _ = bucket_elems;
+        None
+    }
+    /// The replica of a model trained whole (`flat.rs`), whose micro-batches are computed in one
+    /// call each instead of a forward and a backward; `None` for a stage of layers.
+    fn whole(&mut self) -> Option<&mut dyn crate::job::Replica> {
         None
     }
 }

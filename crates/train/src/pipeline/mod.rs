@@ -12,12 +12,16 @@
 //!   `LayeredJob` in `job/layered_job.rs`);
 //! - `tensor_parallel`: the exact piece sum over a stage's tensor-parallel group and the gather
 //!   of a stage's canonical parameters from its tp ranks;
-//! - `train`: the training loop (also used with one stage).
+//! - `flat`: a model trained whole (a `Replica`) as a one-layer model, and `whole`: its step
+//!   (each micro-batch in one call, optionally streamed into an overlapped sum);
+//! - `train`: the one training loop, for every model and layout.
 
 pub mod balance;
 pub mod executor;
+pub mod flat;
 pub mod layered;
 pub mod schedule;
 pub mod tensor_parallel;
 pub mod train;
 pub mod transformer;
+mod whole;

@@ -38,6 +38,7 @@ use super::executor::{run_schedule, StageWork};
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
+use super::whole::{self, WholeStep};
 use crate::config::TrainConfig;
 use crate::context::WorkerContext;
 use crate::error::TrainError;
@@ -340,7 +341,7 @@ pub fn train<'a>(
     // Micro-batch gradients in this rank's shared window when the stage's replicas share a host
     // and the exact sum takes every part at once (ZeRO below 2), else in its own vectors
     // (`grad_parts`); the bits are the same either way.
-    let try_shared = cfg.dist.reproducible && zero.level() < 2;
+    let try_shared = cfg.dist.reproducible && zero.level() < 2 && !plan.overlap;
     let mut grads = GradParts::new(&mut dp_comm, my_micro.len(), stage_len, try_shared)?;
     ledger.set_gradient_sum(match (&grads, dp_comm.size()) {
         (_, 1) => GradientSum::Local,
@@ -361,6 +362,15 @@ pub fn train<'a>(
         GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems).with_buckets(buckets.clone());
     let scale = model.loss_scale(t.global_batch);
     let is_last = me.stage + 1 == dims.pp;
+    // A model trained whole streams its gradients by parameter tensor (`dist.overlap`).
+    let tensors: Vec<Range<usize>> = stage.whole().map_or_else(Vec::new, |replica| {
+        replica
+            .layout()
+            .iter()
+            .map(|p| p.offset..p.offset + p.len)
+            .collect()
+    });
+    let trained_whole = stage.whole().is_some();
 
     // The evaluation after `step`, through each replica's pipeline.
     let eval_at =
@@ -373,7 +383,7 @@ pub fn train<'a>(
                 dims,
                 me,
                 &tp_link,
-                t.microbatch,
+                model.eval_chunk(t.microbatch),
                 step,
             )
         };
@@ -397,70 +407,107 @@ pub fn train<'a>(
         }
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, t.microbatch);
-        let mine = &pieces[my_micro.clone()];
-        let mut work = Work {
-            stage: &mut *stage,
-            pieces: mine,
-            first_microbatch: my_micro.start,
-            microbatch: t.microbatch,
-            job: &job,
-            step,
-            scale,
-            grads: &mut grads,
-            losses: vec![0.0; my_micro.len()],
-            data_seconds: 0.0,
-            link: &tp_link,
-            // Only where one reduction takes every part (not ZeRO 3's layer by layer), and not
-            // on one data-parallel replica, whose fused pass scans each bucket as it sums it.
-            scan_ahead: (cfg.dist.reproducible && dp_comm.size() > 1 && zero.reduces_in_one_call())
+        // A model trained whole: each micro-batch in one call, and its sum (`whole.rs`).
+        let whole = stage.whole().map(|replica| {
+            let w = WholeStep {
+                job: &job,
+                step,
+                pieces: &pieces,
+                mine: my_micro.clone(),
+                microbatch: t.microbatch,
+                n_micro: m_total,
+                scale,
+                tensors: &tensors,
+                overlap: plan.overlap,
+            };
+            whole::step(
+                &w,
+                replica,
+                &mut dp_comm,
+                &mut sync,
+                &zero,
+                &mut grads,
+                &mut total_grad,
+            )
+        });
+        let (loss, pipeline) = if let Some(computed) = whole {
+            let (loss, s) = computed?;
+            sec = s;
+            if slowdown > 1.0 {
+                let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
+                std::thread::sleep(std::time::Duration::from_secs_f64(extra));
+                sec.backward += extra;
+            }
+            (loss, None)
+        } else {
+            let mine = &pieces[my_micro.clone()];
+            let mut work = Work {
+                stage: &mut *stage,
+                pieces: mine,
+                first_microbatch: my_micro.start,
+                microbatch: t.microbatch,
+                job: &job,
+                step,
+                scale,
+                grads: &mut grads,
+                losses: vec![0.0; my_micro.len()],
+                data_seconds: 0.0,
+                link: &tp_link,
+                // Only where one reduction takes every part (not ZeRO 3's layer by layer), and not
+                // on one data-parallel replica, whose fused pass scans each bucket as it sums it.
+                scan_ahead: (cfg.dist.reproducible
+                    && dp_comm.size() > 1
+                    && zero.reduces_in_one_call())
                 .then(|| ScanAhead {
                     sync: &mut sync,
                     seconds: 0.0,
                 }),
-        };
-        let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
-        let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
-        let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
-        if zero.level() >= 3 {
-            // Freed after use: the last backward of the step is done.
-            stage.release_params();
-        }
-        sec.data = data_seconds;
-        sec.forward = (timing.forward - data_seconds).max(0.0);
-        // The scan ahead ran inside backward but is the exact sum's work: counted with it.
-        sec.backward = (timing.backward - scanned_ahead).max(0.0);
-        sec.communication += scanned_ahead;
-        if slowdown > 1.0 {
-            let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
-            std::thread::sleep(std::time::Duration::from_secs_f64(extra));
-            sec.backward += extra;
-        }
+            };
+            let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
+            let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
+            let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
+            if zero.level() >= 3 {
+                // Freed after use: the last backward of the step is done.
+                stage.release_params();
+            }
+            sec.data = data_seconds;
+            sec.forward = (timing.forward - data_seconds).max(0.0);
+            // The scan ahead ran inside backward but is the exact sum's work: counted with it.
+            sec.backward = (timing.backward - scanned_ahead).max(0.0);
+            sec.communication += scanned_ahead;
+            if slowdown > 1.0 {
+                let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
+                std::thread::sleep(std::time::Duration::from_secs_f64(extra));
+                sec.backward += extra;
+            }
 
-        // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
-        let t0 = Instant::now();
-        // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
-        let loss: Vec<f32> = if is_last && me.tp_rank == 0 {
-            losses
-        } else {
-            Vec::new()
-        };
-        let loss = sync
-            .exchange_loss(comm, &loss, m_total)
+            // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
+            let t0 = Instant::now();
+            // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
+            let loss: Vec<f32> = if is_last && me.tp_rank == 0 {
+                losses
+            } else {
+                Vec::new()
+            };
+            let loss = sync
+                .exchange_loss(comm, &loss, m_total)
+                .map_err(|e| sync_error(e, step))?;
+            let t1 = Instant::now();
+            // The stage's gradients over its data-parallel group: read where they lie in the shared
+            // windows, or through the rings (`GradSync::reduce`).
+            sync.reduce(
+                &mut dp_comm,
+                &mut grads,
+                my_micro.len(),
+                m_total,
+                &zero,
+                &mut total_grad,
+            )
             .map_err(|e| sync_error(e, step))?;
-        let t1 = Instant::now();
-        // The stage's gradients over its data-parallel group: read where they lie in the shared
-        // windows, or through the rings (`GradSync::reduce`).
-        sync.reduce(
-            &mut dp_comm,
-            &mut grads,
-            my_micro.len(),
-            m_total,
-            &zero,
-            &mut total_grad,
-        )
-        .map_err(|e| sync_error(e, step))?;
-        sec.waiting = (t1 - t0).as_secs_f64();
-        sec.communication += t1.elapsed().as_secs_f64();
+            sec.waiting = (t1 - t0).as_secs_f64();
+            sec.communication += t1.elapsed().as_secs_f64();
+            (loss, Some(timing.pipeline))
+        };
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
@@ -500,13 +547,13 @@ pub fn train<'a>(
             step,
             loss,
             lr,
-            samples: mine.iter().map(|p| p.len()).sum(),
+            samples: pieces[my_micro.clone()].iter().map(|p| p.len()).sum(),
             samples_per_sec: t.global_batch as f64 / step_seconds,
             step_seconds,
             seconds: sec,
             bytes_sent: bytes_after - bytes_before,
             eval,
-            pipeline: Some(timing.pipeline),
+            pipeline,
             rss_bytes: None,
         };
         let checkpoint_now = ledger.checkpoint_due(step);
@@ -589,6 +636,10 @@ pub fn train<'a>(
     let hash = String::from_utf8_lossy(&hash_bytes).into_owned();
 
     ledger.finish(comm, hash, held, |_, ranks| {
+        if trained_whole {
+            // No pipeline: its section stays out of the summary and the report.
+            return None;
+        }
         for r in ranks.iter_mut() {
             if let Some(p) = r.pipeline.as_mut() {
                 p.replica = dims.coords(r.rank).replica;

@@ -40,20 +40,6 @@ pub(crate) fn check_same_kernels(comm: &mut Communicator) -> Result<(), TrainErr
     }
 }
 
-pub(crate) fn check_same_hash(comm: &mut Communicator, hash_hex: &str) -> Result<(), TrainError> {
-    let hashes = gather_strings(comm, hash_hex)?;
-    for (rank, h) in hashes.iter().enumerate() {
-        if h != &hashes[0] {
-            return Err(TrainError::Diverged {
-                rank,
-                theirs: h.clone(),
-                ours: hashes[0].clone(),
-            });
-        }
-    }
-    Ok(())
-}
-
 /// All-gather one variable-length byte string per rank.
 pub(crate) fn gather_bytes(
     comm: &mut Communicator,
