@@ -507,26 +507,6 @@ impl TrainConfig {
         Ok(cfg)
     }
 
-    /// A config of lockstep's built-in jobs from TOML `text`, with the checks that need nothing
-    /// but the config (the model, the data, lockstep's sections, the layout's own rules) — not
-    /// the memory limits, which need the model (`lockstep_train::ConfigLoad` applies them too).
-    pub fn parse_builtin(
-        text: &str,
-        origin: &str,
-        overrides: &[String],
-    ) -> Result<Self, ConfigError> {
-        let cfg = Self::parse(("", "built-in defaults"), text, origin, overrides)?;
-        if let Some(key) = cfg.job.keys().next() {
-            return Err(invalid(
-                "job",
-                format!("`job.{key}`: lockstep's built-in models take no [job] settings"),
-            ));
-        }
-        cfg.validate_model_and_data()?;
-        cfg.validate_sections()?;
-        Ok(cfg)
-    }
-
     /// The keys lockstep writes for this config (every key of [`TrainConfig::to_toml`]) that the
     /// TOML `text` lacks, as "section.key". A run's `config.toml` is written whole, so a missing
     /// key means the file was cut or edited: loading it would silently take a default instead.
@@ -797,32 +777,9 @@ impl TrainConfig {
                 ),
             ));
         }
-        // What the model can do against the layout: `ParallelPlan::check_shape`, for the
-        // built-in models here (a user's job checks it from its own shape).
-        if let Some(layers) = layers {
-            crate::layout::ParallelPlan::check_shape(self, &self.builtin_shape(layers))?;
-        }
+        // What the model can do against the layout is `ParallelPlan::check_shape`'s (layout.rs).
+        let _ = layers;
         Ok(())
-    }
-
-    /// The shape of the built-in model of this config, `layers` its pipeline layers.
-    pub fn builtin_shape(&self, layers: usize) -> crate::layout::ModelShape {
-        if self.model.kind == ModelKind::Transformer {
-            crate::layout::ModelShape::Layered {
-                layers: Some(layers),
-                tp_pieces: Some(self.model.tp_pieces.max(1)),
-                pieces_from: format!("model.tp_pieces = {}", self.model.tp_pieces),
-            }
-        } else {
-            crate::layout::ModelShape::Flat {
-                streams_gradients: true,
-                to_layer: format!(
-                    "model.kind = \"transformer\" (model `{}` is trained whole; the transformer \
-                     is split into model.tp_pieces pieces for parallel.tp)",
-                    self.model.kind
-                ),
-            }
-        }
     }
 }
 

@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfigError, ScheduleKind, TrainConfig};
+use crate::config::{ConfigError, ModelKind, ScheduleKind, TrainConfig};
 use crate::parallel_dims::ParallelDims;
 
 /// What a model can do, as far as the layout is concerned.
@@ -232,6 +232,51 @@ impl ParallelPlan {
         } else {
             ", plain sum"
         }
+    }
+}
+
+/// The built-in models' side of the plan (an inherent impl of [`TrainConfig`] kept here, so that
+/// `config.rs` needs nothing of the plan).
+impl TrainConfig {
+    /// The shape of the built-in model of this config, `layers` its pipeline layers.
+    pub fn builtin_shape(&self, layers: usize) -> ModelShape {
+        if self.model.kind == ModelKind::Transformer {
+            ModelShape::Layered {
+                layers: Some(layers),
+                tp_pieces: Some(self.model.tp_pieces.max(1)),
+                pieces_from: format!("model.tp_pieces = {}", self.model.tp_pieces),
+            }
+        } else {
+            ModelShape::Flat {
+                streams_gradients: true,
+                to_layer: format!(
+                    "model.kind = \"transformer\" (model `{}` is trained whole; the transformer \
+                     is split into model.tp_pieces pieces for parallel.tp)",
+                    self.model.kind
+                ),
+            }
+        }
+    }
+
+    /// A config of lockstep's built-in jobs from TOML `text`, with the checks that need nothing
+    /// but the config (the model, the data, lockstep's sections, the layout's own rules) — not
+    /// the memory limits, which need the model (`lockstep_train::ConfigLoad` applies them too).
+    pub fn parse_builtin(
+        text: &str,
+        origin: &str,
+        overrides: &[String],
+    ) -> Result<Self, ConfigError> {
+        let cfg = Self::parse(("", "built-in defaults"), text, origin, overrides)?;
+        if let Some(key) = cfg.job.keys().next() {
+            return Err(ConfigError::Invalid {
+                field: "job",
+                message: format!("`job.{key}`: lockstep's built-in models take no [job] settings"),
+            });
+        }
+        cfg.validate_model_and_data()?;
+        cfg.validate_sections()?;
+        ParallelPlan::check_shape(&cfg, &cfg.builtin_shape(cfg.pipeline_layers()))?;
+        Ok(cfg)
     }
 }
 

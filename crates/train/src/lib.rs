@@ -23,6 +23,7 @@ pub mod limits;
 pub mod memory;
 pub mod outcome;
 pub mod pipeline;
+pub mod replica;
 mod run;
 pub mod trainer;
 mod validation;

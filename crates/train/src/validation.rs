@@ -106,6 +106,7 @@ impl ConfigLoad for TrainConfig {
             ));
         }
         self.validate_model_and_data()?;
+        ParallelPlan::check_shape(self, &self.builtin_shape(self.pipeline_layers()))?;
         self.validate_sections()?;
         crate::limits::check(self, crate::limits::host_memory_bytes())
     }

@@ -20,10 +20,9 @@ mod layered_job;
 pub use burn_job::{BoxError, BurnReplica, Job};
 pub use layered_job::{BurnLayered, LayeredJob, Pipelined};
 
-use lockstep_model::ParamInfo;
-
 pub(crate) use crate::outcome::catch_job_panic;
 pub use crate::outcome::{Computed, EvalSums, ReplicaError};
+pub use crate::replica::Replica;
 
 use crate::config::{ConfigError, TrainConfig};
 use crate::TrainError;
@@ -78,54 +77,4 @@ pub enum Trainable<'job> {
     /// A layer-sequence model for the pipeline driver (`dp × pp`, also with one stage): the
     /// built-in transformer, or a user's [`LayeredJob`].
     Layered(Box<dyn crate::pipeline::layered::Layered + 'job>),
-}
-
-/// One rank's copy of the model with its data, behind flat parameters in a canonical order that
-/// is the same on every process (never keyed by burn's random `ParamId`s).
-pub trait Replica {
-    /// Samples in the training set (the sampler draws indices below this).
-    fn train_len(&self) -> usize;
-    /// Samples in the evaluation set.
-    fn eval_len(&self) -> usize;
-    /// Name, shape and flat position of every parameter tensor, in canonical order.
-    fn layout(&self) -> Vec<ParamInfo>;
-    /// Architecture fingerprint: ranks refuse to train together when theirs differ, and a
-    /// checkpoint of another architecture is refused.
-    fn structure_hash(&self) -> [u8; 32];
-    /// All parameters, canonical order.
-    fn params_flat(&self) -> Vec<f32>;
-    /// Replace all parameters (canonical order).
-    fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError>;
-    /// Forward and backward on the training samples `samples` (one micro-batch): writes
-    /// `scale · d(mean loss · n)/d(params)`, i.e. the gradient of the micro-batch's share of the
-    /// global batch's mean loss when `scale = 1 / global_batch`, into `grad_out`, and returns
-    /// that scaled loss. Must be a pure function of the parameters and the samples.
-    fn loss_and_grad(
-        &mut self,
-        samples: &[u32],
-        scale: f32,
-        grad_out: &mut [f32],
-    ) -> Result<Computed, ReplicaError>;
-    /// Optional (`dist.overlap`): like [`Replica::loss_and_grad`], but each parameter's gradient
-    /// goes to `on_grad(index in layout, values)` as soon as backward has produced it, bitwise
-    /// equal to what `loss_and_grad` writes. `None` = not supported (the config is refused).
-    fn loss_and_grad_streaming(
-        &mut self,
-        _samples: &[u32],
-        _scale: f32,
-        _on_grad: &(dyn Fn(usize, &[f32]) + Sync),
-    ) -> Option<Result<Computed, ReplicaError>> {
-        None
-    }
-    /// Whether [`Replica::loss_and_grad_streaming`] is implemented.
-    fn streams_gradients(&self) -> bool {
-        false
-    }
-    /// Evaluation without gradients on the evaluation samples `samples`.
-    fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError>;
-    /// Optional: an estimate of the bytes the autodiff graph of one training micro-batch of `n`
-    /// samples keeps until its backward (reported as `activation_peak_bytes`); 0 = unknown.
-    fn activation_bytes(&self, _n: usize) -> u64 {
-        0
-    }
 }

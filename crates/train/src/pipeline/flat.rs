@@ -12,7 +12,8 @@ use std::ops::Range;
 
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use crate::error::TrainError;
-use crate::job::{Replica, ReplicaError};
+use crate::outcome::ReplicaError;
+use crate::replica::Replica;
 
 /// Evaluation samples per chunk of a model trained whole: a chunk's sums are computed in one
 /// call, in float, so chunks are fixed whatever the world size and only whole chunks are shared.

@@ -164,7 +164,7 @@ pub trait LayerStage {
     }
     /// The replica of a model trained whole (`flat.rs`), whose micro-batches are computed in one
     /// call each instead of a forward and a backward; `None` for a stage of layers.
-    fn whole(&mut self) -> Option<&mut dyn crate::job::Replica> {
+    fn whole(&mut self) -> Option<&mut dyn crate::replica::Replica> {
         None
     }
 }

@@ -14,8 +14,9 @@ use lockstep_model::TimedLoss;
 use crate::error::TrainError;
 use crate::grad_parts::GradParts;
 use crate::grad_sync::{GradSync, StreamedCompute, SyncError, SyncTiming};
-use crate::job::{Replica, ReplicaError};
 use crate::metrics::PhaseSeconds;
+use crate::outcome::ReplicaError;
+use crate::replica::Replica;
 use crate::zero::Zero;
 
 /// What one step of a model trained whole computes.
