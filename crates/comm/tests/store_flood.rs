@@ -15,20 +15,12 @@ use lockstep_comm::admission::AdmissionLimits;
 use lockstep_comm::auth::JobSecret;
 use lockstep_comm::store::{StoreClient, StoreOptions, StoreServer};
 
+#[path = "common/fd_limit.rs"]
+mod fd_limit;
+use fd_limit::raise_fd_limit;
+
 /// Hang guard for condition polling; never an assertion about speed.
 const GUARD: Duration = Duration::from_secs(60);
-
-/// Soft RLIMIT_NOFILE up to the hard limit: the flood holds about 1,100 sockets on each end.
-fn raise_fd_limit() {
-    // SAFETY: plain getrlimit/setrlimit on a local struct.
-    unsafe {
-        let mut r: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
-            r.rlim_cur = r.rlim_max.min(16384);
-            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-        }
-    }
-}
 
 /// A TCP connection to `to` from source address `from` (bound before connecting).
 fn connect_from(from: Ipv4Addr, to: SocketAddr) -> std::io::Result<TcpStream> {

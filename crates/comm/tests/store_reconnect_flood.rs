@@ -19,21 +19,13 @@ use lockstep_comm::store::{StoreClient, StoreOptions, StoreServer};
 use lockstep_comm::tcp::{TcpOptions, TcpTransport};
 use lockstep_comm::Transport;
 
+#[path = "common/fd_limit.rs"]
+mod fd_limit;
+use fd_limit::raise_fd_limit;
+
 /// What the real client must achieve it in; its own connect deadline is longer, so a failure
 /// here is a slow admission, not a give-up.
 const WITHIN: Duration = Duration::from_secs(5);
-
-/// Soft RLIMIT_NOFILE up to the hard limit: the silent flood holds many sockets on each end.
-fn raise_fd_limit() {
-    // SAFETY: plain getrlimit/setrlimit on a local struct.
-    unsafe {
-        let mut r: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
-            r.rlim_cur = r.rlim_max.min(16384);
-            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 enum Attack {

@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::path::Path;
 
 use common::{gzip, idx_bytes, write, TempDir};
@@ -16,61 +14,9 @@ use lockstep_data::{
     TEXT_MAX_BYTES,
 };
 
-// ---- A per-thread count of live heap bytes, so a test can measure the peak of one call. ----
-
-struct Counting;
-
-thread_local! {
-    static LIVE: Cell<isize> = const { Cell::new(0) };
-    static PEAK: Cell<isize> = const { Cell::new(0) };
-}
-
-fn note(delta: isize) {
-    let _ = LIVE.try_with(|live| {
-        let v = live.get() + delta;
-        live.set(v);
-        let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
-    });
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            note(layout.size() as isize);
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            note(layout.size() as isize);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        note(-(layout.size() as isize));
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            note(new_size as isize - layout.size() as isize);
-        }
-        p
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// The result of `f` and the most bytes it had allocated at once on this thread.
-fn peak_of<T>(f: impl FnOnce() -> T) -> (T, u64) {
-    let base = LIVE.with(Cell::get);
-    PEAK.with(|p| p.set(base));
-    let out = f();
-    (out, (PEAK.with(Cell::get) - base).max(0) as u64)
-}
+#[path = "common/alloc_count.rs"]
+mod alloc_count;
+use alloc_count::peak_of;
 
 /// Scratch a loader may hold besides its output: the gzip decoder's state and buffers, a read
 /// chunk, error text.

@@ -1,5 +1,7 @@
 //! IDX round trips with small generated files, gzipped and raw.
 
+#[path = "common/alloc_count.rs"]
+mod alloc_count;
 mod common;
 
 use common::{gzip, idx_bytes, write, TempDir};
@@ -97,9 +99,6 @@ fn other_class_counts() {
 // claims, and errors name the file; valid files round-trip. ----
 
 mod fuzz {
-    use std::alloc::{GlobalAlloc, Layout, System};
-    use std::cell::Cell;
-
     use proptest::prelude::*;
 
     use super::common::fuzz_cases;
@@ -107,60 +106,10 @@ mod fuzz {
     use super::common::{gzip, idx_bytes};
     use lockstep_data::{parse_idx, DataError, IDX_IMAGES_U8, IDX_LABELS_U8};
 
-    /// Counts the bytes live on each thread, so a test can measure the peak of one call.
-    struct Counting;
-
-    thread_local! {
-        static LIVE: Cell<isize> = const { Cell::new(0) };
-        static PEAK: Cell<isize> = const { Cell::new(0) };
-    }
-
-    fn note(delta: isize) {
-        // try_with: the thread-locals may be gone while a thread is torn down.
-        let _ = LIVE.try_with(|live| {
-            let v = live.get() + delta;
-            live.set(v);
-            let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
-        });
-    }
-
-    unsafe impl GlobalAlloc for Counting {
-        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-            let p = unsafe { System.alloc(layout) };
-            if !p.is_null() {
-                note(layout.size() as isize);
-            }
-            p
-        }
-        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-            let p = unsafe { System.alloc_zeroed(layout) };
-            if !p.is_null() {
-                note(layout.size() as isize);
-            }
-            p
-        }
-        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-            unsafe { System.dealloc(ptr, layout) };
-            note(-(layout.size() as isize));
-        }
-        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-            let p = unsafe { System.realloc(ptr, layout, new_size) };
-            if !p.is_null() {
-                note(new_size as isize - layout.size() as isize);
-            }
-            p
-        }
-    }
-
-    #[global_allocator]
-    static ALLOC: Counting = Counting;
-
     /// The result of `f` and the most bytes it had allocated at once on this thread.
     fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
-        let base = LIVE.with(Cell::get);
-        PEAK.with(|p| p.set(base));
-        let out = f();
-        (out, (PEAK.with(Cell::get) - base).max(0) as usize)
+        let (out, peak) = super::alloc_count::peak_of(f);
+        (out, peak as usize)
     }
 
     const ORIGIN: &str = "fuzz/train-images-idx3-ubyte";
