@@ -44,7 +44,9 @@ mod optim;
 mod softmax;
 /// Flat parameter/gradient access for any burn module (also for users' own models).
 pub mod flat {
-    pub use crate::params::{f32_slice, hash_layout, layout, read, read_grads, write, ParamInfo};
+    pub use crate::params::{
+        f32_slice, hash_layout, layout, read, read_grads, release, write, write_shaped, ParamInfo,
+    };
 }
 mod params;
 mod rng;

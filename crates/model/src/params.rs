@@ -127,6 +127,9 @@ struct WriteMapper<'a> {
     src: &'a [f32],
     offset: usize,
     device: &'a Device,
+    /// Each parameter's shape, when the module holds released (empty) tensors; `None`: the
+    /// tensors' own shapes.
+    shapes: Option<std::slice::Iter<'a, ParamInfo>>,
 }
 
 impl ModuleMapper for WriteMapper<'_> {
@@ -134,8 +137,17 @@ impl ModuleMapper for WriteMapper<'_> {
         let device = self.device;
         let src = self.src;
         let offset = &mut self.offset;
+        let shape = self.shapes.as_mut().map(|s| {
+            s.next()
+                .expect("one recorded shape per parameter")
+                .shape
+                .clone()
+        });
         param.map(|old| {
-            let dims = old.dims();
+            let dims: [usize; D] = match shape {
+                Some(shape) => shape.try_into().expect("the recorded shape's rank"),
+                None => old.dims(),
+            };
             let len: usize = dims.iter().product();
             let values = copied(&src[*offset..*offset + len]);
             *offset += len;
@@ -151,10 +163,38 @@ pub fn write<M: Module>(net: M, src: &[f32], device: &Device) -> M {
         src,
         offset: 0,
         device,
+        shapes: None,
     };
     let net = net.map(&mut m);
     debug_assert_eq!(m.offset, src.len());
     net
+}
+
+/// [`write`] into a module whose parameters were [`release`]d: each parameter takes its shape
+/// from `layout` (the module's [`layout`] before the release) instead of its empty tensor.
+pub fn write_shaped<M: Module>(net: M, src: &[f32], device: &Device, layout: &[ParamInfo]) -> M {
+    let mut m = WriteMapper {
+        src,
+        offset: 0,
+        device,
+        shapes: Some(layout.iter()),
+    };
+    let net = net.map(&mut m);
+    debug_assert_eq!(m.offset, src.len());
+    net
+}
+
+/// Replaces every parameter's tensor with an empty one (its values freed; ids and structure
+/// kept): ZeRO 3 holds only its shard of a stage between steps. [`write_shaped`] fills it again.
+pub fn release<M: Module>(net: M, device: &Device) -> M {
+    struct ReleaseMapper<'a>(&'a Device);
+    impl ModuleMapper for ReleaseMapper<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let device = self.0;
+            param.map(|_| Tensor::empty([0; D], device))
+        }
+    }
+    net.map(&mut ReleaseMapper(device))
 }
 
 /// Copies each parameter's gradient into its slot of `out`.

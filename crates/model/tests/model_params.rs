@@ -242,3 +242,36 @@ fn bad_specs_and_inputs_are_refused_with_context() {
     );
     assert_eq!(m.evaluate(&[], &[], 0).unwrap_err(), ModelError::EmptyBatch);
 }
+
+/// A released burn module holds no parameter values (ZeRO 3 between steps) and is filled again,
+/// bit for bit, from a flat vector and the shapes it had.
+#[test]
+fn a_released_module_frees_its_values_and_is_refilled_from_its_shapes() {
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::Device;
+    use lockstep_model::flat;
+
+    #[derive(Module, Debug)]
+    struct Two {
+        a: Linear,
+        b: Linear,
+    }
+    let device = Device::flex().autodiff();
+    let net = Two {
+        a: LinearConfig::new(5, 7).init(&device),
+        b: LinearConfig::new(7, 3).init(&device),
+    };
+    let layout = flat::layout(&net);
+    let n: usize = layout.iter().map(|p| p.len).sum();
+    let values = flat::read(&net, n);
+    let released = flat::release(net, &device);
+    assert!(
+        flat::read(&released, 0).is_empty(),
+        "values kept after release"
+    );
+    assert!(flat::layout(&released).iter().all(|p| p.len == 0));
+    let refilled = flat::write_shaped(released, &values, &device, &layout);
+    assert_eq!(flat::layout(&refilled), layout);
+    assert_eq!(bits(&flat::read(&refilled, n)), bits(&values));
+}

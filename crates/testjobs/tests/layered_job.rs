@@ -159,3 +159,41 @@ fn user_binaries_run_under_torchrun_and_slurm_variables_with_the_one_worker_bits
     );
     assert_eq!(slurm, hash(&one));
 }
+
+/// ZeRO 3 on a user's layered job: every rank keeps only its shard of the parameters between
+/// steps (its burn layers are released, `flat::release`), reports a little over half of ZeRO 0's
+/// parameter bytes at dp 2, and ends with the one-worker bits.
+#[test]
+fn zero3_on_a_layered_user_job_holds_a_shard_with_the_one_worker_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let run = |name: &str, nproc: &str, zero: &str| {
+        let o = layered(
+            &dir(name),
+            nproc,
+            &["--set", &format!("parallel.zero={zero}")],
+        );
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    };
+    run("one", "1", "0");
+    run("z0", "2", "0");
+    run("z3", "2", "3");
+    assert_eq!(hash(&dir("z3")), hash(&dir("one")));
+    let params = |name: &str| -> u64 {
+        let s: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir(name).join("summary.json")).unwrap())
+                .unwrap();
+        s["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["memory"]["params_bytes"].as_u64().unwrap())
+            .max()
+            .unwrap()
+    };
+    let ratio = params("z3") as f64 / params("z0") as f64;
+    assert!(
+        ratio <= 0.55,
+        "ZeRO 3 keeps {ratio:.3} of ZeRO 0's parameter bytes"
+    );
+}

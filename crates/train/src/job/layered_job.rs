@@ -414,6 +414,7 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             num_params,
             pending: HashMap::new(),
             tp: None,
+            released: None,
         }))
     }
 
@@ -481,6 +482,7 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             layers: narrowed[layers].to_vec(),
             num_params,
             pending: HashMap::new(),
+            released: None,
             tp: Some(StageTp {
                 tp,
                 tp_rank,
@@ -527,6 +529,8 @@ struct BurnStage<'a, 'j, J: LayeredJob> {
     num_params: usize,
     pending: HashMap<u64, Pending>,
     tp: Option<StageTp>,
+    /// The layers' parameter shapes while their values are released (ZeRO 3 between steps).
+    released: Option<Vec<ParamInfo>>,
 }
 
 impl<J: LayeredJob> BurnStage<'_, '_, J> {
@@ -636,8 +640,24 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
             });
         }
         let layers = std::mem::take(&mut self.layers);
-        self.layers = flat::write(layers, params, &self.owner.device);
+        self.layers = match self.released.take() {
+            Some(layout) => flat::write_shaped(layers, params, &self.owner.device, &layout),
+            None => flat::write(layers, params, &self.owner.device),
+        };
         Ok(())
+    }
+
+    fn release_params(&mut self) {
+        assert!(
+            self.pending.is_empty(),
+            "parameters released with {} forward graphs pending",
+            self.pending.len()
+        );
+        if self.released.is_none() {
+            self.released = Some(flat::layout(&self.layers));
+            let layers = std::mem::take(&mut self.layers);
+            self.layers = flat::release(layers, &self.owner.device);
+        }
     }
 
     fn held(&self) -> usize {
