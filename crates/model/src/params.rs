@@ -170,7 +170,7 @@ pub fn write<M: Module>(net: M, src: &[f32], device: &Device) -> M {
     net
 }
 
-/// [`write`] into a module whose parameters were [`release`]d: each parameter takes its shape
+/// [`write()`] into a module whose parameters were [`release`]d: each parameter takes its shape
 /// from `layout` (the module's [`layout`] before the release) instead of its empty tensor.
 pub fn write_shaped<M: Module>(net: M, src: &[f32], device: &Device, layout: &[ParamInfo]) -> M {
     let mut m = WriteMapper {

@@ -222,8 +222,8 @@ impl GradSync {
         }
     }
 
-    /// One local micro-batch gradient of the coming [`GradSync::sync`] (or
-    /// [`GradSync::sync_sharded`]) is complete: in reproducible mode on more than one rank, scan
+    /// One local micro-batch gradient of the coming [`GradSync::reduce`] (or
+    /// [`GradSync::sync`]) is complete: in reproducible mode on more than one rank, scan
     /// its per-bucket exponents now, while its values are still in cache, instead of in one cold
     /// pass over all parts inside the sum (which needs them before it can convert anything).
     /// Either every part of the step is announced, in any order, or none; not for

@@ -31,12 +31,12 @@ use std::time::Instant;
 use lockstep_comm::exact::ExactError;
 use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
-use lockstep_model::{gather_map, param_hash, scatter_map};
+use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer};
 
 use super::balance::{balance, stage_ranges};
 use super::executor::{run_schedule, StageWork};
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
-use super::schedule::{ideal_bubble_fraction, schedule, ScheduleKind};
+use super::schedule::{ideal_bubble_fraction, schedule, Op, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use super::whole::{self, WholeStep};
 use crate::config::TrainConfig;
@@ -47,7 +47,8 @@ use crate::grad_parts::GradParts;
 use crate::grad_sync::GradSync;
 use crate::memory::ModelState;
 use crate::metrics::{
-    Eval, GradientSum, PhaseSeconds, PipelineSummary, RankSummary, StepRecord, Summary,
+    Eval, GradientSum, PhaseSeconds, PipelineStep, PipelineSummary, RankSummary, StepRecord,
+    Summary,
 };
 use crate::outcome::ReplicaError;
 use crate::parallel_dims::ParallelDims;
@@ -188,45 +189,23 @@ pub fn train<'a>(
     ctx: WorkerContext<'a>,
 ) -> Result<Summary, TrainError> {
     let started = Instant::now();
-    let rank = ctx.comm.rank();
     let t = &cfg.train;
-    // The plan checked the layout against the model (layers, pieces, ZeRO).
-    let dims = plan.dims();
-    let me = dims.coords(rank);
-    let job = model.name();
-
     let samples = model.train_len();
     if samples < t.global_batch {
         return Err(TrainError::TooSmall {
-            dataset: job.clone(),
+            dataset: model.name(),
             have: samples,
             need: t.global_batch,
         });
     }
     let sampler = Sampler::new(samples, t.global_batch, t.seed)?;
     let total_steps = total_steps(cfg, &sampler)?;
-    let m_total = cfg.microbatches_per_step();
-
     let (comm, mut ledger) =
         Ledger::open(cfg, ctx, plan, model.structure_hash(), total_steps, started);
     check_same_structure(comm, model.structure_hash())?;
     check_same_kernels(comm)?;
-    // Stages of one replica talk point to point (tp rank to tp rank); each (stage, tp rank)'s
-    // replicas reduce gradients; a stage's tp ranks sum pieces (in the stage) and gather the
-    // stage's parameters (here).
-    let colors = dims.colors(me);
-    let mut pp_comm = comm.split(colors.pp, me.stage as u32)?;
-    let mut dp_comm = comm.split(colors.dp, me.replica as u32)?;
-    let pieces = model.tp_pieces();
-    let (mut tp_comm, sum_comm) = if pieces > 1 {
-        (
-            Some(comm.split(colors.tp, me.tp_rank as u32)?),
-            Some(comm.split(colors.tp, me.tp_rank as u32)?),
-        )
-    } else {
-        (None, None)
-    };
-
+    // The plan checked the layout against the model (layers, pieces, ZeRO).
+    let dims = plan.dims();
     let (cuts, layer_seconds, cuts_from) = choose_cuts(cfg, model, comm, dims.pp)?;
     let ranges = stage_ranges(&cuts, model.num_layers());
     if dims.pp > 1 {
@@ -235,323 +214,316 @@ pub fn train<'a>(
             dims.dp, dims.pp, cfg.parallel.schedule, ranges
         ));
     }
-    let my_layers = ranges[me.stage].clone();
-    let offsets = model.layer_offsets();
-    let full_len = *offsets.last().expect("offsets");
-    let my_offset = offsets[my_layers.start];
-    let stage_lens: Vec<usize> = ranges
-        .iter()
-        .map(|r| offsets[r.end] - offsets[r.start])
-        .collect();
-    let tp_link = Rc::new(TpLink::default());
-    let mut stage = match sum_comm {
-        Some(sums) => {
-            let sum = Box::new(GroupPieceSum::new(sums, tp_link.clone()));
-            model.tp_stage(my_layers.clone(), t.seed, dims.tp, me.tp_rank, sum)?
-        }
-        None => model.stage(my_layers.clone(), t.seed)?,
-    };
-    if pieces > 1 {
-        ledger.notice(format!(
-            "tensor parallelism: tensor-parallel layers computed as {pieces} fixed pieces, \
-             {} per rank over {} tensor-parallel ranks per stage",
-            pieces / dims.tp,
-            dims.tp
-        ));
+    let mut r = StageRank::new(model, cfg, plan, comm, &mut ledger, &ranges)?;
+    let start_step = ledger.start_step;
+    for step in start_step..total_steps {
+        r.step(comm, &mut ledger, &sampler, step)?;
     }
-    let buckets = stage
-        .grad_buckets(cfg.dist.bucket_elems)
-        .unwrap_or_else(|| layer_buckets(&offsets, my_layers.clone(), cfg.dist.bucket_elems));
-    // Where the local parameters sit in the stage's canonical vector (tp rank 0 knows them all).
-    let my_map = stage.index_map();
-    let maps = match tp_comm.as_mut() {
-        Some(tp) => exchange_maps(tp, &my_map)?,
-        None => vec![my_map.clone()],
-    };
-    let setup = |e: ReplicaError| TrainError::JobSetup {
-        job: job.clone(),
-        message: e.to_string(),
-    };
-    let mut params = stage.params_flat();
-    // ZeRO: the stage's optimizer state (and from level 2 its reduced gradient) sharded over the
-    // stage's data-parallel group (of the rank's local vector, with tensor parallelism).
-    // At level 3 every layer is chunked on its own, so a layer is gathered by one all-gather;
-    // with tensor parallelism a layer's segment of the local vector is its replicated
-    // parameters and this rank's share of the split ones (a tp layout keeps layers contiguous).
-    let zero = if cfg.parallel.zero >= 3 {
-        let mut start = 0;
-        let segments: Vec<Range<usize>> = my_layers
-            .clone()
-            .map(|l| {
-                let split = if dims.tp > 1 {
-                    model.tp_split_params(l)
-                } else {
-                    0
-                };
-                let len = offsets[l + 1] - offsets[l] - split + split / dims.tp;
-                start += len;
-                start - len..start
-            })
-            .collect();
-        if start != params.len() {
-            return Err(TrainError::JobSetup {
-                job: job.clone(),
-                message: format!(
-                    "ZeRO 3: the stage's layers add up to {start} local parameters, the stage \
-                     holds {}",
-                    params.len()
-                ),
-            });
+    if ledger.final_evaluation_owed() {
+        let eval = r.evaluate(comm, total_steps - 1)?;
+        ledger.final_evaluation(eval);
+    }
+    let (hash, held) = r.final_hash(comm)?;
+    let trained_whole = r.stage.whole().is_some();
+    ledger.finish(comm, hash, held, |_, ranks| {
+        if trained_whole {
+            // No pipeline: its section stays out of the summary and the report.
+            return None;
         }
-        Zero::by_segments(3, segments, &dp_comm)
-    } else {
-        Zero::new(cfg.parallel.zero, params.len(), &dp_comm)
-    };
-    let mut optimizer = ledger.optimizer(zero.optimizer_len());
-    if ledger.resuming() {
-        // Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice
-        // (its tp rank's values of it) and of the optimizer state its shard.
+        for rs in ranks.iter_mut() {
+            if let Some(p) = rs.pipeline.as_mut() {
+                p.replica = dims.coords(rs.rank).replica;
+            }
+        }
+        Some(pipeline_summary(
+            ranks,
+            dims,
+            cfg.parallel.schedule,
+            ranges,
+            cuts_from,
+            layer_seconds,
+            cfg.microbatches_per_step().div_ceil(dims.dp),
+            (total_steps - start_step).max(1),
+        ))
+    })
+}
+
+/// What one rank holds over the run and how it steps: its stage of layers (or the whole model),
+/// its groups, its parameters and optimizer shard, its gradient parts and the one reducer.
+struct StageRank<'m> {
+    model: &'m dyn Layered,
+    cfg: &'m TrainConfig,
+    plan: &'m ParallelPlan,
+    dims: ParallelDims,
+    me: crate::Coords,
+    rank: usize,
+    job: String,
+    /// Point to point along the replica's pipeline (tp rank to tp rank).
+    pp_comm: Communicator,
+    /// The ranks with this rank's stage and tp rank: its gradients' sum, ZeRO's shards.
+    dp_comm: Communicator,
+    /// The stage's tensor-parallel group (gathers of the stage's parameters).
+    tp_comm: Option<Communicator>,
+    tp_link: Rc<TpLink>,
+    stage: Box<dyn LayerStage + 'm>,
+    my_layers: Range<usize>,
+    /// Each tp rank's index map into the stage's canonical vector (tp rank 0 knows them all).
+    maps: Vec<Vec<Range<usize>>>,
+    stage_lens: Vec<usize>,
+    /// The stage's local parameters (ZeRO 3: this rank's chunks between steps).
+    params: Vec<f32>,
+    optimizer: Optimizer,
+    zero: Zero,
+    grads: GradParts,
+    total_grad: Vec<f32>,
+    sync: GradSync,
+    /// This replica's micro-batches (indices into each step's list), and the stage's schedule.
+    my_micro: Range<usize>,
+    ops: Vec<Op>,
+    scale: f32,
+    /// A model trained whole: the flat ranges of its parameter tensors (streamed gradients).
+    tensors: Vec<Range<usize>>,
+    slowdown: f64,
+}
+
+impl<'m> StageRank<'m> {
+    fn new(
+        model: &'m dyn Layered,
+        cfg: &'m TrainConfig,
+        plan: &'m ParallelPlan,
+        comm: &mut Communicator,
+        ledger: &mut Ledger<'_>,
+        ranges: &[Range<usize>],
+    ) -> Result<Self, TrainError> {
+        let dims = plan.dims();
+        let rank = comm.rank();
+        let me = dims.coords(rank);
+        let job = model.name();
+        // Stages of one replica talk point to point (tp rank to tp rank); each (stage, tp
+        // rank)'s replicas reduce gradients; a stage's tp ranks sum pieces (in the stage) and
+        // gather the stage's parameters.
+        let colors = dims.colors(me);
+        let pp_comm = comm.split(colors.pp, me.stage as u32)?;
+        let mut dp_comm = comm.split(colors.dp, me.replica as u32)?;
+        let pieces = model.tp_pieces();
+        let (mut tp_comm, sum_comm) = if pieces > 1 {
+            (
+                Some(comm.split(colors.tp, me.tp_rank as u32)?),
+                Some(comm.split(colors.tp, me.tp_rank as u32)?),
+            )
+        } else {
+            (None, None)
+        };
+        let my_layers = ranges[me.stage].clone();
+        let offsets = model.layer_offsets();
+        let stage_lens: Vec<usize> = ranges
+            .iter()
+            .map(|r| offsets[r.end] - offsets[r.start])
+            .collect();
+        let tp_link = Rc::new(TpLink::default());
+        let seed = cfg.train.seed;
+        let mut stage = match sum_comm {
+            Some(sums) => {
+                let sum = Box::new(GroupPieceSum::new(sums, tp_link.clone()));
+                model.tp_stage(my_layers.clone(), seed, dims.tp, me.tp_rank, sum)?
+            }
+            None => model.stage(my_layers.clone(), seed)?,
+        };
+        if pieces > 1 {
+            ledger.notice(format!(
+                "tensor parallelism: tensor-parallel layers computed as {pieces} fixed pieces, \
+                 {} per rank over {} tensor-parallel ranks per stage",
+                pieces / dims.tp,
+                dims.tp
+            ));
+        }
+        let buckets = stage
+            .grad_buckets(cfg.dist.bucket_elems)
+            .unwrap_or_else(|| layer_buckets(&offsets, my_layers.clone(), cfg.dist.bucket_elems));
+        let my_map = stage.index_map();
+        let maps = match tp_comm.as_mut() {
+            Some(tp) => exchange_maps(tp, &my_map)?,
+            None => vec![my_map.clone()],
+        };
+        let params = stage.params_flat();
+        let zero = zero_for(model, cfg, dims, &my_layers, params.len(), &dp_comm)?;
+        let optimizer = ledger.optimizer(zero.optimizer_len());
+        let m_total = cfg.microbatches_per_step();
+        let my_micro = assign(m_total, dims.dp, me.replica);
+        // Micro-batch gradients in this rank's shared window when the stage's replicas share a
+        // host and the exact sum takes every part at once (ZeRO below 2, no overlap), else in its
+        // own vectors (`grad_parts`); the bits are the same either way.
+        let try_shared = cfg.dist.reproducible && zero.level() < 2 && !plan.overlap;
+        let grads = GradParts::new(&mut dp_comm, my_micro.len(), params.len(), try_shared)?;
+        ledger.set_gradient_sum(match (&grads, dp_comm.size()) {
+            (_, 1) => GradientSum::Local,
+            (GradParts::Shared(_), _) => GradientSum::SharedWindows,
+            (GradParts::Private(_), _) => GradientSum::Collectives,
+        });
+        // With shared windows the sum lands in this rank's window (`GradParts::sum`).
+        let sum_len = if grads.sum().is_some() {
+            0
+        } else {
+            zero.grad_len()
+        };
+        // A model trained whole streams its gradients by parameter tensor (`dist.overlap`).
+        let tensors: Vec<Range<usize>> = stage.whole().map_or_else(Vec::new, |replica| {
+            replica
+                .layout()
+                .iter()
+                .map(|p| p.offset..p.offset + p.len)
+                .collect()
+        });
+        let mut r = StageRank {
+            model,
+            cfg,
+            plan,
+            dims,
+            me,
+            rank,
+            job,
+            pp_comm,
+            dp_comm,
+            tp_comm,
+            tp_link,
+            stage,
+            my_layers,
+            maps,
+            stage_lens,
+            params,
+            optimizer,
+            zero,
+            grads,
+            total_grad: vec![0f32; sum_len],
+            // The one reducer, in buckets that never straddle a layer (or a tp piece).
+            sync: GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems).with_buckets(buckets),
+            ops: schedule(cfg.parallel.schedule, dims.pp, me.stage, my_micro.len()),
+            my_micro,
+            scale: model.loss_scale(cfg.train.global_batch),
+            tensors,
+            slowdown: faults::slowdown(ledger.faults, rank),
+        };
+        r.resume(comm, ledger, offsets[r.my_layers.start])?;
+        if r.zero.level() >= 3 {
+            // ZeRO 3: between steps this rank keeps only its chunks of the stage's parameters.
+            r.params = r.zero.take_owned(&r.params);
+            r.stage.release_params();
+        }
+        Ok(r)
+    }
+
+    fn setup_error(&self, e: ReplicaError) -> TrainError {
+        TrainError::JobSetup {
+            job: self.job.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    /// Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice (its tp
+    /// rank's values of it) and of the optimizer state its shard. `my_offset`: the stage's first
+    /// value in the whole model.
+    fn resume(
+        &mut self,
+        comm: &mut Communicator,
+        ledger: &mut Ledger<'_>,
+        my_offset: usize,
+    ) -> Result<(), TrainError> {
+        if !ledger.resuming() {
+            return Ok(());
+        }
+        let full_len = *self.model.layer_offsets().last().expect("offsets");
         let mut full = vec![0f32; full_len];
         let mut full_opt = ledger.optimizer(full_len);
         if ledger.resume(comm, &mut full, &mut full_opt)? > 0 {
-            let mine = my_offset..my_offset + stage_lens[me.stage];
-            params.copy_from_slice(&gather_map(&full[mine.clone()], &my_map));
-            let mut local = ledger.optimizer(params.len());
+            // Where the local parameters sit in the stage's canonical vector.
+            let my_map = self.stage.index_map();
+            let mine = my_offset..my_offset + self.stage_lens[self.me.stage];
+            self.params
+                .copy_from_slice(&gather_map(&full[mine.clone()], &my_map));
+            let mut local = ledger.optimizer(self.params.len());
             for (dst, src) in local.state_mut().into_iter().zip(full_opt.state()) {
                 dst.copy_from_slice(&gather_map(&src[mine.clone()], &my_map));
             }
             local.set_steps_taken(full_opt.steps_taken());
-            optimizer = zero.shard_of(&local, 0);
-            stage.set_params_flat(&params).map_err(setup)?;
+            self.optimizer = self.zero.shard_of(&local, 0);
+            let params = std::mem::take(&mut self.params);
+            let set = self.stage.set_params_flat(&params);
+            self.params = params;
+            set.map_err(|e| self.setup_error(e))?;
         }
+        Ok(())
     }
-    let stage_len = params.len();
-    if zero.level() >= 3 {
-        // ZeRO 3: between steps this rank keeps only its chunks of the stage's parameters.
-        params = zero.take_owned(&params);
-        stage.release_params();
+
+    /// Bytes this rank sent in all its groups so far.
+    fn bytes_sent(&self, comm: &Communicator) -> u64 {
+        comm.stats().bytes_sent
+            + self.pp_comm.stats().bytes_sent
+            + self.dp_comm.stats().bytes_sent
+            + self.tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
+            + self.tp_link.bytes_sent()
     }
-    let start_step = ledger.start_step;
 
-    let faults = ledger.faults;
-    let slowdown = faults::slowdown(faults, rank);
-    let kind = cfg.parallel.schedule;
-    let my_micro = assign(m_total, dims.dp, me.replica);
-    let ops = schedule(kind, dims.pp, me.stage, my_micro.len());
-    // Micro-batch gradients in this rank's shared window when the stage's replicas share a host
-    // and the exact sum takes every part at once (ZeRO below 2), else in its own vectors
-    // (`grad_parts`); the bits are the same either way.
-    let try_shared = cfg.dist.reproducible && zero.level() < 2 && !plan.overlap;
-    let mut grads = GradParts::new(&mut dp_comm, my_micro.len(), stage_len, try_shared)?;
-    ledger.set_gradient_sum(match (&grads, dp_comm.size()) {
-        (_, 1) => GradientSum::Local,
-        (GradParts::Shared(_), _) => GradientSum::SharedWindows,
-        (GradParts::Private(_), _) => GradientSum::Collectives,
-    });
-    // With shared windows the sum lands in this rank's window (`GradParts::sum`).
-    let mut total_grad = vec![
-        0f32;
-        if grads.sum().is_some() {
-            0
-        } else {
-            zero.grad_len()
-        }
-    ];
-    // The one reducer, in buckets that never straddle a layer (or a tensor-parallel piece).
-    let mut sync =
-        GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems).with_buckets(buckets.clone());
-    let scale = model.loss_scale(t.global_batch);
-    let is_last = me.stage + 1 == dims.pp;
-    // A model trained whole streams its gradients by parameter tensor (`dist.overlap`).
-    let tensors: Vec<Range<usize>> = stage.whole().map_or_else(Vec::new, |replica| {
-        replica
-            .layout()
-            .iter()
-            .map(|p| p.offset..p.offset + p.len)
-            .collect()
-    });
-    let trained_whole = stage.whole().is_some();
-
-    // The evaluation after `step`, through each replica's pipeline.
-    let eval_at =
-        |comm: &mut Communicator, pp: &mut Communicator, stage: &mut dyn LayerStage, step: u64| {
-            evaluate(
-                comm,
-                pp,
-                stage,
-                model,
-                dims,
-                me,
-                &tp_link,
-                model.eval_chunk(t.microbatch),
-                step,
-            )
-        };
-    for step in start_step..total_steps {
+    /// One training step: gradients, their sum, the optimizer, evaluation when due, the
+    /// record, then the checkpoint when due.
+    fn step(
+        &mut self,
+        comm: &mut Communicator,
+        ledger: &mut Ledger<'_>,
+        sampler: &Sampler,
+        step: u64,
+    ) -> Result<(), TrainError> {
         // Progress marks for the launcher's stall detection (lockstep_comm::activity).
         lockstep_comm::activity::touch();
-        faults::at_step(faults, rank, step);
+        faults::at_step(ledger.faults, self.rank, step);
         let step_start = Instant::now();
-        let bytes_before = comm.stats().bytes_sent
-            + pp_comm.stats().bytes_sent
-            + dp_comm.stats().bytes_sent
-            + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
-            + tp_link.bytes_sent();
+        let bytes_before = self.bytes_sent(comm);
         let mut sec = PhaseSeconds::default();
-        if zero.level() >= 3 {
+        if self.zero.level() >= 3 {
             // The stage's parameters for this step's compute, gathered layer by layer.
             let t0 = Instant::now();
-            let whole = zero.gather(&params, &mut dp_comm)?;
-            stage.set_params_flat(&whole).map_err(setup)?;
+            let whole = self.zero.gather(&self.params, &mut self.dp_comm)?;
+            self.stage
+                .set_params_flat(&whole)
+                .map_err(|e| self.setup_error(e))?;
             sec.communication += t0.elapsed().as_secs_f64();
         }
         let batch = sampler.global_batch(step);
-        let pieces = microbatches(&batch, t.microbatch);
-        // A model trained whole: each micro-batch in one call, and its sum (`whole.rs`).
-        let whole = stage.whole().map(|replica| {
-            let w = WholeStep {
-                job: &job,
-                step,
-                pieces: &pieces,
-                mine: my_micro.clone(),
-                microbatch: t.microbatch,
-                n_micro: m_total,
-                scale,
-                tensors: &tensors,
-                overlap: plan.overlap,
-            };
-            whole::step(
-                &w,
-                replica,
-                &mut dp_comm,
-                &mut sync,
-                &zero,
-                &mut grads,
-                &mut total_grad,
-            )
-        });
-        let (loss, pipeline) = if let Some(computed) = whole {
-            let (loss, s) = computed?;
-            sec = s;
-            if slowdown > 1.0 {
-                let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
-                std::thread::sleep(std::time::Duration::from_secs_f64(extra));
-                sec.backward += extra;
-            }
-            (loss, None)
-        } else {
-            let mine = &pieces[my_micro.clone()];
-            let mut work = Work {
-                stage: &mut *stage,
-                pieces: mine,
-                first_microbatch: my_micro.start,
-                microbatch: t.microbatch,
-                job: &job,
-                step,
-                scale,
-                grads: &mut grads,
-                losses: vec![0.0; my_micro.len()],
-                data_seconds: 0.0,
-                link: &tp_link,
-                // Only where one reduction takes every part (not ZeRO 3's layer by layer), and not
-                // on one data-parallel replica, whose fused pass scans each bucket as it sums it.
-                scan_ahead: (cfg.dist.reproducible
-                    && dp_comm.size() > 1
-                    && zero.reduces_in_one_call())
-                .then(|| ScanAhead {
-                    sync: &mut sync,
-                    seconds: 0.0,
-                }),
-            };
-            let timing = run_schedule(&ops, me.stage, &mut work, &mut pp_comm)?;
-            let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
-            let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
-            if zero.level() >= 3 {
-                // Freed after use: the last backward of the step is done.
-                stage.release_params();
-            }
-            sec.data = data_seconds;
-            sec.forward = (timing.forward - data_seconds).max(0.0);
-            // The scan ahead ran inside backward but is the exact sum's work: counted with it.
-            sec.backward = (timing.backward - scanned_ahead).max(0.0);
-            sec.communication += scanned_ahead;
-            if slowdown > 1.0 {
-                let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
-                std::thread::sleep(std::time::Duration::from_secs_f64(extra));
-                sec.backward += extra;
-            }
-
-            // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
-            let t0 = Instant::now();
-            // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
-            let loss: Vec<f32> = if is_last && me.tp_rank == 0 {
-                losses
-            } else {
-                Vec::new()
-            };
-            let loss = sync
-                .exchange_loss(comm, &loss, m_total)
-                .map_err(|e| sync_error(e, step))?;
-            let t1 = Instant::now();
-            // The stage's gradients over its data-parallel group: read where they lie in the shared
-            // windows, or through the rings (`GradSync::reduce`).
-            sync.reduce(
-                &mut dp_comm,
-                &mut grads,
-                my_micro.len(),
-                m_total,
-                &zero,
-                &mut total_grad,
-            )
-            .map_err(|e| sync_error(e, step))?;
-            sec.waiting = (t1 - t0).as_secs_f64();
-            sec.communication += t1.elapsed().as_secs_f64();
-            (loss, Some(timing.pipeline))
-        };
+        let pieces = microbatches(&batch, self.cfg.train.microbatch);
+        let (loss, pipeline) = self.gradients(comm, &pieces, step, &mut sec)?;
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
-        let gather_seconds = zero.step(
-            &mut optimizer,
-            &mut params,
-            grads.sum().unwrap_or(&total_grad),
+        let gather_seconds = self.zero.step(
+            &mut self.optimizer,
+            &mut self.params,
+            self.grads.sum().unwrap_or(&self.total_grad),
             lr,
-            &mut dp_comm,
+            &mut self.dp_comm,
         )?;
-        if zero.level() < 3 {
-            stage.set_params_flat(&params).map_err(setup)?;
+        if self.zero.level() < 3 {
+            let set = self.stage.set_params_flat(&self.params);
+            set.map_err(|e| self.setup_error(e))?;
         }
         sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
         sec.communication += gather_seconds;
 
         let eval = if ledger.eval_due(step) {
-            Some(with_whole_stage(
-                &zero,
-                &params,
-                &mut dp_comm,
-                &mut *stage,
-                setup,
-                |stage| eval_at(comm, &mut pp_comm, stage, step),
-            )?)
+            Some(self.evaluate(comm, step)?)
         } else {
             None
         };
         let step_seconds = step_start.elapsed().as_secs_f64();
-        let bytes_after = comm.stats().bytes_sent
-            + pp_comm.stats().bytes_sent
-            + dp_comm.stats().bytes_sent
-            + tp_comm.as_ref().map_or(0, |c| c.stats().bytes_sent)
-            + tp_link.bytes_sent();
+        let t = &self.cfg.train;
         let record = StepRecord {
-            rank,
+            rank: self.rank,
             step,
             loss,
             lr,
-            samples: pieces[my_micro.clone()].iter().map(|p| p.len()).sum(),
+            samples: pieces[self.my_micro.clone()].iter().map(|p| p.len()).sum(),
             samples_per_sec: t.global_batch as f64 / step_seconds,
             step_seconds,
             seconds: sec,
-            bytes_sent: bytes_after - bytes_before,
+            bytes_sent: self.bytes_sent(comm) - bytes_before,
             eval,
             pipeline,
             rss_bytes: None,
@@ -559,103 +531,269 @@ pub fn train<'a>(
         let checkpoint_now = ledger.checkpoint_due(step);
         ledger.record_step(comm, record, checkpoint_now)?;
         if checkpoint_now {
-            let gathered;
-            let stage_params: &[f32] = if zero.level() >= 3 {
-                gathered = zero.gather(&params, &mut dp_comm)?;
-                &gathered
-            } else {
-                &params
-            };
-            // Collective within replica 0: rank 0 receives the whole model.
-            let mut whole = |v: &[f32]| {
-                gather_whole(
-                    tp_comm.as_mut(),
-                    &mut pp_comm,
-                    me.replica,
-                    v,
-                    &maps,
-                    &stage_lens,
-                )
-            };
-            let full = whole(stage_params)?;
-            let mut full_state = Vec::new();
-            for v in zero.whole_state(&optimizer, &mut dp_comm)? {
-                full_state.push(whole(&v)?);
-            }
-            if rank == 0 {
-                ledger.save_checkpoint(
-                    step,
-                    full.expect("rank 0 gathers"),
-                    full_state.into_iter().map(|s| s.expect("rank 0")).collect(),
-                    optimizer.steps_taken(),
-                )?;
-            }
+            self.checkpoint(ledger, step)?;
         }
-
         ledger.step_done(step);
-    }
-    if ledger.final_evaluation_owed() {
-        let eval = with_whole_stage(&zero, &params, &mut dp_comm, &mut *stage, setup, |stage| {
-            eval_at(comm, &mut pp_comm, stage, total_steps - 1)
-        })?;
-        ledger.final_evaluation(eval);
+        Ok(())
     }
 
-    // Replicas of a stage must agree; then rank 0 hashes the whole model and tells everyone.
-    let held = ModelState::new(&params, &optimizer)
-        .grads(grads.held().into_iter().chain([&total_grad[..]]))
-        .exact_scratch(cfg.dist.reproducible, zero.scratch_len())
-        .activations_per_microbatch(
-            4 * (model.held_activation_floats(my_layers.clone()) * t.microbatch) as u64,
-        );
-    if zero.level() >= 3 {
-        params = zero.gather(&params, &mut dp_comm)?;
+    /// This rank's micro-batches computed and every rank's summed: a model trained whole one
+    /// call per micro-batch (`whole.rs`), a stage of layers by its schedule. Returns the global
+    /// loss and, for a stage of layers, its pipeline timing.
+    fn gradients(
+        &mut self,
+        comm: &mut Communicator,
+        pieces: &[&[u32]],
+        step: u64,
+        sec: &mut PhaseSeconds,
+    ) -> Result<(f64, Option<PipelineStep>), TrainError> {
+        let m_total = self.cfg.microbatches_per_step();
+        let whole = self.stage.whole().map(|replica| {
+            let w = WholeStep {
+                job: &self.job,
+                step,
+                pieces,
+                mine: self.my_micro.clone(),
+                microbatch: self.cfg.train.microbatch,
+                n_micro: m_total,
+                scale: self.scale,
+                tensors: &self.tensors,
+                overlap: self.plan.overlap,
+            };
+            whole::step(
+                &w,
+                replica,
+                &mut self.dp_comm,
+                &mut self.sync,
+                &self.zero,
+                &mut self.grads,
+                &mut self.total_grad,
+            )
+        });
+        if let Some(computed) = whole {
+            let (loss, s) = computed?;
+            *sec = s;
+            straggle(self.slowdown, sec);
+            return Ok((loss, None));
+        }
+        let (losses, pipeline) = self.run_schedule(&pieces[self.my_micro.clone()], step, sec)?;
+        // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
+        let t0 = Instant::now();
+        let loss = self
+            .sync
+            .exchange_loss(comm, &losses, m_total)
+            .map_err(|e| sync_error(e, step))?;
+        let t1 = Instant::now();
+        // The stage's gradients over its data-parallel group: read where they lie in the shared
+        // windows, or through the rings (`GradSync::reduce`).
+        self.sync
+            .reduce(
+                &mut self.dp_comm,
+                &mut self.grads,
+                self.my_micro.len(),
+                m_total,
+                &self.zero,
+                &mut self.total_grad,
+            )
+            .map_err(|e| sync_error(e, step))?;
+        sec.waiting = (t1 - t0).as_secs_f64();
+        sec.communication += t1.elapsed().as_secs_f64();
+        Ok((loss, Some(pipeline)))
     }
-    let stage_hash = param_hash(&params);
-    let hashes = gather_strings(&mut dp_comm, &stage_hash)?;
-    if let Some(r) = hashes.iter().position(|h| h != &hashes[0]) {
-        return Err(TrainError::Diverged {
-            rank: dims.rank_of(crate::Coords { replica: r, ..me }),
-            theirs: hashes[r].clone(),
-            ours: hashes[0].clone(),
+
+    /// The stage's schedule over `mine` (this replica's micro-batches); returns the losses this
+    /// rank counts (the last stage's, on tp rank 0) and the pipeline timing.
+    fn run_schedule(
+        &mut self,
+        mine: &[&[u32]],
+        step: u64,
+        sec: &mut PhaseSeconds,
+    ) -> Result<(Vec<f32>, PipelineStep), TrainError> {
+        let scan_ahead = self.cfg.dist.reproducible
+            && self.dp_comm.size() > 1
+            && self.zero.reduces_in_one_call();
+        let mut work = Work {
+            stage: &mut *self.stage,
+            pieces: mine,
+            first_microbatch: self.my_micro.start,
+            microbatch: self.cfg.train.microbatch,
+            job: &self.job,
+            step,
+            scale: self.scale,
+            grads: &mut self.grads,
+            losses: vec![0.0; self.my_micro.len()],
+            data_seconds: 0.0,
+            link: &self.tp_link,
+            // Only where one reduction takes every part (not ZeRO 3's layer by layer), and not
+            // on one data-parallel replica, whose fused pass scans each bucket as it sums it.
+            scan_ahead: scan_ahead.then_some(ScanAhead {
+                sync: &mut self.sync,
+                seconds: 0.0,
+            }),
+        };
+        let timing = run_schedule(&self.ops, self.me.stage, &mut work, &mut self.pp_comm)?;
+        let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
+        let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
+        if self.zero.level() >= 3 {
+            // Freed after use: the last backward of the step is done.
+            self.stage.release_params();
+        }
+        sec.data = data_seconds;
+        sec.forward = (timing.forward - data_seconds).max(0.0);
+        // The scan ahead ran inside backward but is the exact sum's work: counted with it.
+        sec.backward = (timing.backward - scanned_ahead).max(0.0);
+        sec.communication += scanned_ahead;
+        straggle(self.slowdown, sec);
+        // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
+        let counted = self.me.stage + 1 == self.dims.pp && self.me.tp_rank == 0;
+        Ok((if counted { losses } else { Vec::new() }, timing.pipeline))
+    }
+
+    /// The evaluation after `step`, through each replica's pipeline (ZeRO 3: the stage
+    /// gathered for it).
+    fn evaluate(&mut self, comm: &mut Communicator, step: u64) -> Result<Eval, TrainError> {
+        let (model, dims, me) = (self.model, self.dims, self.me);
+        let chunk = model.eval_chunk(self.cfg.train.microbatch);
+        let (pp_comm, link) = (&mut self.pp_comm, &self.tp_link);
+        let job = self.job.clone();
+        let setup = |e: ReplicaError| TrainError::JobSetup {
+            job: job.clone(),
+            message: e.to_string(),
+        };
+        with_whole_stage(
+            &self.zero,
+            &self.params,
+            &mut self.dp_comm,
+            &mut *self.stage,
+            setup,
+            |stage| evaluate(comm, pp_comm, stage, model, dims, me, link, chunk, step),
+        )
+    }
+
+    /// Collective: the stage (ZeRO 3: gathered) and its optimizer state sent to rank 0, which
+    /// writes the checkpoint taken after `step`.
+    fn checkpoint(&mut self, ledger: &mut Ledger<'_>, step: u64) -> Result<(), TrainError> {
+        let gathered;
+        let stage_params: &[f32] = if self.zero.level() >= 3 {
+            gathered = self.zero.gather(&self.params, &mut self.dp_comm)?;
+            &gathered
+        } else {
+            &self.params
+        };
+        // Collective within replica 0: rank 0 receives the whole model.
+        let (maps, lens, replica) = (&self.maps, &self.stage_lens, self.me.replica);
+        let (tp, pp) = (&mut self.tp_comm, &mut self.pp_comm);
+        let mut whole = |v: &[f32]| gather_whole(tp.as_mut(), pp, replica, v, maps, lens);
+        let full = whole(stage_params)?;
+        let mut full_state = Vec::new();
+        for v in self.zero.whole_state(&self.optimizer, &mut self.dp_comm)? {
+            full_state.push(whole(&v)?);
+        }
+        if self.rank == 0 {
+            ledger.save_checkpoint(
+                step,
+                full.expect("rank 0 gathers"),
+                full_state.into_iter().map(|s| s.expect("rank 0")).collect(),
+                self.optimizer.steps_taken(),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Collective, at the end: replicas of a stage must agree; then rank 0 hashes the whole
+    /// model and tells everyone. Returns the hash and what this rank held.
+    fn final_hash(&mut self, comm: &mut Communicator) -> Result<(String, ModelState), TrainError> {
+        let t = &self.cfg.train;
+        let held = ModelState::new(&self.params, &self.optimizer)
+            .grads(self.grads.held().into_iter().chain([&self.total_grad[..]]))
+            .exact_scratch(self.cfg.dist.reproducible, self.zero.scratch_len())
+            .activations_per_microbatch(
+                4 * (self.model.held_activation_floats(self.my_layers.clone()) * t.microbatch)
+                    as u64,
+            );
+        if self.zero.level() >= 3 {
+            self.params = self.zero.gather(&self.params, &mut self.dp_comm)?;
+        }
+        let stage_hash = param_hash(&self.params);
+        let hashes = gather_strings(&mut self.dp_comm, &stage_hash)?;
+        if let Some(r) = hashes.iter().position(|h| h != &hashes[0]) {
+            return Err(TrainError::Diverged {
+                rank: self.dims.rank_of(crate::Coords {
+                    replica: r,
+                    ..self.me
+                }),
+                theirs: hashes[r].clone(),
+                ours: hashes[0].clone(),
+            });
+        }
+        let full = gather_whole(
+            self.tp_comm.as_mut(),
+            &mut self.pp_comm,
+            self.me.replica,
+            &self.params,
+            &self.maps,
+            &self.stage_lens,
+        )?;
+        let mut hash_bytes = [0u8; 64];
+        if let Some(full) = &full {
+            hash_bytes.copy_from_slice(param_hash(full).as_bytes());
+        }
+        comm.broadcast(&mut hash_bytes, 0)?;
+        Ok((String::from_utf8_lossy(&hash_bytes).into_owned(), held))
+    }
+}
+
+/// An injected straggler (`--inject slow:…`): its computation takes `slowdown` times as long.
+fn straggle(slowdown: f64, sec: &mut PhaseSeconds) {
+    if slowdown > 1.0 {
+        let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
+        std::thread::sleep(std::time::Duration::from_secs_f64(extra));
+        sec.backward += extra;
+    }
+}
+
+/// ZeRO for the stage of `layers` holding `len` local values: the stage's optimizer state (and
+/// from level 2 its reduced gradient) sharded over its data-parallel group (of the rank's local
+/// vector, with tensor parallelism). At level 3 every layer is chunked on its own, so a layer is
+/// gathered by one all-gather; with tensor parallelism a layer's segment of the local vector is
+/// its replicated parameters and this rank's share of the split ones (a tp layout keeps layers
+/// contiguous).
+fn zero_for(
+    model: &dyn Layered,
+    cfg: &TrainConfig,
+    dims: ParallelDims,
+    layers: &Range<usize>,
+    len: usize,
+    dp_comm: &Communicator,
+) -> Result<Zero, TrainError> {
+    if cfg.parallel.zero < 3 {
+        return Ok(Zero::new(cfg.parallel.zero, len, dp_comm));
+    }
+    let offsets = model.layer_offsets();
+    let mut start = 0;
+    let segments: Vec<Range<usize>> = layers
+        .clone()
+        .map(|l| {
+            let split = if dims.tp > 1 {
+                model.tp_split_params(l)
+            } else {
+                0
+            };
+            let n = offsets[l + 1] - offsets[l] - split + split / dims.tp;
+            start += n;
+            start - n..start
+        })
+        .collect();
+    if start != len {
+        return Err(TrainError::JobSetup {
+            job: model.name(),
+            message: format!(
+                "ZeRO 3: the stage's layers add up to {start} local parameters, the stage \
+                 holds {len}"
+            ),
         });
     }
-    let full = gather_whole(
-        tp_comm.as_mut(),
-        &mut pp_comm,
-        me.replica,
-        &params,
-        &maps,
-        &stage_lens,
-    )?;
-    let mut hash_bytes = [0u8; 64];
-    if let Some(full) = &full {
-        hash_bytes.copy_from_slice(param_hash(full).as_bytes());
-    }
-    comm.broadcast(&mut hash_bytes, 0)?;
-    let hash = String::from_utf8_lossy(&hash_bytes).into_owned();
-
-    ledger.finish(comm, hash, held, |_, ranks| {
-        if trained_whole {
-            // No pipeline: its section stays out of the summary and the report.
-            return None;
-        }
-        for r in ranks.iter_mut() {
-            if let Some(p) = r.pipeline.as_mut() {
-                p.replica = dims.coords(r.rank).replica;
-            }
-        }
-        Some(pipeline_summary(
-            ranks,
-            dims,
-            kind,
-            ranges,
-            cuts_from,
-            layer_seconds,
-            m_total.div_ceil(dims.dp),
-            (total_steps - start_step).max(1),
-        ))
-    })
+    Ok(Zero::by_segments(3, segments, dp_comm))
 }
 
 fn sync_error(e: ExactError, step: u64) -> TrainError {

@@ -108,7 +108,7 @@ pub(crate) fn step(
         let o = sync
             .sync_streamed(
                 comm,
-                &plan.tensors,
+                plan.tensors,
                 &earlier,
                 &losses,
                 last,
