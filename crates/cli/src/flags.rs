@@ -77,24 +77,10 @@ pub fn output_file(flag: &str, path: &Path) -> Result<(), BadRequest> {
 }
 
 /// The text of a small input file (a cluster description): a regular file of at most `limit`
-/// bytes, read without following it past that (never `/dev/zero` or a FIFO forever).
+/// bytes (`lockstep_run::read`), never `/dev/zero` or a FIFO read forever.
 pub fn small_file(flag: &str, path: &Path, limit: u64) -> Result<String, BadRequest> {
-    use std::io::Read;
-    let bad = |what: String| BadRequest(format!("{flag} {}: {what}", path.display()));
-    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
-    if !meta.is_file() {
-        return Err(bad("not a regular file".into()));
-    }
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .map_err(|e| bad(e.to_string()))?
-        .take(limit + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| bad(e.to_string()))?;
-    if text.len() as u64 > limit {
-        return Err(bad(format!("longer than {limit} bytes")));
-    }
-    Ok(text)
+    lockstep_run::read::read_text(path, limit)
+        .map_err(|e| BadRequest(format!("{flag} {}: {e}", path.display())))
 }
 
 #[cfg(test)]

@@ -480,6 +480,7 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
             || c.is::<request::BadRequest>()
             || c.is::<supervise::PermanentFailure>()
             || c.is::<lockstep_report::plan::PlanError>()
+            || c.is::<lockstep_report::scaling::LayoutError>()
             || c.downcast_ref::<lockstep_comm::CommError>()
                 .is_some_and(|e| e.is_permanent())
             || c.downcast_ref::<lockstep_train::TrainError>()
@@ -845,8 +846,11 @@ fn bench_under_mpi(a: &BenchArgs) -> Result<()> {
 
 fn cmd_worker(role: WorkerRole) -> Result<()> {
     let env = environment();
-    let w = cluster_env::detect(&env)?
-        .context("`lockstep worker` is started by the launcher (LOCKSTEP_RANK etc. are missing)")?;
+    let w = cluster_env::detect(&env)?.ok_or_else(|| {
+        request::BadRequest(
+            "`lockstep worker` is started by the launcher (LOCKSTEP_RANK etc. are missing)".into(),
+        )
+    })?;
     match role {
         WorkerRole::Train {
             config,

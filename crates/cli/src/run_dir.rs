@@ -25,6 +25,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use lockstep_run::read::{read_text, CONFIG_MAX_BYTES, METRICS_MAX_BYTES, SUMMARY_MAX_BYTES};
 use lockstep_train::{StepRecord, TrainConfig};
 
 /// A request that would damage or cannot continue a run. Bad input: exit status 3.
@@ -50,6 +51,8 @@ pub enum RunDirError {
     BadLength { dir: String, what: String },
     #[error("checkpoint directory {dir} is not writable: {cause}")]
     Unwritable { dir: String, cause: String },
+    #[error("run directory {dir}: {cause}")]
+    RunDirUnusable { dir: String, cause: String },
     #[error("{path}: {what}")]
     Unreadable { path: String, what: String },
     #[error(
@@ -150,10 +153,16 @@ impl RunDirLock {
     /// Create `dir` if needed and lock it, or name the launcher that holds it.
     pub fn acquire(dir: &Path) -> Result<RunDirLock, RunDirError> {
         let path = dir.join(LOCK_FILE);
-        let unwritable = |cause: std::io::Error| RunDirError::Unwritable {
+        let unwritable = |cause: std::io::Error| RunDirError::RunDirUnusable {
             dir: display(dir),
             cause: cause.to_string(),
         };
+        if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+            return Err(RunDirError::RunDirUnusable {
+                dir: display(dir),
+                cause: "exists and is not a directory".into(),
+            });
+        }
         std::fs::create_dir_all(dir).map_err(unwritable)?;
         let mut file = std::fs::OpenOptions::new()
             .read(true)
@@ -365,7 +374,7 @@ pub fn check_resume(dir: &Path, cfg: &TrainConfig) -> Result<Resume, RunDirError
     };
     let old = TrainConfig::load_for(crate::job(), Some(&config_path), &[])
         .map_err(|e| unreadable(e.to_string()))?;
-    let text = std::fs::read_to_string(&config_path).map_err(|e| unreadable(e.to_string()))?;
+    let text = read_text(&config_path, CONFIG_MAX_BYTES).map_err(|e| unreadable(e.to_string()))?;
     let missing = old.missing_keys(&text);
     if !missing.is_empty() {
         let shown: Vec<&str> = missing.iter().take(12).map(String::as_str).collect();
@@ -436,7 +445,7 @@ fn check_length(dir: &Path, old: &TrainConfig, cfg: &TrainConfig) -> Result<(), 
 /// The highest step metrics.jsonl records (counting from 1), if it records any; every line must
 /// be a step record.
 fn recorded_steps(path: &Path) -> Result<Option<u64>, RunDirError> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match read_text(path, METRICS_MAX_BYTES) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
@@ -461,7 +470,7 @@ fn recorded_steps(path: &Path) -> Result<Option<u64>, RunDirError> {
 
 fn read_summary(dir: &Path) -> Result<serde_json::Value, RunDirError> {
     let path = dir.join("summary.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| RunDirError::Unreadable {
+    let text = read_text(&path, SUMMARY_MAX_BYTES).map_err(|e| RunDirError::Unreadable {
         path: display(&path),
         what: e.to_string(),
     })?;

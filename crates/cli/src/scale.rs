@@ -65,11 +65,12 @@ pub fn run_dir(out: &Path, layout: &Layout) -> PathBuf {
 
 /// Read one finished run's summary and per-step records.
 pub fn load_run(dir: &Path) -> Result<(Summary, Vec<StepRecord>)> {
-    let s = std::fs::read_to_string(dir.join("summary.json"))
+    use lockstep_run::read::{read_text, METRICS_MAX_BYTES, SUMMARY_MAX_BYTES};
+    let s = read_text(&dir.join("summary.json"), SUMMARY_MAX_BYTES)
         .with_context(|| format!("reading {}/summary.json", dir.display()))?;
     let summary: Summary = serde_json::from_str(&s)
         .with_context(|| format!("parsing {}/summary.json", dir.display()))?;
-    let m = std::fs::read_to_string(dir.join("metrics.jsonl"))
+    let m = read_text(&dir.join("metrics.jsonl"), METRICS_MAX_BYTES)
         .with_context(|| format!("reading {}/metrics.jsonl", dir.display()))?;
     let records = m
         .lines()

@@ -77,6 +77,11 @@ fn timeouts_threads_and_faults_out_of_range_are_refused_before_the_run_directory
     ] {
         refused(&["train", "--out", o, "--set", set], &[field]);
     }
+    // Input files that never end or are not files are refused, not read forever.
+    refused(
+        &["train", "--out", o, "--config", "/dev/zero"],
+        &["/dev/zero", "not a regular file"],
+    );
     // A malformed command line is bad input too (not clap's exit status 2).
     refused(
         &["train", "--out", o, "--no-such-flag"],
@@ -137,6 +142,10 @@ fn plans_and_benchmarks_refuse_absurd_sizes_and_special_outputs() {
         &["--sizes"],
     );
     refused(&["bench-collectives", "--op", "nope"], &["--op nope"]);
+    refused(
+        &["plan", "--from", "/dev", "--workers-per-node", "2"],
+        &["config.toml"],
+    );
 
     // Outputs that are not regular files are refused up front and left as they are.
     let victim = tmp.path().join("victim");

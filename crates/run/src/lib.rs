@@ -13,6 +13,7 @@ pub mod layout;
 pub mod memory;
 pub mod metrics;
 pub mod parallel_dims;
+pub mod read;
 
 pub use config::{ConfigError, TrainConfig};
 pub use layout::{ModelShape, ParallelPlan};

@@ -63,10 +63,12 @@ impl ConfigLoad for TrainConfig {
     ) -> Result<Self, ConfigError> {
         let (text, origin) = match path {
             Some(p) => (
-                std::fs::read_to_string(p).map_err(|cause| ConfigError::Read {
-                    path: p.to_path_buf(),
-                    cause,
-                })?,
+                lockstep_run::read::read_text(p, lockstep_run::read::CONFIG_MAX_BYTES).map_err(
+                    |cause| ConfigError::Read {
+                        path: p.to_path_buf(),
+                        cause,
+                    },
+                )?,
                 p.display().to_string(),
             ),
             None if job.default_config().is_empty() => (String::new(), "built-in defaults".into()),
