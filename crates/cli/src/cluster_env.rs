@@ -222,7 +222,8 @@ fn secret_from(env: &HashMap<String, String>) -> Result<Option<JobSecret>> {
         .get("LOCKSTEP_SECRET_FILE")
         .filter(|s| !s.trim().is_empty())
     {
-        let text = std::fs::read_to_string(path)
+        // A secret is 64 hex digits: a file of more than a page is not one.
+        let text = lockstep_run::read::read_text(std::path::Path::new(path), 4096)
             .with_context(|| format!("reading LOCKSTEP_SECRET_FILE {path}"))?;
         return Ok(Some(
             JobSecret::from_hex(&text).with_context(|| format!("secret in {path}"))?,

@@ -307,8 +307,8 @@ fn note_resume(sup: &mut Supervision, attempt: usize, from: Option<u64>) {
 /// Add the supervision record to the run's `summary.json` (atomically).
 pub fn annotate_summary(out: &Path, sup: &Supervision) -> Result<()> {
     let path = out.join("summary.json");
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let text = lockstep_run::read::read_text(&path, lockstep_run::read::SUMMARY_MAX_BYTES)
+        .with_context(|| format!("reading {}", path.display()))?;
     let mut v: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let obj = v.as_object_mut().context("summary.json is not an object")?;

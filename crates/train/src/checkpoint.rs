@@ -307,6 +307,16 @@ pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
 
 /// Read and verify one file; `expect` is the loading run's identity.
 pub fn load(path: &Path, expect: &Identity) -> Result<Checkpoint, CheckpointError> {
+    // A device or FIFO under a checkpoint's name would be read forever: only regular files.
+    if !std::fs::metadata(path)
+        .map_err(|e| io_err(path, e))?
+        .is_file()
+    {
+        return Err(CheckpointError::Corrupt {
+            path: path.display().to_string(),
+            what: "not a regular file".into(),
+        });
+    }
     let bytes = std::fs::read(path).map_err(|e| io_err(path, e))?;
     let c = decode(&bytes, &path.display().to_string())?;
     if c.identity.model != expect.model {
@@ -404,6 +414,16 @@ mod tests {
             "{}",
             skipped[0].1
         );
+    }
+
+    #[test]
+    fn a_device_under_a_checkpoints_name_is_skipped_not_read_forever() {
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &sample(10), 3).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join(file_name(20))).unwrap();
+        let (c, skipped) = load_latest(dir.path(), &sample(0).identity).unwrap();
+        assert_eq!(c.unwrap().step, 10);
+        assert!(skipped[0].1.contains("not a regular file"), "{skipped:?}");
     }
 
     #[test]
