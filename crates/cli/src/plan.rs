@@ -45,6 +45,12 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     };
     let p = plan::plan(&cluster, &workload, &cal, layouts.as_deref(), limit);
     print!("{}", format_plan(&p, &a.from));
+    if let Some(run_plan) = &summary.plan {
+        println!(
+            "the calibration run's parallel plan: {}",
+            run_plan.describe()
+        );
+    }
     if let Some(path) = &a.json {
         lockstep_train::write_atomic(path, (serde_json::to_string_pretty(&p)? + "\n").as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
