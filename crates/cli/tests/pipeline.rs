@@ -264,6 +264,16 @@ fn data_parallel_transformer_stages_sum_through_shared_windows_with_the_one_work
         assert_eq!(s["plan"]["exact_sum"], true, "{name}");
         assert_eq!(hash(&dir), hash(&one), "{name}");
     }
+    // Overlapping the sum with the last micro-batch's backward (one stage): the same bits.
+    let overlap = tmp.path().join("overlap");
+    ok(train(
+        &overlap,
+        "2",
+        &["parallel.pp=1", "dist.overlap=true"],
+        &[],
+    ));
+    assert_eq!(summary(&overlap)["gradient_sum"], "collectives");
+    assert_eq!(hash(&overlap), hash(&one));
     // Over TCP the same sum goes through the rings, with the same bits.
     let tcp = tmp.path().join("tcp");
     ok(train(

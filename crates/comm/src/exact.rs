@@ -450,13 +450,42 @@ impl ExactReducer {
             ));
         }
         let len = out.len();
-        check_parts(local_parts, total_parts, len)?;
         let (s, e) = (range.start, range.end);
         let expected_end = s.saturating_add(self.bucket_elems).min(len);
         if s % self.bucket_elems != 0 || s >= len || e != expected_end {
             return Err(ExactError::Invalid(format!(
                 "{s}..{e} is not one of the {}-value buckets of a {len}-value vector",
                 self.bucket_elems
+            )));
+        }
+        self.reduce_range(comm, local_parts, total_parts, range, out)
+    }
+
+    /// [`ExactReducer::reduce_bucket`] of a bucket the caller chose (its buckets tile the vector
+    /// in its own way, e.g. within a model's layers): `range`, non-empty and inside `out`, is
+    /// summed with its own shared exponent — the bits of any exact reduction that uses `range`
+    /// as a bucket.
+    pub fn reduce_range(
+        &mut self,
+        comm: &mut Communicator,
+        local_parts: &[&[f32]],
+        total_parts: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), ExactError> {
+        if self.prescanned.take().is_some() {
+            return Err(ExactError::Invalid(
+                "reduce_range scans its bucket itself: exponents scanned ahead \
+                 (scan_part) would be left unused"
+                    .into(),
+            ));
+        }
+        let len = out.len();
+        check_parts(local_parts, total_parts, len)?;
+        let (s, e) = (range.start, range.end);
+        if s >= e || e > len {
+            return Err(ExactError::Invalid(format!(
+                "bucket {s}..{e} is empty or outside a {len}-value vector"
             )));
         }
 

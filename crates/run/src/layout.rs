@@ -149,15 +149,18 @@ impl ParallelPlan {
                     }
                     p.check_stages(layers)?;
                 }
-                if cfg.dist.overlap {
+                if cfg.dist.overlap && (p.pp > 1 || p.tp > 1) {
                     return Err(invalid(
                         "dist.overlap",
-                        "a layered model reduces its gradients after the pipeline schedule \
-                         (overlap with backward is for models trained whole); set \
-                         dist.overlap = false"
-                            .into(),
+                        format!(
+                            "overlapping the gradient sum with backward needs one pipeline stage \
+                             and no tensor parallelism (parallel.pp = {}, parallel.tp = {}): a \
+                             pipeline reduces after its schedule; set dist.overlap = false",
+                            p.pp, p.tp
+                        ),
                     ));
                 }
+                Self::check_overlap(cfg)?;
                 let Some(pieces) = *tp_pieces else {
                     return Ok(1);
                 };
@@ -326,7 +329,16 @@ mod tests {
             (vec!["parallel.pp=4"], layered(3, 1), "parallel.pp"),
             (vec!["parallel.tp=2"], layered(4, 1), "parallel.tp"),
             (vec!["parallel.tp=2"], layered(4, 3), "parallel.tp"),
-            (vec!["dist.overlap=true"], layered(4, 1), "dist.overlap"),
+            (
+                vec!["dist.overlap=true", "parallel.pp=2"],
+                layered(4, 1),
+                "dist.overlap",
+            ),
+            (
+                vec!["dist.overlap=true", "parallel.zero=2"],
+                layered(4, 1),
+                "dist.overlap",
+            ),
         ] {
             let c = cfg(&sets);
             let (got, message) = refused(&c, 4, &shape);
@@ -334,6 +346,12 @@ mod tests {
         }
         let (_, m) = refused(&cfg(&["parallel.zero=3"]), 2, &flat(true));
         assert!(m.contains("implement lockstep::LayeredJob"), "{m}");
+    }
+
+    #[test]
+    fn a_layered_model_on_one_stage_may_overlap() {
+        let plan = ParallelPlan::new(&cfg(&["dist.overlap=true"]), 2, &layered(4, 1)).unwrap();
+        assert!(plan.overlap);
     }
 
     #[test]

@@ -197,3 +197,26 @@ fn zero3_on_a_layered_user_job_holds_a_shard_with_the_one_worker_bits() {
         "ZeRO 3 keeps {ratio:.3} of ZeRO 0's parameter bytes"
     );
 }
+
+/// `dist.overlap` on a layered model with one stage: the last micro-batch's backward runs layer by
+/// layer and hands each layer's gradient to the sum as soon as it exists — the bits of the plain
+/// schedule, whatever the world.
+#[test]
+fn overlap_on_a_layered_user_job_gives_the_bits_of_overlap_off() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    for (name, nproc, overlap) in [
+        ("off", "2", "false"),
+        ("on", "2", "true"),
+        ("on3", "3", "true"),
+    ] {
+        let o = layered(
+            &dir(name),
+            nproc,
+            &["--set", &format!("dist.overlap={overlap}")],
+        );
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+    assert_eq!(hash(&dir("on")), hash(&dir("off")));
+    assert_eq!(hash(&dir("on3")), hash(&dir("off")));
+}

@@ -64,7 +64,6 @@ use crate::zero::Zero;
 
 pub struct GradSync {
     reproducible: bool,
-    bucket_elems: usize,
     reducer: ExactReducer,
     loss_reducer: ExactReducer,
     /// The buckets of the last vector length synchronised (kept: the length never changes).
@@ -201,7 +200,6 @@ impl GradSync {
         let bucket_elems = bucket_elems.max(1);
         Self {
             reproducible,
-            bucket_elems,
             reducer: ExactReducer::new(bucket_elems),
             loss_reducer: ExactReducer::new(1),
             buckets: Vec::new(),
@@ -375,8 +373,9 @@ impl GradSync {
             }
             _ => {}
         }
-        let buckets = len.div_ceil(self.bucket_elems);
-        if late_buckets(tensors, self.bucket_elems, buckets) == buckets {
+        self.set_buckets(len);
+        let buckets = self.buckets.len();
+        if late_buckets(tensors, &self.buckets) == buckets {
             return self.sync_after_backward(
                 comm,
                 earlier,
@@ -596,7 +595,7 @@ impl GradSync {
     ) -> Result<(), ExactError> {
         if self.reproducible {
             self.reducer
-                .reduce_bucket(comm, parts, total_microbatches, range, out)
+                .reduce_range(comm, parts, total_microbatches, range, out)
         } else {
             plain_bucket(comm, parts, range, out)
         }
@@ -625,10 +624,11 @@ fn plain_bucket(
 /// index 0 (the first layer's weight). Its gradient is the last one backward produces, so these
 /// buckets complete only when backward ends; the others can be reduced while it runs. A function of
 /// the layout and the bucket size only, hence the same on every rank.
-fn late_buckets(tensors: &[Range<usize>], bucket_elems: usize, buckets: usize) -> usize {
+fn late_buckets(tensors: &[Range<usize>], buckets: &[Range<usize>]) -> usize {
     match tensors.first() {
-        Some(first) if !first.is_empty() => ((first.end - 1) / bucket_elems + 1).min(buckets),
-        _ => buckets.min(1),
+        // Buckets tile the vector from 0: those starting before the first tensor's end.
+        Some(first) if !first.is_empty() => buckets.partition_point(|b| b.start < first.end),
+        _ => buckets.len().min(1),
     }
 }
 
@@ -648,19 +648,16 @@ struct CommThread<'a, 'b> {
 
 impl CommThread<'_, '_> {
     fn run(mut self) -> Result<CommReport, CommEnd> {
-        let buckets: Vec<Range<usize>> = self
-            .sync
-            .reducer
-            .buckets(self.out.len())
-            .map(|(s, e)| s..e)
-            .collect();
+        // The reducer's buckets (fixed, or a layered model's within layers): the same ranges,
+        // so the same bits, as the reduction after backward.
+        let buckets: Vec<Range<usize>> = self.sync.buckets.clone();
         // Values of each bucket still to arrive; only the streamed micro-batch arrives late.
         let mut pending: Vec<usize> = match self.last {
             Some(_) => buckets.iter().map(|r| r.len()).collect(),
             None => vec![0; buckets.len()],
         };
         let mut losses: Option<Vec<f32>> = None;
-        let late = late_buckets(self.tensors, self.sync.bucket_elems, buckets.len());
+        let late = late_buckets(self.tensors, &buckets);
         let mut schedule: Vec<Work> = (late..buckets.len()).rev().map(Work::Bucket).collect();
         schedule.push(Work::Loss);
         schedule.extend((0..late).rev().map(Work::Bucket));
@@ -674,7 +671,7 @@ impl CommThread<'_, '_> {
             match work {
                 Work::Loss => {
                     while losses.is_none() {
-                        self.receive(&mut pending, &mut losses)?;
+                        self.receive(&buckets, &mut pending, &mut losses)?;
                     }
                     let t = Instant::now();
                     let local = losses.as_deref().unwrap_or_default();
@@ -685,7 +682,7 @@ impl CommThread<'_, '_> {
                 }
                 Work::Bucket(b) => {
                     while pending[b] > 0 {
-                        self.receive(&mut pending, &mut losses)?;
+                        self.receive(&buckets, &mut pending, &mut losses)?;
                     }
                     let t = Instant::now();
                     let mut parts: Vec<&[f32]> = self.earlier.to_vec();
@@ -708,6 +705,7 @@ impl CommThread<'_, '_> {
     /// as arrived, or record the losses.
     fn receive(
         &mut self,
+        buckets: &[Range<usize>],
         pending: &mut [usize],
         losses: &mut Option<Vec<f32>>,
     ) -> Result<(), CommEnd> {
@@ -719,17 +717,13 @@ impl CommThread<'_, '_> {
                     .as_deref_mut()
                     .expect("gradients stream only with a last micro-batch");
                 last[r.clone()].copy_from_slice(&values);
-                let be = self.sync.bucket_elems;
-                if !r.is_empty() {
-                    for (b, p) in pending
-                        .iter_mut()
-                        .enumerate()
-                        .take((r.end - 1) / be + 1)
-                        .skip(r.start / be)
-                    {
-                        let bucket = b * be..((b + 1) * be);
-                        *p -= r.end.min(bucket.end) - r.start.max(bucket.start);
+                // The buckets the tensor overlaps (buckets are sorted and tile the vector).
+                let first = buckets.partition_point(|b| b.end <= r.start);
+                for (b, p) in buckets.iter().zip(pending.iter_mut()).skip(first) {
+                    if b.start >= r.end {
+                        break;
                     }
+                    *p -= r.end.min(b.end) - r.start.max(b.start);
                 }
                 Ok(())
             }

@@ -415,6 +415,7 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             pending: HashMap::new(),
             tp: None,
             released: None,
+            streamed: HashMap::new(),
         }))
     }
 
@@ -483,6 +484,7 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             num_params,
             pending: HashMap::new(),
             released: None,
+            streamed: HashMap::new(),
             tp: Some(StageTp {
                 tp,
                 tp_rank,
@@ -531,6 +533,16 @@ struct BurnStage<'a, 'j, J: LayeredJob> {
     tp: Option<StageTp>,
     /// The layers' parameter shapes while their values are released (ZeRO 3 between steps).
     released: Option<Vec<ParamInfo>>,
+    /// Micro-batches forwarded for a streaming backward, each layer's graph apart.
+    streamed: HashMap<u64, Split>,
+}
+
+/// A micro-batch's graph cut after every layer, as at a stage boundary (each layer's input a
+/// fresh leaf of the previous layer's output values), so backward can run layer by layer.
+struct Split {
+    /// Per layer: its input leaf (none for the first) and its output.
+    layers: Vec<(Option<Tensor<2>>, Tensor<2>)>,
+    loss: Tensor<1>,
 }
 
 impl<J: LayeredJob> BurnStage<'_, '_, J> {
@@ -661,7 +673,7 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
     }
 
     fn held(&self) -> usize {
-        self.pending.len()
+        self.pending.len() + self.streamed.len()
     }
 
     fn input_len(&self, n: usize) -> usize {
@@ -705,6 +717,38 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         input: Option<&[f32]>,
     ) -> Result<Evaluated, ReplicaError> {
         self.scoped(|s| s.evaluate_in_scope(samples, input))
+    }
+
+    fn forward_streamed(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        if !(self.first && self.last) || self.tp.is_some() || input.is_some() {
+            return self.forward(id, samples, input, scale);
+        }
+        self.forward_split(id, samples, scale)
+    }
+
+    fn backward_streaming(
+        &mut self,
+        id: u64,
+        layers: &[Range<usize>],
+        on_layer: &(dyn Fn(usize, &[f32]) + Sync),
+    ) -> Result<(), ReplicaError> {
+        match self.streamed.remove(&id) {
+            Some(split) => self.backward_split(split, layers, on_layer),
+            None => {
+                let mut grad = vec![0f32; layers.last().map_or(0, |r| r.end)];
+                self.backward(id, None, &mut grad)?;
+                for (l, r) in layers.iter().enumerate().rev() {
+                    on_layer(l, &grad[r.clone()]);
+                }
+                Ok(())
+            }
+        }
     }
 
     fn index_map(&self) -> Vec<Range<usize>> {
@@ -819,6 +863,90 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         };
         flat::read_grads(&self.layers, grads, grad);
         Ok(input_grad)
+    }
+
+    /// [`LayerStage::forward_streamed`] on a one-stage model: the graph cut after every layer.
+    fn forward_split(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        scale: f32,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        let device = self.owner.device.clone();
+        let n = samples.len();
+        let t0 = Instant::now();
+        let batch = batch_of(
+            self.owner.job,
+            &*self.owner.train,
+            "training",
+            samples,
+            &device,
+        )?;
+        let data_seconds = t0.elapsed().as_secs_f64();
+        let mut x = guarded(|| self.owner.job.input(&batch))?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let leaf = if i == 0 {
+                None
+            } else {
+                let dims = x.dims();
+                let t = Tensor::from_data(TensorData::new(values(&x)?, dims), &device);
+                Some(t.require_grad())
+            };
+            let input = leaf.clone().unwrap_or(x);
+            let out = guarded(|| self.owner.job.forward(layer, input))?;
+            layers.push((leaf, out.clone()));
+            x = out;
+        }
+        let loss = guarded(|| self.owner.job.loss(x, &batch))?;
+        scalar(&loss)?;
+        let scaled = guarded(|| loss.mul_scalar(n as f32 * scale))?;
+        let value = scalar(&scaled)?;
+        self.streamed.insert(
+            id,
+            Split {
+                layers,
+                loss: scaled,
+            },
+        );
+        Ok((Forwarded::Loss(value), data_seconds))
+    }
+
+    /// Backward of a [`Split`] micro-batch, layer by layer from the loss: each layer's
+    /// parameter gradients handed out as soon as its backward ends.
+    fn backward_split(
+        &mut self,
+        split: Split,
+        ranges: &[Range<usize>],
+        on_layer: &(dyn Fn(usize, &[f32]) + Sync),
+    ) -> Result<(), ReplicaError> {
+        let mut loss = Some(split.loss);
+        let mut grad_output: Option<Tensor<2>> = None;
+        for (l, (leaf, out)) in split.layers.into_iter().enumerate().rev() {
+            let grads = match (loss.take(), grad_output.take()) {
+                (Some(loss), _) => guarded(|| loss.backward())?,
+                (None, Some(g)) => guarded(|| (out * g).sum().backward())?,
+                (None, None) => unreachable!("every layer but the last gets a gradient"),
+            };
+            if let Some(leaf) = &leaf {
+                let g = leaf.grad(&grads).ok_or_else(|| {
+                    ReplicaError::Other("a layer's input received no gradient".into())
+                })?;
+                let dims = g.dims();
+                let g = g
+                    .to_data()
+                    .try_to_vec::<f32>()
+                    .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}")))?;
+                grad_output = Some(Tensor::from_data(
+                    TensorData::new(g, dims),
+                    &self.owner.device,
+                ));
+            }
+            let mut values = vec![0f32; ranges[l].len()];
+            flat::read_grads(&self.layers[l], grads, &mut values);
+            on_layer(l, &values);
+        }
+        Ok(())
     }
 
     fn evaluate_in_scope(

@@ -162,6 +162,35 @@ pub trait LayerStage {
         let _ = bucket_elems;
         None
     }
+    /// [`LayerStage::forward`] of a micro-batch whose backward will stream layer by layer
+    /// ([`LayerStage::backward_streaming`], `dist.overlap` on one stage). A stage that streams
+    /// keeps each layer's graph apart here. Default: the plain forward.
+    fn forward_streamed(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        self.forward(id, samples, input, scale)
+    }
+    /// Backward of micro-batch `id` on a one-stage model, handing each layer's parameter
+    /// gradient (the stage's local range `layers[l]`) to `on_layer(l, values)` as soon as it
+    /// exists, the last layer first — bitwise what [`LayerStage::backward`] writes. Default: one
+    /// backward, then every layer handed out (correct, but nothing reaches the sum early).
+    fn backward_streaming(
+        &mut self,
+        id: u64,
+        layers: &[Range<usize>],
+        on_layer: &(dyn Fn(usize, &[f32]) + Sync),
+    ) -> Result<(), ReplicaError> {
+        let mut grad = vec![0f32; layers.last().map_or(0, |r| r.end)];
+        self.backward(id, None, &mut grad)?;
+        for (l, r) in layers.iter().enumerate().rev() {
+            on_layer(l, &grad[r.clone()]);
+        }
+        Ok(())
+    }
     /// The replica of a model trained whole (`flat.rs`), whose micro-batches are computed in one
     /// call each instead of a forward and a backward; `None` for a stage of layers.
     fn whole(&mut self) -> Option<&mut dyn crate::replica::Replica> {

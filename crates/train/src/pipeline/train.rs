@@ -31,7 +31,7 @@ use std::time::Instant;
 use lockstep_comm::exact::ExactError;
 use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
-use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer};
+use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer, TimedLoss};
 
 use super::balance::{balance, stage_ranges};
 use super::executor::{run_schedule, StageWork};
@@ -44,7 +44,7 @@ use crate::context::WorkerContext;
 use crate::error::TrainError;
 use crate::faults;
 use crate::grad_parts::GradParts;
-use crate::grad_sync::GradSync;
+use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
 use crate::memory::ModelState;
 use crate::metrics::{
     Eval, GradientSum, PhaseSeconds, PipelineStep, PipelineSummary, RankSummary, StepRecord,
@@ -281,7 +281,8 @@ struct StageRank<'m> {
     my_micro: Range<usize>,
     ops: Vec<Op>,
     scale: f32,
-    /// A model trained whole: the flat ranges of its parameter tensors (streamed gradients).
+    /// The flat ranges the gradient streams in with `dist.overlap`: a model trained whole's
+    /// parameter tensors, a one-stage layered model's layers.
     tensors: Vec<Range<usize>>,
     slowdown: f64,
 }
@@ -366,14 +367,21 @@ impl<'m> StageRank<'m> {
         } else {
             zero.grad_len()
         };
-        // A model trained whole streams its gradients by parameter tensor (`dist.overlap`).
-        let tensors: Vec<Range<usize>> = stage.whole().map_or_else(Vec::new, |replica| {
-            replica
+        let trained_whole = stage.whole().is_some();
+        // With `dist.overlap` the gradient streams by parameter tensor (a model trained
+        // whole) or by layer (a layered model on one stage).
+        let base = offsets[my_layers.start];
+        let tensors: Vec<Range<usize>> = match stage.whole() {
+            Some(replica) => replica
                 .layout()
                 .iter()
                 .map(|p| p.offset..p.offset + p.len)
-                .collect()
-        });
+                .collect(),
+            None => my_layers
+                .clone()
+                .map(|l| offsets[l] - base..offsets[l + 1] - base)
+                .collect(),
+        };
         let mut r = StageRank {
             model,
             cfg,
@@ -397,7 +405,13 @@ impl<'m> StageRank<'m> {
             total_grad: vec![0f32; sum_len],
             // The one reducer, in buckets that never straddle a layer (or a tp piece).
             sync: GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems).with_buckets(buckets),
-            ops: schedule(cfg.parallel.schedule, dims.pp, me.stage, my_micro.len()),
+            // With overlap on a layered model the last micro-batch runs outside the schedule.
+            ops: schedule(
+                cfg.parallel.schedule,
+                dims.pp,
+                me.stage,
+                my_micro.len() - usize::from(plan.overlap && !trained_whole),
+            ),
             my_micro,
             scale: model.loss_scale(cfg.train.global_batch),
             tensors,
@@ -576,6 +590,9 @@ impl<'m> StageRank<'m> {
             straggle(self.slowdown, sec);
             return Ok((loss, None));
         }
+        if self.plan.overlap {
+            return self.overlapped_gradients(&pieces[self.my_micro.clone()], step, sec);
+        }
         let (losses, pipeline) = self.run_schedule(&pieces[self.my_micro.clone()], step, sec)?;
         // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
         let t0 = Instant::now();
@@ -609,7 +626,9 @@ impl<'m> StageRank<'m> {
         step: u64,
         sec: &mut PhaseSeconds,
     ) -> Result<(Vec<f32>, PipelineStep), TrainError> {
+        // Not with overlap: its sum scans each bucket as it goes.
         let scan_ahead = self.cfg.dist.reproducible
+            && !self.plan.overlap
             && self.dp_comm.size() > 1
             && self.zero.reduces_in_one_call();
         let mut work = Work {
@@ -647,6 +666,74 @@ impl<'m> StageRank<'m> {
         // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
         let counted = self.me.stage + 1 == self.dims.pp && self.me.tp_rank == 0;
         Ok((if counted { losses } else { Vec::new() }, timing.pipeline))
+    }
+
+    /// [`StageRank::gradients`] of a layered model on one stage with `dist.overlap`: the earlier
+    /// micro-batches by the schedule, the last one's backward streaming layer by layer into a
+    /// sum that runs beside it (`GradSync::sync_streamed`, the buckets of the plain sum: the
+    /// same bits).
+    fn overlapped_gradients(
+        &mut self,
+        mine: &[&[u32]],
+        step: u64,
+        sec: &mut PhaseSeconds,
+    ) -> Result<(f64, Option<PipelineStep>), TrainError> {
+        let last = mine.len() - 1;
+        let (mut losses, pipeline) = self.run_schedule(&mine[..last], step, sec)?;
+        let job_error = |cause: ReplicaError| TrainError::Job {
+            job: self.job.clone(),
+            step,
+            microbatch: self.my_micro.start + last,
+            samples: (self.my_micro.start + last) * self.cfg.train.microbatch
+                ..(self.my_micro.start + last + 1) * self.cfg.train.microbatch,
+            cause,
+        };
+        let t0 = Instant::now();
+        let (forwarded, data_seconds) = self
+            .stage
+            .forward_streamed(last as u64, mine[last], None, self.scale)
+            .map_err(job_error)?;
+        let Forwarded::Loss(loss) = forwarded else {
+            return Err(job_error(ReplicaError::Other(
+                "a one-stage model's forward gave activations, not a loss".into(),
+            )));
+        };
+        sec.data += data_seconds;
+        sec.forward += (t0.elapsed().as_secs_f64() - data_seconds).max(0.0);
+        let GradParts::Private(parts) = &mut self.grads else {
+            unreachable!("an overlapped sum keeps its parts private (GradParts::new)")
+        };
+        let (earlier, rest) = parts.split_at_mut(last);
+        let earlier: Vec<&[f32]> = earlier.iter().map(|g| g.as_slice()).collect();
+        losses.truncate(last);
+        let mut stream = StageStream {
+            stage: &mut *self.stage,
+            id: last as u64,
+            layers: &self.tensors,
+            loss,
+        };
+        let o = self
+            .sync
+            .sync_streamed(
+                &mut self.dp_comm,
+                &self.tensors,
+                &earlier,
+                &losses,
+                Some((&mut stream as &mut dyn StreamedCompute, &mut rest[0])),
+                self.cfg.microbatches_per_step(),
+                &mut self.total_grad,
+            )
+            .map_err(|e| match e {
+                SyncError::Exact(e) => sync_error(e, step),
+                SyncError::Model(m) => job_error(m.into()),
+                SyncError::Replica(r) => job_error(r),
+            })?;
+        sec.forward += o.forward;
+        sec.backward += o.backward;
+        sec.waiting = o.timing.waiting;
+        sec.communication += o.timing.communication;
+        sec.overlapped_communication = o.timing.overlapped_communication;
+        Ok((o.loss, Some(pipeline)))
     }
 
     /// The evaluation after `step`, through each replica's pipeline (ZeRO 3: the stage
@@ -740,6 +827,34 @@ impl<'m> StageRank<'m> {
         }
         comm.broadcast(&mut hash_bytes, 0)?;
         Ok((String::from_utf8_lossy(&hash_bytes).into_owned(), held))
+    }
+}
+
+/// The streamed last micro-batch of an overlapped step on a one-stage layered model.
+struct StageStream<'s> {
+    stage: &'s mut dyn LayerStage,
+    id: u64,
+    /// The stage's layers' local ranges (the indices the stream hands out).
+    layers: &'s [Range<usize>],
+    /// Its scaled loss, from the forward.
+    loss: f32,
+}
+
+impl StreamedCompute for StageStream<'_> {
+    fn streaming(&mut self, on_grad: &(dyn Fn(usize, &[f32]) + Sync)) -> Result<f32, SyncError> {
+        self.stage
+            .backward_streaming(self.id, self.layers, on_grad)?;
+        Ok(self.loss)
+    }
+
+    fn plain(&mut self, grad: &mut [f32]) -> Result<TimedLoss, SyncError> {
+        let t0 = Instant::now();
+        self.stage.backward(self.id, None, grad)?;
+        Ok(TimedLoss {
+            loss: self.loss,
+            forward_seconds: 0.0,
+            backward_seconds: t0.elapsed().as_secs_f64(),
+        })
     }
 }
 
