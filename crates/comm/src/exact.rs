@@ -442,13 +442,6 @@ impl ExactReducer {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), ExactError> {
-        if self.prescanned.take().is_some() {
-            return Err(ExactError::Invalid(
-                "reduce_bucket scans its bucket itself: exponents scanned ahead \
-                 (scan_part) would be left unused"
-                    .into(),
-            ));
-        }
         let len = out.len();
         let (s, e) = (range.start, range.end);
         let expected_end = s.saturating_add(self.bucket_elems).min(len);
@@ -475,7 +468,7 @@ impl ExactReducer {
     ) -> Result<(), ExactError> {
         if self.prescanned.take().is_some() {
             return Err(ExactError::Invalid(
-                "reduce_range scans its bucket itself: exponents scanned ahead \
+                "reducing one bucket scans it itself: exponents scanned ahead \
                  (scan_part) would be left unused"
                     .into(),
             ));

@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use super::burn_job::{self, guarded, open_data, scalar, seeded_device, BoxError};
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
-use crate::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
+use crate::pipeline::layered::{backward_then_hand_out, Evaluated, Forwarded, LayerStage, Layered};
 use crate::TrainError;
 use lockstep_run::{ModelShape, ParallelPlan};
 
@@ -740,14 +740,7 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
     ) -> Result<(), ReplicaError> {
         match self.streamed.remove(&id) {
             Some(split) => self.backward_split(split, layers, on_layer),
-            None => {
-                let mut grad = vec![0f32; layers.last().map_or(0, |r| r.end)];
-                self.backward(id, None, &mut grad)?;
-                for (l, r) in layers.iter().enumerate().rev() {
-                    on_layer(l, &grad[r.clone()]);
-                }
-                Ok(())
-            }
+            None => backward_then_hand_out(self, id, layers, on_layer),
         }
     }
 

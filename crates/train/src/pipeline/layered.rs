@@ -89,6 +89,22 @@ pub trait Layered {
     }
 }
 
+/// [`LayerStage::backward_streaming`] without streaming: one backward of micro-batch `id`, then
+/// each layer's range of its gradient handed to `on_layer`, the last layer first.
+pub fn backward_then_hand_out<S: LayerStage + ?Sized>(
+    stage: &mut S,
+    id: u64,
+    layers: &[Range<usize>],
+    on_layer: &(dyn Fn(usize, &[f32]) + Sync),
+) -> Result<(), ReplicaError> {
+    let mut grad = vec![0f32; layers.last().map_or(0, |r| r.end)];
+    stage.backward(id, None, &mut grad)?;
+    for (l, r) in layers.iter().enumerate().rev() {
+        on_layer(l, &grad[r.clone()]);
+    }
+    Ok(())
+}
+
 /// What a training forward produced.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Forwarded {
@@ -184,12 +200,7 @@ pub trait LayerStage {
         layers: &[Range<usize>],
         on_layer: &(dyn Fn(usize, &[f32]) + Sync),
     ) -> Result<(), ReplicaError> {
-        let mut grad = vec![0f32; layers.last().map_or(0, |r| r.end)];
-        self.backward(id, None, &mut grad)?;
-        for (l, r) in layers.iter().enumerate().rev() {
-            on_layer(l, &grad[r.clone()]);
-        }
-        Ok(())
+        backward_then_hand_out(self, id, layers, on_layer)
     }
     /// The replica of a model trained whole (`flat.rs`), whose micro-batches are computed in one
     /// call each instead of a forward and a backward; `None` for a stage of layers.
