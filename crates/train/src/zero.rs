@@ -21,7 +21,7 @@
 //! before a save ([`Zero::whole_state`]) and a resumed whole state is cut into chunks again
 //! ([`Zero::shard_of`]), so a sharded run resumes unsharded, on another world size, and back.
 //!
-//! Level 3 (the layered loop) chunks each layer of a stage on its own ([`Zero::by_segments`]): the
+//! Level 3 (layered models) chunks each layer of a stage on its own ([`Zero::by_segments`]): the
 //! stage's parameters are gathered layer by layer ([`Zero::gather`]) before a step's compute and
 //! released after its last backward, so between steps a rank holds its chunks only. burn's
 //! autodiff graphs keep a layer's weights from a micro-batch's forward to its backward, so within

@@ -5,7 +5,7 @@
 //! Its stage is computed whole ([`LayerStage::whole`]): each micro-batch's forward and backward
 //! are one call of the replica, writing the gradient straight into the rank's gradient part (no
 //! copy), and the last one can stream its gradients into an overlapped sum (`dist.overlap`). Its
-//! evaluation keeps the data-parallel loop's fixed chunks of [`EVAL_CHUNK`] samples.
+//! evaluation keeps the fixed chunks of [`EVAL_CHUNK`] samples a model trained whole always had.
 
 use std::cell::{RefCell, RefMut};
 use std::ops::Range;

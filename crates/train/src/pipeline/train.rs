@@ -1,6 +1,7 @@
-//! The training loop of a layered model (the built-in transformer, a user's `LayeredJob`) on a
-//! `dp × tp × pp` layout (tensor parallelism: the transformer with `model.tp_pieces > 1`, or a
-//! user's layered job with `lockstep::tp` layers).
+//! The one training loop, for every model on every `dp × tp × pp` layout: a layered model (the
+//! built-in transformer, a user's `LayeredJob`; tensor parallelism: the transformer with
+//! `model.tp_pieces > 1`, or a user's layered job with `lockstep::tp` layers) cut into stages, or
+//! a model trained whole (`flat.rs`) as one stage computed one call per micro-batch (`whole.rs`).
 //!
 //! Per step, on every rank (replica `r`, stage `s`, tp rank `k`):
 //! 1. the global batch (a function of seed and step only) is cut into the fixed micro-batches;

@@ -1,9 +1,9 @@
-//! Every rank's evaluation sums into the run's figures, for both loops.
+//! Every rank's evaluation sums into the run's figures.
 //!
 //! Sums travel in fixed point (2^-24 units) and are added as integers, so the result does not
 //! depend on the order of addition: a layout that evaluates the same fixed chunks reports the
-//! same bits (the pipeline's chunks are fixed; the data-parallel loop's follow each rank's
-//! share). The job's metric names travel with them: every rank that evaluated something must
+//! same bits (chunks are fixed: a micro-batch of samples, or 512 for a model trained whole; the
+//! replicas take contiguous shares of them). The job's metric names travel with them: every rank that evaluated something must
 //! report the same names in the same order.
 
 use std::collections::BTreeMap;
