@@ -115,6 +115,11 @@ struct TrainArgs {
     /// Override a config value, e.g. --set train.steps=20 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
+    /// Where the model computes: cpu, wgpu, cuda or auto (= --set train.device=…). Devices other
+    /// than cpu are for a user's own burn Job / LayeredJob, in a binary built with the cargo
+    /// feature of that name.
+    #[arg(long, value_name = "DEVICE")]
+    device: Option<lockstep_run::config::DeviceKind>,
     /// Replace the run already in --out (its config, metrics, summary, report and checkpoints).
     /// Without it, a directory holding a run is refused.
     #[arg(long, conflicts_with = "resume")]
@@ -344,6 +349,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
             threads_per_worker: None,
             out: None,
             sets: Vec::new(),
+            device: None,
             overwrite: false,
             nodes: NodeArgs::single(),
         }),
@@ -447,6 +453,8 @@ fn check_layout(
             lockstep_run::ParallelPlan::new(cfg, launched_world, &job().shape(cfg))?;
         }
     }
+    // The device, asked for before any worker starts: built into this binary, and present.
+    lockstep_train::device::Placement::probe(cfg.train.device)?;
     if elastic && cfg.parallel.tp > 1 {
         return Err(lockstep_train::ConfigError::Invalid {
             field: "parallel.tp",
@@ -480,6 +488,7 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
             || c.is::<request::BadRequest>()
             || c.is::<supervise::PermanentFailure>()
             || c.is::<lockstep_report::plan::PlanError>()
+            || c.is::<lockstep_train::device::DeviceError>()
             || c.is::<lockstep_report::scaling::LayoutError>()
             || c.downcast_ref::<lockstep_comm::CommError>()
                 .is_some_and(|e| e.is_permanent())
@@ -692,6 +701,7 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
             threads_per_worker: Some(a.threads_per_worker),
             out: Some(dir.clone()),
             sets: scale::layout_sets(layout, &a.sets),
+            device: None,
             overwrite: false,
             nodes: NodeArgs::single(),
         })
@@ -941,6 +951,10 @@ fn run_train_worker(
         start_heartbeat(rank);
     }
     join_compute_threads();
+    // The device first: one that cannot be opened ends this worker with exit 3 (the launcher
+    // probed it already; a cluster engine's ranks learn it here).
+    let device = lockstep_train::device::Placement::open(cfg.train.device, w.local_rank)
+        .with_context(|| format!("rank {rank}"))?;
     let env = environment();
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_secs);
     let mut worker = worker::connect(w, cfg.dist.transport, timeout, &tcp_options(&env)?)?;
@@ -987,6 +1001,7 @@ fn run_train_worker(
         WorkerContext {
             comm: &mut worker.comm,
             host,
+            device,
             out_dir: out,
             on_event: &mut on_event,
             resume,

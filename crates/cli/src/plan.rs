@@ -72,7 +72,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
 /// layers; any other job is one layer of its replica's parameter count.
 fn model_layers(job: &dyn JobSpec, cfg: &TrainConfig) -> Result<(Vec<Layer>, usize), PlanError> {
     let model_err = |e: &dyn std::fmt::Display| PlanError::Model(e.to_string());
-    Ok(match job.build(cfg).map_err(|e| model_err(&e))? {
+    // Shapes only: the CPU serves whatever device the run will use.
+    let cpu = lockstep_train::device::Placement::cpu();
+    Ok(match job.build(cfg, &cpu).map_err(|e| model_err(&e))? {
         Trainable::Layered(model) => {
             let offsets = model.layer_offsets();
             let floats = model.activation_floats();

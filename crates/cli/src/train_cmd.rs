@@ -37,7 +37,11 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         ),
     };
     // Everything is validated before anything is written or spawned.
-    let cfg = load_config(config_path.as_deref(), &a.sets)?;
+    let mut sets = a.sets.clone();
+    if let Some(device) = a.device {
+        sets.push(format!("train.device={device}"));
+    }
+    let cfg = load_config(config_path.as_deref(), &sets)?;
     let (min_world, max_world) = parse_range(
         "--nproc",
         "worker count",

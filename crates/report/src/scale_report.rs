@@ -345,6 +345,7 @@ mod tests {
                         waiting: step_secs * 0.05,
                         optimizer: 0.0002,
                         overlapped_communication: 0.0,
+                        device_copy: 0.0,
                     },
                     bytes_sent: 0,
                     eval: None,

@@ -460,6 +460,7 @@ pub(crate) mod tests {
         RankSummary {
             rank,
             host: "h".into(),
+            device: String::new(),
             samples: 0,
             compute_seconds: 0.0,
             communication_seconds: 0.0,
@@ -467,6 +468,7 @@ pub(crate) mod tests {
             data_seconds: 0.0,
             optimizer_seconds: 0.0,
             overlapped_communication_seconds: 0.0,
+            device_copy_seconds: 0.0,
             bytes_sent: 0,
             step_seconds_mean: 0.0,
             step_seconds_max: 0.0,

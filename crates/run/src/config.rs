@@ -42,7 +42,7 @@ pub fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
 macro_rules! config_enum {
     ($(#[$doc:meta])* $name:ident { $($(#[$vdoc:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
         $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
         pub enum $name {
             $($(#[$vdoc])* #[serde(rename = $text)] $variant),+
         }
@@ -119,6 +119,22 @@ config_enum! {
         Tcp => "tcp",
         /// MPI point-to-point under mpirun (cargo feature `mpi`).
         Mpi => "mpi",
+    }
+}
+
+config_enum! {
+    /// Where a job's model, batches and autodiff live (`train.device`; `--device`).
+    DeviceKind {
+        /// burn's flex CPU backend (every model kind; lockstep's own CPU kernels for the
+        /// built-in models).
+        Cpu => "cpu",
+        /// burn's wgpu backend on Vulkan (Metal on macOS); never a silent fall-back to OpenGL.
+        Wgpu => "wgpu",
+        /// burn's CUDA backend: GPU `local_rank mod count` (after `CUDA_VISIBLE_DEVICES`).
+        Cuda => "cuda",
+        /// CUDA if the binary has it and the machine has a GPU, else a hardware wgpu adapter
+        /// (not a software one), else the CPU.
+        Auto => "auto",
     }
 }
 
@@ -274,6 +290,9 @@ pub struct TrainSection {
     pub eval_every: u64,
     /// Progress line every this many steps.
     pub log_every: u64,
+    /// Where the model computes (a user's `Job` / `LayeredJob`; the built-in models run on the
+    /// CPU only).
+    pub device: DeviceKind,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -352,6 +371,7 @@ impl Default for TrainSection {
             seed: 42,
             eval_every: 100,
             log_every: 10,
+            device: DeviceKind::Cpu,
         }
     }
 }

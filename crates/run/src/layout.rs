@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfigError, ModelKind, ScheduleKind, TrainConfig};
+use crate::config::{ConfigError, DeviceKind, ModelKind, ScheduleKind, TrainConfig};
 use crate::parallel_dims::ParallelDims;
 
 /// What a model can do, as far as the layout is concerned.
@@ -25,6 +25,9 @@ pub enum ModelShape {
         /// How this job would become layered, for refusals ("implement lockstep::LayeredJob
         /// …", "model.kind = \"transformer\" …").
         to_layer: String,
+        /// The model is burn code on burn's dispatch device (a user's `Job`), so `train.device`
+        /// may name an accelerator; false: lockstep's own CPU kernels (the built-in models).
+        on_devices: bool,
     },
     /// A sequence of layers (a user's `LayeredJob`, the built-in transformer): pipelines, ZeRO
     /// 3 layer by layer, tensor parallelism over its fixed pieces. `None`: not known until the
@@ -35,7 +38,20 @@ pub enum ModelShape {
         /// Where the pieces come from, for refusals ("model.tp_pieces = 4", "job `x`'s
         /// tensor-parallel layers").
         pieces_from: String,
+        /// As for `Flat`: a user's `LayeredJob` (true) or the built-in transformer (false).
+        on_devices: bool,
     },
+}
+
+impl ModelShape {
+    /// Whether the model is burn code that runs on any burn device.
+    pub fn on_devices(&self) -> bool {
+        match self {
+            ModelShape::Flat { on_devices, .. } | ModelShape::Layered { on_devices, .. } => {
+                *on_devices
+            }
+        }
+    }
 }
 
 /// The plan a run follows (see the module doc).
@@ -94,10 +110,12 @@ impl ParallelPlan {
     /// world is known); returns the model's tensor-parallel pieces (1 when not known yet).
     pub fn check_shape(cfg: &TrainConfig, shape: &ModelShape) -> Result<usize, ConfigError> {
         let p = &cfg.parallel;
+        Self::check_device(cfg, shape)?;
         match shape {
             ModelShape::Flat {
                 streams_gradients,
                 to_layer,
+                ..
             } => {
                 let needs_layers = |field, what: String| {
                     Err(invalid(
@@ -139,6 +157,7 @@ impl ParallelPlan {
                 layers,
                 tp_pieces,
                 pieces_from,
+                ..
             } => {
                 if let Some(layers) = *layers {
                     if p.pp > layers {
@@ -190,6 +209,38 @@ impl ParallelPlan {
                 Ok(pieces)
             }
         }
+    }
+
+    /// A device other than the CPU needs a model written as burn code, and tensor parallelism
+    /// (whose layers are custom ops of burn's flex backend) stays on the CPU.
+    fn check_device(cfg: &TrainConfig, shape: &ModelShape) -> Result<(), ConfigError> {
+        let device = cfg.train.device;
+        if device == DeviceKind::Cpu {
+            return Ok(());
+        }
+        if !shape.on_devices() {
+            return Err(invalid(
+                "train.device",
+                format!(
+                    "train.device = \"{device}\" needs a model written as burn code (your own \
+                     lockstep::Job or LayeredJob); lockstep's built-in models (model.kind = \
+                     \"{}\") run on its own CPU kernels: set train.device = \"cpu\"",
+                    cfg.model.kind
+                ),
+            ));
+        }
+        if cfg.parallel.tp > 1 {
+            return Err(invalid(
+                "parallel.tp",
+                format!(
+                    "lockstep::tp layers are custom operations of burn's flex CPU backend, so \
+                     tensor parallelism (parallel.tp = {}) needs train.device = \"cpu\" (asked: \
+                     \"{device}\")",
+                    cfg.parallel.tp
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// ZeRO 2 reduce-scatters the gradient after backward: nothing to overlap it with.
@@ -248,6 +299,7 @@ impl TrainConfig {
                 layers: Some(layers),
                 tp_pieces: Some(self.model.tp_pieces.max(1)),
                 pieces_from: format!("model.tp_pieces = {}", self.model.tp_pieces),
+                on_devices: false,
             }
         } else {
             ModelShape::Flat {
@@ -257,6 +309,7 @@ impl TrainConfig {
                      is split into model.tp_pieces pieces for parallel.tp)",
                     self.model.kind
                 ),
+                on_devices: false,
             }
         }
     }
@@ -296,6 +349,7 @@ mod tests {
         ModelShape::Flat {
             streams_gradients: streams,
             to_layer: "implement lockstep::LayeredJob".into(),
+            on_devices: true,
         }
     }
 
@@ -304,6 +358,7 @@ mod tests {
             layers: Some(layers),
             tp_pieces: Some(pieces),
             pieces_from: format!("model.tp_pieces = {pieces}"),
+            on_devices: true,
         }
     }
 
@@ -349,6 +404,25 @@ mod tests {
     }
 
     #[test]
+    fn devices_are_for_burn_models_and_tensor_parallelism_stays_on_the_cpu() {
+        for device in ["wgpu", "cuda", "auto"] {
+            let set = format!("train.device={device}");
+            assert!(ParallelPlan::new(&cfg(&[&set]), 2, &flat(true)).is_ok());
+            assert!(ParallelPlan::new(&cfg(&[&set, "parallel.pp=2"]), 2, &layered(4, 1)).is_ok());
+            for kind in ["mlp", "transformer"] {
+                let c = cfg(&[&set, &format!("model.kind={kind}")]);
+                let (field, m) = refused(&c, 2, &c.builtin_shape(4));
+                assert_eq!(field, "train.device");
+                assert!(m.contains(&format!("model.kind = \"{kind}\"")), "{m}");
+            }
+            let (field, m) = refused(&cfg(&[&set, "parallel.tp=2"]), 2, &layered(4, 2));
+            assert_eq!(field, "parallel.tp", "{m}");
+        }
+        let c = cfg(&["model.kind=transformer"]);
+        assert!(ParallelPlan::new(&c, 1, &c.builtin_shape(4)).is_ok());
+    }
+
+    #[test]
     fn a_layered_model_on_one_stage_may_overlap() {
         let plan = ParallelPlan::new(&cfg(&["dist.overlap=true"]), 2, &layered(4, 1)).unwrap();
         assert!(plan.overlap);
@@ -375,6 +449,7 @@ mod tests {
             layers: None,
             tp_pieces: None,
             pieces_from: String::new(),
+            on_devices: true,
         };
         assert!(ParallelPlan::check_shape(&cfg(&["parallel.pp=9"]), &unknown).is_ok());
         // A world the layout does not fit.

@@ -22,6 +22,10 @@ pub struct PhaseSeconds {
     pub optimizer: f64,
     /// Communication hidden behind computation (0 unless gradients stream out during backward).
     pub overlapped_communication: f64,
+    /// Moving gradients off and parameters onto the model's device (a user's burn model; host
+    /// memory copies on the CPU), taken out of the phase it happened in. Absent in older runs.
+    #[serde(default)]
+    pub device_copy: f64,
 }
 
 impl PhaseSeconds {
@@ -36,6 +40,7 @@ impl PhaseSeconds {
         self.waiting += o.waiting;
         self.optimizer += o.optimizer;
         self.overlapped_communication += o.overlapped_communication;
+        self.device_copy += o.device_copy;
     }
 }
 
@@ -145,6 +150,10 @@ pub mod nan_as_null {
 pub struct RankSummary {
     pub rank: usize,
     pub host: String,
+    /// The rank's device: burn backend, adapter index and name ("flex 0: <CPU model>",
+    /// "wgpu/vulkan 0: llvmpipe …", "cuda 1: NVIDIA H100 …"); empty in older summaries.
+    #[serde(default)]
+    pub device: String,
     pub samples: u64,
     pub compute_seconds: f64,
     pub communication_seconds: f64,
@@ -152,6 +161,9 @@ pub struct RankSummary {
     pub data_seconds: f64,
     pub optimizer_seconds: f64,
     pub overlapped_communication_seconds: f64,
+    /// Moving gradients and parameters between the model's device and the host.
+    #[serde(default)]
+    pub device_copy_seconds: f64,
     pub bytes_sent: u64,
     pub step_seconds_mean: f64,
     pub step_seconds_max: f64,
@@ -293,6 +305,7 @@ pub fn rank_summaries(records: &[StepRecord], hosts: &[String]) -> Vec<RankSumma
             RankSummary {
                 rank: r,
                 host: hosts[r].clone(),
+                device: String::new(),
                 samples: mine.iter().map(|s| s.samples as u64).sum(),
                 compute_seconds: total.compute(),
                 communication_seconds: total.communication,
@@ -300,6 +313,7 @@ pub fn rank_summaries(records: &[StepRecord], hosts: &[String]) -> Vec<RankSumma
                 data_seconds: total.data,
                 optimizer_seconds: total.optimizer,
                 overlapped_communication_seconds: total.overlapped_communication,
+                device_copy_seconds: total.device_copy,
                 bytes_sent: mine.iter().map(|s| s.bytes_sent).sum(),
                 step_seconds_mean: if mine.is_empty() {
                     0.0

@@ -232,6 +232,39 @@ fn bad_job_settings_are_refused_before_anything_starts() {
 }
 
 #[test]
+fn the_device_is_named_per_rank_and_one_that_cannot_be_had_is_refused_before_anything_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = tmp.path().join("cpu");
+    assert_ok(&train(&cpu, "2", &["--device", "cpu"]));
+    let s = summary(&cpu);
+    for r in s["ranks"].as_array().unwrap() {
+        let device = r["device"].as_str().unwrap();
+        assert!(device.starts_with("flex 0: "), "{device}");
+    }
+    let metrics = std::fs::read_to_string(cpu.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"device_copy\""), "no device_copy phase");
+    // No GPU here: built without CUDA (the default build) or without a driver, the run is
+    // refused by the launcher, naming the setting, before any worker or file.
+    let out = tmp.path().join("cuda");
+    let o = train(&out, "2", &["--set", "train.device=\"cuda\""]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("train.device = \"cuda\""),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        !stderr(&o).contains("[rank "),
+        "a worker started: {}",
+        stderr(&o)
+    );
+    assert!(!out.exists());
+    let o = train(&out, "2", &["--device", "tpu"]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("tpu"), "{}", stderr(&o));
+}
+
+#[test]
 fn a_user_jobs_settings_are_part_of_its_identity() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");

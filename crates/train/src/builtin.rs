@@ -5,6 +5,7 @@
 //! job; they implement the flat level directly because their forward anchors each parameter in
 //! its layer, which lets `dist.overlap` stream gradients during backward.
 
+use crate::device::Placement;
 use crate::ConfigLoad;
 use lockstep_data::Dataset;
 use lockstep_model::{Model, ModelSpec, ParamInfo};
@@ -39,7 +40,7 @@ impl JobSpec for BuiltinJob {
         cfg.validate_builtin()
     }
 
-    fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
+    fn build(&self, cfg: &TrainConfig, _: &Placement) -> Result<Trainable<'_>, TrainError> {
         if cfg.model.kind == ModelKind::Transformer {
             let model = crate::pipeline::transformer::Transformer::new(cfg)?;
             return Ok(Trainable::Layered(Box::new(model)));

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use lockstep_comm::Communicator;
 
+use crate::device::Placement;
 use crate::faults::Fault;
 
 /// A progress report for the terminal (rank 0 only).
@@ -35,6 +36,8 @@ pub struct WorkerContext<'a> {
     pub comm: &'a mut Communicator,
     /// Host name of this rank (for the summary).
     pub host: String,
+    /// This rank's device (`train.device`, opened for its local rank).
+    pub device: Placement,
     /// Run directory; only rank 0 writes to it (outputs and checkpoints).
     pub out_dir: &'a Path,
     pub on_event: &'a mut dyn FnMut(Event),

@@ -13,6 +13,7 @@ pub use lockstep_run::metrics;
 pub use lockstep_run::parallel_dims;
 pub mod context;
 pub mod datasets;
+pub mod device;
 pub mod error;
 pub mod faults;
 pub mod files;

@@ -18,25 +18,30 @@ pub fn train<'a>(
     ctx: WorkerContext<'a>,
 ) -> Result<Summary, TrainError> {
     let name = job.name();
-    let built = catch_job_panic(|| job.build(cfg)).map_err(|p| TrainError::JobSetup {
-        job: name.clone(),
-        message: format!("opening the job panicked: {p}"),
-    })??;
+    let built =
+        catch_job_panic(|| job.build(cfg, &ctx.device)).map_err(|p| TrainError::JobSetup {
+            job: name.clone(),
+            message: format!("opening the job panicked: {p}"),
+        })??;
     // The plan, again from what the built model can do (the launcher made it from what the job
     // declared): every capability rule is `ParallelPlan`'s.
+    let declared = job.shape(cfg);
+    let on_devices = declared.on_devices();
     let shape = match &built {
         Trainable::Layered(model) => ModelShape::Layered {
             layers: Some(model.num_layers()),
             tp_pieces: Some(model.tp_pieces()),
-            pieces_from: match job.shape(cfg) {
+            pieces_from: match declared {
                 ModelShape::Layered { pieces_from, .. } if !pieces_from.is_empty() => pieces_from,
                 _ => format!("job `{name}`'s tensor-parallel layers"),
             },
+            on_devices,
         },
-        Trainable::Replica(replica) => match job.shape(cfg) {
+        Trainable::Replica(replica) => match declared {
             ModelShape::Flat { to_layer, .. } => ModelShape::Flat {
                 streams_gradients: replica.streams_gradients(),
                 to_layer,
+                on_devices,
             },
             layered => layered,
         },

@@ -497,6 +497,7 @@ fn training_with_and_without_overlap_ends_with_the_same_parameters() {
                         let ctx = WorkerContext {
                             comm: &mut comm,
                             host: "test".into(),
+                            device: lockstep_train::device::Placement::cpu(),
                             out_dir: dir,
                             on_event: &mut on_event,
                             resume: false,

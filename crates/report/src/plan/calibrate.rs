@@ -264,6 +264,7 @@ mod tests {
                 waiting: sync * 0.2,
                 optimizer: opt,
                 overlapped_communication: 0.0,
+                device_copy: 0.0,
             },
             bytes_sent: 1000,
             eval: None,

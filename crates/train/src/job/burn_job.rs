@@ -19,6 +19,7 @@ use sha2::{Digest, Sha256};
 
 use super::{catch_job_panic, Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
+use crate::device::{self, Placement};
 use crate::TrainError;
 
 /// Errors a job's own code returns (opening files, parsing rows, …).
@@ -103,8 +104,10 @@ impl<J: Job> JobSpec for J {
         })
     }
 
-    fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
-        Ok(Trainable::Replica(Box::new(BurnReplica::new(self, cfg)?)))
+    fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError> {
+        Ok(Trainable::Replica(Box::new(BurnReplica::new(
+            self, cfg, device,
+        )?)))
     }
 }
 
@@ -121,11 +124,11 @@ pub struct BurnReplica<'j, J: Job> {
 }
 
 impl<'j, J: Job> BurnReplica<'j, J> {
-    /// Build the model on a device seeded with `train.seed` and open both datasets.
-    pub fn new(job: &'j J, cfg: &TrainConfig) -> Result<Self, TrainError> {
+    /// Build the model on `place`'s device seeded with `train.seed` and open both datasets.
+    pub fn new(job: &'j J, cfg: &TrainConfig, place: &Placement) -> Result<Self, TrainError> {
         let name = Job::name(job).to_string();
         let (train, eval) = open_data(&name, job.train_data(cfg), job.eval_data(cfg))?;
-        let device = seeded_device(cfg);
+        let device = place.seeded(cfg.train.seed);
         let model =
             catch_job_panic(|| job.model(cfg, &device)).map_err(|p| TrainError::JobSetup {
                 job: name.clone(),
@@ -187,14 +190,6 @@ pub(super) fn open_data<I>(
         train.map_err(failed("training"))?,
         eval.map_err(failed("evaluation"))?,
     ))
-}
-
-/// The autodiff device a job's model is built on, seeded with `train.seed` so that burn's own
-/// initialisers give the same values on every run.
-pub(super) fn seeded_device(cfg: &TrainConfig) -> Device {
-    let device = Device::flex().autodiff();
-    device.seed(cfg.train.seed);
-    device
 }
 
 /// The items of `samples` from `set`, turned into a batch by the job's `batch` (guarded).
@@ -267,7 +262,7 @@ impl<J: Job> Replica for BurnReplica<'_, J> {
                 got: params.len(),
             });
         }
-        self.model = flat::write(self.model.clone(), params, &self.device);
+        self.model = device::timed_copy(|| flat::write(self.model.clone(), params, &self.device));
         Ok(())
     }
 
@@ -288,7 +283,9 @@ impl<J: Job> Replica for BurnReplica<'_, J> {
         let t2 = Instant::now();
         let value = scalar(&scaled)?;
         let grads = guarded(|| scaled.backward())?;
-        flat::read_grads(&self.model, grads, grad_out);
+        device::copy_from(&self.device, || {
+            flat::read_grads(&self.model, grads, grad_out)
+        });
         Ok(Computed {
             loss: value,
             data_seconds: (t1 - t0).as_secs_f64(),

@@ -22,9 +22,10 @@ use lockstep_model::{
 };
 use sha2::{Digest, Sha256};
 
-use super::burn_job::{self, guarded, open_data, scalar, seeded_device, BoxError};
+use super::burn_job::{self, guarded, open_data, scalar, BoxError};
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
+use crate::device::Placement;
 use crate::pipeline::layered::{backward_then_hand_out, Evaluated, Forwarded, LayerStage, Layered};
 use crate::TrainError;
 use lockstep_run::{ModelShape, ParallelPlan};
@@ -99,6 +100,7 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
             layers: None,
             tp_pieces: None,
             pieces_from: String::new(),
+            on_devices: true,
         }
     }
 
@@ -114,7 +116,7 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
         if cfg.parallel.tp > 1 {
             // Tensor parallelism needs the model's tensor-parallel layers: build them once (on
             // the seeded device, as a worker would) to learn their pieces before any worker starts.
-            let device = seeded_device(cfg);
+            let device = Placement::cpu().seeded(cfg.train.seed);
             let layers = catch_job_panic(|| self.0.layers(cfg, &device)).map_err(|p| {
                 ConfigError::Invalid {
                     field: "job",
@@ -133,15 +135,16 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
                 layers: Some(layers.len()),
                 tp_pieces: Some(pieces),
                 pieces_from: format!("job `{}`'s tensor-parallel layers", self.0.name()),
+                on_devices: true,
             };
             ParallelPlan::check_shape(cfg, &shape)?;
         }
         Ok(())
     }
 
-    fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError> {
+    fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError> {
         Ok(Trainable::Layered(Box::new(BurnLayered::new(
-            &self.0, cfg,
+            &self.0, cfg, device,
         )?)))
     }
 }
@@ -200,7 +203,7 @@ impl PieceSum for ShapeOnly {
 }
 
 impl<'j, J: LayeredJob> BurnLayered<'j, J> {
-    pub fn new(job: &'j J, cfg: &TrainConfig) -> Result<Self, TrainError> {
+    pub fn new(job: &'j J, cfg: &TrainConfig, place: &Placement) -> Result<Self, TrainError> {
         let name = job.name().to_string();
         let setup = |message: String| TrainError::JobSetup {
             job: name.clone(),
@@ -210,7 +213,7 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
         if eval.is_empty() || train.is_empty() {
             return Err(setup("a dataset is empty".into()));
         }
-        let device = seeded_device(cfg);
+        let device = place.seeded(cfg.train.seed);
         let layers = catch_job_panic(|| job.layers(cfg, &device))
             .map_err(|p| setup(format!("building the layers panicked: {p}")))?;
         if layers.is_empty() {
@@ -653,8 +656,10 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         }
         let layers = std::mem::take(&mut self.layers);
         self.layers = match self.released.take() {
-            Some(layout) => flat::write_shaped(layers, params, &self.owner.device, &layout),
-            None => flat::write(layers, params, &self.owner.device),
+            Some(layout) => crate::device::timed_copy(|| {
+                flat::write_shaped(layers, params, &self.owner.device, &layout)
+            }),
+            None => crate::device::timed_copy(|| flat::write(layers, params, &self.owner.device)),
         };
         Ok(())
     }
@@ -854,7 +859,9 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
             }
             None => None,
         };
-        flat::read_grads(&self.layers, grads, grad);
+        crate::device::copy_from(&self.owner.device, || {
+            flat::read_grads(&self.layers, grads, grad)
+        });
         Ok(input_grad)
     }
 
@@ -936,7 +943,9 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
                 ));
             }
             let mut values = vec![0f32; ranges[l].len()];
-            flat::read_grads(&self.layers[l], grads, &mut values);
+            crate::device::copy_from(&self.owner.device, || {
+                flat::read_grads(&self.layers[l], grads, &mut values)
+            });
             on_layer(l, &values);
         }
         Ok(())

@@ -25,6 +25,7 @@ pub use crate::outcome::{Computed, EvalSums, ReplicaError};
 pub use crate::replica::Replica;
 
 use crate::config::{ConfigError, TrainConfig};
+use crate::device::Placement;
 use crate::TrainError;
 use lockstep_run::ModelShape;
 
@@ -56,8 +57,9 @@ pub trait JobSpec: Send + Sync {
     /// built-in jobs' stricter [`ConfigLoad::validate_builtin`](crate::ConfigLoad::validate_builtin)) and the job's own settings.
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError>;
     /// Builds this rank's replica: model initialised from `train.seed` (rank 0's copy is then
-    /// broadcast), datasets opened.
-    fn build(&self, cfg: &TrainConfig) -> Result<Trainable<'_>, TrainError>;
+    /// broadcast) on `device` (the worker's `train.device`; the built-in models, which the plan
+    /// keeps on the CPU, ignore it), datasets opened.
+    fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError>;
 }
 
 /// The shape of a user's `Job` (trained whole, no streamed gradients), with how to lay it out.
@@ -67,6 +69,7 @@ pub fn flat_job_shape() -> ModelShape {
         to_layer: "implement lockstep::LayeredJob (a model written as a sequence of layers) and \
                    run lockstep::main(lockstep::Pipelined(job))"
             .into(),
+        on_devices: true,
     }
 }
 

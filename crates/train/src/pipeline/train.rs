@@ -42,6 +42,7 @@ use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink}
 use super::whole::{self, WholeStep};
 use crate::config::TrainConfig;
 use crate::context::WorkerContext;
+use crate::device;
 use crate::error::TrainError;
 use crate::faults;
 use crate::grad_parts::GradParts;
@@ -493,6 +494,8 @@ impl<'m> StageRank<'m> {
         let step_start = Instant::now();
         let bytes_before = self.bytes_sent(comm);
         let mut sec = PhaseSeconds::default();
+        // Device copies are their own phase, taken out of the phase they happened in.
+        device::take_copy_seconds();
         if self.zero.level() >= 3 {
             // The stage's parameters for this step's compute, gathered layer by layer.
             let t0 = Instant::now();
@@ -501,10 +504,12 @@ impl<'m> StageRank<'m> {
                 .set_params_flat(&whole)
                 .map_err(|e| self.setup_error(e))?;
             sec.communication += t0.elapsed().as_secs_f64();
+            sec.move_copies(|s| &mut s.communication);
         }
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, self.cfg.train.microbatch);
         let (loss, pipeline) = self.gradients(comm, &pieces, step, &mut sec)?;
+        sec.move_copies(|s| &mut s.backward);
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
@@ -521,6 +526,7 @@ impl<'m> StageRank<'m> {
         }
         sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
         sec.communication += gather_seconds;
+        sec.move_copies(|s| &mut s.optimizer);
 
         let eval = if ledger.eval_due(step) {
             Some(self.evaluate(comm, step)?)
@@ -860,6 +866,20 @@ impl StreamedCompute for StageStream<'_> {
 }
 
 /// An injected straggler (`--inject slow:…`): its computation takes `slowdown` times as long.
+/// The device copies since the last call, moved out of the phase that timed them.
+trait MoveCopies {
+    fn move_copies(&mut self, from: impl FnOnce(&mut PhaseSeconds) -> &mut f64);
+}
+
+impl MoveCopies for PhaseSeconds {
+    fn move_copies(&mut self, from: impl FnOnce(&mut PhaseSeconds) -> &mut f64) {
+        let copies = device::take_copy_seconds();
+        let phase = from(self);
+        *phase = (*phase - copies).max(0.0);
+        self.device_copy += copies;
+    }
+}
+
 fn straggle(slowdown: f64, sec: &mut PhaseSeconds) {
     if slowdown > 1.0 {
         let extra = (sec.forward + sec.backward) * (slowdown - 1.0);

@@ -54,24 +54,26 @@ pub(crate) fn emit_progress(
     }
 }
 
-/// Collective: flush the last records to metrics.jsonl and gather every rank's records, host and
-/// memory; returns all records of this attempt and the per-rank totals.
+/// Collective: flush the last records to metrics.jsonl and gather every rank's records, host,
+/// device and memory; returns all records of this attempt and the per-rank totals.
 pub(crate) fn gather_run(
     comm: &mut Communicator,
     metrics: &mut MetricsLog,
     records: &[StepRecord],
     out_dir: &Path,
     start_step: u64,
-    host: &str,
+    (host, device): (&str, &str),
     memory: RankMemory,
 ) -> Result<(Vec<StepRecord>, Vec<RankSummary>), TrainError> {
     metrics.flush(comm, records, out_dir, start_step)?;
     let all = metrics.gathered().to_vec();
     let hosts = gather_strings(comm, host)?;
+    let devices = gather_strings(comm, device)?;
     let memories = gather_memory(comm, memory)?;
     let mut ranks = rank_summaries(&all, &hosts);
-    for (r, m) in ranks.iter_mut().zip(memories) {
+    for ((r, m), d) in ranks.iter_mut().zip(memories).zip(devices) {
         r.memory = Some(m);
+        r.device = d;
     }
     Ok((all, ranks))
 }

@@ -41,6 +41,8 @@ pub(crate) struct Ledger<'a> {
     rank: usize,
     out_dir: &'a Path,
     host: String,
+    /// This rank's device, described (for the summary).
+    device: String,
     /// Continue from the newest good checkpoint, if there is one.
     resume_requested: bool,
     ckpt_dir: PathBuf,
@@ -78,6 +80,7 @@ impl<'a> Ledger<'a> {
         let WorkerContext {
             comm,
             host,
+            device,
             out_dir,
             on_event,
             resume,
@@ -89,6 +92,7 @@ impl<'a> Ledger<'a> {
             rank: comm.rank(),
             out_dir,
             host,
+            device: device.info.describe(),
             resume_requested: resume,
             ckpt_dir: checkpoint_dir(cfg, out_dir),
             identity: Identity {
@@ -292,7 +296,7 @@ impl<'a> Ledger<'a> {
             &self.records,
             self.out_dir,
             self.start_step,
-            &self.host,
+            (&self.host, &self.device),
             held.measure(peak_held),
         )?;
         let pipeline = pipeline(&all_records, &mut ranks);

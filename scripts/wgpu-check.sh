@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Users' burn models on burn's wgpu backend, through Mesa's software Vulkan driver (llvmpipe):
+# (1) own-cnn (a Job) with --device wgpu at --nproc 1 and --nproc 2: one param_hash, and every
+#     rank's summary names the backend and the adapter;
+# (2) own-pipeline (a LayeredJob) with --device wgpu at --nproc 1 (pp 1) and --nproc 2 (pp 2):
+#     one param_hash;
+# (3) refused before any worker starts, exit 3, naming the setting: the built-in transformer on
+#     wgpu (its kernels are lockstep's own CPU kernels), tensor parallelism on wgpu, cuda on a
+#     machine without a GPU;
+# (4) wgpu without any Vulkan adapter (no ICD) is refused, never trained on OpenGL instead;
+# and prints own-cnn's wgpu/cpu samples/s for the closing note.
+# Needs: Debian's mesa-vulkan-drivers and binaries built with `cargo build --release --features
+# wgpu` (.ci/run does both).
+# Usage: bash scripts/wgpu-check.sh target/release
+set -euo pipefail
+bins="$(realpath "${1:?usage: $0 target/release}")"
+repo="$(realpath "$(dirname "$0")/..")"
+icd=/usr/share/vulkan/icd.d/lvp_icd.x86_64.json
+fail() { echo "wgpu: FAILED: $*"; exit 1; }
+[[ -f "$icd" ]] || fail "no Mesa software Vulkan driver ($icd): apt-get install mesa-vulkan-drivers"
+for b in lockstep own-cnn own-pipeline; do [[ -x "$bins/$b" ]] || fail "no $bins/$b (build it with the wgpu feature)"; done
+work="$(mktemp -d /tmp/lockstep-wgpu-check.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+export VK_ICD_FILENAMES="$icd" XDG_RUNTIME_DIR="$work/xdg"
+mkdir -m 700 -p "$XDG_RUNTIME_DIR"
+hash_of() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["param_hash"])' "$1"; }
+field() { python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$@"; }
+run() { local what="$1"; shift; "$@" >"$work/log" 2>&1 || { tail -30 "$work/log"; fail "$what"; }; }
+refused() {
+    local what="$1" want="$2"; shift 2
+    set +e; "$@" >"$work/log" 2>&1; local rc=$?; set -e
+    [[ $rc == 3 ]] || { cat "$work/log"; fail "$what: exit $rc, not 3"; }
+    grep -qF -- "$want" "$work/log" || { cat "$work/log"; fail "$what: the error does not name $want"; }
+    ! grep -q '^\[rank ' "$work/log" || fail "$what: a worker started"
+    echo "wgpu: refused as it should: $what: $(grep -m1 error "$work/log")"
+}
+cnn=(--set train.steps=12 --set train.eval_every=0 --set checkpoint.every=0 --set train.log_every=1000)
+
+# (1) own-cnn at 1 and 2 workers.
+run "own-cnn wgpu 1 worker" "$bins/own-cnn" train --device wgpu --nproc 1 --out "$work/cnn1" "${cnn[@]}"
+run "own-cnn wgpu 2 workers" "$bins/own-cnn" train --device wgpu --nproc 2 --out "$work/cnn2" "${cnn[@]}"
+h1="$(hash_of "$work/cnn1/summary.json")"; h2="$(hash_of "$work/cnn2/summary.json")"
+echo "wgpu: own-cnn 1 worker $h1, 2 workers $h2"
+[[ "$h1" == "$h2" ]] || fail "own-cnn on wgpu: 2 workers differ from 1"
+for r in 0 1; do
+    d="$(field "$work/cnn2/summary.json" "s['ranks'][$r]['device']")"
+    echo "wgpu:   rank $r: $d"
+    [[ "$d" == wgpu/vulkan*llvmpipe* ]] || fail "rank $r's device is not named wgpu/vulkan llvmpipe: $d"
+done
+run "own-cnn cpu 1 worker" "$bins/own-cnn" train --nproc 1 --out "$work/cnn-cpu" "${cnn[@]}"
+[[ "$(hash_of "$work/cnn-cpu/summary.json")" != "$h1" ]] || fail "the cpu and wgpu runs have one hash: did wgpu run at all?"
+python3 - "$work/cnn1/summary.json" "$work/cnn-cpu/summary.json" <<'EOF'
+import json, sys
+g, c = (json.load(open(p)) for p in sys.argv[1:])
+print(f"wgpu: own-cnn 1 worker, 12 steps: wgpu {g['samples_per_sec']:.0f} samples/s, cpu {c['samples_per_sec']:.0f} "
+      f"samples/s: wgpu (llvmpipe) = {g['samples_per_sec'] / c['samples_per_sec']:.2f}x cpu")
+EOF
+grep -q '"device_copy"' "$work/cnn1/metrics.jsonl" || fail "metrics.jsonl has no device_copy phase"
+
+# (2) own-pipeline: one stage on one worker against two stages on two.
+pipe=(--set train.steps=10 --set train.eval_every=0 --set checkpoint.every=0 --set train.log_every=1000)
+run "own-pipeline wgpu pp 1" "$bins/own-pipeline" train --device wgpu --nproc 1 --set parallel.pp=1 --out "$work/pipe1" "${pipe[@]}"
+run "own-pipeline wgpu pp 2" "$bins/own-pipeline" train --device wgpu --nproc 2 --set parallel.pp=2 --out "$work/pipe2" "${pipe[@]}"
+p1="$(hash_of "$work/pipe1/summary.json")"; p2="$(hash_of "$work/pipe2/summary.json")"
+echo "wgpu: own-pipeline pp 1 $p1, pp 2 $p2"
+[[ "$p1" == "$p2" ]] || fail "own-pipeline on wgpu: pp 2 differs from pp 1"
+
+# (3) what the plan or the machine cannot do.
+refused "the built-in transformer on wgpu" 'train.device' \
+    "$bins/lockstep" train --config "$repo/configs/shakespeare.toml" --device wgpu --nproc 1 --out "$work/no1"
+refused "tensor parallelism on wgpu" 'parallel.tp' \
+    "$bins/own-pipeline" train --device wgpu --nproc 2 --set parallel.pp=1 --set parallel.tp=2 --out "$work/no2"
+refused "cuda without a GPU" 'train.device = "cuda"' \
+    "$bins/own-cnn" train --device cuda --nproc 1 --out "$work/no3"
+# (4) no Vulkan at all: refused, not run on OpenGL.
+VK_ICD_FILENAMES=/nonexistent.json refused "wgpu without a Vulkan adapter" 'no vulkan adapter' \
+    "$bins/own-cnn" train --device wgpu --nproc 1 --out "$work/no4"
+for d in no1 no2 no3 no4; do [[ ! -e "$work/$d" ]] || fail "a refused run wrote $d"; done
+echo "wgpu: all checks passed"
