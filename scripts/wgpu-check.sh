@@ -4,10 +4,12 @@
 #     rank's summary names the backend and the adapter;
 # (2) own-pipeline (a LayeredJob) with --device wgpu at --nproc 1 (pp 1) and --nproc 2 (pp 2):
 #     one param_hash;
-# (3) refused before any worker starts, exit 3, naming the setting: the built-in transformer on
-#     wgpu (its kernels are lockstep's own CPU kernels), tensor parallelism on wgpu, cuda on a
-#     machine without a GPU;
-# (4) wgpu without any Vulkan adapter (no ICD) is refused, never trained on OpenGL instead;
+# (3) the built-in transformer (configs/shakespeare.toml) with --device wgpu at 1 worker, 2
+#     workers (dp 2) and 2 stages (pp 2): one param_hash, not the CPU's;
+# (4) refused before any worker starts, exit 3, naming the setting: the built-in MLP on wgpu (its
+#     kernels are lockstep's own CPU kernels), tensor parallelism and tensor-parallel pieces on
+#     wgpu, cuda on a machine without a GPU;
+# (5) wgpu without any Vulkan adapter (no ICD) is refused, never trained on OpenGL instead;
 # and prints own-cnn's wgpu/cpu samples/s for the closing note.
 # Needs: Debian's mesa-vulkan-drivers and binaries built with `cargo build --release --features
 # wgpu` (.ci/run does both).
@@ -65,15 +67,36 @@ p1="$(hash_of "$work/pipe1/summary.json")"; p2="$(hash_of "$work/pipe2/summary.j
 echo "wgpu: own-pipeline pp 1 $p1, pp 2 $p2"
 [[ "$p1" == "$p2" ]] || fail "own-pipeline on wgpu: pp 2 differs from pp 1"
 
-# (3) what the plan or the machine cannot do.
-refused "the built-in transformer on wgpu" 'train.device' \
-    "$bins/lockstep" train --config "$repo/configs/shakespeare.toml" --device wgpu --nproc 1 --out "$work/no1"
+# (3) the built-in transformer: its stages compose burn's operations off the flex backend.
+tf=(--config "$repo/configs/shakespeare.toml" --set train.steps=2 --set train.eval_every=0 --set checkpoint.every=0 --set train.log_every=1000)
+run "transformer wgpu 1 worker" "$bins/lockstep" train --device wgpu --nproc 1 --set parallel.pp=1 --out "$work/tf1" "${tf[@]}"
+run "transformer wgpu dp 2" "$bins/lockstep" train --device wgpu --nproc 2 --set parallel.pp=1 --out "$work/tf2" "${tf[@]}"
+run "transformer wgpu pp 2" "$bins/lockstep" train --device wgpu --nproc 2 --set parallel.pp=2 --out "$work/tf3" "${tf[@]}"
+run "transformer cpu 1 worker" "$bins/lockstep" train --nproc 1 --set parallel.pp=1 --out "$work/tf-cpu" "${tf[@]}"
+t1="$(hash_of "$work/tf1/summary.json")"
+echo "wgpu: transformer 1 worker $t1, dp 2 $(hash_of "$work/tf2/summary.json"), pp 2 $(hash_of "$work/tf3/summary.json")"
+[[ "$(hash_of "$work/tf2/summary.json")" == "$t1" ]] || fail "transformer on wgpu: dp 2 differs from 1 worker"
+[[ "$(hash_of "$work/tf3/summary.json")" == "$t1" ]] || fail "transformer on wgpu: pp 2 differs from 1 worker"
+[[ "$(hash_of "$work/tf-cpu/summary.json")" != "$t1" ]] || fail "the transformer's cpu and wgpu runs have one hash"
+[[ "$(field "$work/tf3/summary.json" "s['ranks'][1]['device']")" == wgpu/vulkan* ]] || fail "pp 2's rank 1 is not on wgpu"
+python3 - "$work/tf1/summary.json" "$work/tf-cpu/summary.json" <<'EOF2'
+import json, sys
+g, c = (json.load(open(p)) for p in sys.argv[1:])
+print(f"wgpu: transformer 1 worker, 2 steps: wgpu {g['samples_per_sec']:.1f} samples/s, cpu {c['samples_per_sec']:.0f} "
+      f"samples/s: wgpu (llvmpipe) = {g['samples_per_sec'] / c['samples_per_sec']:.3f}x cpu")
+EOF2
+
+# (4) what the plan or the machine cannot do.
+refused "the built-in MLP on wgpu" 'train.device' \
+    "$bins/lockstep" train --device wgpu --nproc 1 --out "$work/no1"
+refused "tensor-parallel pieces on wgpu" 'model.tp_pieces = 2' \
+    "$bins/lockstep" train --config "$repo/configs/shakespeare.toml" --set model.tp_pieces=2 --set parallel.pp=1 --device wgpu --nproc 1 --out "$work/no5"
 refused "tensor parallelism on wgpu" 'parallel.tp' \
     "$bins/own-pipeline" train --device wgpu --nproc 2 --set parallel.pp=1 --set parallel.tp=2 --out "$work/no2"
 refused "cuda without a GPU" 'train.device = "cuda"' \
     "$bins/own-cnn" train --device cuda --nproc 1 --out "$work/no3"
-# (4) no Vulkan at all: refused, not run on OpenGL.
+# (5) no Vulkan at all: refused, not run on OpenGL.
 VK_ICD_FILENAMES=/nonexistent.json refused "wgpu without a Vulkan adapter" 'no vulkan adapter' \
     "$bins/own-cnn" train --device wgpu --nproc 1 --out "$work/no4"
-for d in no1 no2 no3 no4; do [[ ! -e "$work/$d" ]] || fail "a refused run wrote $d"; done
+for d in no1 no2 no3 no4 no5; do [[ ! -e "$work/$d" ]] || fail "a refused run wrote $d"; done
 echo "wgpu: all checks passed"

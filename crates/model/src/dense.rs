@@ -335,7 +335,11 @@ impl<C: CheckpointStrategy> DenseLinear for Autodiff<Flex, C> {
 }
 
 /// `x · weight + bias` with [`DenseLinear`]'s backward.
+/// Off the flex backend: burn's own product and broadcast add.
 pub fn dense_linear(x: Tensor<2>, weight: Tensor<2>, bias: Tensor<1>) -> Tensor<2> {
+    if !crate::flex_values::on_flex(&x) {
+        return x.matmul(weight) + bias.unsqueeze();
+    }
     Tensor::from_dispatch(<Dispatch as DenseLinear>::dense_linear(
         x.into_dispatch(),
         weight.into_dispatch(),

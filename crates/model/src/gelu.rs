@@ -51,7 +51,11 @@ impl ExactGelu for Flex {
 }
 
 /// The GELU of every value of `x` (exact erf form), with its own backward.
+/// Off the flex backend: burn's exact (erf) GELU.
 pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if !crate::flex_values::on_flex(&x) {
+        return burn::tensor::activation::gelu(x);
+    }
     Tensor::from_dispatch(<Dispatch as ExactGelu>::exact_gelu(x.into_dispatch()))
 }
 

@@ -147,7 +147,9 @@ impl EvalForward {
     }
 }
 
-/// Layers `layers` of a transformer on burn's flex backend with autodiff.
+/// Layers `layers` of a transformer on an autodiff device: burn's flex backend with lockstep's
+/// own kernels ([`Stage::new`]), or any other burn device with the same functions composed of
+/// burn's operations ([`Stage::new_on`]).
 pub struct Stage {
     spec: TransformerSpec,
     layers: Range<usize>,
@@ -174,6 +176,17 @@ impl Stage {
     /// Layers `layers` of `spec`, initialised from `seed` exactly like the same slice of the
     /// whole model.
     pub fn new(spec: &TransformerSpec, layers: Range<usize>, seed: u64) -> Result<Stage, E> {
+        Self::new_on(spec, layers, seed, Device::flex().autodiff())
+    }
+
+    /// [`Stage::new`] on `device` (an autodiff device). The initial values are the same on every
+    /// device (lockstep's own generator); the computed bits are each backend's.
+    pub fn new_on(
+        spec: &TransformerSpec,
+        layers: Range<usize>,
+        seed: u64,
+        device: Device,
+    ) -> Result<Stage, E> {
         spec.validate()?;
         if layers.is_empty() || layers.end > spec.num_layers() {
             return Err(E::InvalidSpec(format!(
@@ -181,7 +194,6 @@ impl Stage {
                 spec.num_layers()
             )));
         }
-        let device = Device::flex().autodiff();
         let net = StageNet::zeros(spec, layers.clone(), &device);
         let layout = spec.layout(layers.clone());
         let num_params = layout.iter().map(|p| p.len).sum();

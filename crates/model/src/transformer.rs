@@ -410,7 +410,7 @@ pub(crate) fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>) -> Tensor<3> {
 /// three `w = heads · dh` wide): `[n, t, w]`, heads side by side. The whole layer's heads, or
 /// one tensor-parallel piece's. One op (`attention.rs`) with the bits of [`attend_composed`].
 pub(crate) fn attend(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
-    if qkv.dtype() == DType::F32 {
+    if qkv.dtype() == DType::F32 && crate::flex_values::on_flex(&qkv) {
         return causal_attention(qkv, heads);
     }
     let mask = causal_mask(qkv.dims()[1], &qkv.device());
@@ -418,7 +418,7 @@ pub(crate) fn attend(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
 }
 
 /// [`attend`] composed of burn ops, with an additive `mask` ([`causal_mask`]): the reference the
-/// fused op is tested against, and the path for other element types.
+/// fused op is tested against, and the path for other element types and devices.
 pub(crate) fn attend_composed(qkv: Tensor<3>, heads: usize, mask: &Tensor<4>) -> Tensor<3> {
     let [n, t, w3] = qkv.dims();
     let w = w3 / 3;

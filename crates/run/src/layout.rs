@@ -223,8 +223,9 @@ impl ParallelPlan {
                 "train.device",
                 format!(
                     "train.device = \"{device}\" needs a model written as burn code (your own \
-                     lockstep::Job or LayeredJob); lockstep's built-in models (model.kind = \
-                     \"{}\") run on its own CPU kernels: set train.device = \"cpu\"",
+                     lockstep::Job or LayeredJob, or the built-in transformer); lockstep's \
+                     built-in classifiers (model.kind = \"{}\") run on its own CPU kernels: set \
+                     train.device = \"cpu\"",
                     cfg.model.kind
                 ),
             ));
@@ -239,6 +240,23 @@ impl ParallelPlan {
                     cfg.parallel.tp
                 ),
             ));
+        }
+        if let ModelShape::Layered {
+            tp_pieces: Some(pieces),
+            pieces_from,
+            ..
+        } = shape
+        {
+            if *pieces > 1 {
+                return Err(invalid(
+                    "train.device",
+                    format!(
+                        "a model of {pieces} tensor-parallel pieces ({pieces_from}) computes them \
+                         with custom operations of burn's flex CPU backend, so it needs \
+                         train.device = \"cpu\" (asked: \"{device}\")"
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -299,7 +317,8 @@ impl TrainConfig {
                 layers: Some(layers),
                 tp_pieces: Some(self.model.tp_pieces.max(1)),
                 pieces_from: format!("model.tp_pieces = {}", self.model.tp_pieces),
-                on_devices: false,
+                // Its stages compute with burn's operations off the flex backend.
+                on_devices: true,
             }
         } else {
             ModelShape::Flat {
@@ -409,12 +428,17 @@ mod tests {
             let set = format!("train.device={device}");
             assert!(ParallelPlan::new(&cfg(&[&set]), 2, &flat(true)).is_ok());
             assert!(ParallelPlan::new(&cfg(&[&set, "parallel.pp=2"]), 2, &layered(4, 1)).is_ok());
-            for kind in ["mlp", "transformer"] {
+            for kind in ["mlp", "cnn"] {
                 let c = cfg(&[&set, &format!("model.kind={kind}")]);
                 let (field, m) = refused(&c, 2, &c.builtin_shape(4));
                 assert_eq!(field, "train.device");
                 assert!(m.contains(&format!("model.kind = \"{kind}\"")), "{m}");
             }
+            let c = cfg(&[&set, "model.kind=transformer"]);
+            assert!(ParallelPlan::new(&c, 2, &c.builtin_shape(4)).is_ok());
+            let c = cfg(&[&set, "model.kind=transformer", "model.tp_pieces=2"]);
+            let (field, m) = refused(&c, 2, &c.builtin_shape(4));
+            assert_eq!(field, "train.device", "{m}");
             let (field, m) = refused(&cfg(&[&set, "parallel.tp=2"]), 2, &layered(4, 2));
             assert_eq!(field, "parallel.tp", "{m}");
         }

@@ -150,8 +150,8 @@ pub mod nan_as_null {
 pub struct RankSummary {
     pub rank: usize,
     pub host: String,
-    /// The rank's device: burn backend, adapter index and name ("flex 0: <CPU model>",
-    /// "wgpu/vulkan 0: llvmpipe …", "cuda 1: NVIDIA H100 …"); empty in older summaries.
+    /// The rank's device: burn backend, adapter index and name (`flex 0: <the CPU's model>`,
+    /// `wgpu/vulkan 0: llvmpipe …`, `cuda 1: NVIDIA H100 …`); empty in older summaries.
     #[serde(default)]
     pub device: String,
     pub samples: u64,

@@ -40,9 +40,11 @@ impl JobSpec for BuiltinJob {
         cfg.validate_builtin()
     }
 
-    fn build(&self, cfg: &TrainConfig, _: &Placement) -> Result<Trainable<'_>, TrainError> {
+    fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError> {
         if cfg.model.kind == ModelKind::Transformer {
-            let model = crate::pipeline::transformer::Transformer::new(cfg)?;
+            // On any device (the classifiers, which the plan keeps on the CPU, ignore it).
+            let device = device.seeded(cfg.train.seed);
+            let model = crate::pipeline::transformer::Transformer::new(cfg, device)?;
             return Ok(Trainable::Layered(Box::new(model)));
         }
         let (train, test) = crate::datasets::load(&cfg.data, cfg.train.seed)?;

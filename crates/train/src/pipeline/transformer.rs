@@ -1,5 +1,6 @@
 //! lockstep's built-in character-level transformer as a [`Layered`] model: embedding, blocks,
-//! head over a character corpus (the embedded Shakespeare plays, or `data.dir`). With
+//! head over a character corpus (the embedded Shakespeare plays, or `data.dir`), on the worker's
+//! device (`train.device`: lockstep's kernels on the CPU, burn's operations elsewhere). With
 //! `model.tp_pieces > 1` its stages are `lockstep_model::TpStage`s (the canonical split, this
 //! rank's share of the pieces), also on one rank.
 
@@ -7,6 +8,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use burn::tensor::Device;
 use lockstep_data::text::{CharCorpus, Split};
 use lockstep_model::{
     LayerKind, LocalPieceSum, PieceSum, Stage, StageEval, StageInput, StageOutput, TpSplit,
@@ -51,11 +53,14 @@ pub struct Transformer {
     corpus: CharCorpus,
     /// `model.tp_pieces`.
     tp_pieces: usize,
+    /// The autodiff device its stages compute on (`train.device`; the tensor-parallel pieces
+    /// run on the CPU only, which the plan ensures).
+    device: Device,
 }
 
 impl Transformer {
-    /// Load the corpus and check that the spec fits it.
-    pub fn new(cfg: &TrainConfig) -> Result<Transformer, TrainError> {
+    /// Load the corpus and check that the spec fits it; stages will compute on `device`.
+    pub fn new(cfg: &TrainConfig, device: Device) -> Result<Transformer, TrainError> {
         let corpus = load_corpus(cfg)?;
         let spec = transformer_spec(cfg, corpus.vocab_size());
         spec.validate()?;
@@ -71,6 +76,7 @@ impl Transformer {
             spec,
             corpus,
             tp_pieces: cfg.model.tp_pieces,
+            device,
         })
     }
 }
@@ -150,7 +156,12 @@ impl Layered for Transformer {
             return self.tp_stage(layers, seed, 1, 0, Box::new(LocalPieceSum));
         }
         Ok(Box::new(TransformerStage {
-            stage: Inner::Whole(Box::new(Stage::new(&self.spec, layers, seed)?)),
+            stage: Inner::Whole(Box::new(Stage::new_on(
+                &self.spec,
+                layers,
+                seed,
+                self.device.clone(),
+            )?)),
             corpus: &self.corpus,
             x: Vec::new(),
             y: Vec::new(),
