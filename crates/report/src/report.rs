@@ -830,7 +830,7 @@ mod tests {
             "| parameter hash (SHA-256) | `abc123` |",
             "| restarts | 1 |",
             "| steps recomputed | 4 |",
-            "| 0 | h<1> | 80 | 0.070 | 0.020 | 0.000 | 0.000 | 0.001 | 1000 | 0.01000 | 0.01200 |",
+            "| 0 | h<1> |  | 80 | 0.070 | 0.020 | 0.000 | 0.000 | 0.001 | 0.000 | 1000 | 0.01000 | 0.01200 |",
             "## Per rank",
             "## Evaluations",
             "## Failures and recoveries",

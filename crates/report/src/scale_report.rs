@@ -68,6 +68,7 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
         "speedup",
         "efficiency",
         "communication % of step",
+        "device",
     ]);
     for p in points {
         t.row(vec![
@@ -79,6 +80,7 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
             format!("{:.2}×", p.speedup),
             format!("{:.1}%", p.efficiency * 100.0),
             format!("{:.1}%", p.communication_fraction * 100.0),
+            p.devices.join("; "),
         ]);
     }
     doc.table(&t);
@@ -377,6 +379,7 @@ mod tests {
                             activation_peak_bytes: 1 << 20,
                             peak_rss_bytes: (200 + r as u64) << 20,
                         }),
+                        device: "flex 0: cpu".into(),
                         ..crate::scaling::tests::rank_summary(r)
                     })
                     .collect(),
@@ -412,9 +415,9 @@ mod tests {
         assert!(md.contains(&report.headline));
         // Numbers as computed by compare (10 ms → 6 ms: 1.67×, 83.3% on 2 workers).
         for row in [
-            "| dp-1 | 1 | 1 × 1 × 1 | 10.000 | 6400.0 | 1.00× | 100.0% | 15.0% |",
-            "| dp-2 | 2 | 2 × 1 × 1 | 6.000 | 10666.7 | 1.67× | 83.3% | 15.0% |",
-            "| dp2xpp2 | 4 | 2 × 1 × 2 | 4.000 | 16000.0 | 2.50× | 62.5% | 15.0% |",
+            "| dp-1 | 1 | 1 × 1 × 1 | 10.000 | 6400.0 | 1.00× | 100.0% | 15.0% | flex 0: cpu |",
+            "| dp-2 | 2 | 2 × 1 × 1 | 6.000 | 10666.7 | 1.67× | 83.3% | 15.0% | flex 0: cpu |",
+            "| dp2xpp2 | 4 | 2 × 1 × 2 | 4.000 | 16000.0 | 2.50× | 62.5% | 15.0% | flex 0: cpu |",
             "| dp-2 | 6.000 | 0.100 | 5.000 | 0.600 | 0.300 | 0.000 |",
             "| dp-1 | 1 | 0.123456 | 0.234567 | 0.9721 | 6400.0 | 1.250 | `aaaaaaaaaaaa` | yes |",
             "| dp2xpp2 | 4 | 0.123456 | 0.234567 | 0.9721 | 16000.0 | 0.312 | `aaaaaaaaaaaa` | yes |",

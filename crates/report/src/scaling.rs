@@ -239,6 +239,10 @@ pub struct ScalePoint {
     /// recorded without it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub memory: Vec<RankMemory>,
+    /// The distinct devices its ranks computed on (summary.json's `ranks[i].device`, in rank
+    /// order of first appearance); empty for runs recorded without them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<String>,
 }
 
 impl ScalePoint {
@@ -291,6 +295,16 @@ fn percent(f: f64) -> String {
     format!("{:.0}%", f * 100.0)
 }
 
+fn distinct_devices(summary: &lockstep_run::Summary) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in &summary.ranks {
+        if !r.device.is_empty() && !out.contains(&r.device) {
+            out.push(r.device.clone());
+        }
+    }
+    out
+}
+
 /// Build the comparison, the first run being the baseline.
 pub fn compare(runs: &[Run]) -> ScaleReport {
     let mut points: Vec<ScalePoint> = Vec::new();
@@ -330,6 +344,7 @@ pub fn compare(runs: &[Run]) -> ScaleReport {
             param_hash: summary.param_hash.clone(),
             same_result_as_first: true,
             memory: summary.ranks.iter().filter_map(|r| r.memory).collect(),
+            devices: distinct_devices(summary),
         });
     }
     if let Some(first) = points.first().cloned() {
