@@ -101,7 +101,7 @@ def model_settings():
 
 # ----- PyTorch side (runs in the torch venv: `script torch-one --settings JSON ...`) -----
 
-def torch_one(settings, threads, attention, steps, warmup):
+def torch_one(settings, threads, attention, steps, warmup, device="cpu", tf32=False):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -157,17 +157,22 @@ def torch_one(settings, threads, attention, steps, warmup):
             return self.out(self.ln(x))
 
     torch.manual_seed(0)
-    model = Transformer()
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    model = Transformer().to(dev)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(s["beta1"], s["beta2"]),
                             eps=s["eps"], weight_decay=s["weight_decay"])
     gb, mb = s["global_batch"], s["microbatch"]
     scale = 1.0 / (gb * T)
     g = torch.Generator().manual_seed(1)
-    pool = [torch.randint(0, V, (gb, T + 1), generator=g) for _ in range(8)]
+    pool = [torch.randint(0, V, (gb, T + 1), generator=g).to(dev) for _ in range(8)]
     times = []
     for step in range(steps):
         batch = pool[step % len(pool)]
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -178,12 +183,14 @@ def torch_one(settings, threads, attention, steps, warmup):
             loss.backward()
             loss_sum += loss.item()
         opt.step()
+        sync()
         times.append(time.perf_counter() - t0)
     med = statistics.median(times[warmup:])
     print("RESULT " + json.dumps({
         "samples_per_s": gb / med, "step_ms": med * 1e3, "params": params,
         "microbatch": mb, "final_loss": loss_sum, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "attention": attention,
+        "torch": torch.__version__, "attention": attention, "device": str(dev),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "tf32": tf32,
         "adamw": "default (foreach=None, fused=None: per-tensor loop on CPU)"}), flush=True)
 
 
@@ -243,6 +250,9 @@ def run_lockstep(binary, threads, steps, warmup, settings):
 
 
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "settings":
+        print(json.dumps(model_settings()))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "torch-one":
         ap = argparse.ArgumentParser()
         ap.add_argument("cmd")
@@ -251,8 +261,11 @@ def main():
         ap.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa")
         ap.add_argument("--steps", type=int, default=40)
         ap.add_argument("--warmup", type=int, default=5)
+        ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (scripts/gpu-check.sh)")
+        ap.add_argument("--tf32", action="store_true", help="allow TF32 products on CUDA")
         a = ap.parse_args()
-        torch_one(json.loads(a.settings), a.threads, a.attention, a.steps, a.warmup)
+        torch_one(json.loads(a.settings), a.threads, a.attention, a.steps, a.warmup, a.device,
+                  a.tf32)
         return
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
