@@ -50,6 +50,15 @@ pub mod tp {
     };
 }
 
+/// lockstep's CPU kernels as burn operations for your own model: `dense_linear` (`x · W + b`),
+/// `layer_norm`, exact `gelu`, `softmax_last`, `causal_self_attention` (over a fused `[Q | K | V]`).
+/// On the flex CPU backend they run lockstep's kernels, whose bits do not depend on
+/// `--threads-per-worker` (burn flex's own matrix product is single-threaded in lockstep's build);
+/// on any other device (`train.device`) they are the same functions of burn's operations.
+pub mod ops {
+    pub use lockstep_model::ops::*;
+}
+
 /// The user guide's Rust snippets (docs/src, an mdBook), compiled and run as doctests of this
 /// crate by `cargo test -p lockstep --doc`: one module per chapter that holds Rust code.
 #[cfg(doctest)]

@@ -334,7 +334,7 @@ impl<C: CheckpointStrategy> DenseLinear for Autodiff<Flex, C> {
     }
 }
 
-/// `x · weight + bias` with [`DenseLinear`]'s backward.
+/// `x · weight + bias` with its own one-pass backward.
 /// Off the flex backend: burn's own product and broadcast add.
 pub fn dense_linear(x: Tensor<2>, weight: Tensor<2>, bias: Tensor<1>) -> Tensor<2> {
     if !crate::flex_values::on_flex(&x) {

@@ -61,6 +61,18 @@ mod transformer;
 mod vector_math;
 
 pub use alloc::tune_allocator_for_training;
+
+/// lockstep's CPU kernels as operations any burn model can call: on burn's flex backend (with or
+/// without autodiff) they are lockstep's own one-pass forward and backward, split between the
+/// worker's threads by outputs only, so their bits do not depend on `--threads-per-worker`; on
+/// any other device they are the same functions composed of burn's operations.
+pub mod ops {
+    pub use crate::dense::dense_linear;
+    pub use crate::gelu::gelu;
+    pub use crate::layer_norm::layer_norm;
+    pub use crate::softmax::softmax_last;
+    pub use crate::transformer::attend as causal_self_attention;
+}
 pub use error::ModelError;
 
 /// Threads this worker's own compute loops run on when called from this thread: the size of its

@@ -408,8 +408,8 @@ pub(crate) fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>) -> Tensor<3> {
 
 /// Causal self-attention of `heads` heads over `qkv = [Q | K | V]` (`[n, t, 3·w]`, each of the
 /// three `w = heads · dh` wide): `[n, t, w]`, heads side by side. The whole layer's heads, or
-/// one tensor-parallel piece's. One op (`attention.rs`) with the bits of [`attend_composed`].
-pub(crate) fn attend(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
+/// one tensor-parallel piece's. One op (`attention.rs`) with the bits of the same function composed of burn's operations (what it is off the flex backend).
+pub fn attend(qkv: Tensor<3>, heads: usize) -> Tensor<3> {
     if qkv.dtype() == DType::F32 && crate::flex_values::on_flex(&qkv) {
         return causal_attention(qkv, heads);
     }
