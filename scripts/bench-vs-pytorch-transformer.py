@@ -17,6 +17,12 @@ speed drifts between runs, and other work may share it), for each repetition:
                     the copies, the optimizer and the one-worker exact sum; burn's remaining
                     kernels run on one: see `lockstep train --help`)
   torch_1x2         torch.set_num_threads(2), OMP_NUM_THREADS=MKL_NUM_THREADS=2
+  with --ddp also:
+  lockstep_2x1      --nproc 2 --threads-per-worker 1 (data parallel, exact sum; the slowest
+                    rank's step time)
+  torch_ddp_2x1     2 processes x 1 thread, DistributedDataParallel over gloo, each rank its half
+                    of the global batch, gradients all-reduced during the last micro-batch's
+                    backward (no_sync before it); the slowest rank's step time
 
 The model (configs/shakespeare.toml, `model.kind = "transformer"`, crates/model/src/transformer.rs):
 token embedding [vocab, 128] + learned position embedding [64, 128]; 4 pre-norm blocks
@@ -48,10 +54,11 @@ burn tensors; PyTorch's default init differs from lockstep's (timing does not de
 PyTorch's AdamW is its default CPU implementation (per-tensor loop, not fused).
 
 usage: scripts/bench-vs-pytorch-transformer.py [--python /work/torchvenv/bin/python] [--reps 3]
-           [--steps 40] [--warmup 5] [--two-threads] [--out bench/vs-pytorch-transformer.json]
+           [--steps 40] [--warmup 5] [--two-threads] [--ddp] [--out bench/vs-pytorch-transformer.json]
 Build first: cargo build --release --bin lockstep.
 """
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -69,6 +76,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs/shakespeare.toml")
 CONFIGS_1 = ["lockstep_1x1", "torch_1x1", "torch_1x1_eager"]
 CONFIGS_2 = ["lockstep_1x2", "torch_1x2"]
+CONFIGS_DDP = ["lockstep_2x1", "torch_ddp_2x1"]
 
 
 def shakespeare_vocab():
@@ -101,7 +109,8 @@ def model_settings():
 
 # ----- PyTorch side (runs in the torch venv: `script torch-one --settings JSON ...`) -----
 
-def torch_one(settings, threads, attention, steps, warmup, device="cpu", tf32=False):
+def torch_one(settings, threads, attention, steps, warmup, device="cpu", tf32=False, rank=None,
+              world=1):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -157,16 +166,26 @@ def torch_one(settings, threads, attention, steps, warmup, device="cpu", tf32=Fa
             return self.out(self.ln(x))
 
     torch.manual_seed(0)
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     model = Transformer().to(dev)
     params = sum(p.numel() for p in model.parameters())
+    if world > 1:
+        # Data parallel as a PyTorch user runs it: DDP over gloo, gradients all-reduced in
+        # buckets during the last micro-batch's backward (no_sync before it).
+        model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(s["beta1"], s["beta2"]),
                             eps=s["eps"], weight_decay=s["weight_decay"])
     gb, mb = s["global_batch"], s["microbatch"]
-    scale = 1.0 / (gb * T)
+    # DDP averages over ranks: the sum over the global batch is world x this.
+    scale = world / (gb * T)
+    share = gb // world
+    lo = 0 if rank is None else rank * share
     g = torch.Generator().manual_seed(1)
     pool = [torch.randint(0, V, (gb, T + 1), generator=g).to(dev) for _ in range(8)]
     times = []
@@ -176,29 +195,58 @@ def torch_one(settings, threads, attention, steps, warmup, device="cpu", tf32=Fa
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        for i in range(0, gb, mb):
+        starts = list(range(lo, lo + share, mb))
+        for i in starts:
             x, y = batch[i:i + mb, :T], batch[i:i + mb, 1:]
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), reduction="sum") * scale
-            loss.backward()
+            last = i == starts[-1]
+            ctx = model.no_sync() if world > 1 and not last else contextlib.nullcontext()
+            with ctx:
+                logits = model(x)
+                loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1), reduction="sum") * scale
+                loss.backward()
             loss_sum += loss.item()
         opt.step()
         sync()
         times.append(time.perf_counter() - t0)
+    if world > 1:
+        # The step of the slowest rank, as lockstep's figures.
+        import torch.distributed as dist
+        every = [None] * world
+        dist.all_gather_object(every, times)
+        times = [max(ts) for ts in zip(*every)]
+        dist.destroy_process_group()
+        if rank != 0:
+            return
     med = statistics.median(times[warmup:])
     print("RESULT " + json.dumps({
         "samples_per_s": gb / med, "step_ms": med * 1e3, "params": params,
         "microbatch": mb, "final_loss": loss_sum, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "attention": attention, "device": str(dev),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "tf32": tf32,
-        "adamw": "default (foreach=None, fused=None: per-tensor loop on CPU)"}), flush=True)
+        "adamw": "default (foreach=None, fused=None: per-tensor loop on CPU)",
+        "world": world}), flush=True)
 
 
-def run_torch(py, settings, threads, attention, steps, warmup):
+def torch_ddp(settings, attention, steps, warmup, world=2):
+    """`world` processes of one thread each, DDP over gloo on this host."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    mp.spawn(_ddp_rank, args=(settings, attention, steps, warmup, world), nprocs=world)
+
+
+def _ddp_rank(rank, settings, attention, steps, warmup, world):
+    torch_one(settings, 1, attention, steps, warmup, rank=rank, world=world)
+
+
+def run_torch(py, settings, threads, attention, steps, warmup, ddp=1):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     cmd = [py, os.path.abspath(__file__), "torch-one", "--settings", json.dumps(settings),
            "--threads", str(threads), "--attention", attention, "--steps", str(steps),
-           "--warmup", str(warmup)]
+           "--warmup", str(warmup), "--ddp", str(ddp)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
     if out.returncode or not line:
@@ -208,18 +256,18 @@ def run_torch(py, settings, threads, attention, steps, warmup):
 
 # ----- lockstep side -----
 
-def lockstep_cmd(binary, out_dir, threads, steps, config=CONFIG):
-    return [binary, "train", "--config", config, "--nproc", "1",
+def lockstep_cmd(binary, out_dir, threads, steps, config=CONFIG, nproc=1):
+    return [binary, "train", "--config", config, "--nproc", str(nproc),
             "--threads-per-worker", str(threads), "--out", out_dir,
             "--set", "parallel.pp=1", "--set", f"train.steps={steps}",
             "--set", "train.eval_every=0", "--set", "checkpoint.every=0",
             "--set", "train.log_every=1000"]
 
 
-def run_lockstep(binary, threads, steps, warmup, settings):
+def run_lockstep(binary, threads, steps, warmup, settings, nproc=1):
     with tempfile.TemporaryDirectory(prefix="vs-pytorch-tf-") as d:
         out_dir = os.path.join(d, "run")
-        cmd = lockstep_cmd(binary, out_dir, threads, steps)
+        cmd = lockstep_cmd(binary, out_dir, threads, steps, nproc=nproc)
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if out.returncode:
             sys.exit(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
@@ -232,13 +280,19 @@ def run_lockstep(binary, threads, steps, warmup, settings):
         with open(os.path.join(out_dir, "summary.json")) as fh:
             summary = json.load(fh)
     rows = [r for r in sorted(rows, key=lambda r: r["step"]) if r["step"] >= warmup]
+    # The slowest rank's step (one row per rank and step).
+    slowest = {}
+    for r in rows:
+        if r["step"] not in slowest or r["step_seconds"] > slowest[r["step"]]["step_seconds"]:
+            slowest[r["step"]] = r
+    rows = [slowest[k] for k in sorted(slowest)]
     med = statistics.median(r["step_seconds"] for r in rows)
     phases = {k: statistics.median(r["seconds"][k] for r in rows) * 1e3
               for k in rows[0]["seconds"]}
     params_bytes = summary["ranks"][0]["memory"]["params_bytes"]
     if params_bytes % 4 or summary["microbatch"] != settings["microbatch"] \
             or summary["global_batch"] != settings["global_batch"] \
-            or summary["pipeline"]["pp"] != 1 or summary["world_size"] != 1:
+            or summary["pipeline"]["pp"] != 1 or summary["world_size"] != nproc:
         sys.exit(f"lockstep ran another setup than the PyTorch side's {settings}: params_bytes "
                  f"{params_bytes}, microbatch {summary['microbatch']}, global_batch "
                  f"{summary['global_batch']}, pp {summary['pipeline']['pp']}, world "
@@ -263,7 +317,11 @@ def main():
         ap.add_argument("--warmup", type=int, default=5)
         ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (scripts/gpu-check.sh)")
         ap.add_argument("--tf32", action="store_true", help="allow TF32 products on CUDA")
+        ap.add_argument("--ddp", type=int, default=1, help="DDP over this many 1-thread processes")
         a = ap.parse_args()
+        if a.ddp > 1:
+            torch_ddp(json.loads(a.settings), a.attention, a.steps, a.warmup, a.ddp)
+            return
         torch_one(json.loads(a.settings), a.threads, a.attention, a.steps, a.warmup, a.device,
                   a.tf32)
         return
@@ -276,6 +334,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
     ap.add_argument("--two-threads", action="store_true",
                     help="also lockstep --threads-per-worker 2 and torch at 2 threads")
+    ap.add_argument("--ddp", action="store_true",
+                    help="also 2 workers x 1 thread: lockstep --nproc 2 and PyTorch DDP (gloo)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/vs-pytorch-transformer.json"))
     ap.add_argument("--quiet-load", type=float, default=2.5,
                     help="before each run, wait for the 1-minute load average to fall under this")
@@ -285,17 +345,18 @@ def main():
         sys.exit("--steps must exceed --warmup")
 
     settings = model_settings()
-    configs = CONFIGS_1 + (CONFIGS_2 if a.two_threads else [])
+    configs = CONFIGS_1 + (CONFIGS_2 if a.two_threads else []) + (CONFIGS_DDP if a.ddp else [])
     runs = {}  # config -> [result per rep]
     for rep in range(a.reps):
         for cfg in (configs if rep % 2 == 0 else configs[::-1]):
             load0 = wait_for_quiet(a.quiet_load, a.max_wait)
             threads = 2 if "_1x2" in cfg else 1
+            nproc = 2 if "_2x1" in cfg else 1
             if cfg.startswith("lockstep"):
-                r = run_lockstep(a.bin, threads, a.steps, a.warmup, settings)
+                r = run_lockstep(a.bin, threads, a.steps, a.warmup, settings, nproc)
             else:
                 attention = "eager" if cfg.endswith("_eager") else "sdpa"
-                r = run_torch(a.python, settings, threads, attention, a.steps, a.warmup)
+                r = run_torch(a.python, settings, threads, attention, a.steps, a.warmup, nproc)
             r["load_before"] = load0
             runs.setdefault(cfg, []).append(r)
             counts = {c: rs[0]["params"] for c, rs in runs.items()}
@@ -353,6 +414,10 @@ def main():
     }
     if a.two_threads:
         result["ratios"]["lockstep_1x2 / torch_1x2"] = ratio("lockstep_1x2", "torch_1x2")
+    if a.ddp:
+        result["ratios"]["lockstep_2x1 / torch_ddp_2x1"] = ratio("lockstep_2x1", "torch_ddp_2x1")
+        result["ratios"]["lockstep_2x1 / lockstep_1x1"] = ratio("lockstep_2x1", "lockstep_1x1")
+        result["ratios"]["torch_ddp_2x1 / torch_1x1"] = ratio("torch_ddp_2x1", "torch_1x1")
     write_json(a.out, result)
     print_table(result)
 
@@ -375,6 +440,11 @@ def print_table(result):
     if "lockstep_1x2" in c:
         print(f"| 2 | {f(c['lockstep_1x2'])} | {f(c['torch_1x2'])} | "
               f"{r(q['lockstep_1x2 / torch_1x2'])} | | |")
+    if "lockstep_2x1" in c:
+        print(f"| 2 workers x 1 (DDP) | {f(c['lockstep_2x1'])} | {f(c['torch_ddp_2x1'])} | "
+              f"{r(q['lockstep_2x1 / torch_ddp_2x1'])} | | |")
+        print(f"\n2x1 / 1x1: lockstep {r(q['lockstep_2x1 / lockstep_1x1'])}, PyTorch DDP "
+              f"{r(q['torch_ddp_2x1 / torch_1x1'])}")
     phases = c["lockstep_1x1"]["phases_ms_median"]
     print("\nlockstep 1×1 phase medians (ms/step): "
           + ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if v >= 0.005))
