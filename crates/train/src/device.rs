@@ -74,7 +74,7 @@ impl Placement {
             info: DeviceInfo {
                 kind: DeviceKind::Cpu,
                 backend: "flex".into(),
-                adapter: cpu_model(),
+                adapter: cpu_model().unwrap_or_else(|| "cpu".into()),
                 index: 0,
             },
         }
@@ -153,13 +153,13 @@ static COPY_NANOS: AtomicU64 = AtomicU64::new(0);
 
 /// Read gradients off `device` with `read`, timed as a device copy: the device finishes its
 /// queued work first (counted as the caller's compute), so the time is the copy alone.
-pub fn copy_from<T>(device: &Device, read: impl FnOnce() -> T) -> T {
+pub(crate) fn copy_from<T>(device: &Device, read: impl FnOnce() -> T) -> T {
     let _ = device.sync();
     timed_copy(read)
 }
 
 /// Run `copy` (a transfer between the model's device and the host), timed as a device copy.
-pub fn timed_copy<T>(copy: impl FnOnce() -> T) -> T {
+pub(crate) fn timed_copy<T>(copy: impl FnOnce() -> T) -> T {
     let t0 = Instant::now();
     let out = copy();
     COPY_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -167,7 +167,7 @@ pub fn timed_copy<T>(copy: impl FnOnce() -> T) -> T {
 }
 
 /// Seconds of device copies since the last call (the step driver's `device_copy` phase).
-pub fn take_copy_seconds() -> f64 {
+pub(crate) fn take_copy_seconds() -> f64 {
     COPY_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9
 }
 
@@ -175,17 +175,22 @@ fn unavailable(asked: DeviceKind, reason: String) -> DeviceError {
     DeviceError::Unavailable { asked, reason }
 }
 
-/// The CPU's model name from /proc/cpuinfo ("cpu" where it is not there).
-fn cpu_model() -> String {
+/// `asked` needs a cargo feature this binary was built without.
+#[allow(dead_code)] // unused when both backends are built in
+fn not_built(asked: DeviceKind, feature: &'static str) -> DeviceError {
+    DeviceError::NotBuilt { asked, feature }
+}
+
+/// The CPU's model name (`model name` in /proc/cpuinfo), where the system says it.
+pub fn cpu_model() -> Option<String> {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {
             text.lines()
-                .find_map(|l| l.strip_prefix("model name"))
+                .find(|l| l.starts_with("model name"))
                 .and_then(|l| l.split_once(':'))
                 .map(|(_, name)| name.trim().to_string())
         })
-        .unwrap_or_else(|| "cpu".into())
 }
 
 #[cfg(feature = "wgpu")]
@@ -193,7 +198,7 @@ mod wgpu_backend;
 
 mod backends {
     #[allow(unused_imports)]
-    use super::{unavailable, DeviceError, DeviceKind, Placement};
+    use super::{not_built, unavailable, DeviceError, DeviceKind, Placement};
 
     #[cfg(feature = "wgpu")]
     pub(super) fn wgpu(local_rank: usize, hardware_only: bool) -> Result<Placement, DeviceError> {
@@ -207,15 +212,12 @@ mod backends {
 
     #[cfg(not(feature = "wgpu"))]
     pub(super) fn wgpu(_: usize, _: bool) -> Result<Placement, DeviceError> {
-        wgpu_probe().map(|_| unreachable!())
+        Err(not_built(DeviceKind::Wgpu, "wgpu"))
     }
 
     #[cfg(not(feature = "wgpu"))]
     pub(super) fn wgpu_probe() -> Result<(), DeviceError> {
-        Err(DeviceError::NotBuilt {
-            asked: DeviceKind::Wgpu,
-            feature: "wgpu",
-        })
+        Err(not_built(DeviceKind::Wgpu, "wgpu"))
     }
 
     /// The GPUs the CUDA driver shows this process (after `CUDA_VISIBLE_DEVICES`).
@@ -236,10 +238,7 @@ mod backends {
 
     #[cfg(not(feature = "cuda"))]
     pub(super) fn cuda_count() -> Result<usize, DeviceError> {
-        Err(DeviceError::NotBuilt {
-            asked: DeviceKind::Cuda,
-            feature: "cuda",
-        })
+        Err(not_built(DeviceKind::Cuda, "cuda"))
     }
 
     #[cfg(feature = "cuda")]
@@ -262,7 +261,7 @@ mod backends {
 
     #[cfg(not(feature = "cuda"))]
     pub(super) fn cuda(_: usize) -> Result<Placement, DeviceError> {
-        cuda_count().map(|_| unreachable!())
+        Err(not_built(DeviceKind::Cuda, "cuda"))
     }
 }
 

@@ -40,17 +40,22 @@ fn selector(adapters: &[wgpu::AdapterInfo], i: usize) -> Adapter {
     }
 }
 
+/// The setting a refusal names: `auto` looks for hardware adapters only.
+fn asked(hardware_only: bool) -> DeviceKind {
+    if hardware_only {
+        DeviceKind::Auto
+    } else {
+        DeviceKind::Wgpu
+    }
+}
+
 /// The machine's adapters and the one of `local_rank`: hardware adapters first, software ones
 /// (llvmpipe) after them, or none with `hardware_only` (what `auto` asks).
 pub(super) fn find(
     local_rank: usize,
     hardware_only: bool,
 ) -> Result<(Vec<wgpu::AdapterInfo>, usize), DeviceError> {
-    let asked = if hardware_only {
-        DeviceKind::Auto
-    } else {
-        DeviceKind::Wgpu
-    };
+    let asked = asked(hardware_only);
     let all = adapters();
     let software = |a: &wgpu::AdapterInfo| a.device_type == wgpu::DeviceType::Cpu;
     let mut order: Vec<usize> = (0..all.len()).filter(|&i| !software(&all[i])).collect();
@@ -78,11 +83,7 @@ pub(super) fn find(
 
 /// Open the adapter of `local_rank` (see [`find`]).
 pub(super) fn open(local_rank: usize, hardware_only: bool) -> Result<Placement, DeviceError> {
-    let asked = if hardware_only {
-        DeviceKind::Auto
-    } else {
-        DeviceKind::Wgpu
-    };
+    let asked = asked(hardware_only);
     let (all, index) = find(local_rank, hardware_only)?;
     let info = &all[index];
     let device = Device::wgpu_options()

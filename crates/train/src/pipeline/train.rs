@@ -504,12 +504,12 @@ impl<'m> StageRank<'m> {
                 .set_params_flat(&whole)
                 .map_err(|e| self.setup_error(e))?;
             sec.communication += t0.elapsed().as_secs_f64();
-            sec.move_copies(|s| &mut s.communication);
+            move_copies(&mut sec, |s| &mut s.communication);
         }
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, self.cfg.train.microbatch);
         let (loss, pipeline) = self.gradients(comm, &pieces, step, &mut sec)?;
-        sec.move_copies(|s| &mut s.backward);
+        move_copies(&mut sec, |s| &mut s.backward);
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
@@ -526,7 +526,7 @@ impl<'m> StageRank<'m> {
         }
         sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
         sec.communication += gather_seconds;
-        sec.move_copies(|s| &mut s.optimizer);
+        move_copies(&mut sec, |s| &mut s.optimizer);
 
         let eval = if ledger.eval_due(step) {
             Some(self.evaluate(comm, step)?)
@@ -865,21 +865,16 @@ impl StreamedCompute for StageStream<'_> {
     }
 }
 
+/// The device copies since the last call, moved out of the phase `from` picks (the one that
+/// timed them) into `device_copy`.
+fn move_copies(sec: &mut PhaseSeconds, from: impl FnOnce(&mut PhaseSeconds) -> &mut f64) {
+    let copies = device::take_copy_seconds();
+    let phase = from(sec);
+    *phase = (*phase - copies).max(0.0);
+    sec.device_copy += copies;
+}
+
 /// An injected straggler (`--inject slow:…`): its computation takes `slowdown` times as long.
-/// The device copies since the last call, moved out of the phase that timed them.
-trait MoveCopies {
-    fn move_copies(&mut self, from: impl FnOnce(&mut PhaseSeconds) -> &mut f64);
-}
-
-impl MoveCopies for PhaseSeconds {
-    fn move_copies(&mut self, from: impl FnOnce(&mut PhaseSeconds) -> &mut f64) {
-        let copies = device::take_copy_seconds();
-        let phase = from(self);
-        *phase = (*phase - copies).max(0.0);
-        self.device_copy += copies;
-    }
-}
-
 fn straggle(slowdown: f64, sec: &mut PhaseSeconds) {
     if slowdown > 1.0 {
         let extra = (sec.forward + sec.backward) * (slowdown - 1.0);
