@@ -10,6 +10,7 @@
 //! on one worker) use this crate without depending on any transport.
 
 pub mod fixed_point;
+pub mod square_sum;
 
 use std::ops::Range;
 

@@ -28,6 +28,7 @@
 
 pub use burn;
 pub use lockstep_model::flat;
+pub use lockstep_train::draws::{DrawPart, Draws};
 pub use lockstep_train::job::{
     BoxError, BurnLayered, BurnReplica, Computed, EvalSums, Job, JobSpec, LayeredJob, Pipelined,
     Replica, ReplicaError, Trainable,

@@ -467,6 +467,7 @@ pub(crate) mod tests {
             eval: None,
             pipeline: None,
             rss_bytes: None,
+            grad_norm: None,
         }
     }
 

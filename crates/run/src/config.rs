@@ -306,6 +306,16 @@ pub struct OptimizerConfig {
     pub beta1: f32,
     pub beta2: f32,
     pub eps: f32,
+    /// Clip the summed gradient to this global L2 norm before the update (0 = off, the default):
+    /// every gradient value is scaled by `min(1, clip / (norm + 1e-6))`, the norm being one exact
+    /// sum of squares over the whole model, so the same on every layout. Not written when off,
+    /// so the identity of runs without it is as before.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub clip_grad_norm: f32,
+}
+
+fn is_zero(v: &f32) -> bool {
+    *v == 0.0
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -385,6 +395,7 @@ impl Default for OptimizerConfig {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
+            clip_grad_norm: 0.0,
         }
     }
 }
@@ -682,6 +693,12 @@ impl TrainConfig {
             return Err(invalid(
                 "optimizer.eps",
                 format!("{} is not in (0, 1]", o.eps),
+            ));
+        }
+        if !(o.clip_grad_norm >= 0.0 && o.clip_grad_norm.is_finite()) {
+            return Err(invalid(
+                "optimizer.clip_grad_norm",
+                format!("{} is not a finite norm ≥ 0 (0 = off)", o.clip_grad_norm),
             ));
         }
         if !(0.0..=1.0).contains(&o.weight_decay) {

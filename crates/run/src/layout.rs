@@ -111,6 +111,15 @@ impl ParallelPlan {
     pub fn check_shape(cfg: &TrainConfig, shape: &ModelShape) -> Result<usize, ConfigError> {
         let p = &cfg.parallel;
         Self::check_device(cfg, shape)?;
+        if cfg.optimizer.clip_grad_norm > 0.0 && p.tp > 1 {
+            return Err(invalid(
+                "optimizer.clip_grad_norm",
+                format!(
+                    "clipping by global norm is not available with tensor parallelism                      (parallel.tp = {}): its ranks hold the replicated tensors once each, and                      the norm would count them {} times; clip with parallel.tp = 1 (any dp, pp                      and ZeRO level), or set optimizer.clip_grad_norm = 0",
+                    p.tp, p.tp
+                ),
+            ));
+        }
         match shape {
             ModelShape::Flat {
                 streams_gradients,
@@ -413,6 +422,11 @@ mod tests {
                 layered(4, 1),
                 "dist.overlap",
             ),
+            (
+                vec!["optimizer.clip_grad_norm=1.0", "parallel.tp=2"],
+                layered(4, 2),
+                "optimizer.clip_grad_norm",
+            ),
         ] {
             let c = cfg(&sets);
             let (got, message) = refused(&c, 4, &shape);
@@ -444,6 +458,20 @@ mod tests {
         }
         let c = cfg(&["model.kind=transformer"]);
         assert!(ParallelPlan::new(&c, 1, &c.builtin_shape(4)).is_ok());
+    }
+
+    #[test]
+    fn clipping_composes_with_every_layout_but_tensor_parallel_ranks() {
+        let clip = "optimizer.clip_grad_norm=1.0";
+        for sets in [
+            vec![clip, "parallel.pp=2", "parallel.zero=3"],
+            vec![clip, "model.tp_pieces=2"],
+        ] {
+            assert!(
+                ParallelPlan::new(&cfg(&sets), 4, &layered(4, 2)).is_ok(),
+                "{sets:?}"
+            );
+        }
     }
 
     #[test]

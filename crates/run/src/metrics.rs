@@ -70,6 +70,10 @@ pub struct StepRecord {
     /// run ledger, absent where unknown).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub rss_bytes: Option<u64>,
+    /// The global L2 norm of the step's summed gradient before clipping (runs with
+    /// `optimizer.clip_grad_norm` only; the same on every rank and layout).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub grad_norm: Option<f64>,
 }
 
 /// What one pipeline stage did in one step.
@@ -428,6 +432,7 @@ mod tests {
             eval: None,
             pipeline: None,
             rss_bytes: None,
+            grad_norm: None,
         }
     }
 

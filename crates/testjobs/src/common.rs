@@ -23,6 +23,9 @@ pub struct Settings {
     /// "none", "short-dataset", "wrong-shape", "nan-loss", "panic-in-data", "hang-in-data",
     /// "out-of-memory".
     pub misbehave: String,
+    /// Dropout probability after the hidden layer (burn's `Dropout`; 0 = none).
+    #[serde(default)]
+    pub dropout: f64,
 }
 
 /// Deterministic inputs from the index; the target is a fixed smooth function of them. A

@@ -9,7 +9,7 @@ mod common;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::nn::loss::{MseLoss, Reduction};
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use common::{Item, Settings, INPUTS};
@@ -18,12 +18,14 @@ use lockstep::{BoxError, TrainConfig};
 #[derive(Module, Debug)]
 struct Mlp {
     hidden: Linear,
+    dropout: Dropout,
     out: Linear,
 }
 
 impl Mlp {
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.out.forward(relu(self.hidden.forward(x)))
+        self.out
+            .forward(self.dropout.forward(relu(self.hidden.forward(x))))
     }
 }
 
@@ -50,6 +52,7 @@ impl lockstep::Job for TestJob {
         let s: Settings = cfg.job_section().expect("validated");
         Mlp {
             hidden: LinearConfig::new(INPUTS, s.hidden).init(device),
+            dropout: DropoutConfig::new(s.dropout).init(),
             out: LinearConfig::new(s.hidden, 1).init(device),
         }
     }

@@ -42,6 +42,123 @@ fn a_layered_user_job_has_the_one_worker_bits_as_a_pipeline() {
     assert_eq!(s["gradient_sum"], "shared_windows");
 }
 
+/// Dropout inside a pipeline's layer: each layer draws from the stream of (seed, step,
+/// micro-batch, layer), so cutting the model into stages, replicating them, overlapping the
+/// backward or killing a worker leaves the masks — and the parameters — as on one worker.
+#[test]
+fn dropout_in_a_layered_user_job_gives_one_hash_for_every_layout_and_after_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let runs: [(&str, &str, &[&str]); 6] = [
+        ("one", "1", &[]),
+        ("dp2", "2", &[]),
+        ("dp3", "3", &[]),
+        ("pp2", "2", &["--set", "parallel.pp=2"]),
+        ("overlap", "1", &["--set", "dist.overlap=true"]),
+        (
+            "killed",
+            "4",
+            &["--set", "parallel.pp=2", "--inject", "kill:rank=3,step=6"],
+        ),
+    ];
+    for (name, nproc, extra) in runs {
+        let mut args = vec!["--set", "job.dropout=0.3"];
+        args.extend_from_slice(extra);
+        let o = layered(&dir(name), nproc, &args);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+    let o = layered(&dir("plain"), "1", &[]);
+    assert!(o.status.success(), "plain: {}", stderr(&o));
+    assert_ne!(
+        hash(&dir("one")),
+        hash(&dir("plain")),
+        "dropout must change the run"
+    );
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir("killed").join("summary.json")).unwrap())
+            .unwrap();
+    assert!(
+        s["restarts"].as_u64().unwrap() >= 1,
+        "the kill was survived"
+    );
+    for name in ["dp2", "dp3", "pp2", "overlap", "killed"] {
+        assert_eq!(
+            hash(&dir(name)),
+            hash(&dir("one")),
+            "dropout: {name} vs one worker"
+        );
+    }
+}
+
+/// `optimizer.clip_grad_norm`: the norm is one exact sum of squares over the whole model, so
+/// clipping gives the one-worker bits with replicated and sharded optimizers (ZeRO 0–3) and
+/// pipeline stages; metrics.jsonl records the same norm on every rank and layout.
+#[test]
+fn gradient_clipping_gives_one_hash_for_every_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let runs: [(&str, &str, &[&str]); 6] = [
+        ("one", "1", &[]),
+        ("dp3", "3", &[]),
+        ("dp2z2", "2", &["--set", "parallel.zero=2"]),
+        ("dp3z3", "3", &["--set", "parallel.zero=3"]),
+        ("pp2", "2", &["--set", "parallel.pp=2"]),
+        (
+            "dp2pp2z1",
+            "4",
+            &["--set", "parallel.pp=2", "--set", "parallel.zero=1"],
+        ),
+    ];
+    for (name, nproc, extra) in runs {
+        let mut args = vec!["--set", "optimizer.clip_grad_norm=0.2"];
+        args.extend_from_slice(extra);
+        let o = layered(&dir(name), nproc, &args);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+    let o = layered(&dir("plain"), "1", &[]);
+    assert!(o.status.success(), "plain: {}", stderr(&o));
+    assert_ne!(
+        hash(&dir("one")),
+        hash(&dir("plain")),
+        "clipping must change the run"
+    );
+    let norms = |name: &str| -> Vec<(u64, f64)> {
+        let text = std::fs::read_to_string(dir(name).join("metrics.jsonl")).unwrap();
+        let mut v: Vec<(u64, f64)> = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|r| r["grad_norm"].is_f64())
+            .map(|r| {
+                (
+                    r["step"].as_u64().unwrap(),
+                    r["grad_norm"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v.dedup();
+        v
+    };
+    let one = norms("one");
+    assert_eq!(one.len(), 12, "one norm per step: {one:?}");
+    assert!(
+        one.iter().filter(|(_, n)| *n > 0.2).count() >= 3,
+        "the limit must bind on some steps: {one:?}"
+    );
+    for name in ["dp3", "dp2z2", "dp3z3", "pp2", "dp2pp2z1"] {
+        assert_eq!(
+            hash(&dir(name)),
+            hash(&dir("one")),
+            "clipped: {name} vs one worker"
+        );
+        assert_eq!(
+            norms(name),
+            one,
+            "{name}: every rank records the one-worker norm"
+        );
+    }
+}
+
 fn misbehaves(how: &str, expected: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let setting = format!("job.misbehave=\"{how}\"");

@@ -319,3 +319,53 @@ fn a_worker_out_of_memory_is_final_even_with_a_backtrace_after_the_allocators_li
     assert!(err.contains("not restarting"), "{err}");
     assert!(!err.contains("lockstep: restart "), "restarted:\n{err}");
 }
+
+/// burn's `Dropout` inside a user's model: every micro-batch draws from its own stream keyed by
+/// (seed, step, micro-batch), so the masks — and the parameters — are the same whichever rank
+/// computes a micro-batch, at 1, 2 or 3 workers and after a killed worker's restart; and the
+/// dropout really acts (the parameters differ from a run without it).
+#[test]
+fn dropout_in_a_user_job_gives_one_hash_at_every_world_size_and_after_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dropout = ["--set", "job.dropout=0.3"];
+    let one = tmp.path().join("one");
+    assert_ok(&train(&one, "1", &dropout));
+    let plain = tmp.path().join("plain");
+    assert_ok(&train(&plain, "1", &[]));
+    assert_ne!(hash(&one), hash(&plain), "dropout must change the run");
+    for n in ["2", "3"] {
+        let dir = tmp.path().join(format!("n{n}"));
+        assert_ok(&train(&dir, n, &dropout));
+        assert_eq!(hash(&dir), hash(&one), "dropout at {n} workers vs 1");
+    }
+    let killed = tmp.path().join("killed");
+    let mut args = dropout.to_vec();
+    args.extend(["--inject", "kill:rank=1,step=6"]);
+    assert_ok(&train(&killed, "3", &args));
+    assert!(summary(&killed)["restarts"].as_u64().unwrap() >= 1);
+    assert_eq!(hash(&killed), hash(&one), "dropout after a restart");
+}
+
+/// `optimizer.clip_grad_norm` on a user's `Job`: the same parameters at 1 and 3 workers, and a
+/// clipped run differs from an unclipped one (the limit binds).
+#[test]
+fn gradient_clipping_in_a_user_job_gives_one_hash_at_every_world_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let clip = ["--set", "optimizer.clip_grad_norm=0.2"];
+    let one = tmp.path().join("one");
+    assert_ok(&train(&one, "1", &clip));
+    let three = tmp.path().join("three");
+    assert_ok(&train(&three, "3", &clip));
+    assert_eq!(hash(&three), hash(&one), "clipped: 3 workers vs 1");
+    let plain = tmp.path().join("plain");
+    assert_ok(&train(&plain, "1", &[]));
+    assert_ne!(hash(&one), hash(&plain), "clipping must change the run");
+    let bad = tmp.path().join("bad");
+    let o = train(&bad, "1", &["--set", "optimizer.clip_grad_norm=-1"]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("optimizer.clip_grad_norm"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -5,6 +5,7 @@
 
 pub mod builtin;
 pub mod checkpoint;
+mod clip;
 /// The config types and their TOML mechanics (`lockstep-run`); [`ConfigLoad`] loads them for a job.
 pub use lockstep_run::config;
 /// Step records and the summary (`lockstep-run`).
@@ -14,6 +15,7 @@ pub use lockstep_run::parallel_dims;
 pub mod context;
 pub mod datasets;
 pub mod device;
+pub mod draws;
 pub mod error;
 pub mod faults;
 pub mod files;

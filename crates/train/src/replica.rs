@@ -3,6 +3,7 @@
 
 use lockstep_model::ParamInfo;
 
+use crate::draws::Draws;
 use crate::outcome::{Computed, EvalSums, ReplicaError};
 
 /// One rank's copy of the model with its data, behind flat parameters in a canonical order that
@@ -21,6 +22,11 @@ pub trait Replica {
     fn params_flat(&self) -> Vec<f32>;
     /// Replace all parameters (canonical order).
     fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError>;
+    /// The next training micro-batch draws its random numbers (dropout, augmentation) from
+    /// `draws`: called before each [`Replica::loss_and_grad`] (or its streaming form), so that
+    /// they do not depend on which rank computes it. Default: nothing (a model without
+    /// randomness). A burn job's replica reseeds its device ([`Draws::seed`]).
+    fn begin_microbatch(&mut self, _draws: Draws) {}
     /// Forward and backward on the training samples `samples` (one micro-batch): writes
     /// `scale · d(mean loss · n)/d(params)`, i.e. the gradient of the micro-batch's share of the
     /// global batch's mean loss when `scale = 1 / global_batch`, into `grad_out`, and returns

@@ -270,6 +270,7 @@ mod tests {
             eval: None,
             pipeline: None,
             rss_bytes: None,
+            grad_norm: None,
         }
     }
 

@@ -7,7 +7,7 @@ mod common;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::nn::loss::{MseLoss, Reduction};
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use common::{Item, Settings, INPUTS};
@@ -16,6 +16,7 @@ use lockstep::{BoxError, TrainConfig};
 #[derive(Module, Debug)]
 struct Layer {
     linear: Linear,
+    dropout: Dropout,
     #[module(skip)]
     relu: bool,
 }
@@ -44,10 +45,12 @@ impl lockstep::LayeredJob for LayeredTestJob {
         vec![
             Layer {
                 linear: LinearConfig::new(INPUTS, s.hidden).init(device),
+                dropout: DropoutConfig::new(s.dropout).init(),
                 relu: true,
             },
             Layer {
                 linear: LinearConfig::new(s.hidden, 1).init(device),
+                dropout: DropoutConfig::new(0.0).init(),
                 relu: false,
             },
         ]
@@ -72,7 +75,7 @@ impl lockstep::LayeredJob for LayeredTestJob {
     fn forward(&self, layer: &Layer, x: Tensor<2>) -> Tensor<2> {
         let y = layer.linear.forward(x);
         if layer.relu {
-            relu(y)
+            layer.dropout.forward(relu(y))
         } else {
             y
         }

@@ -20,6 +20,7 @@ use sha2::{Digest, Sha256};
 use super::{catch_job_panic, Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
 use crate::device::{self, Placement};
+use crate::draws::{DrawPart, Draws};
 use crate::TrainError;
 
 /// Errors a job's own code returns (opening files, parsing rows, …).
@@ -264,6 +265,11 @@ impl<J: Job> Replica for BurnReplica<'_, J> {
         }
         self.model = device::timed_copy(|| flat::write(self.model.clone(), params, &self.device));
         Ok(())
+    }
+
+    fn begin_microbatch(&mut self, draws: Draws) {
+        // The batch function, the model and the loss draw in this order on every rank.
+        draws.seed(&self.device, DrawPart::Batch);
     }
 
     fn loss_and_grad(

@@ -26,6 +26,7 @@ use super::burn_job::{self, guarded, open_data, scalar, BoxError};
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
 use crate::device::Placement;
+use crate::draws::{DrawPart, Draws};
 use crate::pipeline::layered::{backward_then_hand_out, Evaluated, Forwarded, LayerStage, Layered};
 use crate::TrainError;
 use lockstep_run::{ModelShape, ParallelPlan};
@@ -413,12 +414,14 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             last: layers.end == self.layers.len(),
             in_width: self.widths[layers.start],
             out_width: self.widths[layers.end],
-            layers: self.layers[layers].to_vec(),
+            layers: self.layers[layers.clone()].to_vec(),
             num_params,
             pending: HashMap::new(),
             tp: None,
             released: None,
             streamed: HashMap::new(),
+            first_layer: layers.start,
+            draws: None,
         }))
     }
 
@@ -483,7 +486,7 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             last,
             in_width: widths[layers.start],
             out_width: widths[layers.end],
-            layers: narrowed[layers].to_vec(),
+            layers: narrowed[layers.clone()].to_vec(),
             num_params,
             pending: HashMap::new(),
             released: None,
@@ -495,6 +498,8 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
                 map,
                 runs,
             }),
+            first_layer: layers.start,
+            draws: None,
         }))
     }
 }
@@ -538,6 +543,10 @@ struct BurnStage<'a, 'j, J: LayeredJob> {
     released: Option<Vec<ParamInfo>>,
     /// Micro-batches forwarded for a streaming backward, each layer's graph apart.
     streamed: HashMap<u64, Split>,
+    /// Index of the stage's first layer in the whole model (the key of its layers' draws).
+    first_layer: usize,
+    /// The draws of the micro-batch about to be forwarded.
+    draws: Option<Draws>,
 }
 
 /// A micro-batch's graph cut after every layer, as at a stage boundary (each layer's input a
@@ -574,6 +583,14 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         }
     }
 
+    /// Reseed the device for `part` of the micro-batch being forwarded (nothing before the
+    /// driver's first `begin_microbatch`, e.g. while profiling).
+    fn reseed(&self, part: DrawPart) {
+        if let Some(d) = self.draws {
+            d.seed(&self.owner.device, part);
+        }
+    }
+
     /// The stage's input: the batch's (first stage) or the received activations, as a leaf that
     /// requires a gradient when `train`.
     fn input(
@@ -605,9 +622,18 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         }
     }
 
-    /// This stage's layers over `x`, checking each output's width against the probe's.
-    fn run_layers(&self, layers: &[J::Layer], mut x: Tensor<2>) -> Result<Tensor<2>, ReplicaError> {
-        for layer in layers {
+    /// This stage's layers over `x`, checking each output's width against the probe's; in
+    /// training (`train`), each layer drawing from its own stream of the micro-batch's draws.
+    fn run_layers(
+        &self,
+        layers: &[J::Layer],
+        mut x: Tensor<2>,
+        train: bool,
+    ) -> Result<Tensor<2>, ReplicaError> {
+        for (i, layer) in layers.iter().enumerate() {
+            if train {
+                self.reseed(DrawPart::Layer(self.first_layer + i));
+            }
             x = guarded(|| self.owner.job.forward(layer, x))?;
         }
         let [_, width] = x.dims();
@@ -697,6 +723,10 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         }
     }
 
+    fn begin_microbatch(&mut self, draws: Draws) {
+        self.draws = Some(draws);
+    }
+
     fn forward(
         &mut self,
         id: u64,
@@ -784,6 +814,7 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         let n = samples.len();
         let t0 = Instant::now();
         let batch = if self.first || self.last {
+            self.reseed(DrawPart::Batch);
             Some(batch_of(
                 self.owner.job,
                 &*self.owner.train,
@@ -796,9 +827,10 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         };
         let data_seconds = t0.elapsed().as_secs_f64();
         let (leaf, x) = self.input(batch.as_ref(), input, n, &device, true)?;
-        let x = self.run_layers(&self.layers, x)?;
+        let x = self.run_layers(&self.layers, x, true)?;
         let (output, result) = if self.last {
             let batch = batch.as_ref().expect("the last stage reads its batch");
+            self.reseed(DrawPart::Loss);
             let loss = guarded(|| self.owner.job.loss(x, batch))?;
             scalar(&loss)?;
             let scaled = guarded(|| loss.mul_scalar(n as f32 * scale))?;
@@ -875,6 +907,7 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         let device = self.owner.device.clone();
         let n = samples.len();
         let t0 = Instant::now();
+        self.reseed(DrawPart::Batch);
         let batch = batch_of(
             self.owner.job,
             &*self.owner.train,
@@ -894,10 +927,12 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
                 Some(t.require_grad())
             };
             let input = leaf.clone().unwrap_or(x);
+            self.reseed(DrawPart::Layer(self.first_layer + i));
             let out = guarded(|| self.owner.job.forward(layer, input))?;
             layers.push((leaf, out.clone()));
             x = out;
         }
+        self.reseed(DrawPart::Loss);
         let loss = guarded(|| self.owner.job.loss(x, &batch))?;
         scalar(&loss)?;
         let scaled = guarded(|| loss.mul_scalar(n as f32 * scale))?;
@@ -971,7 +1006,7 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         };
         let (_, x) = self.input(batch.as_ref(), input, n, &device, false)?;
         let layers: Vec<J::Layer> = self.layers.iter().map(|l| l.valid()).collect();
-        let x = self.run_layers(&layers, x)?;
+        let x = self.run_layers(&layers, x, false)?;
         if !self.last {
             return Ok(Evaluated::Activations(values(&x)?));
         }

@@ -141,6 +141,10 @@ pub trait LayerStage {
     /// Floats this stage sends to the next one for `n` samples (0 on the last stage), and so
     /// receives back as their gradient.
     fn output_len(&self, n: usize) -> usize;
+    /// The next [`LayerStage::forward`] (or `forward_streamed`) computes a micro-batch that
+    /// draws its random numbers from `draws` (per layer: [`crate::draws::DrawPart`]). Default:
+    /// nothing (a stage without randomness).
+    fn begin_microbatch(&mut self, _draws: crate::draws::Draws) {}
     /// Training forward of micro-batch `id` over the training samples `samples`; `input` is the
     /// previous stage's activations (`None` on the first stage). Returns the seconds spent
     /// reading data besides the result.

@@ -40,9 +40,11 @@ use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, Op, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use super::whole::{self, WholeStep};
+use crate::clip::{even_share, Clip};
 use crate::config::TrainConfig;
 use crate::context::WorkerContext;
 use crate::device;
+use crate::draws::Draws;
 use crate::error::TrainError;
 use crate::faults;
 use crate::grad_parts::GradParts;
@@ -92,6 +94,8 @@ struct Work<'a> {
     microbatch: usize,
     job: &'a str,
     step: u64,
+    /// `train.seed` (the key of each micro-batch's draws, with the step and its global index).
+    seed: u64,
     scale: f32,
     grads: &'a mut GradParts,
     /// Where a tensor-parallel stage's piece sums leave a communication failure.
@@ -131,6 +135,9 @@ impl StageWork for Work<'_> {
         mb: usize,
         input: Option<&[f32]>,
     ) -> Result<Option<Vec<f32>>, TrainError> {
+        let k = self.first_microbatch + mb;
+        self.stage
+            .begin_microbatch(Draws::new(self.seed, self.step, k));
         let (out, data_seconds) =
             match self
                 .stage
@@ -287,6 +294,8 @@ struct StageRank<'m> {
     /// parameter tensors, a one-stage layered model's layers.
     tensors: Vec<Range<usize>>,
     slowdown: f64,
+    /// `optimizer.clip_grad_norm` (None: off).
+    clip: Option<Clip>,
 }
 
 impl<'m> StageRank<'m> {
@@ -418,6 +427,7 @@ impl<'m> StageRank<'m> {
             scale: model.loss_scale(cfg.train.global_batch),
             tensors,
             slowdown: faults::slowdown(ledger.faults, rank),
+            clip: Clip::new(cfg.optimizer.clip_grad_norm),
         };
         r.resume(comm, ledger, offsets[r.my_layers.start])?;
         if r.zero.level() >= 3 {
@@ -513,10 +523,23 @@ impl<'m> StageRank<'m> {
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
+        let grad = self.grads.sum().unwrap_or(&self.total_grad);
+        let (grad, grad_norm) = match self.clip.as_mut() {
+            Some(clip) => {
+                let counted = if self.zero.level() >= 2 {
+                    0..grad.len()
+                } else {
+                    even_share(grad.len(), self.dp_comm.size(), self.dp_comm.rank())
+                };
+                let c = clip.apply(grad, counted, comm)?;
+                (c.grad, Some(c.norm))
+            }
+            None => (grad, None),
+        };
         let gather_seconds = self.zero.step(
             &mut self.optimizer,
             &mut self.params,
-            self.grads.sum().unwrap_or(&self.total_grad),
+            grad,
             lr,
             &mut self.dp_comm,
         )?;
@@ -548,6 +571,7 @@ impl<'m> StageRank<'m> {
             eval,
             pipeline,
             rss_bytes: None,
+            grad_norm,
         };
         let checkpoint_now = ledger.checkpoint_due(step);
         ledger.record_step(comm, record, checkpoint_now)?;
@@ -580,6 +604,7 @@ impl<'m> StageRank<'m> {
                 scale: self.scale,
                 tensors: &self.tensors,
                 overlap: self.plan.overlap,
+                seed: self.cfg.train.seed,
             };
             whole::step(
                 &w,
@@ -645,6 +670,7 @@ impl<'m> StageRank<'m> {
             microbatch: self.cfg.train.microbatch,
             job: &self.job,
             step,
+            seed: self.cfg.train.seed,
             scale: self.scale,
             grads: &mut self.grads,
             losses: vec![0.0; self.my_micro.len()],
@@ -696,6 +722,11 @@ impl<'m> StageRank<'m> {
             cause,
         };
         let t0 = Instant::now();
+        self.stage.begin_microbatch(Draws::new(
+            self.cfg.train.seed,
+            step,
+            self.my_micro.start + last,
+        ));
         let (forwarded, data_seconds) = self
             .stage
             .forward_streamed(last as u64, mine[last], None, self.scale)

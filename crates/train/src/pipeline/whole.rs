@@ -11,6 +11,7 @@ use lockstep_comm::exact::ExactError;
 use lockstep_comm::{activity, Communicator};
 use lockstep_model::TimedLoss;
 
+use crate::draws::Draws;
 use crate::error::TrainError;
 use crate::grad_parts::GradParts;
 use crate::grad_sync::{GradSync, StreamedCompute, SyncError, SyncTiming};
@@ -37,6 +38,8 @@ pub(crate) struct WholeStep<'a> {
     pub tensors: &'a [Range<usize>],
     /// Stream the last micro-batch's gradients into the sum (`dist.overlap`).
     pub overlap: bool,
+    /// `train.seed`: with the step and micro-batch, the key of each micro-batch's draws.
+    pub seed: u64,
 }
 
 /// One step of a model trained whole: this rank's micro-batches computed, every rank's summed
@@ -67,6 +70,7 @@ pub(crate) fn step(
     let mut scanned_ahead = 0.0;
     for (slot, k) in mine.clone().enumerate().take(mine.len() - streamed) {
         activity::touch();
+        replica.begin_microbatch(Draws::new(plan.seed, step, k));
         let c = replica
             .loss_and_grad(pieces[k], plan.scale, grads.part_mut(slot))
             .map_err(|e| job_error(k, e))?;
@@ -92,6 +96,9 @@ pub(crate) fn step(
             unreachable!("an overlapped sum keeps its parts private (GradParts::new)")
         };
         let (earlier, rest) = grads.split_at_mut(mine.len() - streamed);
+        if streamed == 1 {
+            replica.begin_microbatch(Draws::new(plan.seed, step, mine.end - 1));
+        }
         let mut compute = ReplicaCompute {
             replica,
             samples: pieces.get(mine.end.wrapping_sub(1)).copied().unwrap_or(&[]),
