@@ -111,10 +111,10 @@ pub fn validate(faults: &[Fault], world: usize, steps: u64, checkpoint_every: u6
             }
         };
         if let Some(rank) = rank.filter(|&r| r >= world) {
-            bail!("--inject {f:?}: rank {rank} does not exist in a world of {world} workers");
+            bail!("--inject {f}: rank {rank} does not exist in a world of {world} workers");
         }
         if let Some(step) = step.filter(|&s| steps > 0 && s >= steps) {
-            bail!("--inject {f:?}: step {step} is never reached (the run has steps 0..{steps})");
+            bail!("--inject {f}: step {step} is never reached (the run has steps 0..{steps})");
         }
     }
     Ok(())
@@ -149,6 +149,10 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad} should be refused");
         }
+        // Each fault prints as the spec it was parsed from (errors quote it so).
+        let spec = "kill:rank=1,step=30;slow:rank=2,factor=3;corrupt-checkpoint:step=20;hang:rank=0,step=5;lose:rank=3,step=4";
+        let printed: Vec<String> = parse(spec).unwrap().iter().map(|f| f.to_string()).collect();
+        assert_eq!(printed.join(";"), spec);
     }
 
     #[test]

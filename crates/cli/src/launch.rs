@@ -275,7 +275,14 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             .is_some_and(|(r, s)| {
                 s.code() == Some(EXIT_PERMANENT) || tails.out_of_memory(*r % world, *s)
             });
-        let tail = tails.last(rank % world).join("\n    ");
+        let mut tail = tails.last(rank % world).join("\n    ");
+        if tail.is_empty() {
+            // A worker stopped by bad input reports it only in its typed record (its launcher
+            // says it once, here).
+            if let Some(r) = records.get(rank % world).and_then(Option::as_ref) {
+                tail = format!("lockstep: error: {}", r.message);
+            }
+        }
         let others: Vec<String> = failures
             .iter()
             .filter(|(r, _)| *r != rank)

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use lockstep_comm::store::StoreServer;
 use lockstep_comm::tcp::TcpOptions;
 use lockstep_comm::{Algorithm, JobSecret};
@@ -384,8 +384,12 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
             });
             let _ = std::io::stderr().write_all(format!("{}\n", record.line()).as_bytes());
         }
-        // One write per line: ranks under mpirun share one output stream.
-        let _ = std::io::stderr().write_all(format!("lockstep: error: {e:#}\n").as_bytes());
+        // One write per line: ranks under mpirun share one output stream. A worker of lockstep's
+        // own launcher stopped by bad input leaves the telling to the launcher, which says it
+        // once for the job (every rank usually meets the same bad input).
+        if !(launched_worker && permanent) {
+            let _ = std::io::stderr().write_all(format!("lockstep: error: {e:#}\n").as_bytes());
+        }
         std::process::exit(if permanent { launch::EXIT_PERMANENT } else { 1 });
     }
     std::process::exit(0)
@@ -394,7 +398,10 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
 /// argv as a [`Cli`]; a malformed command line is bad input like any other (exit status 3, not
 /// clap's 2), while `--help` and `--version` print and exit 0.
 fn parse_args() -> Cli {
-    match Cli::try_parse() {
+    match command()
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m))
+    {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
@@ -405,6 +412,42 @@ fn parse_args() -> Cli {
             });
         }
     }
+}
+
+/// The command line, presenting a user's binary as itself: its file name in the usage lines,
+/// the job's `about` and version (with lockstep's), and `train` described as training the job.
+fn command() -> clap::Command {
+    let cmd = Cli::command();
+    let Some(about) = job().binary() else {
+        return cmd;
+    };
+    let name = job().name();
+    let bin = std::env::args_os()
+        .next()
+        .and_then(|a| Some(PathBuf::from(a).file_name()?.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| name.clone());
+    let lockstep = env!("CARGO_PKG_VERSION");
+    let version = match about.version.as_str() {
+        "" => format!("(lockstep {lockstep})"),
+        v => format!("{v} (lockstep {lockstep})"),
+    };
+    let what = match about.about.as_str() {
+        "" => format!(
+            "{name}: a burn model trained across worker processes and hosts by lockstep, bitwise \
+             reproducible."
+        ),
+        a => a.to_string(),
+    };
+    cmd.name(bin.clone())
+        .bin_name(bin)
+        .version(version)
+        .about(what)
+        .mut_subcommand("train", |c| {
+            c.about(format!("Train {name} on N workers (default: 2)"))
+                .mut_arg("config", |a| {
+                    a.help(format!("TOML config on top of {name}'s defaults"))
+                })
+        })
 }
 
 /// Refuse a layout that cannot work before any worker starts: `dp · pp` must be the world size

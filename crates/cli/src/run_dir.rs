@@ -375,7 +375,7 @@ pub fn check_resume(dir: &Path, cfg: &TrainConfig) -> Result<Resume, RunDirError
     let old = TrainConfig::load_for(crate::job(), Some(&config_path), &[])
         .map_err(|e| unreadable(e.to_string()))?;
     let text = read_text(&config_path, CONFIG_MAX_BYTES).map_err(|e| unreadable(e.to_string()))?;
-    let missing = old.missing_keys(&text);
+    let missing = old.missing_keys(&text, crate::job().config_sections());
     if !missing.is_empty() {
         let shown: Vec<&str> = missing.iter().take(12).map(String::as_str).collect();
         return Err(RunDirError::Incomplete {
@@ -507,9 +507,62 @@ pub fn check_writable(dir: &Path) -> Result<(), RunDirError> {
     lockstep_train::files::probe_writable(dir).map_err(unwritable)
 }
 
+/// A fresh run that stopped on bad input before recording a step leaves nothing behind: its
+/// config.toml and, when this launch created `dir` (`created`), its checkpoint directory
+/// (`ckpt_dir`, when inside `dir` and empty), the lock file and `dir` itself (only if then
+/// empty). Anything else — a stranger's file, a step's metrics, a directory that was there
+/// before — stays as it is.
+pub fn remove_unstarted(dir: &Path, ckpt_dir: &Path, created: bool) {
+    if dir.join("metrics.jsonl").exists() {
+        return;
+    }
+    let _ = std::fs::remove_file(dir.join("config.toml"));
+    if created {
+        if ckpt_dir.parent() == Some(dir) {
+            // remove_dir removes only an empty directory, and never follows a link.
+            let _ = std::fs::remove_dir(ckpt_dir);
+        }
+        let only_lock = std::fs::read_dir(dir)
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .all(|e| e.file_name() == LOCK_FILE)
+            })
+            .unwrap_or(false);
+        if only_lock {
+            let _ = std::fs::remove_file(dir.join(LOCK_FILE));
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unstarted_run_is_removed_but_nothing_of_anyone_else() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        let lock = RunDirLock::acquire(&run).unwrap();
+        std::fs::write(run.join("config.toml"), "x").unwrap();
+        std::fs::create_dir(run.join("checkpoints")).unwrap();
+        remove_unstarted(&run, &run.join("checkpoints"), true);
+        drop(lock);
+        assert!(!run.exists(), "a directory this launch created goes");
+        // A directory that existed, with a stranger's file: only the run's own files go.
+        let mine = tmp.path().join("mine");
+        std::fs::create_dir(&mine).unwrap();
+        std::fs::write(mine.join("notes.txt"), "keep").unwrap();
+        std::fs::write(mine.join("config.toml"), "x").unwrap();
+        remove_unstarted(&mine, &mine.join("checkpoints"), false);
+        assert!(mine.join("notes.txt").exists() && !mine.join("config.toml").exists());
+        // A run that recorded a step keeps everything.
+        std::fs::write(mine.join("config.toml"), "x").unwrap();
+        std::fs::write(mine.join("metrics.jsonl"), "{}").unwrap();
+        remove_unstarted(&mine, &mine.join("checkpoints"), true);
+        assert!(mine.join("config.toml").exists());
+    }
 
     #[test]
     fn a_second_lock_names_the_holder_and_a_released_lock_is_free_again() {

@@ -229,7 +229,10 @@ pub fn run(
         } = coord.settle(attempt, local)?;
         note_resume(&mut sup, attempt, outcome.resumed_from);
         if let Some(failure) = &outcome.failure {
-            eprintln!("lockstep: {}", failure.message);
+            if matches!(next, Next::Restart) {
+                // Ending instead: the final error says it.
+                eprintln!("lockstep: {}", failure.message);
+            }
             sup.failures.push(FailureRecord {
                 attempt,
                 rank: failure.rank,

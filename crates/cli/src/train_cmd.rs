@@ -84,6 +84,7 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         .map_or(a.nodes.node_rank == 0, |w| w.rank == 0);
     // The request is valid: lock the run directory for this launcher's life, then check it under
     // the lock, so that two launchers can never both pass the checks.
+    let created_out = !out.exists();
     let _lock = if writes_run_dir {
         Some(run_dir::RunDirLock::acquire(&out)?)
     } else {
@@ -126,7 +127,10 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
             // resubmitted with `--resume <out>`.
             std::fs::create_dir_all(&out)
                 .with_context(|| format!("creating run directory {}", out.display()))?;
-            lockstep_train::write_atomic(&out.join("config.toml"), cfg.to_toml().as_bytes())?;
+            lockstep_train::write_atomic(
+                &out.join("config.toml"),
+                cfg.to_run_file(job().config_sections()).as_bytes(),
+            )?;
         }
         return run_train_worker(w, &cfg, &out, false, a.resume.is_some(), &faults);
     }
@@ -197,7 +201,10 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
     // The replaced run (--overwrite) is removed only now, when nothing is left to refuse.
     fresh.apply();
     let resolved = out.join("config.toml");
-    lockstep_train::write_atomic(&resolved, cfg.to_toml().as_bytes())?;
+    lockstep_train::write_atomic(
+        &resolved,
+        cfg.to_run_file(job().config_sections()).as_bytes(),
+    )?;
     let mut servers = Vec::new();
     let sup = supervise::run(coordinator.as_mut(), a.max_restarts, |attempt, place| {
         let mut args: Vec<String> = vec![
@@ -243,7 +250,19 @@ pub(crate) fn run(a: TrainArgs) -> Result<()> {
         }
         spec.stall_timeout = Some(stall_timeout);
         Ok(spec)
-    })?;
+    });
+    let sup = match sup {
+        Ok(sup) => sup,
+        Err(e) => {
+            // Bad input before the first step (a dataset shorter than a batch, a job's model
+            // that cannot be built) leaves no half-made run behind: fix it and run again.
+            if a.resume.is_none() && writes_run_dir && e.is::<supervise::PermanentFailure>() {
+                let ckpt = lockstep_train::checkpoint_dir(&cfg, &out);
+                run_dir::remove_unstarted(&out, &ckpt, created_out);
+            }
+            return Err(e);
+        }
+    };
     let runs_rank0 = coordinator.runs_rank0();
     drop(coordinator);
     drop(shared_store);

@@ -458,8 +458,13 @@ pub fn render_with_failures(
 
     failures_section(&mut doc, s, recovery, failures);
 
+    // A user's job names itself in the title (summaries of built-in runs say "lockstep").
+    let title = match s.job.as_str() {
+        "" | "lockstep" => "lockstep run report".to_string(),
+        job => format!("{job}: lockstep run report"),
+    };
     doc.finish(
-        "lockstep run report",
+        &title,
         &head.md(),
         &format!("<section id=\"headline\">{}</section>", head.html()),
     )
@@ -769,6 +774,7 @@ mod tests {
 
     fn summary() -> Summary {
         Summary {
+            job: String::new(),
             world_size: 2,
             steps: 10,
             global_batch: 16,

@@ -365,6 +365,7 @@ mod tests {
                 pp,
             },
             summary: Summary {
+                job: String::new(),
                 global_batch: 64,
                 microbatch: 16,
                 final_loss: 0.123456 + loss_shift,

@@ -497,6 +497,7 @@ pub(crate) mod tests {
     /// fields they check).
     pub(crate) fn summary(world: usize, hash: &str) -> Summary {
         Summary {
+            job: String::new(),
             world_size: world,
             steps: 20,
             global_batch: 100,

@@ -165,6 +165,35 @@ pub struct TrainConfig {
     pub job: toml::Table,
 }
 
+/// Which sections of the config a job reads (what the run's config.toml shows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigSections {
+    /// Every section, `[model]` and `[data]` included: lockstep's built-in models.
+    All,
+    /// lockstep's own sections and `[job]`: a user's job, whose model and data are its own.
+    JobOwn,
+}
+
+/// Each float that is exactly an `f32` rewritten as that `f32`'s shortest decimal (which parses
+/// back to the same `f32`). Settings are `f32` or `f64`; an `f64` setting holding exactly an
+/// `f32` value keeps its value unless it was written with more digits than that `f32` needs.
+fn shortest_floats(v: &mut toml::Value) {
+    match v {
+        toml::Value::Float(x) => {
+            let narrow = *x as f32;
+            if f64::from(narrow) == *x && narrow.is_finite() {
+                *x = narrow
+                    .to_string()
+                    .parse()
+                    .expect("an f32's decimal is a float");
+            }
+        }
+        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| shortest_floats(v)),
+        toml::Value::Array(a) => a.iter_mut().for_each(shortest_floats),
+        _ => {}
+    }
+}
+
 /// How the model and the batch are split over the workers: `dp` data-parallel replicas of a
 /// `pp`-stage pipeline (`dp · pp` = world size).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -452,9 +481,53 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The resolved configuration as TOML (written into the run directory).
+    /// The resolved configuration as TOML, every section, floats as stored (`f32` widened): the
+    /// text the config and identity hashes are taken of.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("config serialises")
+    }
+
+    /// The run directory's config.toml, for people and for `--resume`: the sections the job
+    /// reads (`sections`; `[model]` and `[data]` also when they differ from the defaults, so
+    /// the file still loads back to this config), and each `f32` setting in its shortest
+    /// decimal form (`lr = 0.05`, not `0.05000000074505806`). Loading it gives back `self`, so
+    /// its hashes are the same as `to_toml`'s text gives.
+    pub fn to_run_file(&self, sections: ConfigSections) -> String {
+        let mut value = toml::Value::try_from(self).expect("config serialises");
+        shortest_floats(&mut value);
+        let toml::Value::Table(mut all) = value else {
+            unreachable!("a struct serialises as a table")
+        };
+        let defaults = TrainConfig::default();
+        let own = sections == ConfigSections::JobOwn;
+        let unused = |name: &str| match name {
+            "model" => own && self.model == defaults.model,
+            "data" => own && self.data == defaults.data,
+            _ => false,
+        };
+        // Section by section, in the struct's order (a table alone would sort them).
+        let mut out = String::new();
+        for name in [
+            "model",
+            "data",
+            "train",
+            "optimizer",
+            "dist",
+            "parallel",
+            "checkpoint",
+            "job",
+        ] {
+            let Some(section) = all.remove(name).filter(|_| !unused(name)) else {
+                continue;
+            };
+            let mut one = toml::Table::new();
+            one.insert(name.to_string(), section);
+            if !out.is_empty() {
+                out.push('\n');
+            }
+            out.push_str(&toml::to_string_pretty(&one).expect("config serialises"));
+        }
+        out
     }
 
     /// SHA-256 of the resolved config: identifies "the same run" (checkpoints, reports).
@@ -538,14 +611,15 @@ impl TrainConfig {
         Ok(cfg)
     }
 
-    /// The keys lockstep writes for this config (every key of [`TrainConfig::to_toml`]) that the
-    /// TOML `text` lacks, as "section.key". A run's `config.toml` is written whole, so a missing
-    /// key means the file was cut or edited: loading it would silently take a default instead.
-    pub fn missing_keys(&self, text: &str) -> Vec<String> {
+    /// The keys lockstep writes for this config (every key of [`TrainConfig::to_run_file`] for a
+    /// job reading `sections`) that the TOML `text` lacks, as "section.key". A run's
+    /// `config.toml` is written whole, so a missing key means the file was cut or edited: loading
+    /// it would silently take a default instead.
+    pub fn missing_keys(&self, text: &str, sections: ConfigSections) -> Vec<String> {
         let Ok(file) = text.parse::<toml::Table>() else {
             return vec!["(the whole file: not TOML)".into()];
         };
-        let ours: toml::Table = self.to_toml().parse().expect("our TOML parses");
+        let ours: toml::Table = self.to_run_file(sections).parse().expect("our TOML parses");
         let mut missing = Vec::new();
         for (section, v) in &ours {
             match (v, file.get(section)) {
@@ -898,5 +972,33 @@ pub fn merge(base: &mut toml::Table, top: toml::Table) {
                 base.insert(key, value);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod run_file_tests {
+    use super::*;
+
+    #[test]
+    fn the_run_file_loads_back_to_the_same_config_with_short_floats() {
+        let mut c = TrainConfig::default();
+        c.train.lr = 0.05;
+        c.optimizer.momentum = 0.9;
+        c.dist.timeout_secs = 12.345678901234;
+        for sections in [ConfigSections::All, ConfigSections::JobOwn] {
+            let text = c.to_run_file(sections);
+            assert!(text.contains("lr = 0.05\n"), "{text}");
+            assert!(text.contains("momentum = 0.9\n"), "{text}");
+            assert!(text.contains("timeout_secs = 12.345678901234\n"), "{text}");
+            let back: TrainConfig = toml::from_str(&text).unwrap();
+            assert_eq!(back, c, "{sections:?}");
+            assert_eq!(back.identity_hash(), c.identity_hash());
+        }
+        assert!(c.to_run_file(ConfigSections::All).contains("[model]"));
+        let own = c.to_run_file(ConfigSections::JobOwn);
+        assert!(!own.contains("[model]") && !own.contains("[data]"), "{own}");
+        // A user job's run that did set [model] keys still writes them (or they would be lost).
+        c.model.d_model = 64;
+        assert!(c.to_run_file(ConfigSections::JobOwn).contains("[model]"));
     }
 }

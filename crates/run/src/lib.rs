@@ -15,7 +15,7 @@ pub mod metrics;
 pub mod parallel_dims;
 pub mod read;
 
-pub use config::{ConfigError, TrainConfig};
+pub use config::{ConfigError, ConfigSections, TrainConfig};
 pub use layout::{ModelShape, ParallelPlan};
 pub use metrics::{StepRecord, Summary};
 pub use parallel_dims::{Coords, ParallelDims};

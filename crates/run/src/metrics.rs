@@ -197,6 +197,10 @@ pub struct RankPipeline {
 /// `summary.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Summary {
+    /// The job's name (`Job::name`; "lockstep" for the built-in models); absent in summaries
+    /// written before it was recorded.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub job: String,
     pub world_size: usize,
     pub steps: u64,
     pub global_batch: usize,

@@ -149,9 +149,11 @@ fn misbehaves(how: &str, expected: &[&str]) -> (tempfile::TempDir, Output) {
     (tmp, o)
 }
 
+/// Said once (not once per rank and again by the launcher), and nothing left behind: the run
+/// directory this launch created is gone, so the same command works once the data is fixed.
 #[test]
 fn a_dataset_shorter_than_a_batch_is_a_final_error_naming_the_job() {
-    misbehaves(
+    let (tmp, o) = misbehaves(
         "short-dataset",
         &[
             "`testjob`",
@@ -159,6 +161,60 @@ fn a_dataset_shorter_than_a_batch_is_a_final_error_naming_the_job() {
             "train.global_batch = 32",
         ],
     );
+    let err = stderr(&o);
+    assert_eq!(
+        err.matches("10 training samples").count(),
+        1,
+        "said once:\n{err}"
+    );
+    assert!(
+        !tmp.path().join("run").exists(),
+        "an unstarted run leaves no directory"
+    );
+}
+
+/// A user's binary is itself: its name and version (with lockstep's) in `--version`, its job in
+/// `--help`, summary.json and the report's title; its config.toml holds only the sections it
+/// reads, with floats as written.
+#[test]
+fn a_user_binary_presents_itself_and_writes_only_its_own_config() {
+    let v = testjob(&["--version"]);
+    let out = String::from_utf8_lossy(&v.stdout).into_owned();
+    assert!(
+        out.starts_with("lockstep-testjob ") && out.contains("(lockstep "),
+        "{out}"
+    );
+    let h = testjob(&["train", "--help"]);
+    let help = String::from_utf8_lossy(&h.stdout).into_owned();
+    assert!(help.contains("Train testjob on N workers"), "{help}");
+    assert!(!help.contains("digits"), "{help}");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    assert_ok(&train(&dir, "1", &["--set", "train.steps=2"]));
+    assert_eq!(summary(&dir)["job"], "testjob");
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        report.starts_with("# testjob: lockstep run report"),
+        "{report}"
+    );
+    let config = std::fs::read_to_string(dir.join("config.toml")).unwrap();
+    assert!(
+        !config.contains("[model]") && !config.contains("[data]"),
+        "{config}"
+    );
+    assert!(
+        config.contains("lr = 0.05\n") && config.contains("[job]"),
+        "{config}"
+    );
+    // And it resumes from that file as the same run.
+    let again = testjob(&[
+        "train",
+        "--resume",
+        dir.to_str().unwrap(),
+        "--set",
+        "train.steps=3",
+    ]);
+    assert_ok(&again);
 }
 
 #[test]

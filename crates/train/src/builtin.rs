@@ -10,7 +10,7 @@ use crate::ConfigLoad;
 use lockstep_data::Dataset;
 use lockstep_model::{Model, ModelSpec, ParamInfo};
 
-use crate::config::{ConfigError, ModelKind, TrainConfig};
+use crate::config::{ConfigError, ConfigSections, ModelKind, TrainConfig};
 use crate::job::{Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
 use crate::TrainError;
 use lockstep_run::ModelShape;
@@ -22,6 +22,10 @@ pub struct BuiltinJob;
 impl JobSpec for BuiltinJob {
     fn name(&self) -> String {
         "lockstep".into()
+    }
+
+    fn config_sections(&self) -> ConfigSections {
+        ConfigSections::All
     }
 
     fn evaluates_per_character(&self, cfg: &TrainConfig) -> bool {

@@ -32,6 +32,14 @@ pub enum Event {
 }
 
 /// Everything the loop needs that is not in the config.
+/// What a run's outputs say about its job: summary.json's `job`, and the sections the run's
+/// config.toml shows.
+#[derive(Clone, Debug)]
+pub struct JobLabel {
+    pub name: String,
+    pub sections: crate::config::ConfigSections,
+}
+
 pub struct WorkerContext<'a> {
     pub comm: &'a mut Communicator,
     /// Host name of this rank (for the summary).

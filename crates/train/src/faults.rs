@@ -17,6 +17,19 @@ pub enum Fault {
     CorruptCheckpoint { step: u64 },
 }
 
+/// The fault as `--inject` spells it (`kill:rank=1,step=30`).
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Fault::Kill { rank, step } => write!(f, "kill:rank={rank},step={step}"),
+            Fault::Lose { rank, step } => write!(f, "lose:rank={rank},step={step}"),
+            Fault::Hang { rank, step } => write!(f, "hang:rank={rank},step={step}"),
+            Fault::Slow { rank, factor } => write!(f, "slow:rank={rank},factor={factor}"),
+            Fault::CorruptCheckpoint { step } => write!(f, "corrupt-checkpoint:step={step}"),
+        }
+    }
+}
+
 /// Faults that fire only on the first attempt, so a restarted group runs clean.
 pub fn first_attempt_only(f: &Fault) -> bool {
     !matches!(f, Fault::Slow { .. })

@@ -34,7 +34,7 @@ pub mod zero;
 
 pub use builtin::BuiltinJob;
 pub use config::{ConfigError, TrainConfig};
-pub use context::{Event, Progress, WorkerContext};
+pub use context::{Event, JobLabel, Progress, WorkerContext};
 pub use error::TrainError;
 pub use job::{Job, JobSpec, LayeredJob, Pipelined, Replica, ReplicaError};
 pub use metrics::{StepRecord, Summary};

@@ -3,7 +3,7 @@
 //! whole as a one-stage schedule (`pipeline/flat.rs`).
 
 use crate::config::TrainConfig;
-use crate::context::WorkerContext;
+use crate::context::{JobLabel, WorkerContext};
 use crate::error::TrainError;
 use crate::job::{catch_job_panic, JobSpec, Trainable};
 use crate::metrics::Summary;
@@ -47,13 +47,17 @@ pub fn train<'a>(
         },
     };
     let plan = ParallelPlan::new(cfg, ctx.comm.size(), &shape)?;
+    let label = JobLabel {
+        name: name.clone(),
+        sections: job.config_sections(),
+    };
     match built {
         // Layered model: the pipeline loop (one stage when parallel.pp = 1).
-        Trainable::Layered(model) => crate::pipeline::train::train(&*model, cfg, &plan, ctx),
+        Trainable::Layered(model) => crate::pipeline::train::train(&*model, cfg, &plan, ctx, label),
         // Data parallelism is a schedule of one stage: the replica as a one-layer model.
         Trainable::Replica(replica) => {
             let model = FlatModel::new(&name, replica)?;
-            crate::pipeline::train::train(&model, cfg, &plan, ctx)
+            crate::pipeline::train::train(&model, cfg, &plan, ctx, label)
         }
     }
 }

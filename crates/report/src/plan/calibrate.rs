@@ -276,6 +276,7 @@ mod tests {
 
     fn summary(world: usize, transport: &str) -> Summary {
         Summary {
+            job: String::new(),
             global_batch: 256,
             microbatch: 64,
             transport: transport.into(),

@@ -17,7 +17,9 @@ use burn::tensor::{Device, Tensor};
 use lockstep_model::{flat, ParamInfo};
 use sha2::{Digest, Sha256};
 
-use super::{catch_job_panic, Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
+use super::{
+    catch_job_panic, BinaryAbout, Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable,
+};
 use crate::config::{ConfigError, TrainConfig};
 use crate::device::{self, Placement};
 use crate::draws::{DrawPart, Draws};
@@ -62,6 +64,15 @@ pub trait Job: Send + Sync + 'static {
     fn config(&self) -> &str {
         ""
     }
+    /// One line on what the job trains, for `--help` (default: a line naming the job).
+    fn about(&self) -> &str {
+        ""
+    }
+    /// The job's version for `--version`, e.g. `env!("CARGO_PKG_VERSION")` (default: none; the
+    /// lockstep version is always shown too).
+    fn version(&self) -> &str {
+        ""
+    }
     /// Check the job's own settings (`cfg.job_section()`); the message is reported with the job's
     /// name and exit status 3.
     fn validate(&self, _cfg: &TrainConfig) -> Result<(), String> {
@@ -91,6 +102,13 @@ pub trait Job: Send + Sync + 'static {
 impl<J: Job> JobSpec for J {
     fn name(&self) -> String {
         Job::name(self).to_string()
+    }
+
+    fn binary(&self) -> Option<BinaryAbout> {
+        Some(BinaryAbout {
+            about: Job::about(self).to_string(),
+            version: Job::version(self).to_string(),
+        })
     }
 
     fn default_config(&self) -> String {

@@ -59,6 +59,14 @@ pub trait LayeredJob: Send + Sync + 'static {
     fn config(&self) -> &str {
         ""
     }
+    /// One line on what the job trains, as [`crate::job::Job::about`].
+    fn about(&self) -> &str {
+        ""
+    }
+    /// The job's version, as [`crate::job::Job::version`].
+    fn version(&self) -> &str {
+        ""
+    }
     /// Check the job's own settings, as [`crate::job::Job::validate`].
     fn validate(&self, _cfg: &TrainConfig) -> Result<(), String> {
         Ok(())
@@ -89,6 +97,13 @@ pub struct Pipelined<J>(pub J);
 impl<J: LayeredJob> JobSpec for Pipelined<J> {
     fn name(&self) -> String {
         self.0.name().to_string()
+    }
+
+    fn binary(&self) -> Option<crate::job::BinaryAbout> {
+        Some(crate::job::BinaryAbout {
+            about: self.0.about().to_string(),
+            version: self.0.version().to_string(),
+        })
     }
 
     fn default_config(&self) -> String {

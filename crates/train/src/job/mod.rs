@@ -24,7 +24,7 @@ pub(crate) use crate::outcome::catch_job_panic;
 pub use crate::outcome::{Computed, EvalSums, ReplicaError};
 pub use crate::replica::Replica;
 
-use crate::config::{ConfigError, TrainConfig};
+use crate::config::{ConfigError, ConfigSections, TrainConfig};
 use crate::device::Placement;
 use crate::TrainError;
 use lockstep_run::ModelShape;
@@ -53,6 +53,17 @@ pub trait JobSpec: Send + Sync {
     fn shape(&self, _cfg: &TrainConfig) -> ModelShape {
         flat_job_shape()
     }
+    /// How the binary presents itself on its command line (`--help`, `--version`); `None`: as
+    /// lockstep (the built-in jobs). A user's `Job` or `LayeredJob` presents itself by its name,
+    /// with its `about` and `version`.
+    fn binary(&self) -> Option<BinaryAbout> {
+        None
+    }
+    /// Which config sections the job reads (the run's config.toml shows those). Default: lockstep's
+    /// own and `[job]` (a user's job); lockstep's built-in models read `[model]` and `[data]` too.
+    fn config_sections(&self) -> ConfigSections {
+        ConfigSections::JobOwn
+    }
     /// Checks the whole config: lockstep's sections ([`ConfigLoad::validate_common`](crate::ConfigLoad::validate_common), or the
     /// built-in jobs' stricter [`ConfigLoad::validate_builtin`](crate::ConfigLoad::validate_builtin)) and the job's own settings.
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError>;
@@ -60,6 +71,15 @@ pub trait JobSpec: Send + Sync {
     /// broadcast) on `device` (the worker's `train.device`; the built-in models, which the plan
     /// keeps on the CPU, ignore it), datasets opened.
     fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError>;
+}
+
+/// How a user's binary presents itself: `my-job --help` and `my-job --version`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BinaryAbout {
+    /// One line on what it trains (empty: a default naming the job).
+    pub about: String,
+    /// The job's version (empty: only lockstep's is shown).
+    pub version: String,
 }
 
 /// The shape of a user's `Job` (trained whole, no streamed gradients), with how to lay it out.

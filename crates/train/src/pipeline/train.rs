@@ -42,7 +42,7 @@ use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink}
 use super::whole::{self, WholeStep};
 use crate::clip::{even_share, Clip};
 use crate::config::TrainConfig;
-use crate::context::WorkerContext;
+use crate::context::{JobLabel, WorkerContext};
 use crate::device;
 use crate::draws::Draws;
 use crate::error::TrainError;
@@ -196,6 +196,7 @@ pub fn train<'a>(
     cfg: &'a TrainConfig,
     plan: &ParallelPlan,
     ctx: WorkerContext<'a>,
+    job: JobLabel,
 ) -> Result<Summary, TrainError> {
     let started = Instant::now();
     let t = &cfg.train;
@@ -209,8 +210,15 @@ pub fn train<'a>(
     }
     let sampler = Sampler::new(samples, t.global_batch, t.seed)?;
     let total_steps = total_steps(cfg, &sampler)?;
-    let (comm, mut ledger) =
-        Ledger::open(cfg, ctx, plan, model.structure_hash(), total_steps, started);
+    let (comm, mut ledger) = Ledger::open(
+        cfg,
+        ctx,
+        job,
+        plan,
+        model.structure_hash(),
+        total_steps,
+        started,
+    );
     check_same_structure(comm, model.structure_hash())?;
     check_same_kernels(comm)?;
     // The plan checked the layout against the model (layers, pieces, ZeRO).

@@ -10,7 +10,7 @@ use lockstep_comm::Communicator;
 use super::collect::{gather_memory, gather_strings};
 use super::outputs::MetricsLog;
 use crate::config::TrainConfig;
-use crate::context::{Event, Progress};
+use crate::context::{Event, JobLabel, Progress};
 use crate::error::TrainError;
 use crate::memory::RankMemory;
 use crate::metrics::{
@@ -88,6 +88,7 @@ pub(crate) struct RunEnd {
     pub param_hash: String,
     pub gradient_sum: Option<GradientSum>,
     pub plan: ParallelPlan,
+    pub job: JobLabel,
 }
 
 /// Build the summary (same on every rank); rank 0 also announces a straggler.
@@ -126,6 +127,7 @@ pub(crate) fn build_summary(
         .unwrap_or((f64::NAN, f64::NAN, Default::default()));
     let steps_run = (end.total_steps - end.start_step) as f64;
     Summary {
+        job: end.job.name.clone(),
         world_size: comm.size(),
         steps: end.total_steps,
         global_batch: t.global_batch,

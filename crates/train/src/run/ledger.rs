@@ -19,7 +19,7 @@ use super::outputs::{write_outputs, MetricsLog};
 use super::schedule::{optimizer_spec, RECORDS_RESERVED};
 use crate::checkpoint::{Checkpoint, Identity};
 use crate::config::TrainConfig;
-use crate::context::{Event, WorkerContext};
+use crate::context::{Event, JobLabel, WorkerContext};
 use crate::error::TrainError;
 use crate::faults::Fault;
 use crate::memory::{current_rss_bytes, ModelState};
@@ -63,6 +63,8 @@ pub(crate) struct Ledger<'a> {
     /// Resumed from a checkpoint taken after the last step (an earlier attempt ended before its
     /// summary): no step runs, the final evaluation is run again for the summary.
     resumed_at_end: bool,
+    /// The job's name and config sections (summary.json, config.toml).
+    job: JobLabel,
 }
 
 impl<'a> Ledger<'a> {
@@ -72,6 +74,7 @@ impl<'a> Ledger<'a> {
     pub(crate) fn open(
         cfg: &'a TrainConfig,
         ctx: WorkerContext<'a>,
+        job: JobLabel,
         plan: &ParallelPlan,
         structure_hash: [u8; 32],
         total_steps: u64,
@@ -117,6 +120,7 @@ impl<'a> Ledger<'a> {
             gradient_sum: None,
             plan: plan.clone(),
             resumed_at_end: false,
+            job,
         };
         (comm, ledger)
     }
@@ -300,6 +304,7 @@ impl<'a> Ledger<'a> {
             held.measure(peak_held),
         )?;
         let pipeline = pipeline(&all_records, &mut ranks);
+        let sections = self.job.sections;
         let end = RunEnd {
             started: self.started,
             start_step: self.start_step,
@@ -309,6 +314,7 @@ impl<'a> Ledger<'a> {
             param_hash,
             gradient_sum: self.gradient_sum,
             plan: self.plan,
+            job: self.job,
         };
         let summary = build_summary(
             self.cfg,
@@ -320,7 +326,7 @@ impl<'a> Ledger<'a> {
             &mut *self.on_event,
         );
         if self.rank == 0 {
-            write_outputs(self.out_dir, self.cfg, &summary)?;
+            write_outputs(self.out_dir, self.cfg, sections, &summary)?;
         }
         Ok(summary)
     }

@@ -6,7 +6,7 @@ use std::path::Path;
 use lockstep_comm::Communicator;
 
 use super::collect::gather_records;
-use crate::config::TrainConfig;
+use crate::config::{ConfigSections, TrainConfig};
 use crate::error::TrainError;
 use crate::metrics::{StepRecord, Summary};
 
@@ -106,13 +106,17 @@ fn earlier_records(path: &Path, start_step: u64) -> Result<Vec<u8>, TrainError> 
 pub(crate) fn write_outputs(
     dir: &Path,
     cfg: &TrainConfig,
+    sections: ConfigSections,
     summary: &Summary,
 ) -> Result<(), TrainError> {
     std::fs::create_dir_all(dir).map_err(|source| TrainError::Io {
         path: dir.display().to_string(),
         cause: source,
     })?;
-    write_atomic(&dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+    write_atomic(
+        &dir.join("config.toml"),
+        cfg.to_run_file(sections).as_bytes(),
+    )?;
     let mut s = serde_json::to_vec_pretty(summary).expect("summary serialises");
     s.push(b'\n');
     write_atomic(&dir.join("summary.json"), &s)?;
