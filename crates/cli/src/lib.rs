@@ -8,6 +8,7 @@ mod bench;
 mod bench_train;
 mod cluster_env;
 mod elastic;
+mod export;
 mod flags;
 mod inject;
 mod launch;
@@ -67,6 +68,9 @@ enum Command {
     /// Predict step time, speedup and efficiency of layouts on a described cluster, calibrated
     /// from a finished run (see docs/src/plan.md).
     Plan(PlanArgs),
+    /// Write a run's trained model (a checkpoint) as a burn record your own Module loads with
+    /// `load_file` (a user's Job or LayeredJob).
+    Export(export::ExportArgs),
     /// Internal: the worker process started by the launcher.
     #[command(hide = true)]
     Worker {
@@ -361,6 +365,7 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
             .map(|s| println!("{}", s.to_hex()))
             .map_err(Into::into),
         Some(Command::Plan(a)) => plan::run(&a),
+        Some(Command::Export(a)) => export::run(&a),
         Some(Command::Worker { role }) => cmd_worker(role),
     };
     if let Err(e) = result {
@@ -533,6 +538,7 @@ fn is_bad_input(e: &anyhow::Error) -> bool {
             || c.is::<lockstep_report::plan::PlanError>()
             || c.is::<lockstep_train::device::DeviceError>()
             || c.is::<lockstep_report::scaling::LayoutError>()
+            || c.is::<lockstep_train::export::ExportError>()
             || c.downcast_ref::<lockstep_comm::CommError>()
                 .is_some_and(|e| e.is_permanent())
             || c.downcast_ref::<lockstep_train::TrainError>()

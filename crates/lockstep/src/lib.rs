@@ -28,6 +28,9 @@
 
 pub use burn;
 pub use lockstep_model::flat;
+/// The hash summary.json reports as `param_hash` (SHA-256 of the parameters' little-endian f32
+/// values in declaration order): check a model you loaded against its run.
+pub use lockstep_model::param_hash;
 pub use lockstep_train::draws::{DrawPart, Draws};
 pub use lockstep_train::job::{
     BoxError, BurnLayered, BurnReplica, Computed, EvalSums, Job, JobSpec, LayeredJob, Pipelined,

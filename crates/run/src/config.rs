@@ -322,6 +322,12 @@ pub struct TrainSection {
     /// Where the model computes (a user's `Job` / `LayeredJob`; the built-in models run on the
     /// CPU only).
     pub device: DeviceKind,
+    /// Start from the parameters of this burn record (a `lockstep export` of another run, or a
+    /// user's `module.save_file(…)`) instead of the seeded initialisation: fine-tuning. A user's
+    /// `Job` / `LayeredJob` only. Empty (the default) = initialise from `seed`; not written when
+    /// empty, so the identity of runs without it is as before.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub init_from: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -411,6 +417,7 @@ impl Default for TrainSection {
             eval_every: 100,
             log_every: 10,
             device: DeviceKind::Cpu,
+            init_from: String::new(),
         }
     }
 }

@@ -17,6 +17,7 @@ pub mod datasets;
 pub mod device;
 pub mod draws;
 pub mod error;
+pub mod export;
 pub mod faults;
 pub mod files;
 pub mod grad_parts;

@@ -107,6 +107,13 @@ impl ConfigLoad for TrainConfig {
                 ),
             ));
         }
+        if !self.train.init_from.is_empty() {
+            return Err(invalid(
+                "train.init_from",
+                "lockstep's built-in models are not burn modules and load no burn record (it is \
+                 for your own Job or LayeredJob); resume a run with --resume instead",
+            ));
+        }
         self.validate_model_and_data()?;
         ParallelPlan::check_shape(self, &self.builtin_shape(self.pipeline_layers()))?;
         self.validate_sections()?;
@@ -119,6 +126,13 @@ impl ConfigLoad for TrainConfig {
     }
 
     fn validate_common_layered(&self) -> Result<(), ConfigError> {
+        let init = &self.train.init_from;
+        if !init.is_empty() && !Path::new(init).is_file() {
+            return Err(invalid(
+                "train.init_from",
+                format!("`{init}` is not a readable file (a burn record, e.g. from `export`)"),
+            ));
+        }
         self.validate_parallel(None)?;
         self.validate_sections()?;
         crate::limits::check_common(self)

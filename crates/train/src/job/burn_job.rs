@@ -104,6 +104,23 @@ impl<J: Job> JobSpec for J {
         Job::name(self).to_string()
     }
 
+    fn model_record(
+        &self,
+        cfg: &TrainConfig,
+        params: &[f32],
+    ) -> Option<Result<Vec<u8>, TrainError>> {
+        let device = Placement::cpu().seeded(cfg.train.seed);
+        let name = Job::name(self);
+        Some(
+            catch_job_panic(|| self.model(cfg, &device))
+                .map_err(|p| TrainError::JobSetup {
+                    job: name.to_string(),
+                    message: format!("building the model panicked: {p}"),
+                })
+                .and_then(|model| crate::export::record_bytes(name, model, params, &device)),
+        )
+    }
+
     fn binary(&self) -> Option<BinaryAbout> {
         Some(BinaryAbout {
             about: Job::about(self).to_string(),
@@ -153,6 +170,7 @@ impl<'j, J: Job> BurnReplica<'j, J> {
                 job: name.clone(),
                 message: format!("building the model panicked: {p}"),
             })?;
+        let model = crate::export::init_from(&name, model, cfg)?;
         let layout = flat::layout(&model);
         let num_params = layout.iter().map(|p| p.len).sum();
         if num_params == 0 {

@@ -99,6 +99,23 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
         self.0.name().to_string()
     }
 
+    fn model_record(
+        &self,
+        cfg: &TrainConfig,
+        params: &[f32],
+    ) -> Option<Result<Vec<u8>, TrainError>> {
+        let device = Placement::cpu().seeded(cfg.train.seed);
+        let name = self.0.name();
+        Some(
+            catch_job_panic(|| self.0.layers(cfg, &device))
+                .map_err(|p| TrainError::JobSetup {
+                    job: name.to_string(),
+                    message: format!("building the layers panicked: {p}"),
+                })
+                .and_then(|layers| crate::export::record_bytes(name, layers, params, &device)),
+        )
+    }
+
     fn binary(&self) -> Option<crate::job::BinaryAbout> {
         Some(crate::job::BinaryAbout {
             about: self.0.about().to_string(),
@@ -232,6 +249,7 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
         let device = place.seeded(cfg.train.seed);
         let layers = catch_job_panic(|| job.layers(cfg, &device))
             .map_err(|p| setup(format!("building the layers panicked: {p}")))?;
+        let layers = crate::export::init_from(&name, layers, cfg)?;
         if layers.is_empty() {
             return Err(setup("the model has no layers".into()));
         }

@@ -59,6 +59,16 @@ pub trait JobSpec: Send + Sync {
     fn binary(&self) -> Option<BinaryAbout> {
         None
     }
+    /// The model holding `params` (a checkpoint's, canonical flat order) as burn record bytes
+    /// that the job's own module type loads with `load_file` (`export`); `None`: the job's model
+    /// is no burn module (lockstep's built-in models).
+    fn model_record(
+        &self,
+        _cfg: &TrainConfig,
+        _params: &[f32],
+    ) -> Option<Result<Vec<u8>, TrainError>> {
+        None
+    }
     /// Which config sections the job reads (the run's config.toml shows those). Default: lockstep's
     /// own and `[job]` (a user's job); lockstep's built-in models read `[model]` and `[data]` too.
     fn config_sections(&self) -> ConfigSections {
