@@ -415,10 +415,12 @@ fn blame(
     if let Some((rank, status)) = failures.iter().find(|(_, s)| s.signal().is_some()) {
         return Some((*rank, describe(*status)));
     }
-    // A worker that stopped on bad input failed by itself, whoever noticed its absence first.
+    // A worker that stopped on bad input failed by itself, whoever noticed its absence first;
+    // of several, the lowest rank (its message does not depend on which exited first).
     if let Some((rank, status)) = failures
         .iter()
-        .find(|(_, s)| s.code() == Some(EXIT_PERMANENT))
+        .filter(|(_, s)| s.code() == Some(EXIT_PERMANENT))
+        .min_by_key(|(r, _)| *r)
     {
         return Some((*rank, describe(*status)));
     }

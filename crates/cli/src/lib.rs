@@ -317,15 +317,16 @@ enum WorkerRole {
     },
 }
 
-/// The job this process runs (the binary is the job): set once by [`run`].
-static JOB: std::sync::OnceLock<Box<dyn JobSpec>> = std::sync::OnceLock::new();
+/// The job this process runs (the binary is the job): set by [`run`] / [`try_run`], each call
+/// replacing the last (a program may run several jobs in turn).
+static JOB: std::sync::RwLock<Option<&'static dyn JobSpec>> = std::sync::RwLock::new(None);
 
-/// The job given to [`run`]; lockstep's built-in jobs before that (unit tests).
+/// The job given to [`try_run`]; lockstep's built-in jobs before that (unit tests).
 fn job() -> &'static dyn JobSpec {
-    match JOB.get() {
-        Some(job) => job.as_ref(),
-        None => &lockstep_train::BuiltinJob,
-    }
+    let held = *JOB
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    held.unwrap_or(&lockstep_train::BuiltinJob)
 }
 
 /// `key=value` overrides and an optional file on top of the job's defaults, validated.
@@ -333,13 +334,83 @@ fn load_config(path: Option<&std::path::Path>, sets: &[String]) -> Result<TrainC
     Ok(TrainConfig::load_for(job(), path, sets)?)
 }
 
-/// Parse argv, run the command for `job`, exit (status 3 for bad input, see `launch`).
-pub fn run(job: Box<dyn JobSpec>) -> ! {
-    if JOB.set(job).is_err() {
-        panic!("lockstep_cli::run called twice");
+/// Why a command failed: the error chain, and whether it was bad input (a config, flag, path,
+/// dataset or job's misbehaviour that no retry can cure).
+#[derive(Debug)]
+pub struct RunError {
+    error: anyhow::Error,
+    bad_input: bool,
+}
+
+impl RunError {
+    /// Bad input (exit status 3), as opposed to a failure a retry might not meet (1).
+    pub fn is_bad_input(&self) -> bool {
+        self.bad_input
     }
-    let cli = parse_args();
-    let launched_worker = matches!(cli.command, Some(Command::Worker { .. }));
+    /// The exit status lockstep's own `main` ends with for this error: 3 for bad input, else 1.
+    pub fn exit_code(&self) -> i32 {
+        if self.bad_input {
+            launch::EXIT_PERMANENT
+        } else {
+            1
+        }
+    }
+}
+
+impl std::fmt::Display for RunError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.error)
+    }
+}
+
+impl std::error::Error for RunError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error.source()
+    }
+}
+
+/// Parse argv, run the command for `job`, exit: status 0, 3 for bad input (see `launch`), 1
+/// otherwise, with the error on stderr.
+pub fn run(job: Box<dyn JobSpec>) -> ! {
+    match try_run(job, std::env::args_os()) {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            // Not eprintln!: stderr may be a closed pipe, and a panic here would replace the
+            // real exit status with 101.
+            let _ = std::io::stderr().write_all(format!("lockstep: error: {e}\n").as_bytes());
+            std::process::exit(e.exit_code());
+        }
+    }
+}
+
+/// Run the command line `args` (the program name first, as `std::env::args_os`) for `job` and
+/// return its outcome instead of exiting: `--help` and `--version` print and return `Ok`. The
+/// worker processes lockstep starts are this same program run with an internal `worker`
+/// command, which ends its process itself.
+pub fn try_run<I, T>(job: Box<dyn JobSpec>, args: I) -> Result<(), RunError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    *JOB.write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Box::leak(job));
+    let cli = match command()
+        .try_get_matches_from(args)
+        .and_then(|m| Cli::from_arg_matches(&m))
+    {
+        Ok(cli) => cli,
+        // A malformed command line is bad input like any other (exit status 3, not clap's 2).
+        Err(e) if e.use_stderr() => {
+            return Err(RunError {
+                error: anyhow::anyhow!("{}", e.render().to_string().trim_end()),
+                bad_input: true,
+            })
+        }
+        Err(e) => {
+            let _ = e.print();
+            return Ok(());
+        }
+    };
     // Keep big step buffers in the heap instead of re-faulting them every step (see lockstep-model).
     lockstep_model::tune_allocator_for_training();
     let result = match cli.command {
@@ -366,57 +437,43 @@ pub fn run(job: Box<dyn JobSpec>) -> ! {
             .map_err(Into::into),
         Some(Command::Plan(a)) => plan::run(&a),
         Some(Command::Export(a)) => export::run(&a),
-        Some(Command::Worker { role }) => cmd_worker(role),
+        Some(Command::Worker { role }) => worker_exit(cmd_worker(role)),
     };
-    if let Err(e) = result {
-        // Not eprintln!: an orphaned worker's stderr may be a closed pipe, and a panic here
-        // would replace the real exit status with 101.
-        let permanent = is_bad_input(&e);
-        // A worker that failed for want of a peer may be part of an orphaned group whose
-        // re-parenting is still under way: give the kernel a moment to tell (see orphan.rs).
-        let settle = if launched_worker && !permanent {
-            std::time::Duration::from_millis(500)
-        } else {
-            std::time::Duration::ZERO
-        };
-        orphan::exit_if_orphaned("", settle);
-        if launched_worker {
-            // For the launcher's blame and restart decision, typed; then the message for people.
-            let record = WorkerMessage::Failure(FailureRecord {
-                waited_for: protocol::waited_for(&e),
-                permanent,
-                message: format!("{e:#}"),
-            });
-            let _ = std::io::stderr().write_all(format!("{}\n", record.line()).as_bytes());
-        }
-        // One write per line: ranks under mpirun share one output stream. A worker of lockstep's
-        // own launcher stopped by bad input leaves the telling to the launcher, which says it
-        // once for the job (every rank usually meets the same bad input).
-        if !(launched_worker && permanent) {
-            let _ = std::io::stderr().write_all(format!("lockstep: error: {e:#}\n").as_bytes());
-        }
-        std::process::exit(if permanent { launch::EXIT_PERMANENT } else { 1 });
-    }
-    std::process::exit(0)
+    result.map_err(|error| RunError {
+        bad_input: is_bad_input(&error),
+        error,
+    })
 }
 
-/// argv as a [`Cli`]; a malformed command line is bad input like any other (exit status 3, not
-/// clap's 2), while `--help` and `--version` print and exit 0.
-fn parse_args() -> Cli {
-    match command()
-        .try_get_matches()
-        .and_then(|m| Cli::from_arg_matches(&m))
-    {
-        Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            std::process::exit(if e.use_stderr() {
-                launch::EXIT_PERMANENT
-            } else {
-                0
-            });
-        }
+/// A worker's end: its process exits here with its status, after the typed failure record its
+/// launcher reads.
+fn worker_exit(result: Result<()>) -> ! {
+    let Err(e) = result else {
+        std::process::exit(0)
+    };
+    let permanent = is_bad_input(&e);
+    // A worker that failed for want of a peer may be part of an orphaned group whose
+    // re-parenting is still under way: give the kernel a moment to tell (see orphan.rs).
+    let settle = if permanent {
+        std::time::Duration::ZERO
+    } else {
+        std::time::Duration::from_millis(500)
+    };
+    orphan::exit_if_orphaned("", settle);
+    // For the launcher's blame and restart decision, typed; then the message for people.
+    // Not eprintln!: an orphaned worker's stderr may be a closed pipe.
+    let record = WorkerMessage::Failure(FailureRecord {
+        waited_for: protocol::waited_for(&e),
+        permanent,
+        message: format!("{e:#}"),
+    });
+    let _ = std::io::stderr().write_all(format!("{}\n", record.line()).as_bytes());
+    // A worker stopped by bad input leaves the telling to its launcher, which says it once for
+    // the job (every rank usually meets the same bad input).
+    if !permanent {
+        let _ = std::io::stderr().write_all(format!("lockstep: error: {e:#}\n").as_bytes());
     }
+    std::process::exit(if permanent { launch::EXIT_PERMANENT } else { 1 });
 }
 
 /// The command line, presenting a user's binary as itself: its file name in the usage lines,

@@ -97,6 +97,13 @@ impl lockstep::LayeredJob for LayeredTestJob {
     }
 }
 
-fn main() {
-    lockstep::main(lockstep::Pipelined(LayeredTestJob))
+/// Through the library entry that returns to `main` (the other test job uses `lockstep::main`).
+fn main() -> std::process::ExitCode {
+    match lockstep::Trainer::new(lockstep::Pipelined(LayeredTestJob)).run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lockstep: error: {e}");
+            std::process::ExitCode::from(e.exit_code() as u8)
+        }
+    }
 }
