@@ -111,6 +111,8 @@ const RUN_FILES: &[&str] = &[
     "metrics.jsonl",
     "report.md",
     "report.html",
+    // lockstep_run::tensorboard::EVENT_FILE under tensorboard/ (a const cannot concatenate).
+    "tensorboard/events.out.tfevents.0.lockstep",
 ];
 
 /// The lock file of a run directory (empty when nobody holds it).
@@ -539,6 +541,12 @@ pub fn remove_unstarted(dir: &Path, ckpt_dir: &Path, created: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tensorboard_file_is_a_run_file() {
+        let name = format!("tensorboard/{}", lockstep_run::tensorboard::EVENT_FILE);
+        assert!(RUN_FILES.contains(&name.as_str()));
+    }
 
     #[test]
     fn an_unstarted_run_is_removed_but_nothing_of_anyone_else() {

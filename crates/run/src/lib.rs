@@ -14,6 +14,7 @@ pub mod memory;
 pub mod metrics;
 pub mod parallel_dims;
 pub mod read;
+pub mod tensorboard;
 
 pub use config::{ConfigError, ConfigSections, TrainConfig};
 pub use layout::{ModelShape, ParallelPlan};

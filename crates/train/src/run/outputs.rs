@@ -18,6 +18,8 @@ pub(crate) struct MetricsLog {
     flushed: usize,
     /// Whether this attempt has rewritten the file yet.
     started: bool,
+    /// When this attempt began (seconds since the epoch): the TensorBoard file's time base.
+    start_unix: f64,
 }
 
 impl MetricsLog {
@@ -29,6 +31,9 @@ impl MetricsLog {
             gathered: Vec::new(),
             flushed: 0,
             started: false,
+            start_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
         }
     }
 
@@ -66,10 +71,30 @@ impl MetricsLog {
                 lines.push(b'\n');
             }
             write_atomic(&path, &lines)?;
+            self.write_tensorboard(dir, &lines)?;
         }
         self.started = true;
         self.gathered.extend(new);
         Ok(())
+    }
+}
+
+impl MetricsLog {
+    /// `<dir>/tensorboard/`'s event file from metrics.jsonl's `lines` (all of them: the file
+    /// tells the same story, restarts included).
+    fn write_tensorboard(&self, dir: &Path, lines: &[u8]) -> Result<(), TrainError> {
+        let records: Vec<StepRecord> = lines
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .filter_map(|l| serde_json::from_slice(l).ok())
+            .collect();
+        let tb = dir.join("tensorboard");
+        std::fs::create_dir_all(&tb).map_err(|cause| TrainError::Io {
+            path: tb.display().to_string(),
+            cause,
+        })?;
+        let bytes = lockstep_run::tensorboard::event_file(&records, self.start_unix);
+        write_atomic(&tb.join(lockstep_run::tensorboard::EVENT_FILE), &bytes)
     }
 }
 
