@@ -1065,7 +1065,47 @@ fn run_train_worker(
     let timeout = Duration::from_secs_f64(cfg.dist.timeout_secs);
     let mut worker = worker::connect(w, cfg.dist.transport, timeout, &tcp_options(&env)?)?;
     worker.comm.set_algorithm(cfg.dist.algorithm);
-    let mut on_event = |e: Event| match e {
+    // The job's own hook first (rank 0's events), its panic kept to end the run with.
+    let hook_panic: std::cell::RefCell<Option<String>> = std::cell::RefCell::new(None);
+    let mut on_event = |e: Event| {
+        if rank == 0 && hook_panic.borrow().is_none() {
+            if let Err(p) = job().hook(&e) {
+                *hook_panic.borrow_mut() = Some(p);
+            }
+        }
+        show_event(e, rank, under_launcher)
+    };
+    let host = worker.host.clone();
+    let summary = lockstep_train::train(
+        job(),
+        cfg,
+        WorkerContext {
+            comm: &mut worker.comm,
+            host,
+            device,
+            out_dir: out,
+            on_event: &mut on_event,
+            resume,
+            faults,
+        },
+    )
+    .with_context(|| format!("rank {rank}"))?;
+    if let Some(p) = hook_panic.into_inner() {
+        return Err(lockstep_train::TrainError::JobSetup {
+            job: job().name(),
+            message: format!(
+                "its on_event hook panicked: {p} (the run finished and its outputs are written)"
+            ),
+        })
+        .with_context(|| format!("rank {rank}"));
+    }
+    finish_worker(rank, cfg, &summary)
+}
+
+/// An event of the training loop on this worker's output: typed for its launcher, a line for
+/// people.
+fn show_event(e: Event, rank: usize, under_launcher: bool) {
+    match e {
         Event::Progress(p) if under_launcher => {
             let progress = WorkerMessage::Progress(protocol::Progress {
                 step: p.step,
@@ -1098,23 +1138,12 @@ fn run_train_worker(
             );
         }
         Event::Notice(text) => orphan::emit(rank, false, &text),
-        Event::StepDone(_) => {}
-    };
-    let host = worker.host.clone();
-    let summary = lockstep_train::train(
-        job(),
-        cfg,
-        WorkerContext {
-            comm: &mut worker.comm,
-            host,
-            device,
-            out_dir: out,
-            on_event: &mut on_event,
-            resume,
-            faults,
-        },
-    )
-    .with_context(|| format!("rank {rank}"))?;
+        _ => {}
+    }
+}
+
+/// Rank 0's final line: loss, test figures, speed and the parameter hash.
+fn finish_worker(rank: usize, cfg: &TrainConfig, summary: &lockstep_train::Summary) -> Result<()> {
     if rank == 0 {
         // A language model's test figures are validation nats per character and next-character
         // accuracy; a classifier's, its test accuracy; any job's, its own metrics.

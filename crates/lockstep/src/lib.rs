@@ -78,8 +78,9 @@ pub use lockstep_train::job::{
     BoxError, BurnLayered, BurnReplica, Computed, EvalSums, Job, JobSpec, LayeredJob, Pipelined,
     Replica, ReplicaError, Trainable,
 };
+pub use lockstep_train::metrics::Eval;
 pub use lockstep_train::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
-pub use lockstep_train::{ConfigError, ConfigLoad, TrainConfig, TrainError};
+pub use lockstep_train::{ConfigError, ConfigLoad, Event, Progress, TrainConfig, TrainError};
 
 /// Tensor parallelism of your own [`LayeredJob`] (Megatron style): put these burn modules in your
 /// layers and `parallel.tp` ranks split them; every layout gives the one-worker parameters bit

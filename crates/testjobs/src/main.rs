@@ -73,6 +73,39 @@ impl lockstep::Job for TestJob {
         MseLoss::new().forward(model.forward(x.clone()), y.clone(), Reduction::Mean)
     }
 
+    /// With `LOCKSTEP_TESTJOB_EVENTS=<file>`, each evaluation and checkpoint as a line of that
+    /// file (the tests compare 1 and 3 workers); with `LOCKSTEP_TESTJOB_HOOK_PANIC` set, a panic
+    /// at the first evaluation.
+    fn on_event(&self, event: &lockstep::Event) {
+        let line = match event {
+            lockstep::Event::Evaluated { step, eval } => {
+                if std::env::var_os("LOCKSTEP_TESTJOB_HOOK_PANIC").is_some() {
+                    panic!("the hook cannot take evaluation {step} (deliberate)");
+                }
+                format!(
+                    "evaluated {step} test_loss {:016x} mae {:016x}\n",
+                    eval.test_loss.to_bits(),
+                    eval.metrics["mae"].to_bits()
+                )
+            }
+            lockstep::Event::Checkpointed { step, path } => format!(
+                "checkpointed {step} {}\n",
+                path.file_name().unwrap().to_string_lossy()
+            ),
+            _ => return,
+        };
+        if let Some(file) = std::env::var_os("LOCKSTEP_TESTJOB_EVENTS") {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(file)
+                .expect("the events file opens");
+            f.write_all(line.as_bytes())
+                .expect("the events file takes a line");
+        }
+    }
+
     fn metrics(&self, model: &Mlp, (x, y): &(Tensor<2>, Tensor<2>)) -> Vec<(&'static str, f64)> {
         let abs = (model.forward(x.clone()) - y.clone()).abs().sum();
         vec![("mae", abs.into_scalar::<f32>() as f64)]

@@ -425,3 +425,70 @@ fn gradient_clipping_in_a_user_job_gives_one_hash_at_every_world_size() {
         stderr(&o)
     );
 }
+
+/// `Job::on_event`: rank 0's hook sees each evaluation (with the figures summary.json records)
+/// and each checkpoint on disk — the same events with the same bits at 1 and 3 workers; a hook
+/// that panics ends the run with exit status 3 naming it, after the outputs are written.
+#[test]
+fn the_jobs_hook_sees_the_same_evaluations_and_checkpoints_at_every_world_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hooked = |n: &str| {
+        let events = tmp.path().join(format!("events-{n}.txt"));
+        let o = Command::new(env!("CARGO_BIN_EXE_lockstep-testjob"))
+            .args(["train", "--nproc", n, "--out"])
+            .arg(tmp.path().join(format!("run-{n}")))
+            .env("LOCKSTEP_TESTJOB_EVENTS", &events)
+            .output()
+            .unwrap();
+        assert_ok(&o);
+        std::fs::read_to_string(events).unwrap()
+    };
+    let one = hooked("1");
+    assert_eq!(hooked("3"), one, "the hook's events at 3 workers vs 1");
+    let lines: Vec<&str> = one.lines().collect();
+    assert_eq!(
+        lines.iter().filter(|l| l.starts_with("evaluated")).count(),
+        2,
+        "{one}"
+    );
+    for step in [4, 8, 12] {
+        assert!(
+            one.contains(&format!("checkpointed {step} step-")),
+            "checkpoint {step}: {one}"
+        );
+    }
+    let mae = summary(&tmp.path().join("run-1"))["test_metrics"]["mae"]
+        .as_f64()
+        .unwrap();
+    let last = lines
+        .iter()
+        .find(|l| l.starts_with("evaluated 12 "))
+        .unwrap();
+    let bits = u64::from_str_radix(last.rsplit(' ').next().unwrap(), 16).unwrap();
+    let hooked_mae = f64::from_bits(bits);
+    // (serde_json's float parsing may be off by an ulp: compare within a few.)
+    assert!(
+        (hooked_mae - mae).abs() <= 4.0 * f64::EPSILON * mae,
+        "the last evaluation's mae {hooked_mae} is summary.json's {mae}"
+    );
+    let dir = tmp.path().join("panics");
+    let o = Command::new(env!("CARGO_BIN_EXE_lockstep-testjob"))
+        .args(["train", "--nproc", "2", "--out"])
+        .arg(&dir)
+        .env("LOCKSTEP_TESTJOB_HOOK_PANIC", "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("on_event hook panicked"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        stderr(&o).contains("evaluation 6 (deliberate)"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(dir.join("summary.json").exists(), "the outputs are written");
+}

@@ -18,8 +18,10 @@ pub struct Progress {
     pub eta_seconds: f64,
 }
 
-/// What the loop tells its caller (rank 0 only, except `Notice`).
+/// What the loop tells its caller (rank 0 only, except `Notice`); a job sees them in its
+/// `on_event` hook.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum Event {
     /// Every `train.log_every` steps.
     Progress(Progress),
@@ -29,9 +31,16 @@ pub enum Event {
     Resumed(u64),
     /// Something worth a log line (damaged checkpoint skipped, straggler, …).
     Notice(String),
+    /// The model was evaluated after `step` steps (the figures summary.json and metrics.jsonl
+    /// record, the same for every world size).
+    Evaluated {
+        step: u64,
+        eval: crate::metrics::Eval,
+    },
+    /// The checkpoint after `step` steps is on disk at `path` (atomic, checksummed).
+    Checkpointed { step: u64, path: std::path::PathBuf },
 }
 
-/// Everything the loop needs that is not in the config.
 /// What a run's outputs say about its job: summary.json's `job`, and the sections the run's
 /// config.toml shows.
 #[derive(Clone, Debug)]
@@ -40,6 +49,7 @@ pub struct JobLabel {
     pub sections: crate::config::ConfigSections,
 }
 
+/// Everything the loop needs that is not in the config.
 pub struct WorkerContext<'a> {
     pub comm: &'a mut Communicator,
     /// Host name of this rank (for the summary).

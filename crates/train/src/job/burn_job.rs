@@ -64,6 +64,11 @@ pub trait Job: Send + Sync + 'static {
     fn config(&self) -> &str {
         ""
     }
+    /// Called in rank 0's worker on each event of the training loop: an evaluation's figures
+    /// ([`crate::Event::Evaluated`]), a checkpoint on disk ([`crate::Event::Checkpointed`]),
+    /// progress, resumption (optional; a panic here ends the run with an error once its outputs
+    /// are written). The events and their figures are the same at every world size.
+    fn on_event(&self, _event: &crate::Event) {}
     /// One line on what the job trains, for `--help` (default: a line naming the job).
     fn about(&self) -> &str {
         ""
@@ -119,6 +124,10 @@ impl<J: Job> JobSpec for J {
                 })
                 .and_then(|model| crate::export::record_bytes(name, model, params, &device)),
         )
+    }
+
+    fn on_event(&self, event: &crate::Event) {
+        Job::on_event(self, event)
     }
 
     fn binary(&self) -> Option<BinaryAbout> {

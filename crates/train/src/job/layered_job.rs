@@ -59,6 +59,8 @@ pub trait LayeredJob: Send + Sync + 'static {
     fn config(&self) -> &str {
         ""
     }
+    /// Called on each event of the training loop, as [`crate::job::Job::on_event`].
+    fn on_event(&self, _event: &crate::Event) {}
     /// One line on what the job trains, as [`crate::job::Job::about`].
     fn about(&self) -> &str {
         ""
@@ -114,6 +116,10 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
                 })
                 .and_then(|layers| crate::export::record_bytes(name, layers, params, &device)),
         )
+    }
+
+    fn on_event(&self, event: &crate::Event) {
+        self.0.on_event(event)
     }
 
     fn binary(&self) -> Option<crate::job::BinaryAbout> {

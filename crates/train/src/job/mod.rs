@@ -69,6 +69,15 @@ pub trait JobSpec: Send + Sync {
     ) -> Option<Result<Vec<u8>, TrainError>> {
         None
     }
+    /// The job's hook on the training loop's events in rank 0's worker: each evaluation
+    /// ([`Event::Evaluated`](crate::Event::Evaluated)), each checkpoint on disk
+    /// ([`Event::Checkpointed`](crate::Event::Checkpointed)), progress, resumption. Default:
+    /// nothing. Called through [`JobSpec::hook`], which turns a panic into an error.
+    fn on_event(&self, _event: &crate::Event) {}
+    /// [`JobSpec::on_event`] with a panic caught: its message, as the job's code reported it.
+    fn hook(&self, event: &crate::Event) -> Result<(), String> {
+        catch_job_panic(|| self.on_event(event))
+    }
     /// Which config sections the job reads (the run's config.toml shows those). Default: lockstep's
     /// own and `[job]` (a user's job); lockstep's built-in models read `[model]` and `[data]` too.
     fn config_sections(&self) -> ConfigSections {

@@ -101,6 +101,7 @@ pub(crate) fn save_checkpoint(
             path.display()
         )));
     }
+    on_event(Event::Checkpointed { step: c.step, path });
     Ok(())
 }
 

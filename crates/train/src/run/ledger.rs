@@ -192,7 +192,18 @@ impl<'a> Ledger<'a> {
 
     /// The final evaluation, run again after a resume at the end.
     pub(crate) fn final_evaluation(&mut self, eval: Eval) {
+        self.evaluated(self.total_steps, &eval);
         self.evals.push((self.total_steps, eval));
+    }
+
+    /// Tell the caller (rank 0) of the evaluation after `step` steps.
+    fn evaluated(&mut self, step: u64, eval: &Eval) {
+        if self.rank == 0 {
+            (self.on_event)(Event::Evaluated {
+                step,
+                eval: eval.clone(),
+            });
+        }
     }
 
     /// The learning rate of `step`.
@@ -248,6 +259,7 @@ impl<'a> Ledger<'a> {
     ) -> Result<(), TrainError> {
         record.rss_bytes = current_rss_bytes();
         if let Some(e) = &record.eval {
+            self.evaluated(record.step + 1, e);
             self.evals.push((record.step + 1, e.clone()));
         }
         self.last_loss = record.loss;
