@@ -42,6 +42,23 @@ fn a_layered_user_job_has_the_one_worker_bits_as_a_pipeline() {
     assert_eq!(s["gradient_sum"], "shared_windows");
 }
 
+/// Each of `runs` (name, nproc, flags) under `dir` with `setting` on top, and a run without it
+/// (`plain`), which must end elsewhere than `one`: the setting acts.
+fn runs_with(dir: &Path, setting: &[&str], runs: &[(&str, &str, &[&str])]) {
+    for (name, nproc, extra) in runs {
+        let args = [setting, extra].concat();
+        let o = layered(&dir.join(name), nproc, &args);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+    let o = layered(&dir.join("plain"), "1", &[]);
+    assert!(o.status.success(), "plain: {}", stderr(&o));
+    assert_ne!(
+        hash(&dir.join("one")),
+        hash(&dir.join("plain")),
+        "{setting:?} must change the run"
+    );
+}
+
 /// Dropout inside a pipeline's layer: each layer draws from the stream of (seed, step,
 /// micro-batch, layer), so cutting the model into stages, replicating them, overlapping the
 /// backward or killing a worker leaves the masks — and the parameters — as on one worker.
@@ -61,19 +78,7 @@ fn dropout_in_a_layered_user_job_gives_one_hash_for_every_layout_and_after_a_res
             &["--set", "parallel.pp=2", "--inject", "kill:rank=3,step=6"],
         ),
     ];
-    for (name, nproc, extra) in runs {
-        let mut args = vec!["--set", "job.dropout=0.3"];
-        args.extend_from_slice(extra);
-        let o = layered(&dir(name), nproc, &args);
-        assert!(o.status.success(), "{name}: {}", stderr(&o));
-    }
-    let o = layered(&dir("plain"), "1", &[]);
-    assert!(o.status.success(), "plain: {}", stderr(&o));
-    assert_ne!(
-        hash(&dir("one")),
-        hash(&dir("plain")),
-        "dropout must change the run"
-    );
+    runs_with(tmp.path(), &["--set", "job.dropout=0.3"], &runs);
     let s: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir("killed").join("summary.json")).unwrap())
             .unwrap();
@@ -109,18 +114,10 @@ fn gradient_clipping_gives_one_hash_for_every_layout() {
             &["--set", "parallel.pp=2", "--set", "parallel.zero=1"],
         ),
     ];
-    for (name, nproc, extra) in runs {
-        let mut args = vec!["--set", "optimizer.clip_grad_norm=0.2"];
-        args.extend_from_slice(extra);
-        let o = layered(&dir(name), nproc, &args);
-        assert!(o.status.success(), "{name}: {}", stderr(&o));
-    }
-    let o = layered(&dir("plain"), "1", &[]);
-    assert!(o.status.success(), "plain: {}", stderr(&o));
-    assert_ne!(
-        hash(&dir("one")),
-        hash(&dir("plain")),
-        "clipping must change the run"
+    runs_with(
+        tmp.path(),
+        &["--set", "optimizer.clip_grad_norm=0.2"],
+        &runs,
     );
     let norms = |name: &str| -> Vec<(u64, f64)> {
         let text = std::fs::read_to_string(dir(name).join("metrics.jsonl")).unwrap();
