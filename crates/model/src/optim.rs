@@ -30,6 +30,18 @@ pub enum OptimizerSpec {
         /// Use Nesterov momentum.
         nesterov: bool,
     },
+    /// Adam (Kingma & Ba) with PyTorch's `Adam` semantics: L2 penalty `g = grad + wd * p`, then
+    /// bias-corrected moments as AdamW's.
+    Adam {
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Denominator stabiliser.
+        eps: f32,
+        /// L2 penalty added to the gradient.
+        weight_decay: f32,
+    },
     /// AdamW (Loshchilov & Hutter): decoupled weight decay `p *= 1 - lr * wd`, then Adam with
     /// bias-corrected moments: `p -= lr * m_hat / (sqrt(v_hat) + eps)`.
     AdamW {
@@ -49,7 +61,7 @@ pub enum OptimizerSpec {
 pub struct Optimizer {
     spec: OptimizerSpec,
     num_params: usize,
-    /// SGD with momentum: `[momentum]`; AdamW: `[exp_avg, exp_avg_sq]`; SGD without: `[]`.
+    /// SGD with momentum: `[momentum]`; Adam(W): `[exp_avg, exp_avg_sq]`; SGD without: `[]`.
     state: Vec<Vec<f32>>,
     steps: u64,
 }
@@ -60,7 +72,7 @@ impl Optimizer {
         let vectors = match spec {
             OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => 0,
             OptimizerSpec::Sgd { .. } => 1,
-            OptimizerSpec::AdamW { .. } => 2,
+            OptimizerSpec::Adam { .. } | OptimizerSpec::AdamW { .. } => 2,
         };
         Optimizer {
             spec: spec.clone(),
@@ -158,12 +170,23 @@ impl Optimizer {
                     buf => sgd(params, grad, buf),
                 }
             }
-            OptimizerSpec::AdamW {
+            OptimizerSpec::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            }
+            | OptimizerSpec::AdamW {
                 beta1,
                 beta2,
                 eps,
                 weight_decay,
             } => {
+                // The one difference: where the weight decay goes.
+                let (l2, decoupled) = match self.spec {
+                    OptimizerSpec::Adam { .. } => (weight_decay, 0.0),
+                    _ => (0.0, weight_decay),
+                };
                 let t = self.steps + 1;
                 let bc1 = (1.0 - powi_exact(beta1 as f64, t)) as f32;
                 let bc2 = (1.0 - powi_exact(beta2 as f64, t)) as f32;
@@ -173,7 +196,8 @@ impl Optimizer {
                     beta1,
                     beta2,
                     eps,
-                    weight_decay,
+                    weight_decay: decoupled,
+                    l2,
                     bc1,
                     bc2,
                 };
@@ -239,7 +263,10 @@ struct AdamParams {
     beta1: f32,
     beta2: f32,
     eps: f32,
+    /// Decoupled weight decay (AdamW).
     weight_decay: f32,
+    /// L2 penalty added to the gradient (Adam).
+    l2: f32,
     bc1: f32,
     bc2: f32,
 }
@@ -248,6 +275,7 @@ fn adamw(params: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32], hp: &Ad
     let decay = 1.0 - hp.lr * hp.weight_decay;
     let (one_m_b1, one_m_b2) = (1.0 - hp.beta1, 1.0 - hp.beta2);
     for (((p, &g), m), v) in params.iter_mut().zip(grad).zip(m).zip(v) {
+        let g = if hp.l2 != 0.0 { g + hp.l2 * *p } else { g };
         *p *= decay;
         *m = hp.beta1 * *m + one_m_b1 * g;
         *v = hp.beta2 * *v + one_m_b2 * (g * g);
@@ -304,6 +332,12 @@ mod tests {
                 eps: 1e-8,
                 weight_decay: 0.01,
             },
+            OptimizerSpec::Adam {
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
         ];
         let run = |spec: &OptimizerSpec, threads: usize| {
             crate::on_threads(threads, || {
@@ -328,6 +362,47 @@ mod tests {
             for threads in 2..=4 {
                 assert!(run(spec, threads) == want, "{spec:?} on {threads} threads");
             }
+        }
+    }
+
+    /// Adam's weight decay is an L2 penalty on the gradient (PyTorch's `Adam`): its step is
+    /// AdamW's without decay on `grad + wd · p`, bit for bit, and differs from AdamW's decoupled
+    /// decay.
+    #[test]
+    fn adam_adds_the_decay_to_the_gradient() {
+        let (wd, lr) = (0.1f32, 0.01f32);
+        let params = vec![1.0f32, -2.0, 0.5];
+        let grad = vec![0.5f32, 0.25, -1.0];
+        let adam = |wd, g: &[f32], decoupled: bool| {
+            let (beta1, beta2, eps) = (0.9, 0.999, 1e-8);
+            let spec = if decoupled {
+                OptimizerSpec::AdamW {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay: wd,
+                }
+            } else {
+                OptimizerSpec::Adam {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay: wd,
+                }
+            };
+            let mut o = Optimizer::new(&spec, params.len());
+            let mut p = params.clone();
+            o.step(&mut p, g, lr);
+            p
+        };
+        let l2: Vec<f32> = grad.iter().zip(&params).map(|(g, p)| g + wd * p).collect();
+        assert_eq!(adam(wd, &grad, false), adam(0.0, &l2, true));
+        assert_ne!(adam(wd, &grad, false), adam(wd, &grad, true));
+        // Closed form of a first step: m̂ = g, v̂ = g², so p − lr · g / (|g| + eps).
+        let first = adam(0.0, &grad, false);
+        for ((p, g), got) in params.iter().zip(&grad).zip(first) {
+            let want = p - lr * (g / (g.abs() + 1e-8));
+            assert!((got - want).abs() <= 1e-6, "{got} vs {want}");
         }
     }
 }

@@ -106,6 +106,9 @@ config_enum! {
     /// `optimizer.kind`.
     OptimizerKind {
         Sgd => "sgd",
+        /// Adam with L2 weight decay added to the gradient (PyTorch's `Adam`).
+        Adam => "adam",
+        /// Adam with decoupled weight decay (PyTorch's `AdamW`).
         AdamW => "adamw",
     }
 }

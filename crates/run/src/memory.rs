@@ -144,11 +144,11 @@ pub fn predict(shape: &StateShape) -> RankMemory {
     }
 }
 
-/// Optimizer state vectors per parameter the config asks for (AdamW 2, SGD with momentum 1,
+/// Optimizer state vectors per parameter the config asks for (Adam(W) 2, SGD with momentum 1,
 /// plain SGD 0).
 pub fn optimizer_vectors(cfg: &TrainConfig) -> usize {
     match cfg.optimizer.kind {
-        OptimizerKind::AdamW => 2,
+        OptimizerKind::Adam | OptimizerKind::AdamW => 2,
         OptimizerKind::Sgd if cfg.optimizer.momentum != 0.0 => 1,
         OptimizerKind::Sgd => 0,
     }

@@ -492,3 +492,39 @@ fn the_jobs_hook_sees_the_same_evaluations_and_checkpoints_at_every_world_size()
     );
     assert!(dir.join("summary.json").exists(), "the outputs are written");
 }
+
+/// Every optimizer (Adam with L2 decay, AdamW, SGD with Nesterov momentum and decay) gives the
+/// same parameters at 1 and 3 workers, and each is a different run.
+#[test]
+fn every_optimizer_gives_one_hash_at_1_and_3_workers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let optimizers: [&[&str]; 3] = [
+        &[
+            "optimizer.kind=\"adam\"",
+            "optimizer.weight_decay=0.01",
+            "train.lr=0.005",
+        ],
+        &[
+            "optimizer.kind=\"adamw\"",
+            "optimizer.weight_decay=0.01",
+            "train.lr=0.005",
+        ],
+        &[
+            "optimizer.kind=\"sgd\"",
+            "optimizer.nesterov=true",
+            "optimizer.weight_decay=0.01",
+        ],
+    ];
+    let mut hashes = Vec::new();
+    for (i, sets) in optimizers.iter().enumerate() {
+        let args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
+        let one = tmp.path().join(format!("{i}-one"));
+        let three = tmp.path().join(format!("{i}-three"));
+        assert_ok(&train(&one, "1", &args));
+        assert_ok(&train(&three, "3", &args));
+        assert_eq!(hash(&three), hash(&one), "{sets:?}: 3 workers vs 1");
+        hashes.push(hash(&one));
+    }
+    hashes.dedup();
+    assert_eq!(hashes.len(), 3, "three different runs");
+}

@@ -35,6 +35,12 @@ pub(crate) fn total_steps(cfg: &TrainConfig, sampler: &Sampler) -> Result<u64, T
 pub fn optimizer_spec(cfg: &TrainConfig) -> OptimizerSpec {
     let o = &cfg.optimizer;
     match o.kind {
+        OptimizerKind::Adam => OptimizerSpec::Adam {
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+        },
         OptimizerKind::AdamW => OptimizerSpec::AdamW {
             beta1: o.beta1,
             beta2: o.beta2,
