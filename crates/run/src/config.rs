@@ -515,9 +515,9 @@ impl TrainConfig {
             "data" => own && self.data == defaults.data,
             _ => false,
         };
-        // Section by section, in the struct's order (a table alone would sort them).
-        let mut out = String::new();
-        for name in [
+        // Section by section, in the struct's order (a table alone would sort them); a section
+        // missing from this list still comes last, never dropped.
+        const ORDER: [&str; 8] = [
             "model",
             "data",
             "train",
@@ -526,12 +526,16 @@ impl TrainConfig {
             "parallel",
             "checkpoint",
             "job",
-        ] {
-            let Some(section) = all.remove(name).filter(|_| !unused(name)) else {
-                continue;
-            };
+        ];
+        let mut sections: Vec<(String, toml::Value)> = ORDER
+            .iter()
+            .filter_map(|name| Some((name.to_string(), all.remove(*name)?)))
+            .collect();
+        sections.extend(all);
+        let mut out = String::new();
+        for (name, section) in sections.into_iter().filter(|(n, _)| !unused(n)) {
             let mut one = toml::Table::new();
-            one.insert(name.to_string(), section);
+            one.insert(name, section);
             if !out.is_empty() {
                 out.push('\n');
             }

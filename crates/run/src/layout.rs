@@ -115,7 +115,10 @@ impl ParallelPlan {
             return Err(invalid(
                 "optimizer.clip_grad_norm",
                 format!(
-                    "clipping by global norm is not available with tensor parallelism                      (parallel.tp = {}): its ranks hold the replicated tensors once each, and                      the norm would count them {} times; clip with parallel.tp = 1 (any dp, pp                      and ZeRO level), or set optimizer.clip_grad_norm = 0",
+                    "clipping by global norm is not available with tensor parallelism \
+                     (parallel.tp = {}): its ranks hold the replicated tensors once each, and \
+                     the norm would count them {} times; clip with parallel.tp = 1 (any dp, pp \
+                     and ZeRO level), or set optimizer.clip_grad_norm = 0",
                     p.tp, p.tp
                 ),
             ));
@@ -472,6 +475,8 @@ mod tests {
                 "{sets:?}"
             );
         }
+        let (_, m) = refused(&cfg(&[clip, "parallel.tp=2"]), 4, &layered(4, 2));
+        assert!(m.contains("(parallel.tp = 2)") && !m.contains("  "), "{m}");
     }
 
     #[test]
