@@ -357,6 +357,15 @@ impl RunError {
     }
 }
 
+impl From<anyhow::Error> for RunError {
+    fn from(error: anyhow::Error) -> Self {
+        RunError {
+            bad_input: is_bad_input(&error),
+            error,
+        }
+    }
+}
+
 impl std::fmt::Display for RunError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:#}", self.error)
@@ -394,7 +403,8 @@ where
 {
     *JOB.write()
         .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Box::leak(job));
-    let cli = match command()
+    let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+    let cli = match command(args.first())
         .try_get_matches_from(args)
         .and_then(|m| Cli::from_arg_matches(&m))
     {
@@ -439,19 +449,16 @@ where
         Some(Command::Export(a)) => export::run(&a),
         Some(Command::Worker { role }) => worker_exit(cmd_worker(role)),
     };
-    result.map_err(|error| RunError {
-        bad_input: is_bad_input(&error),
-        error,
-    })
+    result.map_err(RunError::from)
 }
 
 /// A worker's end: its process exits here with its status, after the typed failure record its
 /// launcher reads.
 fn worker_exit(result: Result<()>) -> ! {
-    let Err(e) = result else {
+    let Err(e) = result.map_err(RunError::from) else {
         std::process::exit(0)
     };
-    let permanent = is_bad_input(&e);
+    let permanent = e.is_bad_input();
     // A worker that failed for want of a peer may be part of an orphaned group whose
     // re-parenting is still under way: give the kernel a moment to tell (see orphan.rs).
     let settle = if permanent {
@@ -463,30 +470,37 @@ fn worker_exit(result: Result<()>) -> ! {
     // For the launcher's blame and restart decision, typed; then the message for people.
     // Not eprintln!: an orphaned worker's stderr may be a closed pipe.
     let record = WorkerMessage::Failure(FailureRecord {
-        waited_for: protocol::waited_for(&e),
+        waited_for: protocol::waited_for(&e.error),
         permanent,
-        message: format!("{e:#}"),
+        message: e.to_string(),
     });
     let _ = std::io::stderr().write_all(format!("{}\n", record.line()).as_bytes());
     // A worker stopped by bad input leaves the telling to its launcher, which says it once for
     // the job (every rank usually meets the same bad input).
     if !permanent {
-        let _ = std::io::stderr().write_all(format!("lockstep: error: {e:#}\n").as_bytes());
+        let _ = std::io::stderr().write_all(format!("lockstep: error: {e}\n").as_bytes());
     }
-    std::process::exit(if permanent { launch::EXIT_PERMANENT } else { 1 });
+    std::process::exit(e.exit_code());
 }
 
-/// The command line, presenting a user's binary as itself: its file name in the usage lines,
-/// the job's `about` and version (with lockstep's), and `train` described as training the job.
-fn command() -> clap::Command {
+/// The command line, presenting a user's binary as itself: its file name (`program`, the first
+/// argument) in the usage lines, the job's `about` and version (with lockstep's), and `train`
+/// described as training the job.
+fn command(program: Option<&std::ffi::OsString>) -> clap::Command {
     let cmd = Cli::command();
     let Some(about) = job().binary() else {
         return cmd;
     };
     let name = job().name();
-    let bin = std::env::args_os()
-        .next()
-        .and_then(|a| Some(PathBuf::from(a).file_name()?.to_string_lossy().into_owned()))
+    let bin = program
+        .and_then(|a| {
+            Some(
+                std::path::Path::new(a)
+                    .file_name()?
+                    .to_string_lossy()
+                    .into_owned(),
+            )
+        })
         .unwrap_or_else(|| name.clone());
     let lockstep = env!("CARGO_PKG_VERSION");
     let version = match about.version.as_str() {
@@ -1066,12 +1080,10 @@ fn run_train_worker(
     let mut worker = worker::connect(w, cfg.dist.transport, timeout, &tcp_options(&env)?)?;
     worker.comm.set_algorithm(cfg.dist.algorithm);
     // The job's own hook first (rank 0's events), its panic kept to end the run with.
-    let hook_panic: std::cell::RefCell<Option<String>> = std::cell::RefCell::new(None);
+    let mut hook_panic: Option<String> = None;
     let mut on_event = |e: Event| {
-        if rank == 0 && hook_panic.borrow().is_none() {
-            if let Err(p) = job().hook(&e) {
-                *hook_panic.borrow_mut() = Some(p);
-            }
+        if rank == 0 && hook_panic.is_none() {
+            hook_panic = job().hook(&e).err();
         }
         show_event(e, rank, under_launcher)
     };
@@ -1090,7 +1102,7 @@ fn run_train_worker(
         },
     )
     .with_context(|| format!("rank {rank}"))?;
-    if let Some(p) = hook_panic.into_inner() {
+    if let Some(p) = hook_panic {
         return Err(lockstep_train::TrainError::JobSetup {
             job: job().name(),
             message: format!(

@@ -90,6 +90,24 @@ pub fn checkpointed_params(
     }
 }
 
+/// The model `build` makes (on the CPU, seeded with `train.seed`, as a worker's) holding `params`
+/// as burn record bytes: `JobSpec::model_record` of a `Job` or a `LayeredJob`. A panic in
+/// `build` is an error naming `job`.
+pub(crate) fn record_of<M: Module>(
+    job: &str,
+    cfg: &TrainConfig,
+    params: &[f32],
+    build: impl FnOnce(&Device) -> M,
+) -> Result<Vec<u8>, TrainError> {
+    let device = crate::device::Placement::cpu().seeded(cfg.train.seed);
+    let model =
+        crate::outcome::catch_job_panic(|| build(&device)).map_err(|p| TrainError::JobSetup {
+            job: job.to_string(),
+            message: format!("building the model panicked: {p}"),
+        })?;
+    record_bytes(job, model, params, &device)
+}
+
 /// `model` holding `params` (canonical flat order) as burn record bytes (burnpack), which the
 /// job's own module type loads with `load_file`. `job` names it in errors.
 pub fn record_bytes<M: Module>(

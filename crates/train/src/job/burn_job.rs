@@ -114,16 +114,12 @@ impl<J: Job> JobSpec for J {
         cfg: &TrainConfig,
         params: &[f32],
     ) -> Option<Result<Vec<u8>, TrainError>> {
-        let device = Placement::cpu().seeded(cfg.train.seed);
-        let name = Job::name(self);
-        Some(
-            catch_job_panic(|| self.model(cfg, &device))
-                .map_err(|p| TrainError::JobSetup {
-                    job: name.to_string(),
-                    message: format!("building the model panicked: {p}"),
-                })
-                .and_then(|model| crate::export::record_bytes(name, model, params, &device)),
-        )
+        Some(crate::export::record_of(
+            Job::name(self),
+            cfg,
+            params,
+            |device| self.model(cfg, device),
+        ))
     }
 
     fn on_event(&self, event: &crate::Event) {

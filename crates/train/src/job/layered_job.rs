@@ -106,16 +106,12 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
         cfg: &TrainConfig,
         params: &[f32],
     ) -> Option<Result<Vec<u8>, TrainError>> {
-        let device = Placement::cpu().seeded(cfg.train.seed);
-        let name = self.0.name();
-        Some(
-            catch_job_panic(|| self.0.layers(cfg, &device))
-                .map_err(|p| TrainError::JobSetup {
-                    job: name.to_string(),
-                    message: format!("building the layers panicked: {p}"),
-                })
-                .and_then(|layers| crate::export::record_bytes(name, layers, params, &device)),
-        )
+        Some(crate::export::record_of(
+            self.0.name(),
+            cfg,
+            params,
+            |device| self.0.layers(cfg, device),
+        ))
     }
 
     fn on_event(&self, event: &crate::Event) {
