@@ -110,7 +110,7 @@ pub(crate) fn record_of<M: Module>(
 
 /// `model` holding `params` (canonical flat order) as burn record bytes (burnpack), which the
 /// job's own module type loads with `load_file`. `job` names it in errors.
-pub fn record_bytes<M: Module>(
+pub(crate) fn record_bytes<M: Module>(
     job: &str,
     model: M,
     params: &[f32],
@@ -139,7 +139,11 @@ pub fn record_bytes<M: Module>(
 }
 
 /// `model` with its parameters loaded from the burn record at `cfg.train.init_from`, when set.
-pub fn init_from<M: Module>(job: &str, model: M, cfg: &TrainConfig) -> Result<M, TrainError> {
+pub(crate) fn init_from<M: Module>(
+    job: &str,
+    model: M,
+    cfg: &TrainConfig,
+) -> Result<M, TrainError> {
     let path = &cfg.train.init_from;
     if path.is_empty() {
         return Ok(model);
