@@ -38,6 +38,7 @@ def expect(tag, want):
 expect("train/loss", {s: f32(r["loss"]) for s, r in rank0.items()})
 expect("train/lr", {s: f32(r["lr"]) for s, r in rank0.items()})
 expect("train/grad_norm", {s: f32(r["grad_norm"]) for s, r in rank0.items()})
+expect("train/mae", {s: f32(r["train_metrics"]["mae"]) for s, r in rank0.items()})
 evals = {r["step"]: r["eval"] for r in records if r.get("eval")}
 assert len(evals) >= 3, evals
 expect("eval/test_loss", {s: f32(e["test_loss"]) for s, e in evals.items()})

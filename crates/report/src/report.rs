@@ -740,6 +740,7 @@ mod tests {
                     pipeline: None,
                     rss_bytes: Some((300 + rank as u64 * 10 + step) << 20),
                     grad_norm: None,
+                    train_metrics: Default::default(),
                 })
             })
             .collect()

@@ -354,6 +354,7 @@ mod tests {
                     pipeline: None,
                     rss_bytes: None,
                     grad_norm: None,
+                    train_metrics: Default::default(),
                 })
             })
             .collect();

@@ -468,6 +468,7 @@ pub(crate) mod tests {
             pipeline: None,
             rss_bytes: None,
             grad_norm: None,
+            train_metrics: Default::default(),
         }
     }
 

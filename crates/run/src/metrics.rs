@@ -74,6 +74,10 @@ pub struct StepRecord {
     /// `optimizer.clip_grad_norm` only; the same on every rank and layout).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub grad_norm: Option<f64>,
+    /// The job's training metrics of this step (`Job::TRAIN_METRICS`), per-sample means over
+    /// the global batch (the same on every rank and layout).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty", default)]
+    pub train_metrics: BTreeMap<String, f64>,
 }
 
 /// What one pipeline stage did in one step.
@@ -437,6 +441,7 @@ mod tests {
             pipeline: None,
             rss_bytes: None,
             grad_norm: None,
+            train_metrics: Default::default(),
         }
     }
 

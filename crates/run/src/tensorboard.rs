@@ -53,6 +53,12 @@ fn scalars(ranks: &[&StepRecord]) -> Vec<(String, f64)> {
     if let Some(norm) = r0.grad_norm {
         v.push(("train/grad_norm".into(), norm));
     }
+    // The job's names never take lockstep's own (refused when the job is validated).
+    v.extend(
+        r0.train_metrics
+            .iter()
+            .map(|(k, x)| (format!("train/{k}"), *x)),
+    );
     if let Some(e) = ranks.iter().find_map(|r| r.eval.as_ref()) {
         v.push(("eval/test_loss".into(), e.test_loss));
         v.push(("eval/test_accuracy".into(), e.test_accuracy));
@@ -184,6 +190,7 @@ mod tests {
             pipeline: None,
             rss_bytes: None,
             grad_norm: None,
+            train_metrics: Default::default(),
         };
         let file = event_file(&[rec(1, 1, 2.0), rec(0, 1, 2.0), rec(0, 0, 3.0)], 1000.0);
         // Walk the frames: three events (version, step 0, step 1), each CRC valid.

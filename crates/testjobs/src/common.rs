@@ -169,3 +169,21 @@ pub const CONFIG: &str =
     "[train]\nsteps = 12\nglobal_batch = 32\nmicrobatch = 8\nlr = 0.05\nwarmup_steps = 0\n\
      eval_every = 6\n[checkpoint]\nevery = 4\n\
      [job]\nhidden = 16\ntrain_samples = 512\nmisbehave = \"none\"\n";
+
+/// With this variable set, `loss_and_metrics` returns one value more than `TRAIN_METRICS`
+/// names (a job's bug the tests check lockstep's answer to).
+pub const BAD_METRICS_ENV: &str = "LOCKSTEP_TESTJOB_BAD_METRICS";
+
+/// The sum over a batch's samples of the absolute error (the `mae` metric's per-batch sum).
+pub fn absolute_error(output: Tensor<2>, y: &Tensor<2>) -> f64 {
+    (output - y.clone()).abs().sum().into_scalar::<f32>() as f64
+}
+
+/// The training metrics' values for a batch whose absolute error sums to `mae`.
+pub fn train_metrics(mae: f64) -> Vec<f64> {
+    if std::env::var_os(BAD_METRICS_ENV).is_some() {
+        vec![mae, mae]
+    } else {
+        vec![mae]
+    }
+}

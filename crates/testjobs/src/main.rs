@@ -73,6 +73,19 @@ impl lockstep::Job for TestJob {
         MseLoss::new().forward(model.forward(x.clone()), y.clone(), Reduction::Mean)
     }
 
+    const TRAIN_METRICS: &'static [&'static str] = &["mae"];
+
+    fn loss_and_metrics(
+        &self,
+        model: &Mlp,
+        (x, y): &(Tensor<2>, Tensor<2>),
+    ) -> (Tensor<1>, Vec<f64>) {
+        let output = model.forward(x.clone());
+        let mae = common::absolute_error(output.clone(), y);
+        let loss = MseLoss::new().forward(output, y.clone(), Reduction::Mean);
+        (loss, common::train_metrics(mae))
+    }
+
     /// With `LOCKSTEP_TESTJOB_EVENTS=<file>`, each evaluation and checkpoint as a line of that
     /// file (the tests compare 1 and 3 workers); with `LOCKSTEP_TESTJOB_HOOK_PANIC` set, a panic
     /// at the first evaluation.
@@ -107,8 +120,7 @@ impl lockstep::Job for TestJob {
     }
 
     fn metrics(&self, model: &Mlp, (x, y): &(Tensor<2>, Tensor<2>)) -> Vec<(&'static str, f64)> {
-        let abs = (model.forward(x.clone()) - y.clone()).abs().sum();
-        vec![("mae", abs.into_scalar::<f32>() as f64)]
+        vec![("mae", common::absolute_error(model.forward(x.clone()), y))]
     }
 }
 

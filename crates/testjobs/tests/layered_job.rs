@@ -2,8 +2,12 @@
 //! and a misbehaving stage stopped with one final error naming the job, the step and the
 //! micro-batch (exit status 3, no restart).
 
+mod support;
+
 use std::path::Path;
 use std::process::{Command, Output};
+
+use support::{per_step, train_metric};
 
 fn layered(out: &Path, nproc: &str, extra: &[&str]) -> Output {
     let mut args = vec!["train", "--nproc", nproc, "--out", out.to_str().unwrap()];
@@ -86,12 +90,17 @@ fn dropout_in_a_layered_user_job_gives_one_hash_for_every_layout_and_after_a_res
         s["restarts"].as_u64().unwrap() >= 1,
         "the kill was survived"
     );
+    // The job's training metric (`LayeredJob::loss_and_metrics`), from the last stage's output:
+    // one value per step, the same bits on every rank and layout.
+    let mae = train_metric(&dir("one"), "mae");
+    assert_eq!(mae.len(), 12, "one value per step: {mae:?}");
     for name in ["dp2", "dp3", "pp2", "overlap", "killed"] {
         assert_eq!(
             hash(&dir(name)),
             hash(&dir("one")),
             "dropout: {name} vs one worker"
         );
+        assert_eq!(train_metric(&dir(name), "mae"), mae, "{name}: training mae");
     }
 }
 
@@ -119,23 +128,7 @@ fn gradient_clipping_gives_one_hash_for_every_layout() {
         &["--set", "optimizer.clip_grad_norm=0.2"],
         &runs,
     );
-    let norms = |name: &str| -> Vec<(u64, f64)> {
-        let text = std::fs::read_to_string(dir(name).join("metrics.jsonl")).unwrap();
-        let mut v: Vec<(u64, f64)> = text
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter(|r| r["grad_norm"].is_f64())
-            .map(|r| {
-                (
-                    r["step"].as_u64().unwrap(),
-                    r["grad_norm"].as_f64().unwrap(),
-                )
-            })
-            .collect();
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        v.dedup();
-        v
-    };
+    let norms = |name: &str| per_step(&dir(name), |r| r["grad_norm"].as_f64());
     let one = norms("one");
     assert_eq!(one.len(), 12, "one norm per step: {one:?}");
     assert!(

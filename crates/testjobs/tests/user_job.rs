@@ -3,8 +3,12 @@
 //! run outputs with its own metric, and a clear, final error (exit status 3, no restart loop)
 //! when its data or loss misbehaves.
 
+mod support;
+
 use std::path::Path;
 use std::process::{Command, Output};
+
+use support::{per_step, train_metric};
 
 fn testjob(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_lockstep-testjob"))
@@ -527,4 +531,53 @@ fn every_optimizer_gives_one_hash_at_1_and_3_workers() {
     }
     hashes.dedup();
     assert_eq!(hashes.len(), 3, "three different runs");
+}
+
+/// `Job::loss_and_metrics`: the training metric of every step is summed exactly over the global
+/// batch, so it has the same bits at 1 and 3 workers and after a restart; it is the per-sample
+/// mean (mean absolute error² ≤ mean squared error, the loss, with equality only for equal
+/// errors); it reaches TensorBoard's file; and a job returning more values than it names is
+/// stopped with a final error naming the step and the micro-batch.
+#[test]
+fn a_user_jobs_training_metrics_are_the_same_at_every_world_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one = tmp.path().join("one");
+    assert_ok(&train(&one, "1", &[]));
+    let mae = train_metric(&one, "mae");
+    assert_eq!(mae.len(), 12, "one value per step: {mae:?}");
+    let loss = per_step(&one, |r| r["loss"].as_f64());
+    for ((step, m), (_, l)) in mae.iter().zip(&loss) {
+        assert!(*m > 0.0 && m * m < *l, "step {step}: mae {m}, mse {l}");
+    }
+    let three = tmp.path().join("three");
+    assert_ok(&train(&three, "3", &[]));
+    assert_eq!(train_metric(&three, "mae"), mae, "3 workers vs 1");
+    let killed = tmp.path().join("killed");
+    assert_ok(&train(&killed, "2", &["--inject", "kill:rank=1,step=6"]));
+    assert_eq!(train_metric(&killed, "mae"), mae, "after a restart");
+    let events = std::fs::read(one.join("tensorboard/events.out.tfevents.0.lockstep")).unwrap();
+    assert!(
+        events.windows(9).any(|w| w == b"train/mae"),
+        "TensorBoard's file lacks train/mae"
+    );
+
+    let bad = tmp.path().join("bad");
+    let o = Command::new(env!("CARGO_BIN_EXE_lockstep-testjob"))
+        .args(["train", "--nproc", "2", "--out"])
+        .arg(&bad)
+        .env("LOCKSTEP_TESTJOB_BAD_METRICS", "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    for part in [
+        "testjob",
+        "step 1",
+        "micro-batch",
+        "2 training metrics",
+        "TRAIN_METRICS",
+    ] {
+        assert!(err.contains(part), "the error lacks `{part}`:\n{err}");
+    }
 }

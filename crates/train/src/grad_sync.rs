@@ -584,6 +584,24 @@ impl GradSync {
         Ok(loss[0] as f64)
     }
 
+    /// The job's training metrics, summed exactly over all ranks: `rows` are this rank's
+    /// micro-batches' rows of `names` values each (none where another rank counts them), out of
+    /// `total_microbatches` in the step. Each value has its own exponent, so the sums do not
+    /// depend on the rows' order, on how they are spread over ranks, or on each other.
+    pub fn exchange_metrics(
+        &mut self,
+        comm: &mut Communicator,
+        rows: &[Vec<f32>],
+        names: usize,
+        total_microbatches: usize,
+    ) -> Result<Vec<f32>, ExactError> {
+        let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        let mut sums = vec![0f32; names];
+        self.loss_reducer
+            .reduce(comm, &refs, total_microbatches, &mut sums)?;
+        Ok(sums)
+    }
+
     /// Reduce one bucket in either mode: bitwise the same whichever schedule calls it.
     fn reduce_bucket(
         &mut self,

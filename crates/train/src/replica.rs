@@ -52,6 +52,17 @@ pub trait Replica {
     fn streams_gradients(&self) -> bool {
         false
     }
+    /// Names of the training metrics each training micro-batch records (default: none); the same
+    /// on every rank.
+    fn train_metric_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// The training metrics of the micro-batches computed since the last call, one row of
+    /// per-sample sums (in [`Replica::train_metric_names`]' order) per micro-batch, in any
+    /// order: the driver sums them exactly.
+    fn take_train_metrics(&mut self) -> Vec<Vec<f32>> {
+        Vec::new()
+    }
     /// Evaluation without gradients on the evaluation samples `samples`.
     fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError>;
     /// Optional: an estimate of the bytes the autodiff graph of one training micro-batch of `n`

@@ -85,15 +85,24 @@ impl lockstep::LayeredJob for LayeredTestJob {
         MseLoss::new().forward(output, y.clone(), Reduction::Mean)
     }
 
+    const TRAIN_METRICS: &'static [&'static str] = &["mae"];
+
+    fn loss_and_metrics(
+        &self,
+        output: Tensor<2>,
+        (_, y): &(Tensor<2>, Tensor<2>),
+    ) -> (Tensor<1>, Vec<f64>) {
+        let mae = common::absolute_error(output.clone(), y);
+        let loss = MseLoss::new().forward(output, y.clone(), Reduction::Mean);
+        (loss, common::train_metrics(mae))
+    }
+
     fn metrics(
         &self,
         output: Tensor<2>,
         (_, y): &(Tensor<2>, Tensor<2>),
     ) -> Vec<(&'static str, f64)> {
-        vec![(
-            "mae",
-            (output - y.clone()).abs().sum().into_scalar::<f32>() as f64,
-        )]
+        vec![("mae", common::absolute_error(output, y))]
     }
 }
 

@@ -96,6 +96,18 @@ pub trait Job: Send + Sync + 'static {
     /// The mean loss of a batch: a single value. lockstep scales it by the batch's share of the
     /// global batch before backward.
     fn loss(&self, model: &Self::Model, batch: &Self::Batch) -> Tensor<1>;
+    /// Names of the training metrics [`Job::loss_and_metrics`] returns, in its order (default:
+    /// none). The same on every rank: the driver learns them before any batch is computed.
+    const TRAIN_METRICS: &'static [&'static str] = &[];
+    /// The training loss with metrics from the same forward: the loss as [`Job::loss`] gives it,
+    /// and one sum over the batch's samples per name in [`Job::TRAIN_METRICS`] (e.g. the number
+    /// of correct predictions). lockstep sums them over the global batch exactly, in an order
+    /// that does not depend on the layout, and logs their per-sample means every step
+    /// (`train_metrics` in metrics.jsonl, `train/<name>` in TensorBoard): the same bits at every
+    /// world size. Default: [`Job::loss`] and no metrics.
+    fn loss_and_metrics(&self, model: &Self::Model, batch: &Self::Batch) -> (Tensor<1>, Vec<f64>) {
+        (self.loss(model, batch), Vec::new())
+    }
     /// Evaluation metrics as sums over the batch's samples (e.g. `("accuracy", correct)`);
     /// lockstep sums them over the whole evaluation set and reports per-sample means in
     /// metrics.jsonl, summary.json and the report.
@@ -139,6 +151,7 @@ impl<J: Job> JobSpec for J {
 
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common()?;
+        check_metric_names(Job::name(self), J::TRAIN_METRICS)?;
         Job::validate(self, cfg).map_err(|message| ConfigError::Invalid {
             field: "job",
             message: format!("job `{}`: {message}", Job::name(self)),
@@ -162,6 +175,8 @@ pub struct BurnReplica<'j, J: Job> {
     structure_hash: [u8; 32],
     train: Box<dyn Dataset<J::Item>>,
     eval: Box<dyn Dataset<J::Item>>,
+    /// The training metrics of the micro-batches computed since the driver last took them.
+    metric_rows: Vec<Vec<f32>>,
 }
 
 impl<'j, J: Job> BurnReplica<'j, J> {
@@ -198,6 +213,7 @@ impl<'j, J: Job> BurnReplica<'j, J> {
             structure_hash,
             train,
             eval,
+            metric_rows: Vec::new(),
         })
     }
 
@@ -275,6 +291,60 @@ pub(super) fn scalar(loss: &Tensor<1>) -> Result<f32, ReplicaError> {
     }
 }
 
+/// Names lockstep logs beside a job's training metrics (`train/<name>` in TensorBoard).
+const OWN_TRAIN_SCALARS: [&str; 4] = ["loss", "lr", "samples_per_sec", "grad_norm"];
+
+/// A job's `TRAIN_METRICS`: distinct names of letters, digits, `_`, `-` and `.`, none of them
+/// one of lockstep's own training scalars.
+pub(super) fn check_metric_names(job: &str, names: &[&str]) -> Result<(), ConfigError> {
+    let refuse = |message: String| ConfigError::Invalid {
+        field: "job",
+        message: format!("job `{job}`: TRAIN_METRICS {names:?}: {message}"),
+    };
+    for (i, name) in names.iter().enumerate() {
+        let allowed = |c: char| c.is_ascii_alphanumeric() || "_-.".contains(c);
+        if name.is_empty() || !name.chars().all(allowed) {
+            return Err(refuse(format!(
+                "`{name}` is not a metric name (letters, digits, `_`, `-`, `.`)"
+            )));
+        }
+        if OWN_TRAIN_SCALARS.contains(name) {
+            return Err(refuse(format!(
+                "`{name}` is one of lockstep's own training figures"
+            )));
+        }
+        if names[..i].contains(name) {
+            return Err(refuse(format!("`{name}` is named twice")));
+        }
+    }
+    Ok(())
+}
+
+/// One micro-batch's training metrics as the exact sum takes them: one finite value per name.
+pub(super) fn metric_row(names: &[&str], values: Vec<f64>) -> Result<Vec<f32>, ReplicaError> {
+    if values.len() != names.len() {
+        return Err(ReplicaError::Other(format!(
+            "loss_and_metrics returned {} training metrics, but TRAIN_METRICS names {} ({names:?})",
+            values.len(),
+            names.len()
+        )));
+    }
+    names
+        .iter()
+        .zip(values)
+        .map(|(name, v)| {
+            let v32 = v as f32;
+            if v32.is_finite() {
+                Ok(v32)
+            } else {
+                Err(ReplicaError::Other(format!(
+                    "the training metric `{name}` is {v} (not finite as f32)"
+                )))
+            }
+        })
+        .collect()
+}
+
 impl<J: Job> Replica for BurnReplica<'_, J> {
     fn train_len(&self) -> usize {
         self.train.len()
@@ -323,9 +393,11 @@ impl<J: Job> Replica for BurnReplica<'_, J> {
         let batch = self.batch_of(&*self.train, "training", samples, &self.device)?;
         let t1 = Instant::now();
         let share = samples.len() as f32 * scale;
-        let loss = guarded(|| self.job.loss(&self.model, &batch))?;
+        let (loss, metrics) = guarded(|| self.job.loss_and_metrics(&self.model, &batch))?;
         // Checked before backward: a wrong shape would make `backward` panic.
         scalar(&loss)?;
+        self.metric_rows
+            .push(metric_row(J::TRAIN_METRICS, metrics)?);
         let scaled = guarded(|| loss.mul_scalar(share))?;
         let t2 = Instant::now();
         let value = scalar(&scaled)?;
@@ -339,6 +411,14 @@ impl<J: Job> Replica for BurnReplica<'_, J> {
             forward_seconds: (t2 - t1).as_secs_f64(),
             backward_seconds: t2.elapsed().as_secs_f64(),
         })
+    }
+
+    fn train_metric_names(&self) -> Vec<String> {
+        J::TRAIN_METRICS.iter().map(|n| n.to_string()).collect()
+    }
+
+    fn take_train_metrics(&mut self) -> Vec<Vec<f32>> {
+        std::mem::take(&mut self.metric_rows)
     }
 
     fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError> {
@@ -365,4 +445,45 @@ fn structure_hash(job: &str, layout: &[ParamInfo]) -> [u8; 32] {
     h.update(job.as_bytes());
     flat::hash_layout(&mut h, layout);
     h.finalize().into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn training_metric_names_are_distinct_plain_and_not_locksteps_own() {
+        assert!(check_metric_names("j", &[]).is_ok());
+        assert!(check_metric_names("j", &["accuracy", "top-5", "f1.macro"]).is_ok());
+        for (names, says) in [
+            (&["accuracy", "accuracy"][..], "`accuracy` is named twice"),
+            (&["loss"][..], "`loss` is one of lockstep's own"),
+            (&["grad_norm"][..], "`grad_norm` is one of lockstep's own"),
+            (&[""][..], "`` is not a metric name"),
+            (&["a/b"][..], "`a/b` is not a metric name"),
+        ] {
+            let e = check_metric_names("my-job", names).unwrap_err().to_string();
+            assert!(
+                e.contains(says) && e.contains("job `my-job`"),
+                "{names:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_metric_row_has_one_finite_value_per_name() {
+        assert_eq!(
+            metric_row(&["a", "b"], vec![1.0, 2.5]).unwrap(),
+            vec![1.0, 2.5]
+        );
+        let e = metric_row(&["a"], vec![1.0, 2.0]).unwrap_err().to_string();
+        assert!(
+            e.contains("returned 2 training metrics") && e.contains("names 1"),
+            "{e}"
+        );
+        let e = metric_row(&["a"], vec![f64::NAN]).unwrap_err().to_string();
+        assert!(e.contains("`a` is NaN"), "{e}");
+        // Finite as f64 but not as the f32 the exact sum takes.
+        assert!(metric_row(&["a"], vec![1e300]).is_err());
+    }
 }

@@ -22,7 +22,7 @@ use lockstep_model::{
 };
 use sha2::{Digest, Sha256};
 
-use super::burn_job::{self, guarded, open_data, scalar, BoxError};
+use super::burn_job::{self, check_metric_names, guarded, metric_row, open_data, scalar, BoxError};
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
 use crate::device::Placement;
@@ -90,6 +90,17 @@ pub trait LayeredJob: Send + Sync + 'static {
     fn metrics(&self, _output: Tensor<2>, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
         Vec::new()
     }
+    /// Names of the training metrics [`LayeredJob::loss_and_metrics`] returns, in its order
+    /// (default: none).
+    const TRAIN_METRICS: &'static [&'static str] = &[];
+    /// The training loss with metrics from the same output: the loss as
+    /// [`LayeredJob::loss`] gives it, and one sum over the batch's samples per name in
+    /// [`LayeredJob::TRAIN_METRICS`]. Summed exactly over the global batch and logged every step
+    /// as per-sample means, as for [`crate::Job::loss_and_metrics`]. Default: the loss and no
+    /// metrics.
+    fn loss_and_metrics(&self, output: Tensor<2>, batch: &Self::Batch) -> (Tensor<1>, Vec<f64>) {
+        (self.loss(output, batch), Vec::new())
+    }
 }
 
 /// A [`LayeredJob`] as a job: `lockstep::main(lockstep::Pipelined(MyJob))`. It runs with any
@@ -142,6 +153,7 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common_layered()?;
         ParallelPlan::check_shape(cfg, &self.shape(cfg))?;
+        check_metric_names(self.0.name(), J::TRAIN_METRICS)?;
         self.0
             .validate(cfg)
             .map_err(|message| ConfigError::Invalid {
@@ -457,6 +469,7 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             streamed: HashMap::new(),
             first_layer: layers.start,
             draws: None,
+            metric_rows: Vec::new(),
         }))
     }
 
@@ -535,6 +548,7 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             }),
             first_layer: layers.start,
             draws: None,
+            metric_rows: Vec::new(),
         }))
     }
 }
@@ -582,6 +596,9 @@ struct BurnStage<'a, 'j, J: LayeredJob> {
     first_layer: usize,
     /// The draws of the micro-batch about to be forwarded.
     draws: Option<Draws>,
+    /// The training metrics of the micro-batches whose loss this (last) stage computed since the
+    /// driver last took them.
+    metric_rows: Vec<Vec<f32>>,
 }
 
 /// A micro-batch's graph cut after every layer, as at a stage boundary (each layer's input a
@@ -789,6 +806,14 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         self.scoped(|s| s.evaluate_in_scope(samples, input))
     }
 
+    fn train_metric_names(&self) -> Vec<String> {
+        J::TRAIN_METRICS.iter().map(|n| n.to_string()).collect()
+    }
+
+    fn take_train_metrics(&mut self) -> Vec<Vec<f32>> {
+        std::mem::take(&mut self.metric_rows)
+    }
+
     fn forward_streamed(
         &mut self,
         id: u64,
@@ -865,11 +890,7 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         let x = self.run_layers(&self.layers, x, true)?;
         let (output, result) = if self.last {
             let batch = batch.as_ref().expect("the last stage reads its batch");
-            self.reseed(DrawPart::Loss);
-            let loss = guarded(|| self.owner.job.loss(x, batch))?;
-            scalar(&loss)?;
-            let scaled = guarded(|| loss.mul_scalar(n as f32 * scale))?;
-            let value = scalar(&scaled)?;
+            let (scaled, value) = self.scaled_loss(x, batch, n as f32 * scale)?;
             (PendingOutput::Loss(scaled), Forwarded::Loss(value))
         } else {
             let out = values(&x)?;
@@ -967,11 +988,7 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
             layers.push((leaf, out.clone()));
             x = out;
         }
-        self.reseed(DrawPart::Loss);
-        let loss = guarded(|| self.owner.job.loss(x, &batch))?;
-        scalar(&loss)?;
-        let scaled = guarded(|| loss.mul_scalar(n as f32 * scale))?;
-        let value = scalar(&scaled)?;
+        let (scaled, value) = self.scaled_loss(x, &batch, n as f32 * scale)?;
         self.streamed.insert(
             id,
             Split {
@@ -980,6 +997,24 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
             },
         );
         Ok((Forwarded::Loss(value), data_seconds))
+    }
+
+    /// The last layer's output's loss scaled by the micro-batch's `share` of the global batch,
+    /// and its value; the micro-batch's training metrics recorded for the driver.
+    fn scaled_loss(
+        &mut self,
+        output: Tensor<2>,
+        batch: &J::Batch,
+        share: f32,
+    ) -> Result<(Tensor<1>, f32), ReplicaError> {
+        self.reseed(DrawPart::Loss);
+        let (loss, metrics) = guarded(|| self.owner.job.loss_and_metrics(output, batch))?;
+        scalar(&loss)?;
+        self.metric_rows
+            .push(metric_row(J::TRAIN_METRICS, metrics)?);
+        let scaled = guarded(|| loss.mul_scalar(share))?;
+        let value = scalar(&scaled)?;
+        Ok((scaled, value))
     }
 
     /// Backward of a [`Split`] micro-batch, layer by layer from the loss: each layer's

@@ -196,6 +196,14 @@ impl LayerStage for FlatStage<'_, '_> {
         Ok(Evaluated::Sums(self.replica.evaluate(samples)?))
     }
 
+    fn train_metric_names(&self) -> Vec<String> {
+        self.replica.train_metric_names()
+    }
+
+    fn take_train_metrics(&mut self) -> Vec<Vec<f32>> {
+        self.replica.take_train_metrics()
+    }
+
     fn whole(&mut self) -> Option<&mut dyn Replica> {
         Some(&mut **self.replica)
     }

@@ -170,6 +170,16 @@ pub trait LayerStage {
         samples: &[u32],
         input: Option<&[f32]>,
     ) -> Result<Evaluated, ReplicaError>;
+    /// Names of the training metrics the last stage records with each loss (default: none);
+    /// the same on every stage and rank.
+    fn train_metric_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// The training metrics of the micro-batches whose loss this stage computed since the last
+    /// call: one row of per-sample sums per micro-batch, in any order (summed exactly).
+    fn take_train_metrics(&mut self) -> Vec<Vec<f32>> {
+        Vec::new()
+    }
     /// Ranges of the stage's canonical flat vector (its layers' slice of the whole model) whose
     /// concatenation is [`LayerStage::params_flat`]: all of it, unless a tensor-parallel rank
     /// holds only its pieces.

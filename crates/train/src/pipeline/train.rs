@@ -25,6 +25,7 @@
 //! can resume on any layout; evaluation runs the validation windows forward through each
 //! replica's pipeline.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::rc::Rc;
 use std::time::Instant;
@@ -304,6 +305,8 @@ struct StageRank<'m> {
     slowdown: f64,
     /// `optimizer.clip_grad_norm` (None: off).
     clip: Option<Clip>,
+    /// The job's training metrics (`Job::TRAIN_METRICS`), summed each step.
+    metric_names: Vec<String>,
 }
 
 impl<'m> StageRank<'m> {
@@ -436,7 +439,9 @@ impl<'m> StageRank<'m> {
             tensors,
             slowdown: faults::slowdown(ledger.faults, rank),
             clip: Clip::new(cfg.optimizer.clip_grad_norm),
+            metric_names: Vec::new(),
         };
+        r.metric_names = r.stage.train_metric_names();
         r.resume(comm, ledger, offsets[r.my_layers.start])?;
         if r.zero.level() >= 3 {
             // ZeRO 3: between steps this rank keeps only its chunks of the stage's parameters.
@@ -528,6 +533,7 @@ impl<'m> StageRank<'m> {
         let pieces = microbatches(&batch, self.cfg.train.microbatch);
         let (loss, pipeline) = self.gradients(comm, &pieces, step, &mut sec)?;
         move_copies(&mut sec, |s| &mut s.backward);
+        let train_metrics = self.train_metrics(comm, step, &mut sec)?;
 
         let t0 = Instant::now();
         let lr = ledger.lr(step);
@@ -580,6 +586,7 @@ impl<'m> StageRank<'m> {
             pipeline,
             rss_bytes: None,
             grad_norm,
+            train_metrics,
         };
         let checkpoint_now = ledger.checkpoint_due(step);
         ledger.record_step(comm, record, checkpoint_now)?;
@@ -588,6 +595,42 @@ impl<'m> StageRank<'m> {
         }
         ledger.step_done(step);
         Ok(())
+    }
+
+    /// The job's training metrics of this step: the rows of the micro-batches whose loss this
+    /// rank counts (the last stage's, on tp rank 0, as for the loss) summed exactly over all
+    /// ranks, as per-sample means of the global batch. Empty, with no communication, for a job
+    /// without any.
+    fn train_metrics(
+        &mut self,
+        comm: &mut Communicator,
+        step: u64,
+        sec: &mut PhaseSeconds,
+    ) -> Result<BTreeMap<String, f64>, TrainError> {
+        if self.metric_names.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let t0 = Instant::now();
+        let rows = self.stage.take_train_metrics();
+        let counted = self.me.stage + 1 == self.dims.pp && self.me.tp_rank == 0;
+        let rows = if counted { rows } else { Vec::new() };
+        let sums = self
+            .sync
+            .exchange_metrics(
+                comm,
+                &rows,
+                self.metric_names.len(),
+                self.cfg.microbatches_per_step(),
+            )
+            .map_err(|e| sync_error(e, step))?;
+        sec.communication += t0.elapsed().as_secs_f64();
+        let samples = self.cfg.train.global_batch as f64;
+        Ok(self
+            .metric_names
+            .iter()
+            .zip(sums)
+            .map(|(name, sum)| (name.clone(), f64::from(sum) / samples))
+            .collect())
     }
 
     /// This rank's micro-batches computed and every rank's summed: a model trained whole one
