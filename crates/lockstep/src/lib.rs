@@ -69,6 +69,7 @@ pub use lockstep_model::flat;
 /// The hash summary.json reports as `param_hash` (SHA-256 of the parameters' little-endian f32
 /// values in declaration order): check a model you loaded against its run.
 pub use lockstep_model::param_hash;
+pub use lockstep_model::UpdateRule;
 pub use lockstep_run::ModelShape;
 pub use lockstep_train::config::ConfigSections;
 pub use lockstep_train::device::Placement;

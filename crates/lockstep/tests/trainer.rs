@@ -61,4 +61,21 @@ fn the_trainer_returns_its_outcome_and_runs_again() {
         .unwrap_err();
     assert!(e.is_bad_input(), "{e}");
     assert!(e.to_string().contains("not a run directory"), "{e}");
+    // A job without an update rule: `optimizer.kind = "custom"` is refused before any worker.
+    let e = lockstep::Trainer::new(Identity("fifth"))
+        .run_with_args([
+            "prog",
+            "train",
+            "--out",
+            out.to_str().unwrap(),
+            "--set",
+            "optimizer.kind=\"custom\"",
+        ])
+        .unwrap_err();
+    assert!(e.is_bad_input(), "{e}");
+    assert!(
+        e.to_string().contains("optimizer.kind") && e.to_string().contains("gives none"),
+        "{e}"
+    );
+    assert!(!out.exists(), "nothing written");
 }

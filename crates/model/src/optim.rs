@@ -7,6 +7,8 @@
 //! Being elementwise, an update is also split between the worker's threads
 //! ([`crate::compute_threads`]) in chunks of [`CHUNK`] values, with the same bits at any count.
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -54,6 +56,137 @@ pub enum OptimizerSpec {
         /// Decoupled weight decay.
         weight_decay: f32,
     },
+    /// A job's own [`UpdateRule`], by its name ([`Optimizer::with_rule`] builds it).
+    Custom {
+        /// [`UpdateRule::name`].
+        name: String,
+    },
+}
+
+/// Your own optimizer update, on flat slices of the parameters (`optimizer.kind = "custom"`).
+///
+/// lockstep calls [`UpdateRule::update`] on contiguous runs of the canonical parameter vector:
+/// the whole vector on one worker, each rank's shard with ZeRO 1–3, pieces of either on several
+/// threads. So that every layout gives the same bits, the update must be **elementwise**: each
+/// element's new value (and state) may depend only on that element's parameter, gradient and
+/// state values, the step and the learning rate — never on its position or on other elements
+/// (per-tensor norms, as in LARS or LAMB, are not elementwise). lockstep checks this before any
+/// worker starts ([`check_elementwise`]) and refuses a rule that is not.
+///
+/// ```
+/// use lockstep_model::UpdateRule;
+///
+/// /// Sign descent with momentum (Lion-like).
+/// struct SignMomentum { beta: f32 }
+///
+/// impl UpdateRule for SignMomentum {
+///     fn name(&self) -> &str { "sign-momentum" }
+///     fn state_names(&self) -> Vec<String> { vec!["momentum".into()] }
+///     fn update(&self, _step: u64, lr: f32, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]]) {
+///         for ((p, &g), m) in p.iter_mut().zip(g).zip(state[0].iter_mut()) {
+///             *m = self.beta * *m + (1.0 - self.beta) * g;
+///             *p -= lr * m.signum();
+///         }
+///     }
+/// }
+/// ```
+pub trait UpdateRule: Send + Sync {
+    /// A short name: the run's optimizer in its outputs, and part of its checkpoints' identity.
+    fn name(&self) -> &str;
+    /// Names of the state vectors the rule keeps per parameter (default: none). Each is as long
+    /// as the parameters, zero at the start, sharded with the optimizer (ZeRO 1–3) and saved in
+    /// checkpoints.
+    fn state_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// One update of a contiguous run of parameters `params` with their summed gradient `grad`
+    /// (the same length) and the same run of each state vector (`state[k]`, in
+    /// [`UpdateRule::state_names`]' order); `step` counts from 1, `lr` is the schedule's.
+    fn update(
+        &self,
+        step: u64,
+        lr: f32,
+        params: &mut [f32],
+        grad: &[f32],
+        state: &mut [&mut [f32]],
+    );
+}
+
+/// Checks that `rule` is elementwise ([`UpdateRule`]): three steps of updates on 1,000 values of
+/// several magnitudes (and signs) give the same bits in one call as cut into runs of uneven
+/// lengths. Returns what differed (or the rule's panic) otherwise.
+pub fn check_elementwise(rule: &dyn UpdateRule) -> Result<(), String> {
+    const N: usize = 1000;
+    let cuts = [0, 1, 37, 38, 500, 999, N];
+    let states = rule.state_names().len();
+    let value = |i: usize, salt: u64| {
+        // SplitMix64's finaliser: well-spread bits from the index and the salt.
+        let mut h = (i as u64 ^ (salt << 32)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h ^= h >> 31;
+        let mantissa = (h >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+        mantissa * [1e-3f32, 1.0, 30.0][(h % 3) as usize]
+    };
+    let mut whole: Vec<f32> = (0..N).map(|i| value(i, 1)).collect();
+    let mut cut = whole.clone();
+    let mut whole_state = vec![vec![0f32; N]; states];
+    let mut cut_state = whole_state.clone();
+    for step in 1..=3u64 {
+        let grad: Vec<f32> = (0..N).map(|i| value(i, 1 + step)).collect();
+        let run = |params: &mut [f32], state: &mut [Vec<f32>], ranges: &[usize]| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                for w in ranges.windows(2) {
+                    let mut st: Vec<&mut [f32]> =
+                        state.iter_mut().map(|v| &mut v[w[0]..w[1]]).collect();
+                    rule.update(
+                        step,
+                        0.01,
+                        &mut params[w[0]..w[1]],
+                        &grad[w[0]..w[1]],
+                        &mut st,
+                    );
+                }
+            }))
+            .map_err(|p| {
+                let text = p
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| p.downcast_ref::<&str>().copied())
+                    .unwrap_or("(no message)");
+                format!("it panicked on a run of the parameters: {text}")
+            })
+        };
+        run(&mut whole, &mut whole_state, &[0, N])?;
+        run(&mut cut, &mut cut_state, &cuts)?;
+        let differs = |a: &[f32], b: &[f32]| (0..N).find(|&i| a[i].to_bits() != b[i].to_bits());
+        if let Some(i) = differs(&whole, &cut) {
+            return Err(format!(
+                "at step {step}, parameter {i} is {} when updated with all 1000 values at once \
+                 but {} when they come in runs (so its bits would depend on the layout)",
+                whole[i], cut[i]
+            ));
+        }
+        for (k, name) in rule.state_names().iter().enumerate() {
+            if let Some(i) = differs(&whole_state[k], &cut_state[k]) {
+                return Err(format!(
+                    "at step {step}, state `{name}` of parameter {i} differs when the values come \
+                     in runs (so its bits would depend on the layout)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An [`UpdateRule`] as the optimizer holds it.
+#[derive(Clone)]
+struct Rule(Arc<dyn UpdateRule>);
+
+impl std::fmt::Debug for Rule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UpdateRule({})", self.0.name())
+    }
 }
 
 /// Optimizer state: moment vectors plus the number of steps taken.
@@ -61,24 +194,53 @@ pub enum OptimizerSpec {
 pub struct Optimizer {
     spec: OptimizerSpec,
     num_params: usize,
-    /// SGD with momentum: `[momentum]`; Adam(W): `[exp_avg, exp_avg_sq]`; SGD without: `[]`.
+    /// SGD with momentum: `[momentum]`; Adam(W): `[exp_avg, exp_avg_sq]`; SGD without: `[]`;
+    /// a custom rule: its own.
     state: Vec<Vec<f32>>,
     steps: u64,
+    /// The rule of [`OptimizerSpec::Custom`].
+    rule: Option<Rule>,
 }
 
 impl Optimizer {
-    /// Fresh optimizer (zero moments, zero steps) for `num_params` parameters.
+    /// Fresh optimizer (zero moments, zero steps) for `num_params` parameters. Panics for
+    /// [`OptimizerSpec::Custom`], which needs its rule ([`Optimizer::with_rule`]).
     pub fn new(spec: &OptimizerSpec, num_params: usize) -> Self {
         let vectors = match spec {
             OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => 0,
             OptimizerSpec::Sgd { .. } => 1,
             OptimizerSpec::Adam { .. } | OptimizerSpec::AdamW { .. } => 2,
+            OptimizerSpec::Custom { name } => {
+                panic!("Optimizer::new: the custom rule `{name}` needs Optimizer::with_rule")
+            }
         };
         Optimizer {
             spec: spec.clone(),
             num_params,
             state: vec![vec![0.0; num_params]; vectors],
             steps: 0,
+            rule: None,
+        }
+    }
+
+    /// Fresh optimizer running a job's own `rule` for `num_params` parameters.
+    pub fn with_rule(rule: Arc<dyn UpdateRule>, num_params: usize) -> Self {
+        Optimizer {
+            spec: OptimizerSpec::Custom {
+                name: rule.name().to_string(),
+            },
+            num_params,
+            state: vec![vec![0.0; num_params]; rule.state_names().len()],
+            steps: 0,
+            rule: Some(Rule(rule)),
+        }
+    }
+
+    /// A fresh optimizer of the same kind (and rule) for `num_params` parameters.
+    pub fn fresh(&self, num_params: usize) -> Self {
+        match &self.rule {
+            Some(Rule(rule)) => Optimizer::with_rule(rule.clone(), num_params),
+            None => Optimizer::new(&self.spec, num_params),
         }
     }
 
@@ -88,12 +250,16 @@ impl Optimizer {
     }
 
     /// Names of the state vectors, in the order of [`Optimizer::state`] (for checkpoints).
-    pub fn state_names(&self) -> &'static [&'static str] {
-        match self.state.len() {
+    pub fn state_names(&self) -> Vec<String> {
+        if let Some(Rule(rule)) = &self.rule {
+            return rule.state_names();
+        }
+        let names: &[&str] = match self.state.len() {
             0 => &[],
             1 => &["momentum"],
             _ => &["exp_avg", "exp_avg_sq"],
-        }
+        };
+        names.iter().map(|n| n.to_string()).collect()
     }
 
     /// State vectors, each `num_params` long, in canonical parameter order.
@@ -147,7 +313,23 @@ impl Optimizer {
             "Optimizer::step_range: range {offset}..{end} exceeds the {} parameters",
             self.num_params
         );
+        if let Some(Rule(rule)) = &self.rule {
+            let step = self.steps + 1;
+            rule_range(
+                &**rule,
+                step,
+                lr,
+                params,
+                grad,
+                &mut self.state,
+                offset..end,
+            );
+            return;
+        }
         match self.spec.clone() {
+            OptimizerSpec::Custom { name } => {
+                unreachable!("the custom rule `{name}` is held (Optimizer::with_rule)")
+            }
             OptimizerSpec::Sgd {
                 momentum,
                 weight_decay,
@@ -220,6 +402,36 @@ impl Optimizer {
     pub fn finish_step(&mut self) {
         self.steps += 1;
     }
+}
+
+/// A custom rule's update of `range` of the parameters (`params`, `grad`) and of each state
+/// vector, in [`CHUNK`]s on several threads when large: elementwise, so the same bits.
+fn rule_range(
+    rule: &dyn UpdateRule,
+    step: u64,
+    lr: f32,
+    params: &mut [f32],
+    grad: &[f32],
+    state: &mut [Vec<f32>],
+    range: std::ops::Range<usize>,
+) {
+    let chunks = params.len().div_ceil(CHUNK).max(1);
+    let size = if crate::split_between_threads(params.len(), CHUNK) {
+        CHUNK
+    } else {
+        params.len().max(1)
+    };
+    let mut per_chunk: Vec<Vec<&mut [f32]>> = (0..chunks).map(|_| Vec::new()).collect();
+    for v in state.iter_mut() {
+        for (c, piece) in v[range.clone()].chunks_mut(size).enumerate() {
+            per_chunk[c].push(piece);
+        }
+    }
+    params
+        .par_chunks_mut(size)
+        .zip(grad.par_chunks(size))
+        .zip(per_chunk.par_iter_mut())
+        .for_each(|((p, g), st)| rule.update(step, lr, p, g, st));
 }
 
 fn sgd(
@@ -301,7 +513,8 @@ fn powi_exact(base: f64, mut exp: u64) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{powi_exact, Optimizer, OptimizerSpec, CHUNK};
+    use super::{check_elementwise, powi_exact, Optimizer, OptimizerSpec, UpdateRule, CHUNK};
+    use std::sync::Arc;
 
     #[test]
     fn powi_exact_matches_closed_form() {
@@ -404,5 +617,97 @@ mod tests {
             let want = p - lr * (g / (g.abs() + 1e-8));
             assert!((got - want).abs() <= 1e-6, "{got} vs {want}");
         }
+    }
+
+    /// Heavy-ball momentum written as a user's rule: elementwise.
+    struct Momentum;
+
+    impl UpdateRule for Momentum {
+        fn name(&self) -> &str {
+            "momentum"
+        }
+        fn state_names(&self) -> Vec<String> {
+            vec!["buf".into()]
+        }
+        fn update(&self, step: u64, lr: f32, p: &mut [f32], g: &[f32], st: &mut [&mut [f32]]) {
+            for ((p, &g), b) in p.iter_mut().zip(g).zip(st[0].iter_mut()) {
+                *b = 0.9 * *b + g;
+                *p -= lr * *b / step as f32;
+            }
+        }
+    }
+
+    /// Steps scaled by the first gradient of the slice it is given: not elementwise.
+    struct ByFirst;
+
+    impl UpdateRule for ByFirst {
+        fn name(&self) -> &str {
+            "by-first"
+        }
+        fn update(&self, _: u64, lr: f32, p: &mut [f32], g: &[f32], _: &mut [&mut [f32]]) {
+            let first = g.first().copied().unwrap_or(1.0);
+            for (p, &g) in p.iter_mut().zip(g) {
+                *p -= lr * g * first;
+            }
+        }
+    }
+
+    struct Panics;
+
+    impl UpdateRule for Panics {
+        fn name(&self) -> &str {
+            "panics"
+        }
+        fn update(&self, _: u64, _: f32, p: &mut [f32], _: &[f32], _: &mut [&mut [f32]]) {
+            assert!(p.len() > 1, "a run of one value");
+        }
+    }
+
+    #[test]
+    fn only_elementwise_rules_pass_the_check() {
+        assert_eq!(check_elementwise(&Momentum), Ok(()));
+        let e = check_elementwise(&ByFirst).unwrap_err();
+        assert!(e.contains("at step 1, parameter"), "{e}");
+        let e = check_elementwise(&Panics).unwrap_err();
+        assert!(
+            e.contains("panicked") && e.contains("a run of one value"),
+            "{e}"
+        );
+    }
+
+    /// A custom rule's optimizer: its state is the rule's, it survives `fresh`, and shards on
+    /// several threads give the bits of one full update, step after step.
+    #[test]
+    fn a_custom_rule_has_the_same_bits_whole_sharded_and_threaded() {
+        let len = 2 * CHUNK + 77;
+        let params: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+        let grad: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
+        let mut whole = Optimizer::with_rule(Arc::new(Momentum), len);
+        assert_eq!(whole.state_names(), ["buf"]);
+        assert_eq!(
+            whole.spec(),
+            &OptimizerSpec::Custom {
+                name: "momentum".into()
+            }
+        );
+        let mut sharded = whole.fresh(len);
+        let (mut a, mut b) = (params.clone(), params.clone());
+        for _ in 0..3 {
+            whole.step(&mut a, &grad, 0.01);
+            let cut = CHUNK + 5;
+            let (b1, b2) = b.split_at_mut(cut);
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(3)
+                .build()
+                .unwrap()
+                .install(|| {
+                    sharded.step_range(0, b1, &grad[..cut], 0.01);
+                    sharded.step_range(cut, b2, &grad[cut..], 0.01);
+                });
+            sharded.finish_step();
+        }
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert_eq!(whole.state()[0], sharded.state()[0]);
+        assert_ne!(a, params);
     }
 }

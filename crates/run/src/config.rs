@@ -110,6 +110,8 @@ config_enum! {
         Adam => "adam",
         /// Adam with decoupled weight decay (PyTorch's `AdamW`).
         AdamW => "adamw",
+        /// The job's own update rule (`Job::update_rule`).
+        Custom => "custom",
     }
 }
 
@@ -336,7 +338,7 @@ pub struct TrainSection {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
-    /// "sgd" or "adamw".
+    /// "sgd", "adam", "adamw", or "custom" (the job's own update rule).
     pub kind: OptimizerKind,
     pub momentum: f32,
     pub nesterov: bool,

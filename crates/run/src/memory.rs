@@ -145,10 +145,10 @@ pub fn predict(shape: &StateShape) -> RankMemory {
 }
 
 /// Optimizer state vectors per parameter the config asks for (Adam(W) 2, SGD with momentum 1,
-/// plain SGD 0).
+/// plain SGD 0; a job's own rule, whose count the config does not say, as many as Adam's).
 pub fn optimizer_vectors(cfg: &TrainConfig) -> usize {
     match cfg.optimizer.kind {
-        OptimizerKind::Adam | OptimizerKind::AdamW => 2,
+        OptimizerKind::Adam | OptimizerKind::AdamW | OptimizerKind::Custom => 2,
         OptimizerKind::Sgd if cfg.optimizer.momentum != 0.0 => 1,
         OptimizerKind::Sgd => 0,
     }

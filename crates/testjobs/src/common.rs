@@ -187,3 +187,52 @@ pub fn train_metrics(mae: f64) -> Vec<f64> {
         vec![mae]
     }
 }
+
+/// With this variable set, the job's update rule is not elementwise (it scales by the mean
+/// gradient of the slice it is given), which lockstep must refuse before any worker starts.
+pub const BAD_RULE_ENV: &str = "LOCKSTEP_TESTJOB_BAD_RULE";
+
+/// Sign descent with momentum (Lion-like): `m = 0.9 m + 0.1 g`, `p -= lr · sign(m)`.
+struct SignMomentum;
+
+impl lockstep::UpdateRule for SignMomentum {
+    fn name(&self) -> &str {
+        "sign-momentum"
+    }
+
+    fn state_names(&self) -> Vec<String> {
+        vec!["momentum".into()]
+    }
+
+    fn update(&self, _step: u64, lr: f32, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]]) {
+        for ((p, &g), m) in p.iter_mut().zip(g).zip(state[0].iter_mut()) {
+            *m = 0.9 * *m + 0.1 * g;
+            *p -= lr * m.signum();
+        }
+    }
+}
+
+/// Gradient descent scaled by the slice's mean absolute gradient: not elementwise.
+struct SliceNormalised;
+
+impl lockstep::UpdateRule for SliceNormalised {
+    fn name(&self) -> &str {
+        "slice-normalised"
+    }
+
+    fn update(&self, _step: u64, lr: f32, p: &mut [f32], g: &[f32], _state: &mut [&mut [f32]]) {
+        let mean = g.iter().map(|x| x.abs()).sum::<f32>() / g.len().max(1) as f32;
+        for (p, &g) in p.iter_mut().zip(g) {
+            *p -= lr * g / (mean + 1e-8);
+        }
+    }
+}
+
+/// The test job's update rule (`optimizer.kind = "custom"`).
+pub fn update_rule() -> Box<dyn lockstep::UpdateRule> {
+    if std::env::var_os(BAD_RULE_ENV).is_some() {
+        Box::new(SliceNormalised)
+    } else {
+        Box::new(SignMomentum)
+    }
+}

@@ -75,6 +75,10 @@ impl lockstep::Job for TestJob {
 
     const TRAIN_METRICS: &'static [&'static str] = &["mae"];
 
+    fn update_rule(&self, _cfg: &TrainConfig) -> Option<Box<dyn lockstep::UpdateRule>> {
+        Some(common::update_rule())
+    }
+
     fn loss_and_metrics(
         &self,
         model: &Mlp,

@@ -327,3 +327,25 @@ fn overlap_on_a_layered_user_job_gives_the_bits_of_overlap_off() {
     assert_eq!(hash(&dir("on")), hash(&dir("off")));
     assert_eq!(hash(&dir("on3")), hash(&dir("off")));
 }
+
+/// The job's own update rule on a `LayeredJob`: its state sharded per stage and per data-parallel
+/// rank (ZeRO 2 and 3) gives the one-worker bits.
+#[test]
+fn a_layered_jobs_own_update_rule_gives_one_hash_for_every_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let runs: [(&str, &str, &[&str]); 4] = [
+        ("one", "1", &[]),
+        ("dp2z3", "2", &["--set", "parallel.zero=3"]),
+        (
+            "dp2pp2z2",
+            "4",
+            &["--set", "parallel.pp=2", "--set", "parallel.zero=2"],
+        ),
+        ("overlap", "1", &["--set", "dist.overlap=true"]),
+    ];
+    runs_with(tmp.path(), &["--set", "optimizer.kind=\"custom\""], &runs);
+    for name in ["dp2z3", "dp2pp2z2", "overlap"] {
+        assert_eq!(hash(&dir(name)), hash(&dir("one")), "custom rule: {name}");
+    }
+}

@@ -581,3 +581,53 @@ fn a_user_jobs_training_metrics_are_the_same_at_every_world_size() {
         assert!(err.contains(part), "the error lacks `{part}`:\n{err}");
     }
 }
+
+/// `optimizer.kind = "custom"`: the job's own elementwise update rule (sign descent with
+/// momentum) gives one hash at 1 and 3 workers, with its state sharded (ZeRO 1) and after a
+/// restart from a checkpoint (its state saved and restored); a rule that is not elementwise is
+/// refused before anything starts, naming it.
+#[test]
+fn a_jobs_own_update_rule_gives_one_hash_for_every_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let custom = ["--set", "optimizer.kind=\"custom\""];
+    let one = tmp.path().join("one");
+    assert_ok(&train(&one, "1", &custom));
+    let sgd = tmp.path().join("sgd");
+    assert_ok(&train(&sgd, "1", &[]));
+    assert_ne!(hash(&one), hash(&sgd), "the rule must change the run");
+    let layouts: [(&str, &str, &[&str]); 3] = [
+        ("three", "3", &[]),
+        ("zero1", "2", &["--set", "parallel.zero=1"]),
+        ("killed", "2", &["--inject", "kill:rank=1,step=6"]),
+    ];
+    for (name, n, extra) in layouts {
+        let dir = tmp.path().join(name);
+        assert_ok(&train(&dir, n, &[&custom[..], extra].concat()));
+        assert_eq!(hash(&dir), hash(&one), "custom rule: {name} vs 1 worker");
+    }
+    assert!(
+        summary(&tmp.path().join("killed"))["restarts"]
+            .as_u64()
+            .unwrap()
+            >= 1
+    );
+
+    let bad = tmp.path().join("bad");
+    let o = Command::new(env!("CARGO_BIN_EXE_lockstep-testjob"))
+        .args(["train", "--nproc", "2", "--out"])
+        .arg(&bad)
+        .args(custom)
+        .env("LOCKSTEP_TESTJOB_BAD_RULE", "1")
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    for part in [
+        "optimizer.kind",
+        "`slice-normalised` is not elementwise",
+        "parameter",
+    ] {
+        assert!(err.contains(part), "the error lacks `{part}`:\n{err}");
+    }
+    assert!(!bad.exists(), "refused before anything was written");
+}

@@ -1,7 +1,11 @@
 //! [`Replica`]: one rank's copy of a model trained whole, as every driver sees it (a leaf: the
 //! job adapters implement it, the training loop's one-stage case runs it).
 
-use lockstep_model::ParamInfo;
+use std::sync::Arc;
+
+use lockstep_model::{ParamInfo, UpdateRule};
+
+use crate::config::TrainConfig;
 
 use crate::draws::Draws;
 use crate::outcome::{Computed, EvalSums, ReplicaError};
@@ -62,6 +66,10 @@ pub trait Replica {
     /// order: the driver sums them exactly.
     fn take_train_metrics(&mut self) -> Vec<Vec<f32>> {
         Vec::new()
+    }
+    /// The job's own optimizer update (`optimizer.kind = "custom"`); default: none.
+    fn update_rule(&self, _cfg: &TrainConfig) -> Option<Arc<dyn UpdateRule>> {
+        None
     }
     /// Evaluation without gradients on the evaluation samples `samples`.
     fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError>;

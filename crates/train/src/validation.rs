@@ -114,6 +114,13 @@ impl ConfigLoad for TrainConfig {
                  for your own Job or LayeredJob); resume a run with --resume instead",
             ));
         }
+        if self.optimizer.kind == crate::config::OptimizerKind::Custom {
+            return Err(invalid(
+                "optimizer.kind",
+                "`custom` runs a job's own update rule (`Job::update_rule`), and lockstep's \
+                 built-in models have none: choose sgd, adam or adamw",
+            ));
+        }
         self.validate_model_and_data()?;
         ParallelPlan::check_shape(self, &self.builtin_shape(self.pipeline_layers()))?;
         self.validate_sections()?;

@@ -269,7 +269,7 @@ impl Zero {
     /// This rank's optimizer, cut from a resumed one whose vectors hold this sharded vector at
     /// `offset` (0 for a whole model; a pipeline stage's first value otherwise).
     pub fn shard_of(&self, whole: &Optimizer, offset: usize) -> Optimizer {
-        let mut mine = Optimizer::new(whole.spec(), self.optimizer_len());
+        let mut mine = whole.fresh(self.optimizer_len());
         for (dst, src) in mine.state_mut().into_iter().zip(whole.state()) {
             let src = &src[offset..offset + self.len];
             if self.level == 0 {

@@ -87,6 +87,10 @@ impl lockstep::LayeredJob for LayeredTestJob {
 
     const TRAIN_METRICS: &'static [&'static str] = &["mae"];
 
+    fn update_rule(&self, _cfg: &TrainConfig) -> Option<Box<dyn lockstep::UpdateRule>> {
+        Some(common::update_rule())
+    }
+
     fn loss_and_metrics(
         &self,
         output: Tensor<2>,

@@ -14,7 +14,7 @@ use std::time::Instant;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
-use lockstep_model::{flat, ParamInfo};
+use lockstep_model::{flat, ParamInfo, UpdateRule};
 use sha2::{Digest, Sha256};
 
 use super::{
@@ -96,6 +96,13 @@ pub trait Job: Send + Sync + 'static {
     /// The mean loss of a batch: a single value. lockstep scales it by the batch's share of the
     /// global batch before backward.
     fn loss(&self, model: &Self::Model, batch: &Self::Batch) -> Tensor<1>;
+    /// Your own optimizer update on flat slices of the parameters ([`UpdateRule`]), used when
+    /// the config says `optimizer.kind = "custom"` (default: none, and `custom` is refused). Its
+    /// hyper-parameters can come from your `[job]` settings in `cfg`. It must be elementwise:
+    /// lockstep checks that before any worker starts.
+    fn update_rule(&self, _cfg: &TrainConfig) -> Option<Box<dyn UpdateRule>> {
+        None
+    }
     /// Names of the training metrics [`Job::loss_and_metrics`] returns, in its order (default:
     /// none). The same on every rank: the driver learns them before any batch is computed.
     const TRAIN_METRICS: &'static [&'static str] = &[];
@@ -152,6 +159,7 @@ impl<J: Job> JobSpec for J {
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common()?;
         check_metric_names(Job::name(self), J::TRAIN_METRICS)?;
+        check_update_rule(cfg, Job::name(self), self.update_rule(cfg).as_deref())?;
         Job::validate(self, cfg).map_err(|message| ConfigError::Invalid {
             field: "job",
             message: format!("job `{}`: {message}", Job::name(self)),
@@ -291,6 +299,36 @@ pub(super) fn scalar(loss: &Tensor<1>) -> Result<f32, ReplicaError> {
     }
 }
 
+/// With `optimizer.kind = "custom"`: the job gives an update rule, and it is elementwise
+/// ([`lockstep_model::check_elementwise`]).
+pub(super) fn check_update_rule(
+    cfg: &TrainConfig,
+    job: &str,
+    rule: Option<&dyn UpdateRule>,
+) -> Result<(), ConfigError> {
+    if cfg.optimizer.kind != crate::config::OptimizerKind::Custom {
+        return Ok(());
+    }
+    let refuse = |message: String| ConfigError::Invalid {
+        field: "optimizer.kind",
+        message,
+    };
+    let rule = rule.ok_or_else(|| {
+        refuse(format!(
+            "`custom` runs the job's own update rule, and job `{job}` gives none \
+             (`update_rule`): choose sgd, adam or adamw, or give one"
+        ))
+    })?;
+    catch_job_panic(|| lockstep_model::check_elementwise(rule))
+        .unwrap_or_else(|p| Err(format!("it panicked: {p}")))
+        .map_err(|why| {
+            refuse(format!(
+                "job `{job}`'s update rule `{}` is not elementwise: {why}",
+                rule.name()
+            ))
+        })
+}
+
 /// Names lockstep logs beside a job's training metrics (`train/<name>` in TensorBoard).
 const OWN_TRAIN_SCALARS: [&str; 4] = ["loss", "lr", "samples_per_sec", "grad_norm"];
 
@@ -415,6 +453,10 @@ impl<J: Job> Replica for BurnReplica<'_, J> {
 
     fn train_metric_names(&self) -> Vec<String> {
         J::TRAIN_METRICS.iter().map(|n| n.to_string()).collect()
+    }
+
+    fn update_rule(&self, cfg: &TrainConfig) -> Option<std::sync::Arc<dyn UpdateRule>> {
+        self.job.update_rule(cfg).map(std::sync::Arc::from)
     }
 
     fn take_train_metrics(&mut self) -> Vec<Vec<f32>> {

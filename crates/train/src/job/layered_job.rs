@@ -17,6 +17,7 @@ use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor, TensorData};
 use lockstep_model::flat::{self, ParamInfo};
+use lockstep_model::UpdateRule;
 use lockstep_model::{
     in_tp_scope, narrow_to_pieces, tp_params_of, LocalPieceSum, PieceSum, TpParam,
 };
@@ -90,6 +91,11 @@ pub trait LayeredJob: Send + Sync + 'static {
     fn metrics(&self, _output: Tensor<2>, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
         Vec::new()
     }
+    /// Your own optimizer update on flat slices, used when the config says
+    /// `optimizer.kind = "custom"` (default: none), as for [`crate::Job::update_rule`].
+    fn update_rule(&self, _cfg: &TrainConfig) -> Option<Box<dyn UpdateRule>> {
+        None
+    }
     /// Names of the training metrics [`LayeredJob::loss_and_metrics`] returns, in its order
     /// (default: none).
     const TRAIN_METRICS: &'static [&'static str] = &[];
@@ -154,6 +160,7 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
         cfg.validate_common_layered()?;
         ParallelPlan::check_shape(cfg, &self.shape(cfg))?;
         check_metric_names(self.0.name(), J::TRAIN_METRICS)?;
+        burn_job::check_update_rule(cfg, self.0.name(), self.0.update_rule(cfg).as_deref())?;
         self.0
             .validate(cfg)
             .map_err(|message| ConfigError::Invalid {
@@ -389,6 +396,10 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
 
     fn structure_hash(&self) -> [u8; 32] {
         self.structure_hash
+    }
+
+    fn update_rule(&self, cfg: &TrainConfig) -> Option<std::sync::Arc<dyn UpdateRule>> {
+        self.job.update_rule(cfg).map(std::sync::Arc::from)
     }
 
     fn train_len(&self) -> usize {

@@ -68,6 +68,13 @@ impl Layered for FlatModel<'_> {
         self.hash
     }
 
+    fn update_rule(
+        &self,
+        cfg: &crate::config::TrainConfig,
+    ) -> Option<std::sync::Arc<dyn lockstep_model::UpdateRule>> {
+        self.replica.borrow().update_rule(cfg)
+    }
+
     fn train_len(&self) -> usize {
         self.train_len
     }

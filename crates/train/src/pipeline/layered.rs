@@ -25,6 +25,13 @@ pub trait Layered {
     fn layer_offsets(&self) -> Vec<usize>;
     /// Architecture fingerprint (ranks and checkpoints compare it).
     fn structure_hash(&self) -> [u8; 32];
+    /// The job's own optimizer update (`optimizer.kind = "custom"`); default: none.
+    fn update_rule(
+        &self,
+        _cfg: &crate::config::TrainConfig,
+    ) -> Option<std::sync::Arc<dyn lockstep_model::UpdateRule>> {
+        None
+    }
     /// Training samples (the sampler draws indices below this).
     fn train_len(&self) -> usize;
     /// The evaluation samples, in order (the same on every rank and layout).

@@ -42,7 +42,7 @@ use super::schedule::{ideal_bubble_fraction, schedule, Op, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use super::whole::{self, WholeStep};
 use crate::clip::{even_share, Clip};
-use crate::config::TrainConfig;
+use crate::config::{OptimizerKind, TrainConfig};
 use crate::context::{JobLabel, WorkerContext};
 use crate::device;
 use crate::draws::Draws;
@@ -211,12 +211,24 @@ pub fn train<'a>(
     }
     let sampler = Sampler::new(samples, t.global_batch, t.seed)?;
     let total_steps = total_steps(cfg, &sampler)?;
+    let rule = match cfg.optimizer.kind {
+        OptimizerKind::Custom => Some(model.update_rule(cfg).ok_or_else(|| {
+            TrainError::JobSetup {
+                job: model.name(),
+                message: "optimizer.kind = \"custom\" needs the job's update rule, and the \
+                          job gave none on this rank"
+                    .into(),
+            }
+        })?),
+        _ => None,
+    };
     let (comm, mut ledger) = Ledger::open(
         cfg,
         ctx,
         job,
         plan,
         model.structure_hash(),
+        rule,
         total_steps,
         started,
     );

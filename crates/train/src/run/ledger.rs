@@ -6,10 +6,12 @@
 //! how the whole model reaches rank 0 for a checkpoint, and how evaluation runs.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use lockstep_comm::Communicator;
-use lockstep_model::{LrSchedule, Optimizer};
+use lockstep_model::{LrSchedule, Optimizer, UpdateRule};
+use sha2::{Digest, Sha256};
 
 use super::checkpointing::{
     checkpoint_dir, checkpoint_due, resume_from_checkpoint, save_checkpoint,
@@ -33,6 +35,23 @@ fn recorded_loss(dir: &Path, step: u64) -> f64 {
         .filter_map(|l| serde_json::from_str::<StepRecord>(l).ok())
         .find(|r| r.step == step)
         .map_or(f64::NAN, |r| r.loss)
+}
+
+/// The model part of a checkpoint's identity: the architecture fingerprint, and with a job's own
+/// update rule also its name and state vectors (a checkpoint of another rule is not resumed).
+/// Without one it is the fingerprint as before, so existing checkpoints keep their identity.
+fn model_identity(structure_hash: [u8; 32], rule: Option<&dyn UpdateRule>) -> String {
+    let Some(rule) = rule else {
+        return hex::encode(structure_hash);
+    };
+    let mut h = Sha256::new();
+    h.update(b"lockstep model with update rule v1\0");
+    h.update(structure_hash);
+    for part in std::iter::once(rule.name().to_string()).chain(rule.state_names()) {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(h.finalize())
 }
 
 /// One rank's bookkeeping over one attempt of a run.
@@ -65,18 +84,23 @@ pub(crate) struct Ledger<'a> {
     resumed_at_end: bool,
     /// The job's name and config sections (summary.json, config.toml).
     job: JobLabel,
+    /// The job's own optimizer update (`optimizer.kind = "custom"`).
+    rule: Option<Arc<dyn UpdateRule>>,
 }
 
 impl<'a> Ledger<'a> {
     /// The ledger of a run of `total_steps` begun at `started` following `plan`, for a model
-    /// whose architecture fingerprint is `structure_hash` (checkpoints are keyed by it and the
-    /// config's identity); takes the worker context apart and hands back its communicator.
+    /// whose architecture fingerprint is `structure_hash` (checkpoints are keyed by it, the
+    /// custom update `rule`'s name and state, and the config's identity); takes the worker
+    /// context apart and hands back its communicator.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn open(
         cfg: &'a TrainConfig,
         ctx: WorkerContext<'a>,
         job: JobLabel,
         plan: &ParallelPlan,
         structure_hash: [u8; 32],
+        rule: Option<Arc<dyn UpdateRule>>,
         total_steps: u64,
         started: Instant,
     ) -> (&'a mut Communicator, Self) {
@@ -100,7 +124,7 @@ impl<'a> Ledger<'a> {
             ckpt_dir: checkpoint_dir(cfg, out_dir),
             identity: Identity {
                 config: cfg.identity_hash(),
-                model: hex::encode(structure_hash),
+                model: model_identity(structure_hash, rule.as_deref()),
             },
             faults,
             on_event,
@@ -121,6 +145,7 @@ impl<'a> Ledger<'a> {
             plan: plan.clone(),
             resumed_at_end: false,
             job,
+            rule,
         };
         (comm, ledger)
     }
@@ -139,7 +164,10 @@ impl<'a> Ledger<'a> {
 
     /// A fresh optimizer for `len` parameters, as the config says.
     pub(crate) fn optimizer(&self, len: usize) -> Optimizer {
-        Optimizer::new(&optimizer_spec(self.cfg), len)
+        match &self.rule {
+            Some(rule) => Optimizer::with_rule(rule.clone(), len),
+            None => Optimizer::new(&optimizer_spec(self.cfg), len),
+        }
     }
 
     /// Collective, when resuming was asked for: rank 0 loads the newest good checkpoint of the

@@ -47,6 +47,10 @@ pub fn optimizer_spec(cfg: &TrainConfig) -> OptimizerSpec {
             eps: o.eps,
             weight_decay: o.weight_decay,
         },
+        // The rule itself comes from the job (`Ledger::optimizer`).
+        OptimizerKind::Custom => OptimizerSpec::Custom {
+            name: "custom".into(),
+        },
         OptimizerKind::Sgd => OptimizerSpec::Sgd {
             momentum: o.momentum,
             weight_decay: o.weight_decay,
