@@ -276,11 +276,19 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 s.code() == Some(EXIT_PERMANENT) || tails.out_of_memory(*r % world, *s)
             });
         let mut tail = tails.last(rank % world).join("\n    ");
-        if tail.is_empty() {
+        let bad_input = failures
+            .iter()
+            .any(|(r, s)| *r == rank && s.code() == Some(EXIT_PERMANENT));
+        if tail.is_empty() || bad_input {
             // A worker stopped by bad input reports it only in its typed record (its launcher
-            // says it once, here).
+            // says it once, here), after whatever it printed before.
             if let Some(r) = records.get(rank % world).and_then(Option::as_ref) {
-                tail = format!("lockstep: error: {}", r.message);
+                let error = format!("lockstep: error: {}", r.message);
+                tail = if tail.is_empty() {
+                    error
+                } else {
+                    format!("{tail}\n    {error}")
+                };
             }
         }
         let others: Vec<String> = failures

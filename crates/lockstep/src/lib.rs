@@ -76,8 +76,9 @@ pub use lockstep_train::device::Placement;
 pub use lockstep_train::draws::{DrawPart, Draws};
 pub use lockstep_train::job::BinaryAbout;
 pub use lockstep_train::job::{
-    BoxError, BurnLayered, BurnReplica, Computed, EvalSums, Job, JobSpec, LayeredJob, Pipelined,
-    Replica, ReplicaError, Trainable,
+    Activation, ActivationError, BoxError, BurnLayered, BurnReplica, Computed, EvalSums, Job,
+    JobSpec, LayeredJob, Part, PartKind, Parts, Pipelined, Replica, ReplicaError, StagedJob,
+    Trainable,
 };
 pub use lockstep_train::metrics::Eval;
 pub use lockstep_train::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};

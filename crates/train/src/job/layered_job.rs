@@ -1,12 +1,13 @@
 //! [`LayeredJob`]: a burn user's model written as a sequence of layers, which lockstep can cut
 //! into pipeline stages (`parallel.pp > 1`, GPipe or 1F1B, balanced cuts) with the same
-//! parameter bits as one worker; [`Pipelined`] makes it a job.
+//! parameter bits as one worker; [`Pipelined`] makes it (or any [`StagedJob`]) a job.
 //!
-//! Between stages only `f32` activations of shape `[samples, width]` travel. A stage rebuilds its
-//! input as a fresh leaf that requires a gradient, and a non-last stage's backward starts from
-//! `sum(output · grad_output)`, whose gradient with respect to `output` is exactly
-//! `grad_output`: so the parameter gradients of a cut model are bitwise those of the uncut one,
-//! and the driver's exact per-layer sums make every layout reproduce the single-stage run.
+//! Between stages an activation travels as its parts' words (`activation.rs`). A stage rebuilds
+//! its input's float parts as fresh leaves that require a gradient, and a non-last stage's
+//! backward starts from `Σ sum(output_i · grad_output_i)` over its output's float parts, whose
+//! gradient with respect to each `output_i` is exactly `grad_output_i`: so the parameter
+//! gradients of a cut model are bitwise those of the uncut one, and the driver's exact per-layer
+//! sums make every layout reproduce the single-stage run.
 
 use crate::ConfigLoad;
 use std::collections::HashMap;
@@ -23,7 +24,9 @@ use lockstep_model::{
 };
 use sha2::{Digest, Sha256};
 
+use super::activation::{activation_of, float_values, parts_of, ActivationError, Layout, Part};
 use super::burn_job::{self, check_metric_names, guarded, metric_row, open_data, scalar, BoxError};
+use super::staged_job::StagedJob;
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, TrainConfig};
 use crate::device::Placement;
@@ -109,11 +112,11 @@ pub trait LayeredJob: Send + Sync + 'static {
     }
 }
 
-/// A [`LayeredJob`] as a job: `lockstep::main(lockstep::Pipelined(MyJob))`. It runs with any
+/// A [`LayeredJob`] (or any [`StagedJob`]) as a job: `lockstep::main(lockstep::Pipelined(MyJob))`. It runs with any
 /// `parallel.pp` (1 = data parallel only) and `parallel.dp`.
 pub struct Pipelined<J>(pub J);
 
-impl<J: LayeredJob> JobSpec for Pipelined<J> {
+impl<J: StagedJob> JobSpec for Pipelined<J> {
     fn name(&self) -> String {
         self.0.name().to_string()
     }
@@ -203,15 +206,15 @@ impl<J: LayeredJob> JobSpec for Pipelined<J> {
     }
 }
 
-/// A [`LayeredJob`]'s layers and data on one rank, as the pipeline driver's [`Layered`].
-pub struct BurnLayered<'j, J: LayeredJob> {
+/// A [`StagedJob`]'s layers and data on one rank, as the pipeline driver's [`Layered`].
+pub struct BurnLayered<'j, J: StagedJob> {
     job: &'j J,
     device: Device,
     layers: Vec<J::Layer>,
     /// Flat offset of each layer's first parameter, and the total.
     offsets: Vec<usize>,
-    /// Width of the first layer's input, then of each layer's output.
-    widths: Vec<usize>,
+    /// The layout of the first layer's input, then of each layer's output (from one sample).
+    boundaries: Vec<Layout>,
     structure_hash: [u8; 32],
     train: Box<dyn Dataset<J::Item>>,
     eval: Box<dyn Dataset<J::Item>>,
@@ -256,7 +259,7 @@ impl PieceSum for ShapeOnly {
     }
 }
 
-impl<'j, J: LayeredJob> BurnLayered<'j, J> {
+impl<'j, J: StagedJob> BurnLayered<'j, J> {
     pub fn new(job: &'j J, cfg: &TrainConfig, place: &Placement) -> Result<Self, TrainError> {
         let name = job.name().to_string();
         let setup = |message: String| TrainError::JobSetup {
@@ -297,7 +300,7 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
             device,
             layers: normalised,
             offsets,
-            widths: Vec::new(),
+            boundaries: Vec::new(),
             structure_hash,
             train,
             eval,
@@ -305,24 +308,34 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
             tp_params,
             pieces,
         };
-        me.widths = me
-            .probe_widths(&me.layers)
+        me.boundaries = me
+            .probe_boundaries(&me.layers)
             .map_err(|e| setup(e.to_string()))?;
         Ok(me)
     }
 
-    /// One training sample through `layers` (no gradients): the activation widths.
-    fn probe_widths(&self, layers: &[J::Layer]) -> Result<Vec<usize>, ReplicaError> {
+    /// One training sample through `layers` (no gradients): the activations' layouts.
+    fn probe_boundaries(&self, layers: &[J::Layer]) -> Result<Vec<Layout>, ReplicaError> {
         let device = self.device.clone().inner();
         let batch = batch_of(self.job, &*self.train, "training", &[0], &device)?;
         let mut x = guarded(|| self.job.input(&batch))?;
-        let mut widths = vec![x.dims()[1]];
-        for layer in layers {
-            let layer = layer.valid();
-            x = guarded(|| self.job.forward(&layer, x))?;
-            widths.push(x.dims()[1]);
+        let mut boundaries = Vec::with_capacity(layers.len() + 1);
+        for l in 0..=layers.len() {
+            let parts = parts_of(x);
+            let place = |e: ActivationError| {
+                ReplicaError::Other(match l {
+                    0 => format!("the first layer's input: {e}"),
+                    _ => format!("layer {}'s output: {e}", l - 1),
+                })
+            };
+            boundaries.push(Layout::of(&parts, 1).map_err(place)?);
+            x = activation_of(parts).map_err(place)?;
+            if let Some(layer) = layers.get(l) {
+                let layer = layer.valid();
+                x = guarded(|| self.job.forward(&layer, x))?;
+            }
         }
-        Ok(widths)
+        Ok(boundaries)
     }
 
     /// Where tp rank `tp_rank` of `tp`'s local parameters of `layers` sit in the stage's canonical
@@ -371,7 +384,7 @@ impl<'j, J: LayeredJob> BurnLayered<'j, J> {
 }
 
 /// The items of `samples` from `set`, batched on `device` by the job.
-fn batch_of<J: LayeredJob>(
+fn batch_of<J: StagedJob>(
     job: &J,
     set: &dyn Dataset<J::Item>,
     split: &'static str,
@@ -381,7 +394,7 @@ fn batch_of<J: LayeredJob>(
     burn_job::batch_of(set, split, samples, |items| job.batch(items, device))
 }
 
-impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
+impl<J: StagedJob> Layered for BurnLayered<'_, J> {
     fn name(&self) -> String {
         self.job.name().to_string()
     }
@@ -447,7 +460,13 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
     fn activation_floats(&self) -> Vec<usize> {
         let last = self.layers.len() - 1;
         (0..=last)
-            .map(|l| if l == last { 0 } else { self.widths[l + 1] })
+            .map(|l| {
+                if l == last {
+                    0
+                } else {
+                    self.boundaries[l + 1].words_per_sample()
+                }
+            })
             .collect()
     }
 
@@ -470,8 +489,8 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             owner: self,
             first: layers.start == 0,
             last: layers.end == self.layers.len(),
-            in_width: self.widths[layers.start],
-            out_width: self.widths[layers.end],
+            in_layout: self.boundaries[layers.start].clone(),
+            out_layout: self.boundaries[layers.end].clone(),
             layers: self.layers[layers.clone()].to_vec(),
             num_params,
             pending: HashMap::new(),
@@ -512,7 +531,7 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             message,
         };
         // Every rank built the whole model from the same seed; each keeps its pieces' rows. The
-        // layers before the stage are narrowed too, only to learn the stage's input width.
+        // layers before the stage are narrowed too, only to learn the stage's input layout.
         let narrowed: Vec<J::Layer> = catch_job_panic(|| {
             self.layers[..layers.end]
                 .iter()
@@ -525,16 +544,19 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             ))
         })?;
         let mut probe: Box<dyn PieceSum> = Box::new(ShapeOnly);
-        let (widths, _) = in_tp_scope(tp, tp_rank, &mut probe, || self.probe_widths(&narrowed));
-        let widths =
-            widths.map_err(|e| setup(format!("tensor parallelism (parallel.tp = {tp}): {e}")))?;
+        let (boundaries, _) =
+            in_tp_scope(tp, tp_rank, &mut probe, || self.probe_boundaries(&narrowed));
+        let boundaries = boundaries
+            .map_err(|e| setup(format!("tensor parallelism (parallel.tp = {tp}): {e}")))?;
         let last = layers.end == self.layers.len();
-        if last && widths[layers.end] != self.widths[layers.end] {
+        if let Some(why) = (last)
+            .then(|| self.boundaries[layers.end].mismatch(&boundaries[layers.end]))
+            .flatten()
+        {
             return Err(setup(format!(
-                "with parallel.tp = {tp} the last layer's output has {} of its {} features on \
-                 each rank: a model must end with its pieces summed (a RowParallelLinear after \
-                 a ColumnParallelLinear), not with a ColumnParallelLinear's local pieces",
-                widths[layers.end], self.widths[layers.end]
+                "with parallel.tp = {tp} the last layer's output differs on each rank ({why}): a \
+                 model must end with its pieces summed (a RowParallelLinear after a \
+                 ColumnParallelLinear), not with a ColumnParallelLinear's local pieces"
             )));
         }
         let (map, runs) = self.tp_maps(layers.clone(), tp, tp_rank);
@@ -543,8 +565,8 @@ impl<J: LayeredJob> Layered for BurnLayered<'_, J> {
             owner: self,
             first: layers.start == 0,
             last,
-            in_width: widths[layers.start],
-            out_width: widths[layers.end],
+            in_layout: boundaries[layers.start].clone(),
+            out_layout: boundaries[layers.end].clone(),
             layers: narrowed[layers.clone()].to_vec(),
             num_params,
             pending: HashMap::new(),
@@ -578,23 +600,29 @@ struct StageTp {
 
 /// What a training forward keeps until its backward.
 struct Pending {
-    /// The input leaf (non-first stages), whose gradient goes back to the previous stage.
-    input: Option<Tensor<2>>,
+    /// The input's float leaves (non-first stages), whose gradients go back to the previous
+    /// stage.
+    input: Vec<Tensor<1>>,
+    /// The micro-batch's samples.
+    n: usize,
     output: PendingOutput,
 }
 
 enum PendingOutput {
-    Activations(Tensor<2>),
-    Loss(Tensor<1>),
+    /// The output's float parts (flattened), which the next stage's gradient multiplies.
+    Activations(Vec<Tensor<1>>),
+    /// Boxed: a tensor is far larger than a `Vec`.
+    Loss(Box<Tensor<1>>),
 }
 
-/// Some consecutive layers of a [`LayeredJob`].
-struct BurnStage<'a, 'j, J: LayeredJob> {
+/// Some consecutive layers of a [`StagedJob`].
+struct BurnStage<'a, 'j, J: StagedJob> {
     owner: &'a BurnLayered<'j, J>,
     first: bool,
     last: bool,
-    in_width: usize,
-    out_width: usize,
+    /// What the stage receives and sends (per sample).
+    in_layout: Layout,
+    out_layout: Layout,
     layers: Vec<J::Layer>,
     num_params: usize,
     pending: HashMap<u64, Pending>,
@@ -612,15 +640,15 @@ struct BurnStage<'a, 'j, J: LayeredJob> {
     metric_rows: Vec<Vec<f32>>,
 }
 
-/// A micro-batch's graph cut after every layer, as at a stage boundary (each layer's input a
-/// fresh leaf of the previous layer's output values), so backward can run layer by layer.
+/// A micro-batch's graph cut after every layer, as at a stage boundary (each layer's input
+/// fresh leaves of the previous layer's output values), so backward can run layer by layer.
 struct Split {
-    /// Per layer: its input leaf (none for the first) and its output.
-    layers: Vec<(Option<Tensor<2>>, Tensor<2>)>,
+    /// Per layer: its input's float leaves (none for the first) and its output's float parts.
+    layers: Vec<(Vec<Tensor<1>>, Vec<Tensor<1>>)>,
     loss: Tensor<1>,
 }
 
-impl<J: LayeredJob> BurnStage<'_, '_, J> {
+impl<J: StagedJob> BurnStage<'_, '_, J> {
     /// `f` inside this rank's tp scope (a tensor-parallel stage), so that its layers compute
     /// their pieces and sum them with the group; a failed piece sum is the result.
     fn scoped<R>(
@@ -654,8 +682,8 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         }
     }
 
-    /// The stage's input: the batch's (first stage) or the received activations, as a leaf that
-    /// requires a gradient when `train`.
+    /// The stage's input: the batch's (first stage) or the received activations, whose float
+    /// parts are leaves that require a gradient when `train` (returned too).
     fn input(
         &self,
         batch: Option<&J::Batch>,
@@ -663,21 +691,18 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         n: usize,
         device: &Device,
         train: bool,
-    ) -> Result<(Option<Tensor<2>>, Tensor<2>), ReplicaError> {
+    ) -> Result<(Vec<Tensor<1>>, J::Activation), ReplicaError> {
         match (batch, received) {
-            (Some(b), None) if self.first => Ok((None, guarded(|| self.owner.job.input(b))?)),
-            (_, Some(values)) if !self.first => {
-                if values.len() != n * self.in_width {
-                    return Err(ReplicaError::Other(format!(
-                        "received {} activation values for {n} samples of width {}",
-                        values.len(),
-                        self.in_width
-                    )));
-                }
-                let t =
-                    Tensor::from_data(TensorData::new(values.to_vec(), [n, self.in_width]), device);
-                let t = if train { t.require_grad() } else { t };
-                Ok((train.then(|| t.clone()), t))
+            (Some(b), None) if self.first => Ok((Vec::new(), guarded(|| self.owner.job.input(b))?)),
+            (_, Some(words)) if !self.first => {
+                let (parts, leaves) = self
+                    .in_layout
+                    .decode(words, n, device, train)
+                    .map_err(ReplicaError::Other)?;
+                let x = activation_of(parts).map_err(|e| {
+                    ReplicaError::Other(format!("the stage's input does not fit its type: {e}"))
+                })?;
+                Ok((leaves, x))
             }
             _ => Err(ReplicaError::Other(
                 "a stage got no input (internal: first-stage flag and input disagree)".into(),
@@ -685,40 +710,38 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         }
     }
 
-    /// This stage's layers over `x`, checking each output's width against the probe's; in
-    /// training (`train`), each layer drawing from its own stream of the micro-batch's draws.
+    /// This stage's layers over `x`; in training (`train`), each layer drawing from its own
+    /// stream of the micro-batch's draws.
     fn run_layers(
         &self,
         layers: &[J::Layer],
-        mut x: Tensor<2>,
+        mut x: J::Activation,
         train: bool,
-    ) -> Result<Tensor<2>, ReplicaError> {
+    ) -> Result<J::Activation, ReplicaError> {
         for (i, layer) in layers.iter().enumerate() {
             if train {
                 self.reseed(DrawPart::Layer(self.first_layer + i));
             }
             x = guarded(|| self.owner.job.forward(layer, x))?;
         }
-        let [_, width] = x.dims();
-        if !self.last && width != self.out_width {
-            return Err(ReplicaError::Other(format!(
-                "the stage's output has width {width}, but {} when the model was built (layers \
-                 must map [samples, width] to a width that does not depend on the batch)",
-                self.out_width
-            )));
-        }
         Ok(x)
+    }
+
+    /// A non-last stage's output of `n` samples for the next stage: its words, and its parts
+    /// (checked against the layout the model was built with).
+    fn outgoing(&self, x: J::Activation, n: usize) -> Result<(Vec<f32>, Vec<Part>), ReplicaError> {
+        let parts = parts_of(x);
+        let layout = Layout::of(&parts, n)
+            .map_err(|e| ReplicaError::Other(format!("the stage's output: {e}")))?;
+        if let Some(why) = self.out_layout.mismatch(&layout) {
+            return Err(ReplicaError::Other(format!("the stage's output: {why}")));
+        }
+        let words = Layout::encode(&parts).map_err(ReplicaError::Other)?;
+        Ok((words, parts))
     }
 }
 
-/// The f32 values of a tensor.
-fn values(t: &Tensor<2>) -> Result<Vec<f32>, ReplicaError> {
-    t.to_data()
-        .try_to_vec::<f32>()
-        .map_err(|e| ReplicaError::Other(format!("reading activations: {e:?}")))
-}
-
-impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
+impl<J: StagedJob> LayerStage for BurnStage<'_, '_, J> {
     fn is_first(&self) -> bool {
         self.first
     }
@@ -774,7 +797,7 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         if self.first {
             0
         } else {
-            n * self.in_width
+            n * self.in_layout.words_per_sample()
         }
     }
 
@@ -782,7 +805,7 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
         if self.last {
             0
         } else {
-            n * self.out_width
+            n * self.out_layout.words_per_sample()
         }
     }
 
@@ -873,7 +896,7 @@ impl<J: LayeredJob> LayerStage for BurnStage<'_, '_, J> {
     }
 }
 
-impl<J: LayeredJob> BurnStage<'_, '_, J> {
+impl<J: StagedJob> BurnStage<'_, '_, J> {
     fn forward_in_scope(
         &mut self,
         id: u64,
@@ -897,20 +920,27 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
             None
         };
         let data_seconds = t0.elapsed().as_secs_f64();
-        let (leaf, x) = self.input(batch.as_ref(), input, n, &device, true)?;
+        let (leaves, x) = self.input(batch.as_ref(), input, n, &device, true)?;
         let x = self.run_layers(&self.layers, x, true)?;
         let (output, result) = if self.last {
             let batch = batch.as_ref().expect("the last stage reads its batch");
             let (scaled, value) = self.scaled_loss(x, batch, n as f32 * scale)?;
-            (PendingOutput::Loss(scaled), Forwarded::Loss(value))
+            (
+                PendingOutput::Loss(Box::new(scaled)),
+                Forwarded::Loss(value),
+            )
         } else {
-            let out = values(&x)?;
-            (PendingOutput::Activations(x), Forwarded::Activations(out))
+            let (words, parts) = self.outgoing(x, n)?;
+            (
+                PendingOutput::Activations(float_values(parts)),
+                Forwarded::Activations(words),
+            )
         };
         self.pending.insert(
             id,
             Pending {
-                input: leaf,
+                input: leaves,
+                n,
                 output,
             },
         );
@@ -926,18 +956,22 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         let pending = self.pending.remove(&id).ok_or_else(|| {
             ReplicaError::Other(format!("backward of micro-batch {id} without its forward"))
         })?;
-        let grads = match (pending.output, grad_output) {
-            (PendingOutput::Loss(loss), None) => guarded(|| loss.backward())?,
-            (PendingOutput::Activations(out), Some(g)) => {
-                let dims = out.dims();
-                if g.len() != dims[0] * dims[1] {
+        let n = pending.n;
+        let seed = match (pending.output, grad_output) {
+            (PendingOutput::Loss(loss), None) => Some(*loss),
+            (PendingOutput::Activations(outs), Some(g)) => {
+                let expected = n * self.out_layout.words_per_sample();
+                if g.len() != expected {
                     return Err(ReplicaError::Other(format!(
-                        "received {} gradient values for activations of shape {dims:?}",
+                        "received {} gradient words for an output of {expected}",
                         g.len()
                     )));
                 }
-                let dout = Tensor::from_data(TensorData::new(g.to_vec(), dims), &self.owner.device);
-                guarded(|| (out * dout).sum().backward())?
+                let device = &self.owner.device;
+                let douts = self.out_layout.float_ranges(n).into_iter().map(|r| {
+                    Tensor::from_data(TensorData::new(g[r.clone()].to_vec(), [r.len()]), device)
+                });
+                dot(outs, douts.collect())
             }
             _ => {
                 return Err(ReplicaError::Other(
@@ -945,18 +979,27 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
                 ))
             }
         };
-        let input_grad = match &pending.input {
-            Some(leaf) => {
-                let g = leaf.grad(&grads).ok_or_else(|| {
-                    ReplicaError::Other("the stage's input received no gradient".into())
-                })?;
-                Some(
-                    g.to_data()
-                        .try_to_vec::<f32>()
-                        .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}")))?,
-                )
+        let Some(seed) = seed else {
+            // An output without float parts: nothing before it affects the loss.
+            grad.fill(0.0);
+            let zeros = vec![0f32; n * self.in_layout.words_per_sample()];
+            return Ok((!self.first).then_some(zeros));
+        };
+        let grads = guarded(|| seed.backward())?;
+        let input_grad = if self.first {
+            None
+        } else {
+            let mut words = vec![0f32; n * self.in_layout.words_per_sample()];
+            for (leaf, range) in pending.input.iter().zip(self.in_layout.float_ranges(n)) {
+                // A float part the stage did not use has no gradient: zero.
+                if let Some(g) = leaf.grad(&grads) {
+                    let g = g
+                        .try_to_vec_as::<f32>()
+                        .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}")))?;
+                    words[range].copy_from_slice(&g);
+                }
             }
-            None => None,
+            Some(words)
         };
         crate::device::copy_from(&self.owner.device, || {
             flat::read_grads(&self.layers, grads, grad)
@@ -985,19 +1028,24 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         let data_seconds = t0.elapsed().as_secs_f64();
         let mut x = guarded(|| self.owner.job.input(&batch))?;
         let mut layers = Vec::with_capacity(self.layers.len());
+        let fail = |e: ActivationError| ReplicaError::Other(e.to_string());
         for (i, layer) in self.layers.iter().enumerate() {
-            let leaf = if i == 0 {
-                None
+            let (leaves, input) = if i == 0 {
+                (Vec::new(), x)
             } else {
-                let dims = x.dims();
-                let t = Tensor::from_data(TensorData::new(values(&x)?, dims), &device);
-                Some(t.require_grad())
+                // Cut as at a stage boundary: the output's values as fresh leaves.
+                let layout = &self.owner.boundaries[self.first_layer + i];
+                let words = Layout::encode(&parts_of(x)).map_err(ReplicaError::Other)?;
+                let (parts, leaves) = layout
+                    .decode(&words, n, &device, true)
+                    .map_err(ReplicaError::Other)?;
+                (leaves, activation_of(parts).map_err(fail)?)
             };
-            let input = leaf.clone().unwrap_or(x);
             self.reseed(DrawPart::Layer(self.first_layer + i));
             let out = guarded(|| self.owner.job.forward(layer, input))?;
-            layers.push((leaf, out.clone()));
-            x = out;
+            let parts = parts_of(out);
+            layers.push((leaves, float_values(parts.clone())));
+            x = activation_of(parts).map_err(fail)?;
         }
         let (scaled, value) = self.scaled_loss(x, &batch, n as f32 * scale)?;
         self.streamed.insert(
@@ -1014,7 +1062,7 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
     /// and its value; the micro-batch's training metrics recorded for the driver.
     fn scaled_loss(
         &mut self,
-        output: Tensor<2>,
+        output: J::Activation,
         batch: &J::Batch,
         share: f32,
     ) -> Result<(Tensor<1>, f32), ReplicaError> {
@@ -1037,24 +1085,29 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         on_layer: &(dyn Fn(usize, &[f32]) + Sync),
     ) -> Result<(), ReplicaError> {
         let mut loss = Some(split.loss);
-        let mut grad_output: Option<Tensor<2>> = None;
-        for (l, (leaf, out)) in split.layers.into_iter().enumerate().rev() {
-            let grads = match (loss.take(), grad_output.take()) {
-                (Some(loss), _) => guarded(|| loss.backward())?,
-                (None, Some(g)) => guarded(|| (out * g).sum().backward())?,
-                (None, None) => unreachable!("every layer but the last gets a gradient"),
+        // The gradient with respect to the current layer's output's float parts.
+        let mut grad_output: Vec<Tensor<1>> = Vec::new();
+        for (l, (leaves, outs)) in split.layers.into_iter().enumerate().rev() {
+            let seed = match loss.take() {
+                Some(loss) => Some(loss),
+                None => dot(outs, std::mem::take(&mut grad_output)),
             };
-            if let Some(leaf) = &leaf {
-                let g = leaf.grad(&grads).ok_or_else(|| {
-                    ReplicaError::Other("a layer's input received no gradient".into())
-                })?;
-                let dims = g.dims();
-                let g = g
-                    .to_data()
-                    .try_to_vec::<f32>()
-                    .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}")))?;
-                grad_output = Some(Tensor::from_data(
-                    TensorData::new(g, dims),
+            let Some(seed) = seed else {
+                // No float path from here to the loss: this layer and those before it get zeros.
+                on_layer(l, &vec![0f32; ranges[l].len()]);
+                continue;
+            };
+            let grads = guarded(|| seed.backward())?;
+            for leaf in &leaves {
+                let g = match leaf.grad(&grads) {
+                    Some(g) => g
+                        .try_to_vec_as::<f32>()
+                        .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}")))?,
+                    None => vec![0f32; leaf.dims()[0]],
+                };
+                let len = g.len();
+                grad_output.push(Tensor::from_data(
+                    TensorData::new(g, [len]),
                     &self.owner.device,
                 ));
             }
@@ -1089,7 +1142,7 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
         let layers: Vec<J::Layer> = self.layers.iter().map(|l| l.valid()).collect();
         let x = self.run_layers(&layers, x, false)?;
         if !self.last {
-            return Ok(Evaluated::Activations(values(&x)?));
+            return Ok(Evaluated::Activations(self.outgoing(x, n)?.0));
         }
         let batch = batch.as_ref().expect("the last stage reads its batch");
         let loss = scalar(&guarded(|| self.owner.job.loss(x.clone(), batch))?)?;
@@ -1102,6 +1155,15 @@ impl<J: LayeredJob> BurnStage<'_, '_, J> {
                 .collect(),
         }))
     }
+}
+
+/// `Σ_i sum(outs_i · grads_i)`: backward from it gives each `outs_i` exactly `grads_i` (`None`
+/// without float parts).
+fn dot(outs: Vec<Tensor<1>>, grads: Vec<Tensor<1>>) -> Option<Tensor<1>> {
+    outs.into_iter()
+        .zip(grads)
+        .map(|(o, g)| (o * g).sum())
+        .reduce(|a, b| a + b)
 }
 
 /// SHA-256 over the job's name and every layer's parameter names and shapes, in order.

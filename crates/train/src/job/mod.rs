@@ -14,11 +14,15 @@
 //! reproducibility rules (fixed micro-batches, exact sums, elementwise optimizers) hold for every
 //! job alike.
 
+mod activation;
 mod burn_job;
 mod layered_job;
+mod staged_job;
 
+pub use activation::{Activation, ActivationError, Part, PartKind, Parts};
 pub use burn_job::{BoxError, BurnReplica, Job};
 pub use layered_job::{BurnLayered, LayeredJob, Pipelined};
+pub use staged_job::StagedJob;
 
 pub(crate) use crate::outcome::catch_job_panic;
 pub use crate::outcome::{Computed, EvalSums, ReplicaError};
