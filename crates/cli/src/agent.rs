@@ -52,7 +52,7 @@ use lockstep_comm::store::StoreClient;
 use lockstep_comm::JobSecret;
 use serde::{Deserialize, Serialize};
 
-use crate::launch::{Outcome, WorkerFailure};
+use crate::launch::{FailureKind, Outcome, WorkerFailure};
 use crate::supervise::{
     rule, Boundary, Coordinator, MembershipChange, Next, Placement, RestartPolicy, Ruling,
 };
@@ -136,6 +136,7 @@ struct EndReport {
 struct Failure {
     node: usize,
     rank: usize,
+    kind: FailureKind,
     what: String,
     message: String,
     permanent: bool,
@@ -520,6 +521,7 @@ impl NodeAgent {
         let failure = local.failure.as_ref().map(|f| Failure {
             node: self.me.node,
             rank: f.rank,
+            kind: f.kind,
             what: f.what.clone(),
             message: f.message.clone(),
             permanent: f.permanent,
@@ -605,11 +607,14 @@ impl NodeAgent {
         out.failure = decision.failure.map(|f| WorkerFailure {
             rank: f.rank,
             // A lost node is named in the message already.
-            message: if f.node == self.me.node || f.what.contains(" lost (") {
+            message: if f.node == self.me.node
+                || matches!(f.kind, FailureKind::NodeLost | FailureKind::StoreHostLost)
+            {
                 f.message
             } else {
                 format!("on {}: {}", self.describe_node(f.node), f.message)
             },
+            kind: f.kind,
             what: f.what,
             permanent: f.permanent,
             detection_seconds: f.detection_seconds,
@@ -725,6 +730,7 @@ impl NodeAgent {
         let failure = Failure {
             node: old,
             rank: 0,
+            kind: FailureKind::StoreHostLost,
             what: format!("{lost} lost (the store's host)"),
             message: format!(
                 "{lost} lost: its agent, which served the job's store, stopped answering"
@@ -859,6 +865,7 @@ impl NodeAgent {
         let lost_failure = lost.first().map(|&n| Failure {
             node: n,
             rank: members.iter().position(|m| m.node == n).unwrap_or(0) * self.s.nproc,
+            kind: FailureKind::NodeLost,
             what: format!("{} lost (no heartbeat)", self.describe_node(n)),
             message: format!(
                 "{} lost (no heartbeat for {:.1}s)",
@@ -870,7 +877,7 @@ impl NodeAgent {
         });
         let root = failures
             .iter()
-            .find(|f| f.what.starts_with("killed by signal"))
+            .find(|f| matches!(f.kind, FailureKind::Killed { .. }))
             .or_else(|| failures.iter().find(|f| f.permanent))
             .or(lost_failure.as_ref())
             .or_else(|| failures.iter().min_by_key(|f| f.rank))
@@ -885,6 +892,7 @@ impl NodeAgent {
             (!regroup).then(|| Failure {
                 node: n,
                 rank: 0,
+                kind: FailureKind::StoreLost,
                 what: format!("{} stopped its workers", self.describe_node(n)),
                 message: format!(
                     "{} stopped its workers: its agent lost the job's store",
@@ -968,6 +976,7 @@ impl NodeAgent {
     fn rule_on(&self, root: Option<&Failure>, regroup: bool) -> Next {
         let as_worker = root.map(|f| WorkerFailure {
             rank: f.rank,
+            kind: f.kind,
             what: f.what.clone(),
             message: f.message.clone(),
             permanent: f.permanent,

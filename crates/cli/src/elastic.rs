@@ -222,6 +222,7 @@ mod tests {
     fn failure(rank: usize) -> WorkerFailure {
         WorkerFailure {
             rank,
+            kind: crate::launch::FailureKind::Killed { signal: 9 },
             what: "killed by signal 9 (SIGKILL)".into(),
             message: format!("worker rank {rank} failed"),
             permanent: false,

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use lockstep_comm::JobSecret;
+use serde::{Deserialize, Serialize};
 
 use crate::protocol::{FailureRecord, Progress, WorkerMessage};
 
@@ -38,10 +39,71 @@ pub struct Outcome {
     pub stopped_from_outside: bool,
 }
 
+/// What happened to the worker (or node) a failure blames, decided where it was observed — from
+/// exit statuses, heartbeats, the workers' typed records and the agents' own state — and never
+/// read back from the text of a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum FailureKind {
+    /// Killed by a signal the launcher had not sent.
+    Killed { signal: i32 },
+    /// Stopped on bad input, a misbehaving job or a full disk (exit status 3).
+    BadInput,
+    /// Its heartbeat stopped: the process is frozen.
+    Frozen,
+    /// Its heartbeat showed no progress outside any collective.
+    Idle,
+    /// The ranks that failed all timed out waiting for it, and it never exited: hung.
+    Hung,
+    /// It exited after timing out waiting for `peer`.
+    PeerTimedOut { peer: usize },
+    /// It exited after the link to `peer` closed.
+    PeerGone { peer: usize },
+    /// It exited with an error status (`None`: ended abnormally, without one).
+    Exited { status: Option<i32> },
+    /// Its node's agent stopped heartbeating.
+    NodeLost,
+    /// Its node served the job's store and stopped answering.
+    StoreHostLost,
+    /// Its node's agent lost the job's store and stopped its workers.
+    StoreLost,
+}
+
+impl FailureKind {
+    /// How the launcher learned of it (summary.json's `detected_by`).
+    pub fn detected_by(self) -> &'static str {
+        match self {
+            FailureKind::Killed { .. } => "worker process died (the launcher saw it exit)",
+            FailureKind::NodeLost => "its node agent's heartbeat stopped",
+            FailureKind::StoreHostLost => "the other agents lost their connection to its store",
+            FailureKind::Idle => {
+                "its launcher: the worker's heartbeats showed no progress outside any collective"
+            }
+            FailureKind::Frozen => "its launcher: the worker's heartbeat stopped",
+            FailureKind::Hung | FailureKind::PeerTimedOut { .. } => {
+                "collective timeout on a peer (the worker stopped making progress)"
+            }
+            FailureKind::PeerGone { .. } => "a peer saw its link close",
+            FailureKind::BadInput | FailureKind::Exited { .. } | FailureKind::StoreLost => {
+                "worker exited with an error"
+            }
+        }
+    }
+
+    /// A node, not one of its workers, failed (the failure names the node).
+    pub fn is_node(self) -> bool {
+        matches!(
+            self,
+            FailureKind::NodeLost | FailureKind::StoreHostLost | FailureKind::StoreLost
+        )
+    }
+}
+
 /// The root cause of a failed launch.
 #[derive(Debug, Clone)]
 pub struct WorkerFailure {
     pub rank: usize,
+    pub kind: FailureKind,
     /// e.g. "killed by signal 9 (SIGKILL)", "exited with status 1".
     pub what: String,
     /// The full message for the user (with the worker's last output).
@@ -161,7 +223,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     // Per rank: when its last heartbeat arrived, and what it said (waiting, idle seconds).
     let mut beats: Vec<Option<(Instant, bool, f64)>> = vec![None; world];
     // A worker this launcher found hung by its heartbeat (and killed): the root cause.
-    let mut hung: Option<(usize, String)> = None;
+    let mut hung: Option<(usize, FailureKind, String)> = None;
 
     while running > 0 {
         if !stopped && stop_at.is_some_and(|t| Instant::now() >= t) {
@@ -178,12 +240,12 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             }
         }
         if let (Some(limit), true) = (spec.stall_timeout, !stopped && failures.is_empty()) {
-            if let Some((rank, what)) = find_stalled(&children, &beats, limit) {
+            if let Some((rank, kind, what)) = find_stalled(&children, &beats, limit) {
                 eprintln!("lockstep: worker rank {rank} {what}; stopping it");
                 if let Some(w) = children.iter_mut().find(|w| w.rank == rank) {
                     let _ = w.child.kill();
                 }
-                hung = Some((rank, what));
+                hung = Some((rank, kind, what));
                 first_failure_at.get_or_insert_with(Instant::now);
                 stop_at = Some(Instant::now());
             }
@@ -265,7 +327,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     if progress_shown {
         eprintln!();
     }
-    if let Some((rank, what)) = hung.or_else(|| blame(&failures, &records)) {
+    if let Some((rank, kind, what)) = hung.or_else(|| blame(&failures, &records)) {
         // Bad input or a full disk (exit status 3) and running out of memory recur on every
         // attempt: not worth a restart. Judged on the root cause: its peers fail only because
         // it left.
@@ -312,6 +374,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         let detected = first_failure_at.unwrap_or_else(Instant::now);
         outcome.failure = Some(WorkerFailure {
             rank,
+            kind,
             what,
             message,
             permanent: status_permanent,
@@ -380,7 +443,7 @@ fn find_stalled(
     children: &[Running],
     beats: &[Option<(Instant, bool, f64)>],
     limit: Duration,
-) -> Option<(usize, String)> {
+) -> Option<(usize, FailureKind, String)> {
     let now = Instant::now();
     children.iter().filter(|w| !w.exited).find_map(|w| {
         let (at, waiting, idle) = beats[w.rank % beats.len()]?;
@@ -388,6 +451,7 @@ fn find_stalled(
         if silent >= limit {
             Some((
                 w.rank,
+                FailureKind::Frozen,
                 format!(
                     "sent no heartbeat for {:.1}s (frozen)",
                     silent.as_secs_f64()
@@ -396,6 +460,7 @@ fn find_stalled(
         } else if !waiting && idle + silent.as_secs_f64() >= limit.as_secs_f64() {
             Some((
                 w.rank,
+                FailureKind::Idle,
                 format!(
                     "stopped making progress outside any collective for {:.1}s (its heartbeat)",
                     idle + silent.as_secs_f64()
@@ -418,10 +483,17 @@ const FAILURE_GRACE: Duration = Duration::from_millis(500);
 fn blame(
     failures: &[(usize, ExitStatus)],
     records: &[Option<FailureRecord>],
-) -> Option<(usize, String)> {
+) -> Option<(usize, FailureKind, String)> {
     use std::os::unix::process::ExitStatusExt;
+    let blamed = |rank: usize, status: ExitStatus| {
+        (
+            rank,
+            kind_of(status, records.get(rank).and_then(Option::as_ref)),
+            describe(status),
+        )
+    };
     if let Some((rank, status)) = failures.iter().find(|(_, s)| s.signal().is_some()) {
-        return Some((*rank, describe(*status)));
+        return Some(blamed(*rank, *status));
     }
     // A worker that stopped on bad input failed by itself, whoever noticed its absence first;
     // of several, the lowest rank (its message does not depend on which exited first).
@@ -430,7 +502,7 @@ fn blame(
         .filter(|(_, s)| s.code() == Some(EXIT_PERMANENT))
         .min_by_key(|(r, _)| *r)
     {
-        return Some((*rank, describe(*status)));
+        return Some(blamed(*rank, *status));
     }
     let waited_for: Vec<usize> = failures
         .iter()
@@ -441,6 +513,7 @@ fn blame(
             let who: Vec<String> = failures.iter().map(|(r, _)| r.to_string()).collect();
             return Some((
                 hung,
+                FailureKind::Hung,
                 format!(
                     "stopped making progress (ranks {} timed out waiting for it)",
                     who.join(", ")
@@ -448,7 +521,31 @@ fn blame(
             ));
         }
     }
-    failures.first().map(|(r, s)| (*r, describe(*s)))
+    failures.first().map(|(r, s)| blamed(*r, *s))
+}
+
+/// What an exit `status` (and the worker's typed `record`, when it wrote one) says happened.
+fn kind_of(status: ExitStatus, record: Option<&FailureRecord>) -> FailureKind {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(signal) = status.signal() {
+        return FailureKind::Killed { signal };
+    }
+    if status.code() == Some(EXIT_PERMANENT) {
+        return FailureKind::BadInput;
+    }
+    match record {
+        Some(FailureRecord {
+            waited_for: Some(peer),
+            ..
+        }) => FailureKind::PeerTimedOut { peer: *peer },
+        Some(FailureRecord {
+            lost_peer: Some(peer),
+            ..
+        }) => FailureKind::PeerGone { peer: *peer },
+        _ => FailureKind::Exited {
+            status: status.code(),
+        },
+    }
 }
 
 /// A protocol message from `rank` into the outcome.
@@ -582,17 +679,47 @@ mod tests {
         let waiting = |peer| {
             Some(FailureRecord {
                 waited_for: Some(peer),
+                lost_peer: None,
                 permanent: false,
                 message: String::new(),
             })
         };
         let records = vec![waiting(1), None, waiting(1)];
         let failures = [(0, exited(1)), (2, exited(1))];
-        let (rank, what) = blame(&failures, &records).unwrap();
-        assert_eq!(rank, 1);
+        let (rank, kind, what) = blame(&failures, &records).unwrap();
+        assert_eq!((rank, kind), (1, FailureKind::Hung));
         assert!(what.contains("stopped making progress (ranks 0, 2 timed out waiting for it)"));
         // A signal still wins: the worker was killed.
         let failures = [(1, exited(EXIT_PERMANENT)), (0, ExitStatus::from_raw(9))];
-        assert_eq!(blame(&failures, &lines).map(|b| b.0), Some(0));
+        let (rank, kind, _) = blame(&failures, &lines).unwrap();
+        assert_eq!((rank, kind), (0, FailureKind::Killed { signal: 9 }));
+        // Bad input, and a peer's typed record: a timeout waiting, a link closed.
+        let failures = [(0, exited(1)), (1, exited(EXIT_PERMANENT))];
+        assert_eq!(blame(&failures, &lines).unwrap().1, FailureKind::BadInput);
+        let gone = Some(FailureRecord {
+            waited_for: None,
+            lost_peer: Some(2),
+            permanent: false,
+            message: "recv: connection closed by peer".into(),
+        });
+        let failures = [(0, exited(1))];
+        assert_eq!(
+            blame(&failures, &[gone]).unwrap().1,
+            FailureKind::PeerGone { peer: 2 }
+        );
+        // (Rank 3 exited too, so it did not hang: rank 0 timed out on a peer that failed.)
+        let both = [(0, exited(1)), (3, exited(1))];
+        assert_eq!(
+            blame(&both, &[waiting(3), None, None, None]).unwrap(),
+            (
+                0,
+                FailureKind::PeerTimedOut { peer: 3 },
+                "exited with status 1".into()
+            )
+        );
+        assert_eq!(
+            blame(&failures, &[None]).unwrap().1,
+            FailureKind::Exited { status: Some(1) }
+        );
     }
 }

@@ -471,6 +471,7 @@ fn worker_exit(result: Result<()>) -> ! {
     // Not eprintln!: an orphaned worker's stderr may be a closed pipe.
     let record = WorkerMessage::Failure(FailureRecord {
         waited_for: protocol::waited_for(&e.error),
+        lost_peer: protocol::lost_peer(&e.error),
         permanent,
         message: e.to_string(),
     });

@@ -41,6 +41,10 @@ pub struct FailureRecord {
     /// The peer this worker timed out waiting for, if that is how it failed: the launcher blames
     /// a rank that everyone waited for and that never exited (it hung).
     pub waited_for: Option<usize>,
+    /// The peer whose end of a link closed under this worker (its process exited or its host
+    /// went away), if that is how it failed.
+    #[serde(default)]
+    pub lost_peer: Option<usize>,
     /// Bad input, a misbehaving job or a full disk: a restart cannot cure it (exit status 3).
     pub permanent: bool,
     /// The error, as the worker prints it.
@@ -68,6 +72,18 @@ impl WorkerMessage {
 
 /// The peer a failed worker timed out waiting for, from its error's typed causes.
 pub fn waited_for(e: &anyhow::Error) -> Option<usize> {
+    failed_link(e)
+        .filter(|l| l.timed_out_waiting())
+        .map(|l| l.peer)
+}
+
+/// The peer whose end of a link closed under the error `e` (found in its chain), if any.
+pub fn lost_peer(e: &anyhow::Error) -> Option<usize> {
+    failed_link(e).filter(|l| l.peer_gone()).map(|l| l.peer)
+}
+
+/// The link failure an operation in `e`'s chain met, by type (never by message).
+fn failed_link(e: &anyhow::Error) -> Option<&lockstep_comm::TransportError> {
     use lockstep_comm::CommError;
     e.chain().find_map(|c| {
         let comm = c.downcast_ref::<CommError>().or_else(|| {
@@ -77,9 +93,7 @@ pub fn waited_for(e: &anyhow::Error) -> Option<usize> {
             }
         })?;
         match comm {
-            CommError::Op { link, .. } if link.is_timeout() && link.verb == "waiting for" => {
-                Some(link.peer)
-            }
+            CommError::Op { link, .. } => Some(link),
             _ => None,
         }
     })
@@ -106,6 +120,7 @@ mod tests {
             },
             WorkerMessage::Failure(FailureRecord {
                 waited_for: Some(2),
+                lost_peer: None,
                 permanent: false,
                 message: "all_reduce: timed out".into(),
             }),

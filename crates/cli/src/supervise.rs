@@ -18,7 +18,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::launch::{self, LaunchSpec, Outcome, WorkerFailure};
+use crate::launch::{self, FailureKind, LaunchSpec, Outcome, WorkerFailure};
 
 /// One failure survived (or not), as recorded in `summary.json`.
 #[derive(Debug, Clone, Serialize)]
@@ -26,6 +26,9 @@ pub struct FailureRecord {
     pub attempt: usize,
     pub rank: usize,
     pub world_size: usize,
+    /// What happened, typed: `"kind": "killed", "signal": 9` beside the other fields.
+    #[serde(flatten)]
+    pub kind: FailureKind,
     /// What happened to the worker, e.g. "killed by signal 9 (SIGKILL)".
     pub what: String,
     /// How the launcher learned of it.
@@ -184,27 +187,6 @@ pub fn rule(
 #[error("{0}")]
 pub struct PermanentFailure(pub String);
 
-fn detected_by(f: &WorkerFailure) -> String {
-    if f.what.starts_with("killed by signal") {
-        "worker process died (the launcher saw it exit)".into()
-    } else if f.what.contains("lost (no heartbeat)") {
-        "its node agent's heartbeat stopped".into()
-    } else if f.what.contains("(the store's host)") {
-        "the other agents lost their connection to its store".into()
-    } else if f.what.contains("outside any collective") {
-        "its launcher: the worker's heartbeats showed no progress outside any collective".into()
-    } else if f.what.starts_with("stopped making progress") || f.message.contains("timed out") {
-        "collective timeout on a peer (the worker stopped making progress)".into()
-    } else if f.message.contains("closed")
-        || f.message.contains("gone")
-        || f.message.contains("exited")
-    {
-        "a peer saw its link close".into()
-    } else {
-        "worker exited with an error".into()
-    }
-}
-
 /// Run to completion. `make_spec(attempt, placement)` builds each attempt's launch; `coord`
 /// decides what follows each attempt (see [`Coordinator`]).
 pub fn run(
@@ -238,7 +220,8 @@ pub fn run(
                 rank: failure.rank,
                 world_size: place.world,
                 what: failure.what.clone(),
-                detected_by: detected_by(failure),
+                kind: failure.kind,
+                detected_by: failure.kind.detected_by().into(),
                 detection_seconds: failure.detection_seconds,
                 step: outcome.last_step,
                 resumed_from: None,
@@ -377,7 +360,7 @@ pub fn write_report(out: &Path, sup: &Supervision) -> Result<()> {
         .map(|f| FailureMark {
             attempt: f.attempt,
             // A lost node names itself in `what`.
-            who: if f.what.starts_with("node ") {
+            who: if f.kind.is_node() {
                 String::new()
             } else {
                 format!("rank {}", f.rank)

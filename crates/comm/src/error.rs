@@ -20,14 +20,32 @@ pub enum LinkFailure {
     Protocol(String),
 }
 
+/// Which way the failed operation moved data on the link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Receiving: this rank was waiting for the peer.
+    WaitingFor,
+    /// Sending to the peer.
+    SendingTo,
+}
+
+impl std::fmt::Display for Direction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Direction::WaitingFor => "waiting for",
+            Direction::SendingTo => "sending to",
+        })
+    }
+}
+
 /// A failure on the link to `peer` (a global rank).
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{failure} {verb} rank {peer} ({addr})")]
+#[error("{failure} {direction} rank {peer} ({addr})")]
 pub struct TransportError {
     pub peer: usize,
     pub addr: String,
-    /// "waiting for" / "sending to"; chosen by the transport.
-    pub verb: &'static str,
+    /// Chosen by the transport.
+    pub direction: Direction,
     pub failure: LinkFailure,
 }
 
@@ -36,7 +54,7 @@ impl TransportError {
         Self {
             peer,
             addr: addr.into(),
-            verb: "waiting for",
+            direction: Direction::WaitingFor,
             failure,
         }
     }
@@ -44,12 +62,20 @@ impl TransportError {
         Self {
             peer,
             addr: addr.into(),
-            verb: "sending to",
+            direction: Direction::SendingTo,
             failure,
         }
     }
     pub fn is_timeout(&self) -> bool {
         matches!(self.failure, LinkFailure::Timeout(_))
+    }
+    /// Timed out waiting for the peer: it is the one that stopped (or was slow).
+    pub fn timed_out_waiting(&self) -> bool {
+        self.is_timeout() && self.direction == Direction::WaitingFor
+    }
+    /// The peer's end of the link is gone (its process exited or its host went away).
+    pub fn peer_gone(&self) -> bool {
+        matches!(self.failure, LinkFailure::Closed)
     }
 }
 

@@ -37,5 +37,5 @@ pub(crate) mod wire;
 pub use auth::JobSecret;
 pub use communicator::{Algorithm, CommStats, Communicator};
 pub use element::{Element, ReduceOp};
-pub use error::{CommError, LinkFailure, Result, TransportError};
+pub use error::{CommError, Direction, LinkFailure, Result, TransportError};
 pub use transport::{SharedMemory, Tag, Transport};
