@@ -71,7 +71,7 @@ pub use lockstep_model::flat;
 pub use lockstep_model::param_hash;
 pub use lockstep_model::UpdateRule;
 pub use lockstep_run::ModelShape;
-pub use lockstep_train::config::ConfigSections;
+pub use lockstep_train::config::{ConfigSections, JobSettings};
 pub use lockstep_train::device::Placement;
 pub use lockstep_train::draws::{DrawPart, Draws};
 pub use lockstep_train::job::BinaryAbout;

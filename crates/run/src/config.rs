@@ -453,6 +453,49 @@ impl Default for DistConfig {
     }
 }
 
+/// A job's `[job]` settings type, named once (`const SETTINGS: JobSettings =
+/// JobSettings::of::<MySettings>();` in its `Job`) so that lockstep checks the table against it
+/// before any worker starts, with errors naming the field (`#[serde(deny_unknown_fields)]` on the
+/// type makes a misspelt key one). The job reads it typed with [`TrainConfig::job_section`].
+#[derive(Clone, Copy)]
+pub struct JobSettings {
+    check: Option<SettingsCheck>,
+}
+
+/// Reads a config's `[job]` table as one settings type.
+type SettingsCheck = fn(&TrainConfig) -> Result<(), ConfigError>;
+
+impl JobSettings {
+    /// No settings type: the `[job]` table is the job's own business (its `validate`).
+    pub const NONE: JobSettings = JobSettings { check: None };
+
+    /// The settings type `T`.
+    pub const fn of<T: serde::de::DeserializeOwned>() -> JobSettings {
+        JobSettings {
+            check: Some(check_as::<T>),
+        }
+    }
+
+    /// `cfg`'s `[job]` table read as the settings type (nothing to check without one).
+    pub fn check(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
+        self.check.map_or(Ok(()), |check| check(cfg))
+    }
+}
+
+fn check_as<T: serde::de::DeserializeOwned>(cfg: &TrainConfig) -> Result<(), ConfigError> {
+    cfg.job_section::<T>().map(drop)
+}
+
+impl std::fmt::Debug for JobSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.check.is_some() {
+            "JobSettings(typed)"
+        } else {
+            "JobSettings::NONE"
+        })
+    }
+}
+
 impl TrainConfig {
     /// The job's `[job]` table as the job's own settings type.
     pub fn job_section<T: serde::de::DeserializeOwned>(&self) -> Result<T, ConfigError> {

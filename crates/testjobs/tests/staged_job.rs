@@ -86,3 +86,24 @@ fn a_layer_whose_output_shape_depends_on_the_batch_is_a_final_error_naming_it() 
     }
     assert!(!err.contains("lockstep: restart "), "{err}");
 }
+
+/// `const SETTINGS`: the `[job]` table is read as the job's settings type before any worker
+/// starts — a misspelt key or a wrong type is refused naming the field, and nothing is written.
+#[test]
+fn the_jobs_typed_settings_are_checked_before_anything_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (set, says) in [
+        ("job.embd=4", "unknown field `embd`, expected `embed`"),
+        ("job.embed=\"wide\"", "invalid type: string \"wide\""),
+    ] {
+        let out = tmp.path().join("run");
+        let o = staged(&out, "1", &["--set", set], false);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(3), "{set}: {err}");
+        assert!(err.contains("[job]") && err.contains(says), "{set}: {err}");
+        assert!(!out.exists(), "{set}: nothing written");
+    }
+    let wide = tmp.path().join("wide");
+    let o = staged(&wide, "1", &["--set", "job.embed=12"], false);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

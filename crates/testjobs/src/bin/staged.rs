@@ -11,13 +11,21 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use lockstep::{
-    Activation, ActivationError, BoxError, Part, PartKind, Parts, StagedJob, TrainConfig,
+    Activation, ActivationError, BoxError, JobSettings, Part, PartKind, Parts, StagedJob,
+    TrainConfig,
 };
 
-/// Time steps, distinct tokens and the embedding width.
+/// Time steps and distinct tokens.
 const STEPS: usize = 6;
 const VOCAB: usize = 10;
-const EMBED: usize = 8;
+
+/// The job's `[job]` table, typed: lockstep checks it before any worker starts.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Settings {
+    /// The embedding width.
+    embed: usize,
+}
 
 /// What the layers pass on.
 #[derive(Clone)]
@@ -74,6 +82,7 @@ impl StagedJob for StagedTestJob {
     type Item = Item;
     type Batch = (Tensor<2, Int>, Tensor<2>);
     type Activation = Seq;
+    const SETTINGS: JobSettings = JobSettings::of::<Settings>();
 
     fn name(&self) -> &str {
         "testjob-staged"
@@ -81,15 +90,16 @@ impl StagedJob for StagedTestJob {
 
     fn config(&self) -> &str {
         "[train]\nsteps = 12\nglobal_batch = 32\nmicrobatch = 8\nlr = 0.05\nwarmup_steps = 0\n\
-         eval_every = 6\n[checkpoint]\nevery = 4\n"
+         eval_every = 6\n[checkpoint]\nevery = 4\n[job]\nembed = 8\n"
     }
 
-    fn layers(&self, _: &TrainConfig, device: &Device) -> Vec<Layer> {
+    fn layers(&self, cfg: &TrainConfig, device: &Device) -> Vec<Layer> {
+        let e = cfg.job_section::<Settings>().expect("checked").embed;
         vec![
-            Layer::Embed(EmbeddingConfig::new(VOCAB, EMBED).init(device)),
-            Layer::Mix(LinearConfig::new(EMBED, EMBED).init(device)),
-            Layer::Pool(LinearConfig::new(EMBED, EMBED).init(device)),
-            Layer::Head(LinearConfig::new(EMBED, 1).init(device)),
+            Layer::Embed(EmbeddingConfig::new(VOCAB, e).init(device)),
+            Layer::Mix(LinearConfig::new(e, e).init(device)),
+            Layer::Pool(LinearConfig::new(e, e).init(device)),
+            Layer::Head(LinearConfig::new(e, 1).init(device)),
         ]
     }
 

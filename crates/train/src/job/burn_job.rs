@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use super::{
     catch_job_panic, BinaryAbout, Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable,
 };
-use crate::config::{ConfigError, TrainConfig};
+use crate::config::{ConfigError, JobSettings, TrainConfig};
 use crate::device::{self, Placement};
 use crate::draws::{DrawPart, Draws};
 use crate::TrainError;
@@ -78,6 +78,10 @@ pub trait Job: Send + Sync + 'static {
     fn version(&self) -> &str {
         ""
     }
+    /// The type of the job's `[job]` settings (default: none): `const SETTINGS: JobSettings =
+    /// JobSettings::of::<MySettings>();` has lockstep read the table as `MySettings` before any
+    /// worker starts and refuse it with an error naming the field (exit status 3).
+    const SETTINGS: JobSettings = JobSettings::NONE;
     /// Check the job's own settings (`cfg.job_section()`); the message is reported with the job's
     /// name and exit status 3.
     fn validate(&self, _cfg: &TrainConfig) -> Result<(), String> {
@@ -158,6 +162,7 @@ impl<J: Job> JobSpec for J {
 
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common()?;
+        J::SETTINGS.check(cfg)?;
         check_metric_names(Job::name(self), J::TRAIN_METRICS)?;
         check_update_rule(cfg, Job::name(self), self.update_rule(cfg).as_deref())?;
         Job::validate(self, cfg).map_err(|message| ConfigError::Invalid {

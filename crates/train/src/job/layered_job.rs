@@ -28,7 +28,7 @@ use super::activation::{activation_of, float_values, parts_of, ActivationError, 
 use super::burn_job::{self, check_metric_names, guarded, metric_row, open_data, scalar, BoxError};
 use super::staged_job::StagedJob;
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
-use crate::config::{ConfigError, TrainConfig};
+use crate::config::{ConfigError, JobSettings, TrainConfig};
 use crate::device::Placement;
 use crate::draws::{DrawPart, Draws};
 use crate::pipeline::layered::{backward_then_hand_out, Evaluated, Forwarded, LayerStage, Layered};
@@ -73,6 +73,8 @@ pub trait LayeredJob: Send + Sync + 'static {
     fn version(&self) -> &str {
         ""
     }
+    /// The type of the job's `[job]` settings, as [`crate::job::Job::SETTINGS`].
+    const SETTINGS: JobSettings = JobSettings::NONE;
     /// Check the job's own settings, as [`crate::job::Job::validate`].
     fn validate(&self, _cfg: &TrainConfig) -> Result<(), String> {
         Ok(())
@@ -162,6 +164,7 @@ impl<J: StagedJob> JobSpec for Pipelined<J> {
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common_layered()?;
         ParallelPlan::check_shape(cfg, &self.shape(cfg))?;
+        J::SETTINGS.check(cfg)?;
         check_metric_names(self.0.name(), J::TRAIN_METRICS)?;
         burn_job::check_update_rule(cfg, self.0.name(), self.0.update_rule(cfg).as_deref())?;
         self.0

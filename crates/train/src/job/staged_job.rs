@@ -12,7 +12,7 @@ use lockstep_model::UpdateRule;
 use super::activation::Activation;
 use super::burn_job::BoxError;
 use super::layered_job::LayeredJob;
-use crate::config::TrainConfig;
+use crate::config::{JobSettings, TrainConfig};
 
 /// A training job whose model is a sequence of burn modules ("layers") exchanging
 /// [`StagedJob::Activation`]s: [`LayeredJob`] with activations of your choice. A pipeline stage
@@ -100,6 +100,8 @@ pub trait StagedJob: Send + Sync + 'static {
     fn version(&self) -> &str {
         ""
     }
+    /// The type of the job's `[job]` settings, as [`crate::job::Job::SETTINGS`].
+    const SETTINGS: JobSettings = JobSettings::NONE;
     /// Check the job's own settings, as [`crate::job::Job::validate`].
     fn validate(&self, _cfg: &TrainConfig) -> Result<(), String> {
         Ok(())
@@ -144,6 +146,7 @@ impl<J: LayeredJob> StagedJob for J {
     type Batch = J::Batch;
     type Activation = Tensor<2>;
     const TRAIN_METRICS: &'static [&'static str] = J::TRAIN_METRICS;
+    const SETTINGS: JobSettings = <J as LayeredJob>::SETTINGS;
 
     fn name(&self) -> &str {
         LayeredJob::name(self)
