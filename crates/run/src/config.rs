@@ -103,6 +103,21 @@ config_enum! {
 }
 
 config_enum! {
+    /// `train.recompute`: what a training forward keeps for its backward.
+    Recompute {
+        /// Every layer's autodiff graph, until the micro-batch's backward.
+        None => "none",
+        /// Only each layer's input: the layer's forward runs again during backward (a user's
+        /// `LayeredJob` / `StagedJob`; the same bits, less memory, about one more forward).
+        Layers => "layers",
+    }
+}
+
+fn is_no_recompute(r: &Recompute) -> bool {
+    *r == Recompute::None
+}
+
+config_enum! {
     /// `optimizer.kind`.
     OptimizerKind {
         Sgd => "sgd",
@@ -333,6 +348,10 @@ pub struct TrainSection {
     /// empty, so the identity of runs without it is as before.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub init_from: String,
+    /// Activation recomputation (`"none"` or `"layers"`): never changes a bit, so not part of
+    /// a run's identity, and not written when `"none"`.
+    #[serde(skip_serializing_if = "is_no_recompute")]
+    pub recompute: Recompute,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -423,6 +442,7 @@ impl Default for TrainSection {
             log_every: 10,
             device: DeviceKind::Cpu,
             init_from: String::new(),
+            recompute: Recompute::None,
         }
     }
 }
@@ -616,6 +636,7 @@ impl TrainConfig {
         // identity. (The learning-rate schedule then spans the new length from the resumed step.)
         c.train.steps = 0;
         c.train.epochs = 0;
+        c.train.recompute = Recompute::None;
         c.dist = DistConfig {
             reproducible: self.dist.reproducible,
             bucket_elems: self.dist.bucket_elems,

@@ -106,6 +106,41 @@ impl ParallelPlan {
         })
     }
 
+    /// `train.recompute = "layers"`: a user's layered model (burn layers whose forward can run
+    /// again), one stage's layers whole (not split into tensor-parallel pieces), not streamed.
+    fn check_recompute(cfg: &TrainConfig, shape: &ModelShape) -> Result<(), ConfigError> {
+        if cfg.train.recompute == crate::config::Recompute::None {
+            return Ok(());
+        }
+        let why = match shape {
+            // `on_devices`: burn layers of a user's job, not the built-in transformer's kernels.
+            ModelShape::Layered {
+                on_devices: true, ..
+            } if cfg.parallel.tp > 1 => format!(
+                "is not available with tensor parallelism (parallel.tp = {}): a recomputed forward would sum \
+                 its pieces over the group again",
+                cfg.parallel.tp
+            ),
+            ModelShape::Layered {
+                on_devices: true, ..
+            } if cfg.dist.overlap => {
+                "is not available with dist.overlap, whose backward already runs layer by layer from a kept \
+                 graph"
+                    .to_string()
+            }
+            ModelShape::Layered {
+                on_devices: true, ..
+            } => return Ok(()),
+            _ => "recomputes the layers of a LayeredJob or StagedJob, and this model is not one \
+                  (the built-in models keep their own activations)"
+                .to_string(),
+        };
+        Err(invalid(
+            "train.recompute",
+            format!("\"layers\" {why}; set train.recompute = \"none\""),
+        ))
+    }
+
     /// The rules that need no world size (checked when a job's config is validated, before the
     /// world is known); returns the model's tensor-parallel pieces (1 when not known yet).
     pub fn check_shape(cfg: &TrainConfig, shape: &ModelShape) -> Result<usize, ConfigError> {
@@ -123,6 +158,7 @@ impl ParallelPlan {
                 ),
             ));
         }
+        Self::check_recompute(cfg, shape)?;
         match shape {
             ModelShape::Flat {
                 streams_gradients,
@@ -430,6 +466,21 @@ mod tests {
                 layered(4, 2),
                 "optimizer.clip_grad_norm",
             ),
+            (
+                vec!["train.recompute=\"layers\""],
+                flat(true),
+                "train.recompute",
+            ),
+            (
+                vec!["train.recompute=\"layers\"", "parallel.tp=2"],
+                layered(4, 2),
+                "train.recompute",
+            ),
+            (
+                vec!["train.recompute=\"layers\"", "dist.overlap=true"],
+                layered(4, 1),
+                "train.recompute",
+            ),
         ] {
             let c = cfg(&sets);
             let (got, message) = refused(&c, 4, &shape);
@@ -437,6 +488,17 @@ mod tests {
         }
         let (_, m) = refused(&cfg(&["parallel.zero=3"]), 2, &flat(true));
         assert!(m.contains("implement lockstep::LayeredJob"), "{m}");
+        // The built-in transformer keeps its own activations; a user's layers recompute.
+        let builtin = ModelShape::Layered {
+            layers: Some(4),
+            tp_pieces: Some(1),
+            pieces_from: "model.tp_pieces = 1".into(),
+            on_devices: false,
+        };
+        let recompute = cfg(&["train.recompute=\"layers\""]);
+        let (field, m) = refused(&recompute, 2, &builtin);
+        assert_eq!(field, "train.recompute", "{m}");
+        assert!(ParallelPlan::new(&recompute, 2, &layered(4, 1)).is_ok());
     }
 
     #[test]

@@ -349,3 +349,58 @@ fn a_layered_jobs_own_update_rule_gives_one_hash_for_every_layout() {
         assert_eq!(hash(&dir(name)), hash(&dir("one")), "custom rule: {name}");
     }
 }
+
+/// `train.recompute = "layers"`: with dropout, every layout gives the one-worker bits of a run
+/// that keeps its graphs (the recomputed forwards draw the same masks), and the first stage of a
+/// GPipe pipeline — eight micro-batches in flight — keeps only its layers' inputs, which its
+/// activation figure in summary.json shows.
+#[test]
+fn recomputing_layers_keeps_the_bits_and_holds_only_the_layers_inputs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let recompute = ["--set", "train.recompute=\"layers\""];
+    let gpipe = [
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.schedule=\"gpipe\"",
+    ];
+    let runs: [(&str, &str, &[&str]); 5] = [
+        ("kept", "1", &[]),
+        ("one", "1", &recompute),
+        ("pp2", "2", &[&recompute[..], &gpipe[..]].concat()),
+        ("pp2-kept", "2", &gpipe),
+        (
+            "dp2pp2z3",
+            "4",
+            &[
+                &recompute[..],
+                &["--set", "parallel.pp=2", "--set", "parallel.zero=3"],
+            ]
+            .concat(),
+        ),
+    ];
+    for (name, nproc, extra) in runs {
+        let o = layered(
+            &dir(name),
+            nproc,
+            &[&["--set", "job.dropout=0.3"], extra].concat(),
+        );
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert_eq!(
+            hash(&dir(name)),
+            hash(&dir("kept")),
+            "{name} vs kept graphs"
+        );
+    }
+    let activations = |name: &str| -> u64 {
+        let s: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir(name).join("summary.json")).unwrap())
+                .unwrap();
+        s["ranks"][0]["memory"]["activation_peak_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    // Stage 0 (the hidden layer) kept its [n, 16] outputs; recomputing, its [n, 8] inputs.
+    assert_eq!(activations("pp2") * 2, activations("pp2-kept"));
+}

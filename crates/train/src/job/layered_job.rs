@@ -27,6 +27,8 @@ use sha2::{Digest, Sha256};
 use super::activation::{activation_of, float_values, parts_of, ActivationError, Layout, Part};
 use super::burn_job::{self, check_metric_names, guarded, metric_row, open_data, scalar, BoxError};
 use super::staged_job::StagedJob;
+
+mod recompute;
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, JobSettings, TrainConfig};
 use crate::device::Placement;
@@ -226,6 +228,8 @@ pub struct BurnLayered<'j, J: StagedJob> {
     tp_params: Vec<Vec<Option<TpParam>>>,
     /// The fixed pieces of the model's tensor-parallel layers (1: none).
     pieces: usize,
+    /// `train.recompute = "layers"`: training forwards keep only each layer's input.
+    recompute: bool,
 }
 
 /// The pieces all tensor-parallel layers of a model share (1 without any), or why they do not.
@@ -310,6 +314,7 @@ impl<'j, J: StagedJob> BurnLayered<'j, J> {
             layouts,
             tp_params,
             pieces,
+            recompute: cfg.train.recompute == crate::config::Recompute::Layers,
         };
         me.boundaries = me
             .probe_boundaries(&me.layers)
@@ -473,6 +478,17 @@ impl<J: StagedJob> Layered for BurnLayered<'_, J> {
             .collect()
     }
 
+    fn held_activation_floats(&self, layers: Range<usize>) -> usize {
+        // Recomputed: each layer's input (its words); else at least each layer's output (a
+        // lower bound: burn's graph keeps more).
+        let outputs = self.activation_floats();
+        let kept = |l: usize| match self.recompute {
+            true => self.boundaries[l].words_per_sample(),
+            false => outputs[l],
+        };
+        layers.map(kept).sum()
+    }
+
     fn layer_name(&self, layer: usize) -> String {
         format!("layer {layer}")
     }
@@ -497,6 +513,7 @@ impl<J: StagedJob> Layered for BurnLayered<'_, J> {
             layers: self.layers[layers.clone()].to_vec(),
             num_params,
             pending: HashMap::new(),
+            kept: HashMap::new(),
             tp: None,
             released: None,
             streamed: HashMap::new(),
@@ -573,6 +590,7 @@ impl<J: StagedJob> Layered for BurnLayered<'_, J> {
             layers: narrowed[layers.clone()].to_vec(),
             num_params,
             pending: HashMap::new(),
+            kept: HashMap::new(),
             released: None,
             streamed: HashMap::new(),
             tp: Some(StageTp {
@@ -641,6 +659,8 @@ struct BurnStage<'a, 'j, J: StagedJob> {
     /// The training metrics of the micro-batches whose loss this (last) stage computed since the
     /// driver last took them.
     metric_rows: Vec<Vec<f32>>,
+    /// `train.recompute = "layers"`: the micro-batches forwarded without their graphs.
+    kept: HashMap<u64, recompute::Kept<J::Batch>>,
 }
 
 /// A micro-batch's graph cut after every layer, as at a stage boundary (each layer's input
@@ -781,9 +801,9 @@ impl<J: StagedJob> LayerStage for BurnStage<'_, '_, J> {
 
     fn release_params(&mut self) {
         assert!(
-            self.pending.is_empty(),
+            self.pending.is_empty() && self.kept.is_empty(),
             "parameters released with {} forward graphs pending",
-            self.pending.len()
+            self.pending.len() + self.kept.len()
         );
         if self.released.is_none() {
             self.released = Some(flat::layout(&self.layers));
@@ -793,7 +813,7 @@ impl<J: StagedJob> LayerStage for BurnStage<'_, '_, J> {
     }
 
     fn held(&self) -> usize {
-        self.pending.len() + self.streamed.len()
+        self.pending.len() + self.streamed.len() + self.kept.len()
     }
 
     fn input_len(&self, n: usize) -> usize {
@@ -907,6 +927,9 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         input: Option<&[f32]>,
         scale: f32,
     ) -> Result<(Forwarded, f64), ReplicaError> {
+        if self.owner.recompute {
+            return self.forward_kept(id, samples, input, scale);
+        }
         let device = self.owner.device.clone();
         let n = samples.len();
         let t0 = Instant::now();
@@ -956,6 +979,9 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         grad_output: Option<&[f32]>,
         grad: &mut [f32],
     ) -> Result<Option<Vec<f32>>, ReplicaError> {
+        if let Some(kept) = self.kept.remove(&id) {
+            return self.backward_kept(kept, grad_output, grad);
+        }
         let pending = self.pending.remove(&id).ok_or_else(|| {
             ReplicaError::Other(format!("backward of micro-batch {id} without its forward"))
         })?;
