@@ -705,6 +705,26 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         }
     }
 
+    /// The training batch of `samples` where this stage reads one (the first stage's input, the
+    /// last stage's loss), drawing the micro-batch's batch draws; and the seconds it took.
+    fn training_batch(&self, samples: &[u32]) -> Result<(Option<J::Batch>, f64), ReplicaError> {
+        let t0 = Instant::now();
+        let batch = if self.first || self.last {
+            self.reseed(DrawPart::Batch);
+            let set = &*self.owner.train;
+            Some(batch_of(
+                self.owner.job,
+                set,
+                "training",
+                samples,
+                &self.owner.device,
+            )?)
+        } else {
+            None
+        };
+        Ok((batch, t0.elapsed().as_secs_f64()))
+    }
+
     /// The stage's input: the batch's (first stage) or the received activations, whose float
     /// parts are leaves that require a gradient when `train` (returned too).
     fn input(
@@ -932,20 +952,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         }
         let device = self.owner.device.clone();
         let n = samples.len();
-        let t0 = Instant::now();
-        let batch = if self.first || self.last {
-            self.reseed(DrawPart::Batch);
-            Some(batch_of(
-                self.owner.job,
-                &*self.owner.train,
-                "training",
-                samples,
-                &device,
-            )?)
-        } else {
-            None
-        };
-        let data_seconds = t0.elapsed().as_secs_f64();
+        let (batch, data_seconds) = self.training_batch(samples)?;
         let (leaves, x) = self.input(batch.as_ref(), input, n, &device, true)?;
         let x = self.run_layers(&self.layers, x, true)?;
         let (output, result) = if self.last {

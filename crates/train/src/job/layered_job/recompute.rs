@@ -10,7 +10,7 @@ use burn::module::Module;
 use burn::tensor::{Tensor, TensorData};
 use lockstep_model::flat;
 
-use super::{batch_of, dot, BurnStage, StagedJob};
+use super::{dot, BurnStage, StagedJob};
 use crate::draws::{DrawPart, Draws};
 use crate::job::activation::{activation_of, float_values, parts_of, Layout};
 use crate::job::burn_job::guarded;
@@ -45,21 +45,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
     ) -> Result<(Forwarded, f64), ReplicaError> {
         let device = self.owner.device.clone();
         let n = samples.len();
-        let t0 = std::time::Instant::now();
-        let batch = if self.first || self.last {
-            self.reseed(DrawPart::Batch);
-            let b = batch_of(
-                self.owner.job,
-                &*self.owner.train,
-                "training",
-                samples,
-                &device,
-            );
-            Some(b?)
-        } else {
-            None
-        };
-        let data_seconds = t0.elapsed().as_secs_f64();
+        let (batch, data_seconds) = self.training_batch(samples)?;
         let (_, mut x) = self.input(batch.as_ref(), input, n, &device, false)?;
         let mut inputs = Vec::with_capacity(self.layers.len());
         // The same layers with parameters that track no gradient: autodiff records nothing (and
