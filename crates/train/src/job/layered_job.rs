@@ -18,17 +18,14 @@ use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor, TensorData};
 use lockstep_model::flat::{self, ParamInfo};
-use lockstep_model::UpdateRule;
 use lockstep_model::{
-    in_tp_scope, narrow_to_pieces, tp_params_of, LocalPieceSum, PieceSum, TpParam,
+    in_tp_scope, narrow_to_pieces, tp_params_of, LocalPieceSum, PieceSum, TpParam, UpdateRule,
 };
 use sha2::{Digest, Sha256};
 
 use super::activation::{activation_of, float_values, parts_of, ActivationError, Layout, Part};
 use super::burn_job::{self, check_metric_names, guarded, metric_row, open_data, scalar, BoxError};
 use super::staged_job::StagedJob;
-
-mod recompute;
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, JobSettings, TrainConfig};
 use crate::device::Placement;
@@ -36,6 +33,8 @@ use crate::draws::{DrawPart, Draws};
 use crate::pipeline::layered::{backward_then_hand_out, Evaluated, Forwarded, LayerStage, Layered};
 use crate::TrainError;
 use lockstep_run::{ModelShape, ParallelPlan};
+
+mod recompute;
 
 /// A training job whose model is a sequence of burn modules ("layers"), each mapping activations
 /// `[samples, width]` to `[samples, width']`. Everything else is as in [`crate::job::Job`].
@@ -116,8 +115,9 @@ pub trait LayeredJob: Send + Sync + 'static {
     }
 }
 
-/// A [`LayeredJob`] (or any [`StagedJob`]) as a job: `lockstep::main(lockstep::Pipelined(MyJob))`. It runs with any
-/// `parallel.pp` (1 = data parallel only) and `parallel.dp`.
+/// A [`LayeredJob`] (or any [`StagedJob`]) as a job:
+/// `lockstep::main(lockstep::Pipelined(MyJob))`. It runs with any `parallel.pp` (1 = data
+/// parallel only) and `parallel.dp`.
 pub struct Pipelined<J>(pub J);
 
 impl<J: StagedJob> JobSpec for Pipelined<J> {
@@ -1052,16 +1052,9 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
     ) -> Result<(Forwarded, f64), ReplicaError> {
         let device = self.owner.device.clone();
         let n = samples.len();
-        let t0 = Instant::now();
-        self.reseed(DrawPart::Batch);
-        let batch = batch_of(
-            self.owner.job,
-            &*self.owner.train,
-            "training",
-            samples,
-            &device,
-        )?;
-        let data_seconds = t0.elapsed().as_secs_f64();
+        // One stage: first and last, so it reads the batch.
+        let (batch, data_seconds) = self.training_batch(samples)?;
+        let batch = batch.expect("a one-stage model reads its batch");
         let mut x = guarded(|| self.owner.job.input(&batch))?;
         let mut layers = Vec::with_capacity(self.layers.len());
         let fail = |e: ActivationError| ReplicaError::Other(e.to_string());
