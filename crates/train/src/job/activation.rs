@@ -365,6 +365,33 @@ impl Layout {
         Ok((parts, leaves))
     }
 
+    /// The float parts' values in a gradient of `n` samples in this layout (the words over the
+    /// integer parts are ignored), or why the word count is wrong.
+    pub fn split_floats<'w>(&self, words: &'w [f32], n: usize) -> Result<Vec<&'w [f32]>, String> {
+        let expected = n * self.words_per_sample();
+        if words.len() != expected {
+            return Err(format!(
+                "received {} gradient words for an output of {expected}",
+                words.len()
+            ));
+        }
+        Ok(self
+            .float_ranges(n)
+            .into_iter()
+            .map(|r| &words[r])
+            .collect())
+    }
+
+    /// A gradient of `n` samples in this layout: each float part's values (`floats`, in order)
+    /// at its place, zeros over the integer parts.
+    pub fn gradient_words(&self, n: usize, floats: &[Vec<f32>]) -> Vec<f32> {
+        let mut words = vec![0f32; n * self.words_per_sample()];
+        for (values, range) in floats.iter().zip(self.float_ranges(n)) {
+            words[range].copy_from_slice(values);
+        }
+        words
+    }
+
     /// The wire positions of the float parts for `n` samples, in order (where their gradients
     /// go; the integer parts' words stay zero).
     pub fn float_ranges(&self, n: usize) -> Vec<std::ops::Range<usize>> {
@@ -433,6 +460,17 @@ mod tests {
             vec![0, -1, (1 << 24) + 1, i32::MIN.into(), i32::MAX.into(), 3]
         );
         assert_eq!(layout.float_ranges(2), vec![0..24]);
+        // A gradient: the float part's values in place, zeros over the ids; read back.
+        let floats: Vec<f32> = (0..24).map(|i| i as f32).collect();
+        let grad = layout.gradient_words(2, std::slice::from_ref(&floats));
+        assert_eq!(grad.len(), 36);
+        assert!(grad[24..].iter().all(|w| *w == 0.0));
+        assert_eq!(layout.split_floats(&grad, 2).unwrap(), vec![&floats[..]]);
+        let e = layout.split_floats(&grad[1..], 2).unwrap_err();
+        assert!(
+            e.contains("received 35 gradient words for an output of 36"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use burn::data::dataset::Dataset;
 use burn::module::Module;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use lockstep_model::flat::{self, ParamInfo};
 use lockstep_model::{
     in_tp_scope, narrow_to_pieces, tp_params_of, LocalPieceSum, PieceSum, TpParam, UpdateRule,
@@ -996,18 +996,11 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         let seed = match (pending.output, grad_output) {
             (PendingOutput::Loss(loss), None) => Some(*loss),
             (PendingOutput::Activations(outs), Some(g)) => {
-                let expected = n * self.out_layout.words_per_sample();
-                if g.len() != expected {
-                    return Err(ReplicaError::Other(format!(
-                        "received {} gradient words for an output of {expected}",
-                        g.len()
-                    )));
-                }
-                let device = &self.owner.device;
-                let douts = self.out_layout.float_ranges(n).into_iter().map(|r| {
-                    Tensor::from_data(TensorData::new(g[r.clone()].to_vec(), [r.len()]), device)
-                });
-                dot(outs, douts.collect())
+                let douts = self
+                    .out_layout
+                    .split_floats(g, n)
+                    .map_err(ReplicaError::Other)?;
+                dot(outs, tensors_of(douts, &self.owner.device))
             }
             _ => {
                 return Err(ReplicaError::Other(
@@ -1025,17 +1018,8 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         let input_grad = if self.first {
             None
         } else {
-            let mut words = vec![0f32; n * self.in_layout.words_per_sample()];
-            for (leaf, range) in pending.input.iter().zip(self.in_layout.float_ranges(n)) {
-                // A float part the stage did not use has no gradient: zero.
-                if let Some(g) = leaf.grad(&grads) {
-                    let g = g
-                        .try_to_vec_as::<f32>()
-                        .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}")))?;
-                    words[range].copy_from_slice(&g);
-                }
-            }
-            Some(words)
+            let values = leaf_gradients(&pending.input, &grads)?;
+            Some(self.in_layout.gradient_words(n, &values))
         };
         crate::device::copy_from(&self.owner.device, || {
             flat::read_grads(&self.layers, grads, grad)
@@ -1127,19 +1111,8 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
                 continue;
             };
             let grads = guarded(|| seed.backward())?;
-            for leaf in &leaves {
-                let g = match leaf.grad(&grads) {
-                    Some(g) => g
-                        .try_to_vec_as::<f32>()
-                        .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}")))?,
-                    None => vec![0f32; leaf.dims()[0]],
-                };
-                let len = g.len();
-                grad_output.push(Tensor::from_data(
-                    TensorData::new(g, [len]),
-                    &self.owner.device,
-                ));
-            }
+            let values = leaf_gradients(&leaves, &grads)?;
+            grad_output = tensors_of(values.iter().map(Vec::as_slice), &self.owner.device);
             let mut values = vec![0f32; ranges[l].len()];
             crate::device::copy_from(&self.owner.device, || {
                 flat::read_grads(&self.layers[l], grads, &mut values)
@@ -1184,6 +1157,28 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
                 .collect(),
         }))
     }
+}
+
+/// Each leaf's gradient values in `grads`: zeros for a leaf the backward did not reach (a float
+/// part the layers did not use).
+fn leaf_gradients(leaves: &[Tensor<1>], grads: &Gradients) -> Result<Vec<Vec<f32>>, ReplicaError> {
+    leaves
+        .iter()
+        .map(|leaf| match leaf.grad(grads) {
+            Some(g) => g
+                .try_to_vec_as::<f32>()
+                .map_err(|e| ReplicaError::Other(format!("reading a gradient: {e:?}"))),
+            None => Ok(vec![0f32; leaf.dims()[0]]),
+        })
+        .collect()
+}
+
+/// Flat tensors of `values` on `device`.
+fn tensors_of<'v>(values: impl IntoIterator<Item = &'v [f32]>, device: &Device) -> Vec<Tensor<1>> {
+    values
+        .into_iter()
+        .map(|v| Tensor::from_data(TensorData::new(v.to_vec(), [v.len()]), device))
+        .collect()
 }
 
 /// `Σ_i sum(outs_i · grads_i)`: backward from it gives each `outs_i` exactly `grads_i` (`None`

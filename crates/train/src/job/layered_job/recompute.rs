@@ -7,10 +7,9 @@
 //! alive at a time instead of the stage's for every micro-batch in flight.
 
 use burn::module::Module;
-use burn::tensor::{Tensor, TensorData};
 use lockstep_model::flat;
 
-use super::{dot, BurnStage, StagedJob};
+use super::{dot, leaf_gradients, tensors_of, BurnStage, StagedJob};
 use crate::draws::{DrawPart, Draws};
 use crate::job::activation::{activation_of, float_values, parts_of, Layout};
 use crate::job::burn_job::guarded;
@@ -105,15 +104,11 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         let device = self.owner.device.clone();
         let n = kept.n;
         // The gradient with respect to the current layer's output's float parts.
-        let mut gout: Vec<Tensor<1>> = match grad_output {
-            Some(g) if g.len() == n * self.out_layout.words_per_sample() => {
-                let ranges = self.out_layout.float_ranges(n);
-                ranges
-                    .into_iter()
-                    .map(|r| words_tensor(&g[r], &device))
-                    .collect()
+        let mut gout: Vec<Vec<f32>> = match grad_output {
+            Some(g) => {
+                let floats = self.out_layout.split_floats(g, n).map_err(other)?;
+                floats.into_iter().map(<[f32]>::to_vec).collect()
             }
-            Some(g) => return Err(other(format!("received {} gradient words", g.len()))),
             None => Vec::new(),
         };
         let stage_start = self.owner.offsets[self.first_layer];
@@ -132,43 +127,25 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
                     let (loss, _) = guarded(|| self.owner.job.loss_and_metrics(out, batch))?;
                     Some(guarded(|| loss.mul_scalar(kept.share))?)
                 }
-                _ => dot(float_values(parts_of(out)), std::mem::take(&mut gout)),
+                _ => {
+                    let gout = gout.iter().map(Vec::as_slice);
+                    dot(float_values(parts_of(out)), tensors_of(gout, &device))
+                }
             };
             let range = self.owner.offsets[self.first_layer + l] - stage_start
                 ..self.owner.offsets[self.first_layer + l + 1] - stage_start;
             let Some(seed) = seed else {
                 // No float path from this layer's output to the loss.
                 grad[range].fill(0.0);
-                gout = leaves.iter().map(|t| zeros_like(t, &device)).collect();
+                gout = leaves.iter().map(|t| vec![0f32; t.dims()[0]]).collect();
                 continue;
             };
             let grads = guarded(|| seed.backward())?;
-            gout = Vec::with_capacity(leaves.len());
-            for leaf in &leaves {
-                gout.push(match leaf.grad(&grads) {
-                    Some(g) => words_tensor(&g.try_to_vec_as::<f32>().map_err(other)?, &device),
-                    None => zeros_like(leaf, &device),
-                });
-            }
+            gout = leaf_gradients(&leaves, &grads)?;
             crate::device::copy_from(&self.owner.device, || {
                 flat::read_grads(&self.layers[l], grads, &mut grad[range])
             });
         }
-        if self.first {
-            return Ok(None);
-        }
-        let mut words = vec![0f32; n * self.in_layout.words_per_sample()];
-        for (g, r) in gout.iter().zip(self.in_layout.float_ranges(n)) {
-            words[r].copy_from_slice(&g.try_to_vec_as::<f32>().map_err(other)?);
-        }
-        Ok(Some(words))
+        Ok((!self.first).then(|| self.in_layout.gradient_words(n, &gout)))
     }
-}
-
-fn words_tensor(values: &[f32], device: &burn::tensor::Device) -> Tensor<1> {
-    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
-}
-
-fn zeros_like(t: &Tensor<1>, device: &burn::tensor::Device) -> Tensor<1> {
-    Tensor::zeros([t.dims()[0]], device)
 }
