@@ -162,9 +162,13 @@ impl<J: Job> JobSpec for J {
 
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common()?;
-        J::SETTINGS.check(cfg)?;
-        check_metric_names(Job::name(self), J::TRAIN_METRICS)?;
-        check_update_rule(cfg, Job::name(self), self.update_rule(cfg).as_deref())?;
+        check_job_items(
+            cfg,
+            Job::name(self),
+            J::SETTINGS,
+            J::TRAIN_METRICS,
+            self.update_rule(cfg).as_deref(),
+        )?;
         Job::validate(self, cfg).map_err(|message| ConfigError::Invalid {
             field: "job",
             message: format!("job `{}`: {message}", Job::name(self)),
@@ -304,9 +308,24 @@ pub(super) fn scalar(loss: &Tensor<1>) -> Result<f32, ReplicaError> {
     }
 }
 
+/// What lockstep checks of any burn job (`Job`, `LayeredJob`, `StagedJob`) before a worker
+/// starts: its `[job]` table against its settings type, its training metrics' names, and its
+/// update rule when the config asks for one.
+pub(super) fn check_job_items(
+    cfg: &TrainConfig,
+    job: &str,
+    settings: JobSettings,
+    metrics: &[&str],
+    rule: Option<&dyn UpdateRule>,
+) -> Result<(), ConfigError> {
+    settings.check(cfg)?;
+    check_metric_names(job, metrics)?;
+    check_update_rule(cfg, job, rule)
+}
+
 /// With `optimizer.kind = "custom"`: the job gives an update rule, and it is elementwise
 /// ([`lockstep_model::check_elementwise`]).
-pub(super) fn check_update_rule(
+fn check_update_rule(
     cfg: &TrainConfig,
     job: &str,
     rule: Option<&dyn UpdateRule>,

@@ -24,7 +24,7 @@ use lockstep_model::{
 use sha2::{Digest, Sha256};
 
 use super::activation::{activation_of, float_values, parts_of, ActivationError, Layout, Part};
-use super::burn_job::{self, check_metric_names, guarded, metric_row, open_data, scalar, BoxError};
+use super::burn_job::{self, guarded, metric_row, open_data, scalar, BoxError};
 use super::staged_job::StagedJob;
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, JobSettings, TrainConfig};
@@ -166,9 +166,13 @@ impl<J: StagedJob> JobSpec for Pipelined<J> {
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
         cfg.validate_common_layered()?;
         ParallelPlan::check_shape(cfg, &self.shape(cfg))?;
-        J::SETTINGS.check(cfg)?;
-        check_metric_names(self.0.name(), J::TRAIN_METRICS)?;
-        burn_job::check_update_rule(cfg, self.0.name(), self.0.update_rule(cfg).as_deref())?;
+        burn_job::check_job_items(
+            cfg,
+            self.0.name(),
+            J::SETTINGS,
+            J::TRAIN_METRICS,
+            self.0.update_rule(cfg).as_deref(),
+        )?;
         self.0
             .validate(cfg)
             .map_err(|message| ConfigError::Invalid {
