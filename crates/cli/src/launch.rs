@@ -67,6 +67,9 @@ pub enum FailureKind {
     StoreHostLost,
     /// Its node's agent lost the job's store and stopped its workers.
     StoreLost,
+    /// Its allocator failed to find `bytes` (the worker reported it, then aborted): recurs on
+    /// every attempt.
+    OutOfMemory { bytes: u64 },
 }
 
 impl FailureKind {
@@ -84,6 +87,9 @@ impl FailureKind {
                 "collective timeout on a peer (the worker stopped making progress)"
             }
             FailureKind::PeerGone { .. } => "a peer saw its link close",
+            FailureKind::OutOfMemory { .. } => {
+                "the worker reported a failed allocation, then aborted"
+            }
             FailureKind::BadInput | FailureKind::Exited { .. } | FailureKind::StoreLost => {
                 "worker exited with an error"
             }
@@ -220,6 +226,8 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let mut stopped = false;
     let mut tails = Tails::new(world);
     let mut records: Vec<Option<FailureRecord>> = vec![None; world];
+    // Per rank: the size of an allocation it reported failed (it aborts next).
+    let mut out_of_memory: Vec<Option<u64>> = vec![None; world];
     // Per rank: when its last heartbeat arrived, and what it said (waiting, idle seconds).
     let mut beats: Vec<Option<(Instant, bool, f64)>> = vec![None; world];
     // A worker this launcher found hung by its heartbeat (and killed): the root cause.
@@ -273,7 +281,13 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                         draw_progress(p, fancy);
                         progress_shown = fancy;
                     }
-                    handle(message, rank, &mut outcome, &mut records);
+                    handle(
+                        message,
+                        rank,
+                        &mut outcome,
+                        &mut records,
+                        &mut out_of_memory,
+                    );
                     if step_done {
                         last_progress = Instant::now();
                         if let (Some(p), Some(step)) = (&spec.progress, outcome.last_step) {
@@ -315,7 +329,13 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         if let Event::Line { rank, line, .. } = ev {
             match WorkerMessage::parse(&line) {
                 Some(Ok(WorkerMessage::Progress(_))) => {}
-                Some(Ok(message)) => handle(message, rank, &mut outcome, &mut records),
+                Some(Ok(message)) => handle(
+                    message,
+                    rank,
+                    &mut outcome,
+                    &mut records,
+                    &mut out_of_memory,
+                ),
                 Some(Err(e)) => eprintln!("[rank {rank}] {e}"),
                 None => {
                     tails.push(rank % world, &line);
@@ -327,16 +347,15 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     if progress_shown {
         eprintln!();
     }
-    if let Some((rank, kind, what)) = hung.or_else(|| blame(&failures, &records)) {
+    let root = hung.or_else(|| blame(&failures, &records));
+    if let Some((rank, kind, what)) = root.map(|r| with_out_of_memory(r, &out_of_memory)) {
         // Bad input or a full disk (exit status 3) and running out of memory recur on every
         // attempt: not worth a restart. Judged on the root cause: its peers fail only because
         // it left.
-        let status_permanent = failures
-            .iter()
-            .find(|(r, _)| *r == rank)
-            .is_some_and(|(r, s)| {
-                s.code() == Some(EXIT_PERMANENT) || tails.out_of_memory(*r % world, *s)
-            });
+        let status_permanent = matches!(kind, FailureKind::OutOfMemory { .. })
+            || failures
+                .iter()
+                .any(|(r, s)| *r == rank && s.code() == Some(EXIT_PERMANENT));
         let mut tail = tails.last(rank % world).join("\n    ");
         let bad_input = failures
             .iter()
@@ -386,11 +405,9 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     Ok(outcome)
 }
 
-/// What each worker printed last (for the failure message), and whether it ran out of memory.
+/// What each worker printed last (for the failure message).
 struct Tails {
     last: Vec<Vec<String>>,
-    /// The worker printed the line Rust's allocator prints before it aborts the process.
-    allocation_failed: Vec<bool>,
 }
 
 impl Tails {
@@ -400,15 +417,10 @@ impl Tails {
     fn new(world: usize) -> Tails {
         Tails {
             last: vec![Vec::new(); world],
-            allocation_failed: vec![false; world],
         }
     }
 
     fn push(&mut self, rank: usize, line: &str) {
-        // Seen on every line, not only the last few: a backtrace (RUST_BACKTRACE=1) follows it.
-        if is_allocation_failure(line) {
-            self.allocation_failed[rank] = true;
-        }
         let keep = &mut self.last[rank];
         keep.push(line.to_string());
         if keep.len() > Self::KEEP {
@@ -419,21 +431,23 @@ impl Tails {
     fn last(&self, rank: usize) -> &[String] {
         &self.last[rank]
     }
-
-    /// Did the worker run out of memory: aborted (SIGABRT) after its allocator failed?
-    fn out_of_memory(&self, rank: usize, status: ExitStatus) -> bool {
-        use std::os::unix::process::ExitStatusExt;
-        self.allocation_failed[rank] && status.signal() == Some(libc::SIGABRT)
-    }
 }
 
-/// Exactly the line Rust's default allocation-error handler writes before it aborts:
-/// `memory allocation of <N> bytes failed` (std's `default_alloc_error_hook`).
-fn is_allocation_failure(line: &str) -> bool {
-    line.trim_end()
-        .strip_prefix("memory allocation of ")
-        .and_then(|rest| rest.strip_suffix(" bytes failed"))
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+/// The root cause as out of memory when it is: it reported a failed allocation, then aborted
+/// (SIGABRT). A reported failure the program survived (`try_reserve`) is no abort, and an abort
+/// without a report is an ordinary crash.
+fn with_out_of_memory(
+    (rank, kind, what): (usize, FailureKind, String),
+    reported: &[Option<u64>],
+) -> (usize, FailureKind, String) {
+    match (kind, reported[rank % reported.len()]) {
+        (FailureKind::Killed { signal }, Some(bytes)) if signal == libc::SIGABRT => (
+            rank,
+            FailureKind::OutOfMemory { bytes },
+            format!("ran out of memory (an allocation of {bytes} bytes failed) and aborted"),
+        ),
+        _ => (rank, kind, what),
+    }
 }
 
 /// The first live worker that is hung by its heartbeats: none for `limit` (a frozen process), or
@@ -554,6 +568,7 @@ fn handle(
     rank: usize,
     outcome: &mut Outcome,
     records: &mut [Option<FailureRecord>],
+    out_of_memory: &mut [Option<u64>],
 ) {
     match message {
         WorkerMessage::Progress(_) | WorkerMessage::Heartbeat { .. } => {}
@@ -563,6 +578,10 @@ fn handle(
         WorkerMessage::Failure(record) => {
             let world = records.len();
             records[rank % world] = Some(record);
+        }
+        WorkerMessage::OutOfMemory { bytes } => {
+            let world = out_of_memory.len();
+            out_of_memory[rank % world] = Some(bytes);
         }
     }
 }
@@ -665,6 +684,37 @@ mod tests {
 
     fn exited(code: i32) -> ExitStatus {
         ExitStatus::from_raw(code << 8)
+    }
+
+    /// Out of memory takes both the typed report and the abort after it.
+    #[test]
+    fn out_of_memory_needs_the_report_and_the_abort() {
+        let killed = |signal| (1, FailureKind::Killed { signal }, String::from("killed"));
+        let reported = [None, Some(1u64 << 45)];
+        let (_, kind, what) = with_out_of_memory(killed(libc::SIGABRT), &reported);
+        assert_eq!(kind, FailureKind::OutOfMemory { bytes: 1 << 45 });
+        assert!(
+            what.contains("an allocation of 35184372088832 bytes failed"),
+            "{what}"
+        );
+        // Killed by something else after a report it survived; an abort without a report.
+        let (_, kind, _) = with_out_of_memory(killed(libc::SIGKILL), &reported);
+        assert_eq!(
+            kind,
+            FailureKind::Killed {
+                signal: libc::SIGKILL
+            }
+        );
+        let (_, kind, _) = with_out_of_memory(killed(libc::SIGABRT), &[None, None]);
+        assert_eq!(
+            kind,
+            FailureKind::Killed {
+                signal: libc::SIGABRT
+            }
+        );
+        let exited = (1, FailureKind::Exited { status: Some(1) }, String::new());
+        let (_, kind, _) = with_out_of_memory(exited, &reported);
+        assert_eq!(kind, FailureKind::Exited { status: Some(1) });
     }
 
     #[test]

@@ -3,6 +3,11 @@
 //! accepts (`train`, `scale`, `plan`, launchers' variables, …) and re-executes itself as the
 //! workers. The only place that reads argv and the environment.
 
+/// Reports a worker's failed allocation to its launcher as a typed message (see [`oom`]).
+#[cfg(feature = "report-oom")]
+#[global_allocator]
+static ALLOCATOR: oom::ReportingAllocator = oom::ReportingAllocator;
+
 mod agent;
 mod bench;
 mod bench_train;
@@ -12,6 +17,7 @@ mod export;
 mod flags;
 mod inject;
 mod launch;
+pub mod oom;
 mod orphan;
 mod plan;
 mod protocol;
@@ -1070,6 +1076,7 @@ fn run_train_worker(
         // it connects) ends within a second.
         orphan::watch_launcher(rank);
         start_heartbeat(rank);
+        oom::enable();
     }
     join_compute_threads();
     // The device first: one that cannot be opened ends this worker with exit 3 (the launcher

@@ -25,6 +25,9 @@ pub enum WorkerMessage {
     /// The launcher names a worker hung when it is not waiting and idle for the stall timeout,
     /// or when its heartbeats stop.
     Heartbeat { waiting: bool, idle_secs: f64 },
+    /// An allocation of `bytes` failed; the process aborts next. Written without allocating by
+    /// [`crate::oom::ReportingAllocator`].
+    OutOfMemory { bytes: u64 },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -167,7 +167,14 @@ pub fn rule(
         None if regroup => Next::Restart,
         None => Next::Done,
         Some(f) if f.permanent => Next::End {
-            message: format!("{} (bad input: not restarting)", f.message),
+            message: format!(
+                "{} ({}: not restarting)",
+                f.message,
+                match f.kind {
+                    FailureKind::OutOfMemory { .. } => "out of memory",
+                    _ => "bad input",
+                }
+            ),
             permanent: true,
         },
         Some(f) if restarts >= policy.max_restarts => Next::End {

@@ -320,28 +320,6 @@ impl RefusalLog {
     }
 }
 
-/// Short category of a handshake failure reason, for aggregation.
-pub fn categorize(reason: &str) -> &'static str {
-    if reason.contains("authentication failed") {
-        "bad MAC"
-    } else if reason.contains("timed out") || reason.contains("deadline") {
-        "handshake deadline passed"
-    } else if reason.contains("bad magic") {
-        "not a lockstep peer"
-    } else if reason.contains("protocol version") {
-        "other protocol version"
-    } else if reason.contains("peer expected") {
-        "wrong service"
-    } else if reason.contains("connection closed")
-        || reason.contains("reset by peer")
-        || reason.contains("Broken pipe")
-    {
-        "closed during handshake"
-    } else {
-        "other errors"
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -211,7 +211,13 @@ impl Lobby {
         // An empty send buffer (the client waits for this before sending more) takes it at once.
         match (&w.stream).write(&verdict) {
             Ok(n) if n == verdict.len() => {}
-            Ok(_) => return refused(w.peer, "other errors", "verdict not sent at once".into()),
+            Ok(_) => {
+                return refused(
+                    w.peer,
+                    wire::RefusalKind::Other.label(),
+                    "verdict not sent at once".into(),
+                )
+            }
             Err(e) => return refused_io(w.peer, "sending verdict", &e),
         }
         match w.stream.set_nonblocking(false) {
@@ -221,8 +227,8 @@ impl Lobby {
     }
 
     fn refuse(&self, w: &mut Waiting, r: wire::Refusal) -> Outcome {
-        let reason = r.answer(&mut &w.stream);
-        refused(w.peer, crate::admission::categorize(&reason), reason)
+        let why = r.answer(&mut &w.stream);
+        refused(w.peer, why.kind.label(), why.reason)
     }
 }
 
@@ -244,8 +250,8 @@ fn refused(peer: SocketAddr, category: &str, detail: String) -> Outcome {
 }
 
 fn refused_io(peer: SocketAddr, what: &str, e: &std::io::Error) -> Outcome {
-    let reason = wire::io_reason(what, e);
-    refused(peer, crate::admission::categorize(&reason), reason)
+    let why = wire::io_reason(what, e);
+    refused(peer, why.kind.label(), why.reason)
 }
 
 /// The soft limit on open descriptors (1024 if it cannot be read).

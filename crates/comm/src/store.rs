@@ -33,13 +33,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::admission::{
-    categorize, Admission, AdmissionLimits, Deadlined, LobbyLimits, Pending, RefusalLog,
-};
+use crate::admission::{Admission, AdmissionLimits, Deadlined, LobbyLimits, Pending, RefusalLog};
 use crate::auth::JobSecret;
 use crate::error::{CommError, Result};
 use crate::lobby::{Lobby, Outcome};
-use crate::wire::{self, Service, PREFIX_LEN};
+use crate::wire::{self, RefusalKind, Service, PREFIX_LEN};
 
 /// Longest key the store accepts.
 pub const MAX_KEY_BYTES: usize = 4 << 10;
@@ -359,7 +357,7 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, ticket: Pending, shared
     if let Err(e) = setup {
         shared.refuse(
             peer,
-            "other errors",
+            RefusalKind::Other.label(),
             &format!("could not configure socket: {e}"),
         );
         return;
@@ -368,10 +366,10 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, ticket: Pending, shared
         stream: &stream,
         deadline,
     };
-    if let Err(reason) =
+    if let Err(why) =
         wire::accept_handshake(&mut d, &shared.secret, &shared.context, Service::Store)
     {
-        shared.refuse(peer, categorize(&reason), &reason);
+        shared.refuse(peer, why.kind.label(), &why.reason);
         return;
     }
     drop(ticket);

@@ -61,6 +61,76 @@ impl Service {
     }
 }
 
+/// Why a handshake was refused, decided where the failure happens (never read back out of its
+/// words): the refusal log counts refusals by this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RefusalKind {
+    /// The proof's MAC did not verify: a wrong secret or job id.
+    BadMac,
+    /// The handshake's deadline passed before it completed.
+    DeadlinePassed,
+    /// The first bytes were not lockstep's magic (an HTTP probe, a port scanner).
+    NotLockstep,
+    /// A lockstep peer of another protocol version.
+    OtherVersion,
+    /// A lockstep peer that wanted the other service (a store client at a data port).
+    WrongService,
+    /// The remote closed or reset the connection mid-handshake.
+    Closed,
+    /// Anything else (an I/O error, a socket that could not be configured).
+    Other,
+}
+
+impl RefusalKind {
+    /// The category in the aggregated refusal log line.
+    pub fn label(self) -> &'static str {
+        match self {
+            RefusalKind::BadMac => "bad MAC",
+            RefusalKind::DeadlinePassed => "handshake deadline passed",
+            RefusalKind::NotLockstep => "not a lockstep peer",
+            RefusalKind::OtherVersion => "other protocol version",
+            RefusalKind::WrongService => "wrong service",
+            RefusalKind::Closed => "closed during handshake",
+            RefusalKind::Other => "other errors",
+        }
+    }
+
+    /// The kind of an I/O failure, by its `ErrorKind`.
+    pub(crate) fn of_io(e: &std::io::Error) -> RefusalKind {
+        match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => RefusalKind::DeadlinePassed,
+            ErrorKind::UnexpectedEof
+            | ErrorKind::ConnectionReset
+            | ErrorKind::ConnectionAborted
+            | ErrorKind::BrokenPipe => RefusalKind::Closed,
+            _ => RefusalKind::Other,
+        }
+    }
+}
+
+/// A refused (or failed) handshake or malformed prefix: its kind and the reason in words a user
+/// can act on (no secret material).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    pub kind: RefusalKind,
+    pub reason: String,
+}
+
+impl Rejected {
+    pub fn new(kind: RefusalKind, reason: impl Into<String>) -> Rejected {
+        Rejected {
+            kind,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Rejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
 /// `MAGIC` followed by the version, as every message begins.
 pub fn prefix() -> [u8; PREFIX_LEN] {
     let mut p = [0u8; PREFIX_LEN];
@@ -71,17 +141,21 @@ pub fn prefix() -> [u8; PREFIX_LEN] {
 
 /// Checks a received `MAGIC` + version prefix; the error says what was wrong in words a user can
 /// act on (and never echoes more than the four magic bytes).
-pub fn check_prefix(p: &[u8; PREFIX_LEN]) -> Result<(), String> {
+pub fn check_prefix(p: &[u8; PREFIX_LEN]) -> Result<(), Rejected> {
     if p[..4] != MAGIC {
-        return Err(format!(
-            "bad magic {:#010x} (not a lockstep peer?)",
-            u32::from_be_bytes([p[0], p[1], p[2], p[3]])
+        return Err(Rejected::new(
+            RefusalKind::NotLockstep,
+            format!(
+                "bad magic {:#010x} (not a lockstep peer?)",
+                u32::from_be_bytes([p[0], p[1], p[2], p[3]])
+            ),
         ));
     }
     let version = u16::from_le_bytes([p[4], p[5]]);
     if version != PROTOCOL_VERSION {
-        return Err(format!(
-            "protocol version {version} but this build speaks {PROTOCOL_VERSION}"
+        return Err(Rejected::new(
+            RefusalKind::OtherVersion,
+            format!("protocol version {version} but this build speaks {PROTOCOL_VERSION}"),
         ));
     }
     Ok(())
@@ -94,7 +168,7 @@ pub fn accept_handshake<S: Read + Write>(
     secret: &JobSecret,
     context: &[u8],
     service: Service,
-) -> Result<(), String> {
+) -> Result<(), Rejected> {
     let nonce_a = random_nonce();
     stream
         .write_all(&hello_message(service, &nonce_a))
@@ -127,22 +201,22 @@ pub(crate) fn hello_message(service: Service, nonce_a: &[u8; NONCE_LEN]) -> [u8;
     hello
 }
 
-/// Why the acceptor refuses a proof: the reason (for its log) and the verdict to send back first,
-/// where the remote deserves one (a lockstep peer of another version or service, a wrong MAC).
+/// Why the acceptor refuses a proof (for its log) and the verdict to send back first, where the
+/// remote deserves one (a lockstep peer of another version or service, a wrong MAC).
 #[derive(Debug)]
 pub(crate) struct Refusal {
-    pub reason: String,
+    pub why: Rejected,
     pub verdict: Option<[u8; VERDICT_LEN]>,
 }
 
 impl Refusal {
     /// Sends the verdict, if any (best effort: the connection is dropped next), and gives the
     /// reason.
-    pub fn answer<S: Write>(self, stream: &mut S) -> String {
+    pub fn answer<S: Write>(self, stream: &mut S) -> Rejected {
         if let Some(v) = self.verdict {
             let _ = stream.write_all(&v);
         }
-        self.reason
+        self.why
     }
 }
 
@@ -156,8 +230,8 @@ fn verdict_message(status: u8, mac: &[u8; MAC_LEN]) -> [u8; VERDICT_LEN] {
 
 /// Judges the first `PREFIX_LEN` bytes of a proof, so that garbage is refused before the rest.
 pub(crate) fn judge_proof_prefix(pre: &[u8; PREFIX_LEN]) -> Result<(), Refusal> {
-    check_prefix(pre).map_err(|reason| Refusal {
-        reason,
+    check_prefix(pre).map_err(|why| Refusal {
+        why,
         // A lockstep peer of another version is told why before the hang-up.
         verdict: (pre[..4] == MAGIC).then(|| verdict_message(VERDICT_BAD_VERSION, &[0; MAC_LEN])),
     })
@@ -174,10 +248,13 @@ pub(crate) fn judge_proof(
 ) -> Result<[u8; VERDICT_LEN], Refusal> {
     if proof[PREFIX_LEN] != service as u8 {
         return Err(Refusal {
-            reason: format!(
-                "peer expected {} but this is {}",
-                Service::describe(proof[PREFIX_LEN]),
-                Service::describe(service as u8)
+            why: Rejected::new(
+                RefusalKind::WrongService,
+                format!(
+                    "peer expected {} but this is {}",
+                    Service::describe(proof[PREFIX_LEN]),
+                    Service::describe(service as u8)
+                ),
             ),
             verdict: Some(verdict_message(VERDICT_WRONG_SERVICE, &[0; MAC_LEN])),
         });
@@ -186,7 +263,10 @@ pub(crate) fn judge_proof(
     let mac = &proof[PREFIX_LEN + 1 + NONCE_LEN..];
     if !secret.verify(&[b"lockstep-auth-v1|c|", context, nonce_a, nonce_c], mac) {
         return Err(Refusal {
-            reason: "authentication failed (wrong secret or job id)".into(),
+            why: Rejected::new(
+                RefusalKind::BadMac,
+                "authentication failed (wrong secret or job id)",
+            ),
             verdict: Some(verdict_message(VERDICT_BAD_AUTH, &[0; MAC_LEN])),
         });
     }
@@ -194,12 +274,13 @@ pub(crate) fn judge_proof(
     Ok(verdict_message(VERDICT_OK, &answer))
 }
 
-pub(crate) fn io_reason(what: &str, e: &std::io::Error) -> String {
-    match e.kind() {
+pub(crate) fn io_reason(what: &str, e: &std::io::Error) -> Rejected {
+    let reason = match e.kind() {
         ErrorKind::UnexpectedEof => format!("connection closed while {what}"),
         ErrorKind::WouldBlock | ErrorKind::TimedOut => format!("timed out while {what}"),
         _ => format!("I/O error while {what}: {e}"),
-    }
+    };
+    Rejected::new(RefusalKind::of_io(e), reason)
 }
 
 /// Why the connector's side of a handshake failed.
@@ -382,13 +463,13 @@ mod tests {
     fn prefix_checks_name_the_problem() {
         assert!(check_prefix(&prefix()).is_ok());
         let e = check_prefix(b"GET / ").unwrap_err();
-        assert_eq!(e, "bad magic 0x47455420 (not a lockstep peer?)");
+        assert_eq!(e.reason, "bad magic 0x47455420 (not a lockstep peer?)");
+        assert_eq!(e.kind, RefusalKind::NotLockstep);
         let mut old = prefix();
         old[4..].copy_from_slice(&0u16.to_le_bytes());
-        assert_eq!(
-            check_prefix(&old).unwrap_err(),
-            "protocol version 0 but this build speaks 1"
-        );
+        let e = check_prefix(&old).unwrap_err();
+        assert_eq!(e.reason, "protocol version 0 but this build speaks 1");
+        assert_eq!(e.kind, RefusalKind::OtherVersion);
     }
 }
 

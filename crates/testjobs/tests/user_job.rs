@@ -350,9 +350,10 @@ fn a_user_jobs_settings_are_part_of_its_identity() {
     assert_eq!(summary(&out)["steps"], 16);
 }
 
-/// A worker that runs out of memory aborts after Rust's allocator says so; with
-/// `RUST_BACKTRACE=1` a backtrace follows that line (it is no longer among the last lines the
-/// launcher shows). Still out of memory, still final: no restart of a failure that recurs.
+/// A worker that runs out of memory reports it as a typed message (lockstep's allocator) and
+/// aborts; with `RUST_BACKTRACE=1` a backtrace follows, so the allocator's own line is no longer
+/// among the last lines the launcher shows — which it never reads anyway. Out of memory, final:
+/// no restart of a failure that recurs, and the summary says so by kind.
 #[test]
 fn a_worker_out_of_memory_is_final_even_with_a_backtrace_after_the_allocators_line() {
     let tmp = tempfile::tempdir().unwrap();
@@ -376,8 +377,16 @@ fn a_worker_out_of_memory_is_final_even_with_a_backtrace_after_the_allocators_li
         err.contains("stack backtrace"),
         "the backtrace did not follow:\n{err}"
     );
-    assert!(err.contains("not restarting"), "{err}");
+    assert!(err.contains("(out of memory: not restarting)"), "{err}");
     assert!(!err.contains("lockstep: restart "), "restarted:\n{err}");
+    assert!(
+        err.contains("ran out of memory (an allocation of 35184372088832 bytes failed)"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("@@lockstep"),
+        "a protocol line was shown:\n{err}"
+    );
 }
 
 /// burn's `Dropout` inside a user's model: every micro-batch draws from its own stream keyed by

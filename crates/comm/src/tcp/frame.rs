@@ -206,7 +206,7 @@ impl<'a> RecvOp<'a> {
 /// receiver's buffer, never used to allocate.
 pub(crate) fn parse_header(h: &[u8; HEADER_LEN]) -> std::result::Result<(Tag, u64), LinkFailure> {
     let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
-    wire::check_prefix(&pre).map_err(LinkFailure::Protocol)?;
+    wire::check_prefix(&pre).map_err(|r| LinkFailure::Protocol(r.reason))?;
     // Reserved must be zero: a frame that differs from what our encoder writes is a desynchronised
     // or foreign stream, not something to accept silently (found by `fuzz_recv_mutated`).
     let reserved = u16::from_le_bytes([h[PREFIX_LEN], h[PREFIX_LEN + 1]]);

@@ -21,14 +21,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::admission::{
-    categorize, Admission, AdmissionLimits, Deadlined, LobbyLimits, Pending, RefusalLog,
-};
+use crate::admission::{Admission, AdmissionLimits, Deadlined, LobbyLimits, Pending, RefusalLog};
 use crate::auth::JobSecret;
 use crate::error::{CommError, Result};
 use crate::lobby::{Lobby, Outcome};
 use crate::store::StoreClient;
-use crate::wire::{self, Service, PREFIX_LEN};
+use crate::wire::{self, RefusalKind, Rejected, Service, PREFIX_LEN};
 
 /// Identity message: prefix · rank u32 · world u32; the acceptor's answer adds a verdict byte.
 const HELLO_LEN: usize = PREFIX_LEN + 8;
@@ -64,8 +62,8 @@ enum Event {
     Refused {
         from: SocketAddr,
         reason: String,
-        /// The log category where the lobby already knows it (else derived from `reason`).
-        category: Option<String>,
+        /// The refusal log's category.
+        category: String,
     },
 }
 
@@ -165,8 +163,6 @@ impl Mesh<'_> {
                                 category,
                             } => {
                                 let detail = format!("{from}: {reason}");
-                                let category =
-                                    category.unwrap_or_else(|| categorize(&reason).to_string());
                                 emit(log.record(Instant::now(), &category, detail.clone()));
                                 last_refusal = Some(detail);
                             }
@@ -365,7 +361,7 @@ impl Mesh<'_> {
                 let _ = tx.send(Event::Refused {
                     from: peer,
                     reason: detail,
-                    category: Some(category),
+                    category,
                 });
             }
         }
@@ -405,7 +401,12 @@ impl Mesh<'_> {
                     stream
                         .set_nonblocking(false)
                         .and_then(|_| stream.set_nodelay(true))
-                        .map_err(|e| format!("could not configure socket: {e}"))?;
+                        .map_err(|e| {
+                            Rejected::new(
+                                RefusalKind::Other,
+                                format!("could not configure socket: {e}"),
+                            )
+                        })?;
                     let mut d = Deadlined {
                         stream: &stream,
                         deadline,
@@ -414,9 +415,14 @@ impl Mesh<'_> {
                         wire::accept_handshake(&mut d, &secret, &context, Service::Data)?;
                     }
                     let mut h = [0u8; HELLO_LEN];
-                    d.read_exact(&mut h)
-                        .map_err(|e| format!("no rank/world after the handshake: {e}"))?;
-                    let (rank, world) = parse_hello(&h)?;
+                    d.read_exact(&mut h).map_err(|e| {
+                        Rejected::new(
+                            RefusalKind::of_io(&e),
+                            format!("no rank/world after the handshake: {e}"),
+                        )
+                    })?;
+                    let (rank, world) = parse_hello(&h)
+                        .map_err(|reason| Rejected::new(RefusalKind::Other, reason))?;
                     Ok(Event::Claim {
                         stream,
                         from,
@@ -425,10 +431,10 @@ impl Mesh<'_> {
                     })
                 })();
                 drop(ticket);
-                let _ = tx.send(ev.unwrap_or_else(|reason| Event::Refused {
+                let _ = tx.send(ev.unwrap_or_else(|why: Rejected| Event::Refused {
                     from,
-                    reason,
-                    category: None,
+                    reason: why.reason,
+                    category: why.kind.label().to_string(),
                 }));
             });
         if spawned.is_err() {
@@ -496,7 +502,7 @@ pub(crate) fn parse_hello(h: &[u8]) -> std::result::Result<(u32, u32), String> {
         ));
     }
     let pre: [u8; PREFIX_LEN] = h[..PREFIX_LEN].try_into().unwrap();
-    wire::check_prefix(&pre)?;
+    wire::check_prefix(&pre).map_err(|r| r.reason)?;
     let rank = u32::from_le_bytes(h[PREFIX_LEN..PREFIX_LEN + 4].try_into().unwrap());
     let world = u32::from_le_bytes(h[PREFIX_LEN + 4..PREFIX_LEN + 8].try_into().unwrap());
     Ok((rank, world))
