@@ -24,6 +24,7 @@ mod protocol;
 mod request;
 mod run_dir;
 mod scale;
+mod store_keys;
 mod supervise;
 mod train_cmd;
 mod worker;

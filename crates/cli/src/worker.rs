@@ -104,7 +104,7 @@ pub fn connect(
     let link_id = if env.attempt == 0 {
         env.job_id.clone()
     } else {
-        store = store.with_namespace(format!("g{}/", env.attempt));
+        store = store.with_namespace(crate::store_keys::attempt_namespace(env.attempt as usize));
         format!("{}-g{}", env.job_id, env.attempt)
     };
 

@@ -39,6 +39,10 @@
 //!    the job ends by name, to be continued with `--resume` (see docs/src/clusters.md).
 //!
 //! Every wait has a deadline or ends with the store, and names what it waited for.
+//!
+//! This file is the agents' input and output (the store, threads, clocks); what the leader rules
+//! is pure code in [`ruling`] (a state machine fed with what the store shows, with property
+//! tests), and every store key is written down once in `store_keys.rs`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -53,8 +57,13 @@ use lockstep_comm::JobSecret;
 use serde::{Deserialize, Serialize};
 
 use crate::launch::{FailureKind, Outcome, WorkerFailure};
-use crate::supervise::{
-    rule, Boundary, Coordinator, MembershipChange, Next, Placement, RestartPolicy, Ruling,
+use crate::store_keys as keys;
+
+mod ruling;
+use crate::supervise::{Boundary, Coordinator, Next, Placement, Ruling};
+use ruling::{
+    after_leader_loss, Action, Decision, EndReport, Event, Failure, LeaderLoss, Member, Rules,
+    Settlement,
 };
 
 /// How long the agents wait for each other to join (nodes are started by hand or by a scheduler,
@@ -102,58 +111,6 @@ impl Registration {
             )
         })
     }
-}
-
-/// A node in an attempt: which start of its agent (a restarted agent is a new incarnation, with a
-/// heartbeat of its own) and its host, for messages.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-struct Member {
-    node: usize,
-    incarnation: i64,
-    host: String,
-    /// Its address on the route to the store: where it serves the store if it becomes leader.
-    ip: String,
-}
-
-fn heartbeat_key(node: usize, incarnation: i64) -> String {
-    format!("hb/{node}/{incarnation}")
-}
-
-/// One node's account of an attempt.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct EndReport {
-    /// The local root cause, if its workers failed by themselves.
-    failure: Option<Failure>,
-    /// Its workers were stopped from outside (by its watcher).
-    stopped: bool,
-    /// Node 0 only: the last step rank 0 completed and the step it resumed from.
-    last_step: Option<u64>,
-    resumed_from: Option<u64>,
-}
-
-/// A [`WorkerFailure`] as it travels between agents.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Failure {
-    node: usize,
-    rank: usize,
-    kind: FailureKind,
-    what: String,
-    message: String,
-    permanent: bool,
-    detection_seconds: f64,
-}
-
-/// Node 0's ruling on an attempt, followed by every agent.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Decision {
-    /// The job's root cause; `None` = every node finished, or the attempt stopped to regroup.
-    failure: Option<Failure>,
-    next: Next,
-    /// The next attempt's members (when `next` is a restart).
-    members: Vec<Member>,
-    changes: Vec<MembershipChange>,
-    last_step: Option<u64>,
-    resumed_from: Option<u64>,
 }
 
 /// What a watcher saw by the time it stopped.
@@ -266,9 +223,9 @@ impl NodeAgent {
             min_nodes: s.min_nodes,
             max_nodes: s.max_nodes,
         };
-        let incarnation = client.add(&format!("join/{}", s.node), 1)?;
+        let incarnation = client.add(&keys::join(s.node), 1)?;
         client.set(
-            &format!("agent/{}/{incarnation}", s.node),
+            &keys::registration(s.node, incarnation),
             &serde_json::to_vec(&registration)?,
         )?;
         let me = Member {
@@ -298,10 +255,10 @@ impl NodeAgent {
         }
         let verdict = agent
             .client
-            .get("agents/verdict", agent.s.join_timeout)
+            .get(keys::VERDICT, agent.s.join_timeout)
             .context("waiting for node 0's agent to admit the nodes (start `lockstep train` with the same --nnodes and --rdzv on every node)")?;
         if verdict != b"ok" {
-            agent.client.add("agents/verdict-read", 1)?;
+            agent.client.add(keys::VERDICT_READ, 1)?;
             return Err(
                 crate::request::BadRequest(String::from_utf8_lossy(&verdict).into_owned()).into(),
             );
@@ -328,7 +285,7 @@ impl NodeAgent {
         let present = loop {
             let mut present: Vec<(usize, i64)> = Vec::new();
             for n in 0..max {
-                let c = self.client.add(&format!("join/{n}"), 0)?;
+                let c = self.client.add(&keys::join(n), 0)?;
                 if c > 0 {
                     present.push((n, c));
                 }
@@ -372,19 +329,19 @@ impl NodeAgent {
         }
         if verdict == "ok" {
             self.client
-                .set("g0/members", &serde_json::to_vec(&members)?)?;
+                .set(&keys::members(0), &serde_json::to_vec(&members)?)?;
             for m in &members {
                 self.client
-                    .set(&format!("admit/{}/{}", m.node, m.incarnation), b"0")?;
+                    .set(&keys::admission(m.node, m.incarnation), b"0")?;
             }
             self.members = members;
         }
-        self.client.set("agents/verdict", verdict.as_bytes())?;
+        self.client.set(keys::VERDICT, verdict.as_bytes())?;
         if verdict != "ok" {
             // Node 0 serves the store: it leaves only once every agent has read the verdict
             // (bounded), or the others would see the store close instead of the reason.
             let deadline = Instant::now() + self.s.heartbeat_timeout;
-            while self.client.add("agents/verdict-read", 0)? < (present.len() - 1) as i64
+            while self.client.add(keys::VERDICT_READ, 0)? < (present.len() - 1) as i64
                 && Instant::now() < deadline
             {
                 std::thread::sleep(WATCH_EVERY);
@@ -395,7 +352,7 @@ impl NodeAgent {
     }
 
     fn registration_of(&mut self, node: usize, incarnation: i64) -> Result<Registration> {
-        let key = format!("agent/{node}/{incarnation}");
+        let key = keys::registration(node, incarnation);
         let raw = self.client.get(&key, self.s.join_timeout)?;
         serde_json::from_slice(&raw)
             .with_context(|| format!("store key {key}: not an agent registration"))
@@ -404,7 +361,7 @@ impl NodeAgent {
     /// A node other than 0: wait until node 0 admits this incarnation (the attempt it joins), or
     /// the job ends (`None`).
     fn await_admission(&mut self) -> Result<Option<usize>> {
-        let key = format!("admit/{}/{}", self.me.node, self.me.incarnation);
+        let key = keys::admission(self.me.node, self.me.incarnation);
         let mut said = false;
         loop {
             let admitted = self.client.try_get(&key).with_context(|| {
@@ -422,7 +379,7 @@ impl NodeAgent {
                 }
                 return Ok(Some(a));
             }
-            if self.client.try_get("agents/done")?.is_some() {
+            if self.client.try_get(keys::DONE)?.is_some() {
                 return Ok(None);
             }
             if !said {
@@ -447,18 +404,13 @@ impl NodeAgent {
 
     /// Name of node `n` for messages: "node 1 (hostname)".
     fn describe_node(&self, n: usize) -> String {
-        let host = self
-            .members
-            .iter()
-            .find(|m| m.node == n)
-            .map_or("?", |m| m.host.as_str());
-        format!("node {n} ({host})")
+        ruling::describe_node(&self.members, n)
     }
 
     fn start_heartbeat(&mut self) -> Result<()> {
         let mut c = self.store.connect(self.s.heartbeat_timeout)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let key = heartbeat_key(self.me.node, self.me.incarnation);
+        let key = keys::heartbeat(self.me.node, self.me.incarnation);
         c.add(&key, 1)?;
         let flag = stop.clone();
         let handle = std::thread::spawn(move || {
@@ -529,7 +481,7 @@ impl NodeAgent {
         });
         if failure.is_some() {
             self.client
-                .add(&format!("g{a}/failed"), 1)
+                .add(&keys::failed(a), 1)
                 .with_context(|| self.store_lost())?;
         }
         let mine = EndReport {
@@ -540,7 +492,7 @@ impl NodeAgent {
         };
         self.client
             .set(
-                &format!("g{a}/end/{}", self.me.node),
+                &keys::end_report(a, self.me.node),
                 &serde_json::to_vec(&mine)?,
             )
             .with_context(|| self.store_lost())?;
@@ -555,7 +507,7 @@ impl NodeAgent {
     fn read_decision(&mut self, a: usize) -> Result<Decision> {
         let raw = self
             .client
-            .get(&format!("g{a}/decision"), self.report_deadline())
+            .get(&keys::decision(a), self.report_deadline())
             .with_context(|| {
                 format!(
                     "waiting for {}'s decision on attempt {a}",
@@ -570,20 +522,20 @@ impl NodeAgent {
     fn publish(&mut self, a: usize, decision: &Decision) -> Result<()> {
         if decision.next == Next::Restart {
             self.client.set(
-                &format!("g{}/members", a + 1),
+                &keys::members(a + 1),
                 &serde_json::to_vec(&decision.members)?,
             )?;
             for m in &decision.members {
                 if !self.members.iter().any(|x| x == m) {
                     self.client.set(
-                        &format!("admit/{}/{}", m.node, m.incarnation),
+                        &keys::admission(m.node, m.incarnation),
                         (a + 1).to_string().as_bytes(),
                     )?;
                 }
             }
         }
         self.client
-            .set(&format!("g{a}/decision"), &serde_json::to_vec(decision)?)?;
+            .set(&keys::decision(a), &serde_json::to_vec(decision)?)?;
         Ok(())
     }
 
@@ -633,9 +585,9 @@ impl NodeAgent {
     /// This node's agent registers (again) in the store it is connected to: a new incarnation,
     /// heartbeating.
     fn register(&mut self) -> Result<()> {
-        let c = self.client.add(&format!("join/{}", self.me.node), 1)?;
+        let c = self.client.add(&keys::join(self.me.node), 1)?;
         self.client.set(
-            &format!("agent/{}/{c}", self.me.node),
+            &keys::registration(self.me.node, c),
             &serde_json::to_vec(&self.registration)?,
         )?;
         self.me.incarnation = c;
@@ -702,7 +654,7 @@ impl NodeAgent {
                 if present.iter().any(|m| m.node == n) {
                     continue;
                 }
-                let c = self.client.add(&format!("join/{n}"), 0)?;
+                let c = self.client.add(&keys::join(n), 0)?;
                 if c > 0 {
                     let r = self.registration_of(n, c)?;
                     present.push(Member {
@@ -716,88 +668,23 @@ impl NodeAgent {
             std::thread::sleep(WATCH_EVERY);
         }
         present.sort_by_key(|m| m.node);
-        let gone: Vec<usize> = survivors
-            .iter()
-            .copied()
-            .filter(|n| !present.iter().any(|m| m.node == *n))
-            .collect();
-        let every = self.s.boundary.checkpoint_every;
-        let expected = seen_step.checked_div(every).map_or(0, |q| q * every);
-        let newest = lockstep_train::checkpoint::list(&self.s.checkpoint_dir)
+        let newest_checkpoint = lockstep_train::checkpoint::list(&self.s.checkpoint_dir)
             .ok()
             .and_then(|l| l.iter().map(|(step, _)| *step).max())
             .unwrap_or(0);
-        let failure = Failure {
-            node: old,
-            rank: 0,
-            kind: FailureKind::StoreHostLost,
-            what: format!("{lost} lost (the store's host)"),
-            message: format!(
-                "{lost} lost: its agent, which served the job's store, stopped answering"
-            ),
-            permanent: false,
-            detection_seconds: 0.0,
+        let loss = LeaderLoss {
+            attempt: a,
+            members: &self.members,
+            old_leader: old,
+            me: self.me.node,
+            present,
+            restarts: self.restarts,
+            seen_step,
+            checkpoint_every: self.s.boundary.checkpoint_every,
+            newest_checkpoint,
+            checkpoint_dir: &self.s.checkpoint_dir,
         };
-        let mut next_step = self.rule_on(Some(&failure), false);
-        if next_step == Next::Restart && present.len() * 2 <= self.members.len() {
-            // Fewer than a majority of the attempt's nodes reached the new store: this node
-            // cannot tell the leader's loss from its own cut-off, and two jobs must never
-            // write one run.
-            next_step = Next::End {
-                message: format!(
-                    "{lost} does not answer, and only {} of the attempt's {} nodes reached the store moved to {}: without a majority this cannot be told from a cut-off of this node — continue with --resume on node 0's run directory",
-                    present.len(),
-                    self.members.len(),
-                    self.describe_node(self.me.node)
-                ),
-                permanent: false,
-            };
-        } else if next_step == Next::Restart && present.len() < self.s.min_nodes {
-            next_step = Next::End {
-                message: format!(
-                    "{lost} lost; {} node(s) remain, below the minimum of {} (--nnodes) — continue with --resume on node 0's run directory",
-                    present.len(),
-                    self.s.min_nodes
-                ),
-                permanent: false,
-            };
-        } else if next_step == Next::Restart && newest < expected {
-            next_step = Next::End {
-                message: format!(
-                    "{lost} lost; rank 0 had written the checkpoint of step {expected}, but the newest {} reaches in {} is of step {newest}: the job cannot go on here — continue with --resume on node 0's run directory (put --out or checkpoint.dir on storage every node reaches to let the job go on by itself)",
-                    self.describe_node(self.me.node),
-                    self.s.checkpoint_dir.display()
-                ),
-                permanent: false,
-            };
-        }
-        let before = self.world(&self.members);
-        let mut changes = vec![self.change(
-            a,
-            "node lost",
-            old,
-            before,
-            self.world(&present),
-            Some(seen_step),
-        )];
-        for n in gone {
-            changes.push(self.change(
-                a,
-                "node lost",
-                n,
-                before,
-                self.world(&present),
-                Some(seen_step),
-            ));
-        }
-        let decision = Decision {
-            failure: Some(failure),
-            next: next_step,
-            members: present,
-            changes,
-            last_step: Some(seen_step),
-            resumed_from: None,
-        };
+        let decision = after_leader_loss(loss, &self.rules());
         self.publish(a, &decision)?;
         Ok(decision)
     }
@@ -808,44 +695,63 @@ impl NodeAgent {
         self.s.heartbeat_timeout * 2 + Duration::from_secs(10)
     }
 
-    /// Node 0: wait for every live member's report, pick the job's root cause, and rule.
+    /// The leader: read the members' reports and heartbeats into the [`Settlement`] until every
+    /// member has settled, and return its decision.
     fn decide(&mut self, a: usize, mine: EndReport, watched: Watched) -> Result<Decision> {
         let deadline = Instant::now() + self.report_deadline();
-        let members = self.members.clone();
+        let rules = self.rules();
+        let regroup = self.client.try_get(&keys::regroup(a))?.is_some();
         let leader = self.leader;
-        let mut reports: HashMap<usize, EndReport> = HashMap::from([(leader, mine)]);
+        let mut settlement = Settlement::new(
+            a,
+            self.members.clone(),
+            leader,
+            self.restarts,
+            watched.joiners,
+            regroup,
+        );
+        // What the watcher saw first: a member silent during the attempt stays lost.
+        let mut events: Vec<Event> = watched
+            .silent
+            .into_iter()
+            .map(|node| Event::Silent { node })
+            .collect();
+        events.push(Event::Reported {
+            node: leader,
+            report: mine,
+        });
         let mut beats = Beats::new(self.s.heartbeat_timeout);
-        let mut lost: Vec<usize> = watched.silent;
         loop {
-            for m in &members {
-                if reports.contains_key(&m.node) {
-                    continue;
-                }
-                if let Some(raw) = self.client.try_get(&format!("g{a}/end/{}", m.node))? {
-                    let r = serde_json::from_slice(&raw).with_context(|| {
-                        format!("store key g{a}/end/{}: not an end report", m.node)
-                    })?;
-                    reports.insert(m.node, r);
+            for event in events.drain(..) {
+                let (next, action) = settlement.step(event, &rules);
+                settlement = next;
+                if let Action::Publish(decision) = action {
+                    return Ok(*decision);
                 }
             }
-            for m in members.iter().filter(|m| m.node != leader) {
-                if !reports.contains_key(&m.node)
-                    && !lost.contains(&m.node)
-                    && beats.silent(&mut self.client, &heartbeat_key(m.node, m.incarnation))
+            for node in settlement.missing() {
+                let m = self.members.iter().find(|m| m.node == node).cloned();
+                let Some(m) = m else { continue };
+                let key = keys::end_report(a, node);
+                if let Some(raw) = self.client.try_get(&key)? {
+                    let report = serde_json::from_slice(&raw)
+                        .with_context(|| format!("store key {key}: not an end report"))?;
+                    events.push(Event::Reported { node, report });
+                } else if node != leader
+                    && beats.silent(&mut self.client, &keys::heartbeat(node, m.incarnation))
                 {
-                    lost.push(m.node);
+                    events.push(Event::Silent { node });
                 }
             }
-            let missing: Vec<usize> = members
-                .iter()
-                .map(|m| m.node)
-                .filter(|n| !reports.contains_key(n) && !lost.contains(n))
-                .collect();
-            if missing.is_empty() {
-                break;
+            if !events.is_empty() {
+                continue;
             }
             if Instant::now() >= deadline {
-                let names: Vec<String> = missing.iter().map(|&n| self.describe_node(n)).collect();
+                let names: Vec<String> = settlement
+                    .missing()
+                    .iter()
+                    .map(|&n| self.describe_node(n))
+                    .collect();
                 bail!(
                     "timed out after {:.0}s waiting for {} to report on attempt {a}",
                     self.report_deadline().as_secs_f64(),
@@ -854,158 +760,16 @@ impl NodeAgent {
             }
             std::thread::sleep(WATCH_EVERY);
         }
-        lost.sort_unstable();
-        lost.dedup();
-        let ours = &reports[&leader];
-        let (last_step, resumed_from) = (ours.last_step, ours.resumed_from);
-        let failures: Vec<Failure> = members
-            .iter()
-            .filter_map(|m| reports.get(&m.node)?.failure.clone())
-            .collect();
-        let lost_failure = lost.first().map(|&n| Failure {
-            node: n,
-            rank: members.iter().position(|m| m.node == n).unwrap_or(0) * self.s.nproc,
-            kind: FailureKind::NodeLost,
-            what: format!("{} lost (no heartbeat)", self.describe_node(n)),
-            message: format!(
-                "{} lost (no heartbeat for {:.1}s)",
-                self.describe_node(n),
-                self.s.heartbeat_timeout.as_secs_f64()
-            ),
-            permanent: false,
-            detection_seconds: self.s.heartbeat_timeout.as_secs_f64(),
-        });
-        let root = failures
-            .iter()
-            .find(|f| matches!(f.kind, FailureKind::Killed { .. }))
-            .or_else(|| failures.iter().find(|f| f.permanent))
-            .or(lost_failure.as_ref())
-            .or_else(|| failures.iter().min_by_key(|f| f.rank))
-            .cloned();
-        let regroup = self.client.try_get(&format!("g{a}/regroup"))?.is_some();
-        // Workers stopped from outside with nothing to show for it: a watcher lost the store.
-        let root = root.or_else(|| {
-            let n = members
-                .iter()
-                .find(|m| reports.get(&m.node).is_some_and(|r| r.stopped))
-                .map(|m| m.node)?;
-            (!regroup).then(|| Failure {
-                node: n,
-                rank: 0,
-                kind: FailureKind::StoreLost,
-                what: format!("{} stopped its workers", self.describe_node(n)),
-                message: format!(
-                    "{} stopped its workers: its agent lost the job's store",
-                    self.describe_node(n)
-                ),
-                permanent: false,
-                detection_seconds: 0.0,
-            })
-        });
-        let mut next = self.rule_on(root.as_ref(), regroup);
-        let mut next_members: Vec<Member> = members
-            .iter()
-            .filter(|m| !lost.contains(&m.node))
-            .cloned()
-            .collect();
-        let mut changes = Vec::new();
-        let world_before = self.world(&members);
-        if next == Next::Restart {
-            if next_members.len() < self.s.min_nodes {
-                let names: Vec<String> = lost.iter().map(|&n| self.describe_node(n)).collect();
-                next = Next::End {
-                    message: format!(
-                        "{} lost (no heartbeat for {:.1}s); {} node(s) remain, below the minimum of {} (--nnodes) — continue with --resume once it is back",
-                        names.join(", "),
-                        self.s.heartbeat_timeout.as_secs_f64(),
-                        next_members.len(),
-                        self.s.min_nodes
-                    ),
-                    permanent: false,
-                };
-            } else {
-                for &n in &lost {
-                    let after: Vec<Member> = members
-                        .iter()
-                        .filter(|m| !lost.contains(&m.node))
-                        .cloned()
-                        .collect();
-                    changes.push(self.change(
-                        a,
-                        "node lost",
-                        n,
-                        world_before,
-                        self.world(&after),
-                        last_step,
-                    ));
-                }
-                let world_without = self.world(&next_members);
-                for j in watched.joiners {
-                    if next_members.len() < self.s.max_nodes
-                        && !next_members.iter().any(|m| m.node == j.node)
-                    {
-                        next_members.push(j.clone());
-                        let after = self.world(&next_members);
-                        changes.push(MembershipChange {
-                            attempt: a,
-                            change: "node joined".into(),
-                            who: format!("node {} ({})", j.node, j.host),
-                            world_before: world_without,
-                            world_after: after,
-                            step: last_step,
-                            resumed_from: None,
-                            steps_recomputed: None,
-                        });
-                    }
-                }
-                next_members.sort_by_key(|m| m.node);
-            }
-        }
-        Ok(Decision {
-            failure: root,
-            next,
-            members: next_members,
-            changes,
-            last_step,
-            resumed_from,
-        })
     }
 
-    /// The restart policy (`supervise::rule`, shared with the single-node launcher) applied to
-    /// the job's root cause.
-    fn rule_on(&self, root: Option<&Failure>, regroup: bool) -> Next {
-        let as_worker = root.map(|f| WorkerFailure {
-            rank: f.rank,
-            kind: f.kind,
-            what: f.what.clone(),
-            message: f.message.clone(),
-            permanent: f.permanent,
-            detection_seconds: f.detection_seconds,
-        });
-        let policy = RestartPolicy {
+    /// The job's settings every ruling applies.
+    fn rules(&self) -> Rules {
+        Rules {
+            nproc: self.s.nproc,
+            min_nodes: self.s.min_nodes,
+            max_nodes: self.s.max_nodes,
+            heartbeat_timeout: self.s.heartbeat_timeout,
             max_restarts: self.s.max_restarts,
-        };
-        rule(policy, self.restarts, as_worker.as_ref(), regroup)
-    }
-
-    fn change(
-        &self,
-        a: usize,
-        what: &str,
-        n: usize,
-        before: usize,
-        after: usize,
-        step: Option<u64>,
-    ) -> MembershipChange {
-        MembershipChange {
-            attempt: a,
-            change: what.into(),
-            who: self.describe_node(n),
-            world_before: before,
-            world_after: after,
-            step,
-            resumed_from: None,
-            steps_recomputed: None,
         }
     }
 }
@@ -1016,7 +780,7 @@ impl Coordinator for NodeAgent {
     }
 
     fn placement(&mut self, attempt: usize) -> Result<Placement> {
-        let key = format!("g{attempt}/members");
+        let key = keys::members(attempt);
         let raw = self
             .client
             .get(&key, self.report_deadline())
@@ -1083,7 +847,7 @@ impl Coordinator for NodeAgent {
         if self.is_leader() {
             // Agents still waiting to be admitted end quietly rather than at the store's close:
             // they look every 2 × WATCH_EVERY, so the store stays up a little longer than that.
-            if self.client.set("agents/done", b"1").is_ok() {
+            if self.client.set(keys::DONE, b"1").is_ok() {
                 std::thread::sleep(WATCH_EVERY * 5);
             }
         }
@@ -1135,8 +899,8 @@ impl AttemptWatch {
             // gone (node 0 lost): the local workers cannot finish this attempt.
             let posted = |c: &mut StoreClient, key: String| c.try_get(&key).map(|v| v.is_some());
             let stop = match (
-                posted(&mut self.c, format!("g{a}/failed")),
-                posted(&mut self.c, format!("g{a}/regroup")),
+                posted(&mut self.c, keys::failed(a)),
+                posted(&mut self.c, keys::regroup(a)),
             ) {
                 (Ok(f), Ok(r)) => f || r,
                 _ => true,
@@ -1145,7 +909,7 @@ impl AttemptWatch {
                 for m in self.members.iter().filter(|m| m.node != self.me) {
                     if self
                         .beats
-                        .silent(&mut self.c, &heartbeat_key(m.node, m.incarnation))
+                        .silent(&mut self.c, &keys::heartbeat(m.node, m.incarnation))
                     {
                         silent.push(m.node);
                     }
@@ -1169,7 +933,7 @@ impl AttemptWatch {
 
     /// The leader publishes rank 0's progress; the others keep the last value they read.
     fn share_progress(&mut self) {
-        let key = format!("g{}/progress", self.attempt);
+        let key = keys::progress(self.attempt);
         if self.admit.is_some() {
             let step = self.progress.load(Ordering::SeqCst);
             if step != self.last_step && self.c.set(&key, step.to_string().as_bytes()).is_ok() {
@@ -1190,7 +954,7 @@ impl AttemptWatch {
         };
         let mut joiners = Vec::new();
         for n in 0..adm.max_nodes {
-            let Ok(c) = self.c.add(&format!("join/{n}"), 0) else {
+            let Ok(c) = self.c.add(&keys::join(n), 0) else {
                 return;
             };
             let current = self
@@ -1201,10 +965,10 @@ impl AttemptWatch {
             if c <= current {
                 continue;
             }
-            if !self.beats.moving(&mut self.c, &heartbeat_key(n, c)) {
+            if !self.beats.moving(&mut self.c, &keys::heartbeat(n, c)) {
                 continue;
             }
-            let Ok(Some(raw)) = self.c.try_get(&format!("agent/{n}/{c}")) else {
+            let Ok(Some(raw)) = self.c.try_get(&keys::registration(n, c)) else {
                 continue;
             };
             match serde_json::from_slice::<Registration>(&raw) {
@@ -1237,10 +1001,7 @@ impl AttemptWatch {
                 .collect();
             if self
                 .c
-                .set(
-                    &format!("g{}/regroup", self.attempt),
-                    names.join(", ").as_bytes(),
-                )
+                .set(&keys::regroup(self.attempt), names.join(", ").as_bytes())
                 .is_ok()
             {
                 adm.regroup_posted = true;
