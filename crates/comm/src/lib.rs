@@ -18,6 +18,7 @@ pub mod communicator;
 pub mod copy;
 pub mod element;
 pub mod error;
+pub mod etcd;
 pub mod exact;
 /// The exact sum's fixed-point loops (in `lockstep-exact`, shared with models).
 pub use lockstep_exact::fixed_point;
