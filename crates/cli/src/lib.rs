@@ -172,9 +172,14 @@ struct NodeArgs {
     nnodes: String,
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
-    /// host:port of the rendezvous store, served by node 0 (needed when --nnodes > 1).
+    /// Where the nodes meet (needed when --nnodes > 1): HOST:PORT of the store node 0 serves
+    /// (`--rdzv-backend builtin`), or `etcd://h1:2379,h2:2379,h3:2379` (`--rdzv-backend etcd`).
     #[arg(long)]
     rdzv: Option<String>,
+    /// `builtin` (node 0 serves the store; it moves to a survivor by majority if node 0 is lost)
+    /// or `etcd` (an etcd cluster, which outlives any one host).
+    #[arg(long, default_value = "builtin")]
+    rdzv_backend: String,
     /// Seconds without a heartbeat after which another node's agent counts as lost
     /// (--nnodes > 1).
     #[arg(long, default_value_t = 10.0)]
@@ -188,6 +193,7 @@ impl NodeArgs {
             nnodes: "1".into(),
             node_rank: 0,
             rdzv: None,
+            rdzv_backend: "builtin".into(),
             heartbeat_timeout: 10.0,
         }
     }
@@ -208,6 +214,17 @@ impl NodeArgs {
     /// Is this one job across several nodes (with agents and a shared store)?
     fn several(&self) -> Result<bool, request::BadRequest> {
         Ok(self.range()?.1 > 1)
+    }
+
+    /// Whether the agents meet in etcd (`--rdzv-backend`).
+    fn etcd(&self) -> Result<bool, request::BadRequest> {
+        match self.rdzv_backend.as_str() {
+            "builtin" => Ok(false),
+            "etcd" => Ok(true),
+            other => Err(request::BadRequest(format!(
+                "--rdzv-backend {other:?}: expected builtin or etcd"
+            ))),
+        }
     }
 }
 
@@ -682,11 +699,15 @@ struct JobStore {
 /// by node 0's agent).
 fn job_store(nodes: &NodeArgs, env: &HashMap<String, String>) -> Result<JobStore> {
     let several = nodes.several()?;
+    nodes.etcd()?;
     let (store, secret, job_id) = if several {
-        let rdzv = nodes
-            .rdzv
-            .clone()
-            .context("--nnodes > 1 needs --rdzv HOST:PORT (node 0 serves the store there)")?;
+        let rdzv = nodes.rdzv.clone().context(
+            "--nnodes > 1 needs --rdzv HOST:PORT (node 0 serves the store there) or --rdzv-backend etcd --rdzv etcd://HOST:PORT,...",
+        )?;
+        if nodes.etcd()? {
+            lockstep_comm::etcd::EtcdClient::from_url(&rdzv)
+                .map_err(|e| request::BadRequest(format!("--rdzv {rdzv}: {e}")))?;
+        }
         let hex = env.get("LOCKSTEP_SECRET").context(
             "--nnodes > 1 needs the same LOCKSTEP_SECRET on every node: run `lockstep secret` once and export it everywhere",
         )?;
@@ -706,7 +727,8 @@ fn job_store(nodes: &NodeArgs, env: &HashMap<String, String>) -> Result<JobStore
         (String::new(), secret, job)
     };
     let mut store = store;
-    let server = if nodes.node_rank == 0 {
+    // With etcd each attempt's leader serves the workers' store itself (agent/rendezvous.rs).
+    let server = if nodes.node_rank == 0 && !(several && nodes.etcd()?) {
         let bind: SocketAddr = if several {
             resolve_rdzv(&store)?
         } else {

@@ -17,7 +17,8 @@
 //! | `g{a}/regroup` | the leader's watcher | joiners' names: stop to admit them |
 //! | `g{a}/progress` | the leader's watcher | rank 0's last completed step |
 //! | `g{a}/end/{node}` | each member | its end report of attempt `a` (JSON) |
-//! | `g{a}/decision` | the leader | its ruling on attempt `a` (JSON) |
+//! | `g{a}/decision` | the leader | its ruling on attempt `a` (JSON; the first written stands) |
+//! | `g{a}/store` | attempt `a`'s leader (etcd) | where attempt `a`'s workers meet |
 
 /// Counter of node `node`'s agent starts: its newest incarnation.
 pub fn join(node: usize) -> String {
@@ -76,6 +77,11 @@ pub fn decision(a: usize) -> String {
     format!("g{a}/decision")
 }
 
+/// etcd: the address of the store attempt `a`'s leader serves for its workers.
+pub fn workers_store(a: usize) -> String {
+    format!("g{a}/store")
+}
+
 /// Where the workers of attempt `a` meet: every key they use starts with it, so nothing of an
 /// earlier attempt is mistaken for theirs.
 pub fn attempt_namespace(a: usize) -> String {
@@ -106,6 +112,7 @@ mod tests {
             progress(3),
             end_report(3, 1),
             decision(3),
+            workers_store(3),
         ];
         for k in &per_attempt {
             assert!(k.starts_with(&attempt_namespace(3)), "{k}");

@@ -326,8 +326,13 @@ fn coordinator(
         boundary,
         checkpoint_dir: lockstep_train::checkpoint_dir(&r.cfg, &r.out),
     };
+    let backend = if a.nodes.etcd()? {
+        agent::Backend::Etcd(st.store.clone())
+    } else {
+        agent::Backend::Builtin(resolve_rdzv(&st.store)?)
+    };
     Ok(
-        match agent::NodeAgent::join(resolve_rdzv(&st.store)?, &st.secret, &st.job_id, settings)? {
+        match agent::NodeAgent::join(backend, &st.secret, &st.job_id, settings)? {
             agent::Joined::Member(agent) => Some(agent),
             agent::Joined::JobOver => None,
         },

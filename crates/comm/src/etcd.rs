@@ -81,6 +81,11 @@ impl EtcdClient {
         self
     }
 
+    /// The endpoints, in the order they are tried.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
     /// The endpoints, for messages: "h1:2379, h2:2379".
     pub fn describe(&self) -> String {
         self.endpoints.join(", ")

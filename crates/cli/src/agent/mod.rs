@@ -52,18 +52,20 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use lockstep_comm::store::StoreClient;
 use lockstep_comm::JobSecret;
 use serde::{Deserialize, Serialize};
 
 use crate::launch::{FailureKind, Outcome, WorkerFailure};
 use crate::store_keys as keys;
 
-mod ruling;
 use crate::supervise::{Boundary, Coordinator, Next, Placement, Ruling};
+
+mod rendezvous;
+mod ruling;
+use rendezvous::{AgentStore, Generation, Rendezvous};
 use ruling::{
-    after_leader_loss, Action, Decision, EndReport, Event, Failure, LeaderLoss, Member, Rules,
-    Settlement,
+    after_leader_loss, Action, CheckpointReach, Decision, EndReport, Event, Failure, LeaderLoss,
+    Member, Rules, Settlement,
 };
 
 /// How long the agents wait for each other to join (nodes are started by hand or by a scheduler,
@@ -129,32 +131,33 @@ struct Watcher {
     handle: JoinHandle<Watched>,
 }
 
-/// How the agents reach the job's store.
-#[derive(Clone)]
-struct StoreAddress {
-    addr: SocketAddr,
-    secret: JobSecret,
-    job_id: String,
-    /// An answer that takes longer than this means the store's host (node 0) is gone.
-    grace: Duration,
+/// Where the agents of a job meet (`--rdzv-backend`).
+pub enum Backend {
+    /// lockstep's store at `--rdzv HOST:PORT`, served by node 0's agent.
+    Builtin(SocketAddr),
+    /// An etcd cluster: `--rdzv etcd://h1:2379,h2:2379,...`.
+    Etcd(String),
 }
 
-impl StoreAddress {
-    fn connect(&self, timeout: Duration) -> Result<StoreClient> {
-        Ok(
-            StoreClient::connect(self.addr, &self.secret, &self.job_id, timeout)
-                .with_context(|| {
-                    format!(
-                        "node agent joining the job's store at {} (served by node 0)",
-                        self.addr
-                    )
-                })?
-                .with_answer_grace(self.grace),
-        )
-    }
+/// What a late agent's wait for admission ended with.
+enum Admitted {
+    /// Admitted at this attempt.
+    At(usize),
+    JobOver,
+    /// Node 0 opened a newer generation of the job's keys (etcd).
+    Superseded,
+}
+
+/// How a join ended.
+enum JoinStep {
+    Joined(Joined),
+    /// Node 0 opened a newer generation of the job's keys while this agent waited in an older
+    /// one (it started before node 0): join again there.
+    Superseded,
 }
 
 /// What `lockstep train` tells its node's agent.
+#[derive(Clone)]
 pub struct AgentSettings {
     pub node: usize,
     pub min_nodes: usize,
@@ -173,8 +176,13 @@ pub struct AgentSettings {
 /// This node's agent.
 pub struct NodeAgent {
     s: AgentSettings,
-    store: StoreAddress,
-    client: StoreClient,
+    rdzv: Rendezvous,
+    client: Box<dyn AgentStore>,
+    /// The job's secret and id: the workers' store a leader serves authenticates with them.
+    secret: JobSecret,
+    job_id: String,
+    /// etcd: the job's generations and the one this agent joined (see `rendezvous.rs`).
+    generation: Option<(Generation, i64)>,
     me: Member,
     registration: Registration,
     /// The current attempt's members (node 0: also the next one's, once decided).
@@ -182,10 +190,11 @@ pub struct NodeAgent {
     first_attempt: usize,
     /// Restarts made so far (the policy's count; the leader applies it).
     restarts: usize,
-    /// The node that serves the store and runs rank 0: node 0, until it is lost and the store
-    /// moves to the lowest-numbered survivor.
+    /// The node that runs rank 0 — the lowest-numbered member — and rules on each attempt: node
+    /// 0, until it is lost. With the builtin store it also serves the store, which moves with it.
     leader: usize,
-    /// The store this agent serves since it became leader (node 0's is `lockstep train`'s).
+    /// The store this agent serves: the builtin store after it moved here, or (etcd) the
+    /// workers' store while this node leads (node 0's builtin one is `lockstep train`'s).
     server: Option<lockstep_comm::store::StoreServer>,
     heartbeat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
     watcher: Option<Watcher>,
@@ -200,24 +209,59 @@ pub enum Joined {
 }
 
 impl NodeAgent {
-    /// Register with the job's store; wait for the other agents (node 0) or for the verdict and
-    /// this node's admission (the others).
+    /// Register with the job's rendezvous; wait for the other agents (node 0) or for the verdict
+    /// and this node's admission (the others).
     pub fn join(
-        addr: SocketAddr,
+        backend: Backend,
         secret: &JobSecret,
         job_id: &str,
         s: AgentSettings,
     ) -> Result<Joined> {
-        let store = StoreAddress {
-            addr,
-            secret: secret.clone(),
-            job_id: job_id.to_string(),
-            grace: s.heartbeat_timeout,
+        let url = match backend {
+            Backend::Builtin(addr) => {
+                let rdzv = Rendezvous::Builtin {
+                    addr,
+                    secret: secret.clone(),
+                    job_id: job_id.to_string(),
+                    grace: s.heartbeat_timeout,
+                };
+                return match Self::join_at(rdzv, None, secret, job_id, s)? {
+                    JoinStep::Joined(j) => Ok(j),
+                    JoinStep::Superseded => unreachable!("the builtin store has no generations"),
+                };
+            }
+            Backend::Etcd(url) => url,
         };
-        let mut client = store.connect(s.join_timeout)?;
+        loop {
+            let generations = Generation::of(&url, job_id)?;
+            let g = if s.node == 0 {
+                generations.open()?
+            } else {
+                generations.current(s.join_timeout)?
+            };
+            let rdzv = Rendezvous::etcd(&url, job_id, g)?;
+            let joined = Self::join_at(rdzv, Some((generations, g)), secret, job_id, s.clone())?;
+            if let JoinStep::Joined(j) = joined {
+                return Ok(j);
+            }
+            eprintln!(
+                "lockstep: node 0 opened the job anew in etcd; node {} joins there",
+                s.node
+            );
+        }
+    }
+
+    fn join_at(
+        rdzv: Rendezvous,
+        generation: Option<(Generation, i64)>,
+        secret: &JobSecret,
+        job_id: &str,
+        s: AgentSettings,
+    ) -> Result<JoinStep> {
+        let mut client = rdzv.connect(s.join_timeout)?;
         let registration = Registration {
             host: crate::worker::hostname(),
-            ip: client.local_ip()?.to_string(),
+            ip: rdzv.local_ip()?.to_string(),
             nproc: s.nproc,
             max_restarts: s.max_restarts,
             min_nodes: s.min_nodes,
@@ -236,8 +280,11 @@ impl NodeAgent {
         };
         let mut agent = NodeAgent {
             s,
-            store,
+            rdzv,
             client,
+            secret: secret.clone(),
+            job_id: job_id.to_string(),
+            generation,
             me,
             registration,
             members: Vec::new(),
@@ -251,12 +298,11 @@ impl NodeAgent {
         agent.start_heartbeat()?;
         if agent.s.node == 0 {
             agent.gather()?;
-            return Ok(Joined::Member(Box::new(agent)));
+            return Ok(JoinStep::Joined(Joined::Member(Box::new(agent))));
         }
-        let verdict = agent
-            .client
-            .get(keys::VERDICT, agent.s.join_timeout)
-            .context("waiting for node 0's agent to admit the nodes (start `lockstep train` with the same --nnodes and --rdzv on every node)")?;
+        let Some(verdict) = agent.await_verdict()? else {
+            return Ok(JoinStep::Superseded);
+        };
         if verdict != b"ok" {
             agent.client.add(keys::VERDICT_READ, 1)?;
             return Err(
@@ -268,12 +314,47 @@ impl NodeAgent {
         if let Some(why) = agent.registration.disagreement(agent.s.node, &base) {
             return Err(crate::request::BadRequest(why).into());
         }
-        match agent.await_admission()? {
-            Some(first) => {
+        Ok(match agent.await_admission()? {
+            Admitted::At(first) => {
                 agent.first_attempt = first;
-                Ok(Joined::Member(Box::new(agent)))
+                JoinStep::Joined(Joined::Member(Box::new(agent)))
             }
-            None => Ok(Joined::JobOver),
+            Admitted::JobOver => JoinStep::Joined(Joined::JobOver),
+            Admitted::Superseded => JoinStep::Superseded,
+        })
+    }
+
+    /// Node 0's verdict on the agents' settings; `None` when node 0 opened a newer generation
+    /// meanwhile (etcd).
+    fn await_verdict(&mut self) -> Result<Option<Vec<u8>>> {
+        const WAITING: &str = "waiting for node 0's agent to admit the nodes (start `lockstep train` with the same --nnodes, --rdzv-backend and --rdzv on every node)";
+        if self.generation.is_none() {
+            let v = self.client.get(keys::VERDICT, self.s.join_timeout);
+            return v.context(WAITING).map(Some);
+        }
+        let started = Instant::now();
+        loop {
+            if let Some(v) = self.client.try_get(keys::VERDICT)? {
+                return Ok(Some(v));
+            }
+            if self.superseded()? {
+                return Ok(None);
+            }
+            if started.elapsed() >= self.s.join_timeout {
+                bail!(
+                    "timed out after {:.0}s {WAITING}",
+                    self.s.join_timeout.as_secs_f64()
+                );
+            }
+            std::thread::sleep(WATCH_EVERY * 2);
+        }
+    }
+
+    /// etcd: node 0 opened a newer generation of the job's keys than the one this agent joined.
+    fn superseded(&self) -> Result<bool> {
+        match &self.generation {
+            Some((generations, g)) => generations.moved_past(*g),
+            None => Ok(false),
         }
     }
 
@@ -359,8 +440,8 @@ impl NodeAgent {
     }
 
     /// A node other than 0: wait until node 0 admits this incarnation (the attempt it joins), or
-    /// the job ends (`None`).
-    fn await_admission(&mut self) -> Result<Option<usize>> {
+    /// the job ends, or (etcd) node 0 opens a newer generation.
+    fn await_admission(&mut self) -> Result<Admitted> {
         let key = keys::admission(self.me.node, self.me.incarnation);
         let mut said = false;
         loop {
@@ -377,10 +458,13 @@ impl NodeAgent {
                 if said {
                     eprintln!("lockstep: node {} admitted at attempt {a}", self.me.node);
                 }
-                return Ok(Some(a));
+                return Ok(Admitted::At(a));
             }
             if self.client.try_get(keys::DONE)?.is_some() {
-                return Ok(None);
+                return Ok(Admitted::JobOver);
+            }
+            if self.superseded()? {
+                return Ok(Admitted::Superseded);
             }
             if !said {
                 eprintln!(
@@ -394,12 +478,18 @@ impl NodeAgent {
     }
 
     fn store_lost(&self) -> String {
-        format!(
-            "node agent {}: the job's store at {} ({}) does not answer",
-            self.me.node,
-            self.store.addr,
-            self.describe_node(self.leader)
-        )
+        match &self.rdzv {
+            Rendezvous::Builtin { addr, .. } => format!(
+                "node agent {}: the job's store at {addr} ({}) does not answer",
+                self.me.node,
+                self.describe_node(self.leader)
+            ),
+            etcd => format!(
+                "node agent {}: {} does not answer",
+                self.me.node,
+                etcd.describe()
+            ),
+        }
     }
 
     /// Name of node `n` for messages: "node 1 (hostname)".
@@ -408,7 +498,7 @@ impl NodeAgent {
     }
 
     fn start_heartbeat(&mut self) -> Result<()> {
-        let mut c = self.store.connect(self.s.heartbeat_timeout)?;
+        let mut c = self.rdzv.connect(self.s.heartbeat_timeout)?;
         let stop = Arc::new(AtomicBool::new(false));
         let key = keys::heartbeat(self.me.node, self.me.incarnation);
         c.add(&key, 1)?;
@@ -498,9 +588,176 @@ impl NodeAgent {
             .with_context(|| self.store_lost())?;
         if self.is_leader() {
             let decision = self.decide(a, mine, watched)?;
-            self.publish(a, &decision)?;
+            return self.publish(a, decision);
+        }
+        if self.rdzv.is_etcd() {
+            return self.await_decision(a, mine, watched);
         }
         self.read_decision(a)
+    }
+
+    /// etcd: the leader's decision on attempt `a` — or, when the leader is lost (its heartbeat
+    /// stopped during the attempt or while this node waits), a survivor's ruling in its place.
+    fn await_decision(&mut self, a: usize, mine: EndReport, watched: Watched) -> Result<Decision> {
+        let deadline = Instant::now() + self.report_deadline();
+        let leader = self.leader;
+        let incarnation = self.member(leader).map_or(0, |m| m.incarnation);
+        let mut beats = Beats::new(self.s.heartbeat_timeout);
+        let mut lost_early = watched.silent.contains(&leader);
+        loop {
+            if let Some(raw) = self.client.try_get(&keys::decision(a))? {
+                return serde_json::from_slice(&raw).context("store key decision: not a decision");
+            }
+            lost_early = lost_early
+                || beats.silent(self.client.as_mut(), &keys::heartbeat(leader, incarnation));
+            if lost_early {
+                return self.take_over(a, mine, watched);
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "timed out after {:.0}s waiting for {}'s decision on attempt {a}",
+                    self.report_deadline().as_secs_f64(),
+                    self.describe_node(leader)
+                );
+            }
+            std::thread::sleep(WATCH_EVERY);
+        }
+    }
+
+    /// etcd: the leader of attempt `a` is lost. The lowest-numbered member not known to be lost
+    /// rules in its place (if it is lost too, the next one); the first decision written is the
+    /// one every agent follows.
+    fn take_over(&mut self, a: usize, mine: EndReport, watched: Watched) -> Result<Decision> {
+        let deadline = Instant::now() + self.report_deadline();
+        let mut lost: Vec<usize> = watched.silent.clone();
+        if !lost.contains(&self.leader) {
+            lost.push(self.leader);
+        }
+        eprintln!(
+            "lockstep: {} (the leader) is lost; the lowest-numbered survivor rules on attempt {a}",
+            self.describe_node(self.leader)
+        );
+        let mut beats = Beats::new(self.s.heartbeat_timeout);
+        loop {
+            if let Some(raw) = self.client.try_get(&keys::decision(a))? {
+                return serde_json::from_slice(&raw).context("store key decision: not a decision");
+            }
+            let ruler = self
+                .members
+                .iter()
+                .find(|m| !lost.contains(&m.node))
+                .cloned();
+            let Some(ruler) = ruler else {
+                bail!("every member of attempt {a} is lost");
+            };
+            if ruler.node == self.me.node {
+                return self.rule_without_leader(a, mine, lost, watched.last_step);
+            }
+            if beats.silent(
+                self.client.as_mut(),
+                &keys::heartbeat(ruler.node, ruler.incarnation),
+            ) {
+                lost.push(ruler.node);
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "timed out after {:.0}s waiting for {}'s decision on attempt {a} (the leader was lost)",
+                    self.report_deadline().as_secs_f64(),
+                    self.describe_node(ruler.node)
+                );
+            }
+            std::thread::sleep(WATCH_EVERY);
+        }
+    }
+
+    /// etcd: this node rules on attempt `a` in the lost leader's place: the members in `lost`
+    /// count as lost; rank 0's checkpoint of `seen_step` must be in this node's reach.
+    fn rule_without_leader(
+        &mut self,
+        a: usize,
+        mine: EndReport,
+        lost: Vec<usize>,
+        seen_step: u64,
+    ) -> Result<Decision> {
+        let old = self.leader;
+        self.leader = self.me.node;
+        let settlement = Settlement::new(
+            a,
+            self.members.clone(),
+            self.me.node,
+            self.restarts,
+            vec![],
+            false,
+        );
+        let mut events: Vec<Event> = lost
+            .into_iter()
+            .map(|node| Event::Silent { node })
+            .collect();
+        events.push(Event::Reported {
+            node: self.me.node,
+            report: mine,
+        });
+        let mut decision = self.settle_with(a, settlement, events)?;
+        // Rank 0's progress is what the lost leader last published.
+        decision.last_step = decision.last_step.or(Some(seen_step));
+        for c in &mut decision.changes {
+            c.step = c.step.or(Some(seen_step));
+        }
+        let reach = CheckpointReach {
+            seen_step,
+            every: self.s.boundary.checkpoint_every,
+            newest: self.newest_checkpoint(),
+            dir: &self.s.checkpoint_dir,
+            here: self.describe_node(self.me.node),
+            lost: self.describe_node(old),
+        };
+        let decision = ruling::unless_checkpoint_out_of_reach(decision, &reach);
+        self.publish(a, decision)
+    }
+
+    /// The newest checkpoint this node can read (0: none).
+    fn newest_checkpoint(&self) -> u64 {
+        lockstep_train::checkpoint::list(&self.s.checkpoint_dir)
+            .ok()
+            .and_then(|l| l.iter().map(|(step, _)| *step).max())
+            .unwrap_or(0)
+    }
+
+    fn member(&self, node: usize) -> Option<&Member> {
+        self.members.iter().find(|m| m.node == node)
+    }
+
+    /// etcd: where attempt `attempt`'s workers meet — the store its leader serves (this node's,
+    /// started on first use, when it leads) and publishes.
+    fn workers_store(&mut self, attempt: usize) -> Result<String> {
+        let key = keys::workers_store(attempt);
+        if self.is_leader() {
+            if self.server.is_none() {
+                let bind = SocketAddr::new(self.rdzv.local_ip()?, 0);
+                let server =
+                    lockstep_comm::store::StoreServer::bind(bind, &self.secret, &self.job_id)
+                        .with_context(|| format!("serving the workers' store on {bind}"))?;
+                self.server = Some(server);
+            }
+            let addr = self
+                .server
+                .as_ref()
+                .expect("just started")
+                .local_addr()
+                .to_string();
+            self.client.set(&key, addr.as_bytes())?;
+            return Ok(addr);
+        }
+        let raw = self
+            .client
+            .get(&key, self.report_deadline())
+            .with_context(|| {
+                format!(
+                    "waiting for {} to serve attempt {attempt}'s store",
+                    self.describe_node(self.leader)
+                )
+            })?;
+        String::from_utf8(raw).with_context(|| format!("store key {key}: not an address"))
     }
 
     /// The leader's decision on attempt `a`, once it is posted.
@@ -518,8 +775,15 @@ impl NodeAgent {
     }
 
     /// The leader: make a decision on attempt `a` known (with the next attempt's members and the
-    /// admissions of nodes that join).
-    fn publish(&mut self, a: usize, decision: &Decision) -> Result<()> {
+    /// admissions of nodes that join). The first decision written stands: if another agent's
+    /// came first (two survivors ruling for a lost leader), that one is returned.
+    fn publish(&mut self, a: usize, decision: Decision) -> Result<Decision> {
+        if !self
+            .client
+            .create(&keys::decision(a), &serde_json::to_vec(&decision)?)?
+        {
+            return self.read_decision(a);
+        }
         if decision.next == Next::Restart {
             self.client.set(
                 &keys::members(a + 1),
@@ -534,9 +798,7 @@ impl NodeAgent {
                 }
             }
         }
-        self.client
-            .set(&keys::decision(a), &serde_json::to_vec(decision)?)?;
-        Ok(())
+        Ok(decision)
     }
 
     /// Every agent: the decision as this node's ruling.
@@ -611,34 +873,30 @@ impl NodeAgent {
             .ip
             .parse()
             .with_context(|| format!("{}'s address {}", self.describe_node(next.node), next.ip))?;
-        let addr = SocketAddr::new(ip, self.store.addr.port());
+        let Some(old_addr) = self.rdzv.builtin_addr() else {
+            bail!("only the builtin store moves");
+        };
+        let addr = SocketAddr::new(ip, old_addr.port());
         eprintln!(
             "lockstep: {lost} (the store's host) is lost; the store moves to {} at {addr}",
             self.describe_node(next.node)
         );
         self.leader = next.node;
-        self.store.addr = addr;
+        self.rdzv.move_to(addr);
         if next.node != self.me.node {
-            self.client = self
-                .store
-                .connect(self.report_deadline())
-                .with_context(|| {
-                    format!(
-                        "reaching the job's store, moved to {} at {addr}",
-                        self.describe_node(next.node)
-                    )
-                })?;
+            self.client = self.rdzv.connect(self.report_deadline()).with_context(|| {
+                format!(
+                    "reaching the job's store, moved to {} at {addr}",
+                    self.describe_node(next.node)
+                )
+            })?;
             self.register()?;
             return self.read_decision(a);
         }
-        let server = lockstep_comm::store::StoreServer::bind(
-            addr,
-            &self.store.secret,
-            &self.store.job_id,
-        )
-        .with_context(|| format!("serving the job's store on {addr} after {lost} was lost"))?;
+        let server = lockstep_comm::store::StoreServer::bind(addr, &self.secret, &self.job_id)
+            .with_context(|| format!("serving the job's store on {addr} after {lost} was lost"))?;
         self.server = Some(server);
-        self.client = self.store.connect(self.report_deadline())?;
+        self.client = self.rdzv.connect(self.report_deadline())?;
         self.register()?;
         // The other survivors re-register here; those that do not within the deadline are lost.
         let deadline = Instant::now() + self.report_deadline();
@@ -668,10 +926,7 @@ impl NodeAgent {
             std::thread::sleep(WATCH_EVERY);
         }
         present.sort_by_key(|m| m.node);
-        let newest_checkpoint = lockstep_train::checkpoint::list(&self.s.checkpoint_dir)
-            .ok()
-            .and_then(|l| l.iter().map(|(step, _)| *step).max())
-            .unwrap_or(0);
+        let newest_checkpoint = self.newest_checkpoint();
         let loss = LeaderLoss {
             attempt: a,
             members: &self.members,
@@ -685,8 +940,7 @@ impl NodeAgent {
             checkpoint_dir: &self.s.checkpoint_dir,
         };
         let decision = after_leader_loss(loss, &self.rules());
-        self.publish(a, &decision)?;
-        Ok(decision)
+        self.publish(a, decision)
     }
 
     /// How long node 0 waits for the other agents' reports: their workers are being stopped
@@ -698,11 +952,9 @@ impl NodeAgent {
     /// The leader: read the members' reports and heartbeats into the [`Settlement`] until every
     /// member has settled, and return its decision.
     fn decide(&mut self, a: usize, mine: EndReport, watched: Watched) -> Result<Decision> {
-        let deadline = Instant::now() + self.report_deadline();
-        let rules = self.rules();
         let regroup = self.client.try_get(&keys::regroup(a))?.is_some();
         let leader = self.leader;
-        let mut settlement = Settlement::new(
+        let settlement = Settlement::new(
             a,
             self.members.clone(),
             leader,
@@ -720,6 +972,20 @@ impl NodeAgent {
             node: leader,
             report: mine,
         });
+        self.settle_with(a, settlement, events)
+    }
+
+    /// Feeds `events`, then what the store shows of the members still missing (their end reports,
+    /// their heartbeats), into the settlement until it decides.
+    fn settle_with(
+        &mut self,
+        a: usize,
+        mut settlement: Settlement,
+        mut events: Vec<Event>,
+    ) -> Result<Decision> {
+        let deadline = Instant::now() + self.report_deadline();
+        let rules = self.rules();
+        let ruler = self.me.node;
         let mut beats = Beats::new(self.s.heartbeat_timeout);
         loop {
             for event in events.drain(..) {
@@ -737,8 +1003,8 @@ impl NodeAgent {
                     let report = serde_json::from_slice(&raw)
                         .with_context(|| format!("store key {key}: not an end report"))?;
                     events.push(Event::Reported { node, report });
-                } else if node != leader
-                    && beats.silent(&mut self.client, &keys::heartbeat(node, m.incarnation))
+                } else if node != ruler
+                    && beats.silent(self.client.as_mut(), &keys::heartbeat(node, m.incarnation))
                 {
                     events.push(Event::Silent { node });
                 }
@@ -798,11 +1064,17 @@ impl Coordinator for NodeAgent {
                 self.describe_node(self.me.node)
             );
         };
+        // Rank 0 and the ruling go with the lowest-numbered member.
+        self.leader = self.members[0].node;
+        let store = match self.rdzv.builtin_addr() {
+            Some(addr) => addr.to_string(),
+            None => self.workers_store(attempt)?,
+        };
         Ok(Placement {
             first_rank: i * self.s.nproc,
             nproc: self.s.nproc,
             world: self.world(&self.members),
-            store: Some(self.store.addr.to_string()),
+            store: Some(store),
         })
     }
 
@@ -810,7 +1082,7 @@ impl Coordinator for NodeAgent {
         self.stop_watching();
         let stop = Arc::new(AtomicBool::new(false));
         let done = Arc::new(AtomicBool::new(false));
-        let c = self.store.connect(self.s.heartbeat_timeout)?;
+        let c = self.rdzv.connect(self.s.heartbeat_timeout)?;
         let watch = AttemptWatch {
             c,
             attempt,
@@ -876,7 +1148,7 @@ struct Admission {
 
 /// A watcher thread's state over one attempt.
 struct AttemptWatch {
-    c: StoreClient,
+    c: Box<dyn AgentStore>,
     attempt: usize,
     me: usize,
     members: Vec<Member>,
@@ -897,10 +1169,10 @@ impl AttemptWatch {
             std::thread::sleep(WATCH_EVERY);
             // A failure posted by any node, a regroup, a member gone silent, or the store itself
             // gone (node 0 lost): the local workers cannot finish this attempt.
-            let posted = |c: &mut StoreClient, key: String| c.try_get(&key).map(|v| v.is_some());
+            let posted = |c: &mut dyn AgentStore, key: String| c.try_get(&key).map(|v| v.is_some());
             let stop = match (
-                posted(&mut self.c, keys::failed(a)),
-                posted(&mut self.c, keys::regroup(a)),
+                posted(self.c.as_mut(), keys::failed(a)),
+                posted(self.c.as_mut(), keys::regroup(a)),
             ) {
                 (Ok(f), Ok(r)) => f || r,
                 _ => true,
@@ -909,7 +1181,7 @@ impl AttemptWatch {
                 for m in self.members.iter().filter(|m| m.node != self.me) {
                     if self
                         .beats
-                        .silent(&mut self.c, &keys::heartbeat(m.node, m.incarnation))
+                        .silent(self.c.as_mut(), &keys::heartbeat(m.node, m.incarnation))
                     {
                         silent.push(m.node);
                     }
@@ -965,7 +1237,7 @@ impl AttemptWatch {
             if c <= current {
                 continue;
             }
-            if !self.beats.moving(&mut self.c, &keys::heartbeat(n, c)) {
+            if !self.beats.moving(self.c.as_mut(), &keys::heartbeat(n, c)) {
                 continue;
             }
             let Ok(Some(raw)) = self.c.try_get(&keys::registration(n, c)) else {
@@ -1026,7 +1298,7 @@ impl Beats {
 
     /// Read the counter at `key` (`add(0)` reads without changing it); remember when it moved.
     /// Returns (moved since first seen, time since it last moved).
-    fn read(&mut self, c: &mut StoreClient, key: &str) -> Option<(bool, Duration)> {
+    fn read(&mut self, c: &mut dyn AgentStore, key: &str) -> Option<(bool, Duration)> {
         let v = c.add(key, 0).ok()?;
         let now = Instant::now();
         let e = self.last.entry(key.to_string()).or_insert((v, now, false));
@@ -1038,13 +1310,13 @@ impl Beats {
 
     /// Has this counter not moved for the timeout? (An unreadable store says nothing here: the
     /// caller notices it on its own requests.)
-    fn silent(&mut self, c: &mut StoreClient, key: &str) -> bool {
+    fn silent(&mut self, c: &mut dyn AgentStore, key: &str) -> bool {
         self.read(c, key)
             .is_some_and(|(_, since)| since >= self.timeout)
     }
 
     /// Has this counter moved recently (within the timeout)?
-    fn moving(&mut self, c: &mut StoreClient, key: &str) -> bool {
+    fn moving(&mut self, c: &mut dyn AgentStore, key: &str) -> bool {
         self.read(c, key)
             .is_some_and(|(moved, since)| moved && since < self.timeout)
     }

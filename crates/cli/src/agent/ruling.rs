@@ -381,10 +381,6 @@ pub(super) fn after_leader_loss(l: LeaderLoss<'_>, rules: &Rules) -> Decision {
         permanent: false,
         detection_seconds: 0.0,
     };
-    let expected = l
-        .seen_step
-        .checked_div(l.checkpoint_every)
-        .map_or(0, |q| q * l.checkpoint_every);
     let me = describe_node(l.members, l.me);
     let mut next = rules.next(l.restarts, Some(&failure), false);
     if next == Next::Restart && l.present.len() * 2 <= l.members.len() {
@@ -404,15 +400,6 @@ pub(super) fn after_leader_loss(l: LeaderLoss<'_>, rules: &Rules) -> Decision {
                 "{lost} lost; {} node(s) remain, below the minimum of {} (--nnodes) — continue with --resume on node 0's run directory",
                 l.present.len(),
                 rules.min_nodes
-            ),
-            permanent: false,
-        };
-    } else if next == Next::Restart && l.newest_checkpoint < expected {
-        next = Next::End {
-            message: format!(
-                "{lost} lost; rank 0 had written the checkpoint of step {expected}, but the newest {me} reaches in {} is of step {}: the job cannot go on here — continue with --resume on node 0's run directory (put --out or checkpoint.dir on storage every node reaches to let the job go on by itself)",
-                l.checkpoint_dir.display(),
-                l.newest_checkpoint
             ),
             permanent: false,
         };
@@ -436,14 +423,56 @@ pub(super) fn after_leader_loss(l: LeaderLoss<'_>, rules: &Rules) -> Decision {
             )
         })
         .collect();
-    Decision {
+    let decision = Decision {
         failure: Some(failure),
         next,
         members: l.present,
         changes,
         last_step: Some(l.seen_step),
         resumed_from: None,
+    };
+    let reach = CheckpointReach {
+        seen_step: l.seen_step,
+        every: l.checkpoint_every,
+        newest: l.newest_checkpoint,
+        dir: l.checkpoint_dir,
+        here: me,
+        lost,
+    };
+    unless_checkpoint_out_of_reach(decision, &reach)
+}
+
+/// What a new leader knows of rank 0's checkpoints when the old leader is lost.
+pub(super) struct CheckpointReach<'a> {
+    /// Rank 0's last completed step, as the old leader last published it.
+    pub seen_step: u64,
+    pub every: u64,
+    /// The newest checkpoint the new leader can read.
+    pub newest: u64,
+    /// Where it looked.
+    pub dir: &'a std::path::Path,
+    /// The new leader and the lost one, for the message.
+    pub here: String,
+    pub lost: String,
+}
+
+/// Rank 0 moves to the new leader, so a restart needs the checkpoint rank 0 had written last
+/// (of the boundary at or before `seen_step`) in its reach; otherwise the job ends by name.
+pub(super) fn unless_checkpoint_out_of_reach(mut d: Decision, r: &CheckpointReach<'_>) -> Decision {
+    let expected = r.seen_step.checked_div(r.every).map_or(0, |q| q * r.every);
+    if d.next == Next::Restart && r.newest < expected {
+        d.next = Next::End {
+            message: format!(
+                "{} lost; rank 0 had written the checkpoint of step {expected}, but the newest {} reaches in {} is of step {}: the job cannot go on here — continue with --resume on node 0's run directory (put --out or checkpoint.dir on storage every node reaches to let the job go on by itself)",
+                r.lost,
+                r.here,
+                r.dir.display(),
+                r.newest
+            ),
+            permanent: false,
+        };
     }
+    d
 }
 
 /// Properties of the rulings over generated attempts: members that report (fine, failed,
