@@ -216,6 +216,16 @@ impl NodeArgs {
         Ok(self.range()?.1 > 1)
     }
 
+    /// `--rdzv-backend` and, for etcd, `--rdzv`'s endpoints, checked before anything is written.
+    fn check_rendezvous(&self) -> Result<(), request::BadRequest> {
+        if self.etcd()? && self.several()? {
+            let url = self.rdzv.as_deref().unwrap_or_default();
+            lockstep_comm::etcd::EtcdClient::from_url(url)
+                .map_err(|e| request::BadRequest(format!("--rdzv {url}: {e}")))?;
+        }
+        Ok(())
+    }
+
     /// Whether the agents meet in etcd (`--rdzv-backend`).
     fn etcd(&self) -> Result<bool, request::BadRequest> {
         match self.rdzv_backend.as_str() {
@@ -704,10 +714,7 @@ fn job_store(nodes: &NodeArgs, env: &HashMap<String, String>) -> Result<JobStore
         let rdzv = nodes.rdzv.clone().context(
             "--nnodes > 1 needs --rdzv HOST:PORT (node 0 serves the store there) or --rdzv-backend etcd --rdzv etcd://HOST:PORT,...",
         )?;
-        if nodes.etcd()? {
-            lockstep_comm::etcd::EtcdClient::from_url(&rdzv)
-                .map_err(|e| request::BadRequest(format!("--rdzv {rdzv}: {e}")))?;
-        }
+        nodes.check_rendezvous()?;
         let hex = env.get("LOCKSTEP_SECRET").context(
             "--nnodes > 1 needs the same LOCKSTEP_SECRET on every node: run `lockstep secret` once and export it everywhere",
         )?;

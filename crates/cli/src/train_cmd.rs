@@ -83,6 +83,7 @@ impl Request {
             flags::MAX_LOCAL_WORKERS,
         )?;
         let (min_nodes, max_nodes) = a.nodes.range()?;
+        a.nodes.check_rendezvous()?;
         let engine =
             cluster_env::detect(&env)?.filter(|w| w.engine != cluster_env::Engine::Launcher);
         let world = engine

@@ -68,6 +68,33 @@ fn timeouts_threads_and_faults_out_of_range_are_refused_before_the_run_directory
         ],
         &["--nnodes"],
     );
+    // A rendezvous backend lockstep does not have, and etcd endpoints that are not HOST:PORT.
+    refused(
+        &[
+            "train",
+            "--out",
+            o,
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "consul",
+        ],
+        &["--rdzv-backend", "consul"],
+    );
+    refused(
+        &[
+            "train",
+            "--out",
+            o,
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv",
+            "etcd://h1:2379,h2",
+        ],
+        &["--rdzv", "\"h2\"", "HOST:PORT"],
+    );
     for (set, field) in [
         ("optimizer.eps=inf", "optimizer.eps"),
         ("optimizer.eps=nan", "optimizer.eps"),

@@ -484,11 +484,8 @@ impl NodeAgent {
                 self.me.node,
                 self.describe_node(self.leader)
             ),
-            etcd => format!(
-                "node agent {}: {} does not answer",
-                self.me.node,
-                etcd.describe()
-            ),
+            // The etcd client's error names the cluster and what each member said.
+            Rendezvous::Etcd(_) => format!("node agent {}: lost its rendezvous", self.me.node),
         }
     }
 

@@ -163,14 +163,6 @@ impl Rendezvous {
         route_ip(to).with_context(|| format!("finding this host's route to {to}"))
     }
 
-    /// "the job's store at 10.0.0.1:29500" or "the etcd cluster at h1:2379, h2:2379".
-    pub fn describe(&self) -> String {
-        match self {
-            Rendezvous::Builtin { addr, .. } => format!("the job's store at {addr}"),
-            Rendezvous::Etcd(ns) => format!("the etcd cluster at {}", ns.client.describe()),
-        }
-    }
-
     pub fn is_etcd(&self) -> bool {
         matches!(self, Rendezvous::Etcd(_))
     }
