@@ -476,7 +476,8 @@ pub(super) fn unless_checkpoint_out_of_reach(mut d: Decision, r: &CheckpointReac
 }
 
 /// Properties of the rulings over generated attempts: members that report (fine, failed,
-/// stopped) or go silent, joiners, regroups, restart budgets — delivered in every interleaving,
+/// stopped) or go silent, joiners, regroups, restart budgets, a lost leader whose place a
+/// survivor takes (etcd) or that moves the store (builtin) — delivered in every interleaving,
 /// with duplicate reports, late events about members that settled already, events about nodes
 /// that are not members, and the leader "silent" to itself.
 #[cfg(test)]
@@ -549,6 +550,9 @@ mod tests {
         /// A permutation seed for the interleaving, and the noise events.
         order: Vec<usize>,
         noise: Vec<(usize, u8)>,
+        /// The member that rules: the first, or — its leader lost (etcd) — the second, with the
+        /// first silent.
+        ruler: usize,
     }
 
     fn case() -> impl Strategy<Value = Case> {
@@ -562,6 +566,7 @@ mod tests {
             (0usize..5, 0usize..3),
             prop::collection::vec(any::<usize>(), 16),
             prop::collection::vec((0usize..8, 0u8..3), 0..6),
+            any::<bool>(),
         )
             .prop_map(
                 |(
@@ -574,13 +579,18 @@ mod tests {
                     (lo, hi),
                     order,
                     noise,
+                    leader_lost,
                 )| {
                     let members: Vec<Member> = nodes.iter().map(|&n| member(n, 1)).collect();
                     let n = members.len();
                     let mut ends: Vec<End> = ends.into_iter().take(n).collect();
-                    // The leader reports; it is never silent to itself.
-                    if matches!(ends[0], End::Silent) {
-                        ends[0] = End::Fine;
+                    let ruler = usize::from(leader_lost && n > 1);
+                    if ruler == 1 {
+                        ends[0] = End::Silent;
+                    }
+                    // The ruler reports; it is never silent to itself.
+                    if matches!(ends[ruler], End::Silent) {
+                        ends[ruler] = End::Fine;
                     }
                     let min_nodes = 1 + lo % n;
                     let rules = Rules {
@@ -601,6 +611,7 @@ mod tests {
                         rules,
                         order,
                         noise,
+                        ruler,
                     }
                 },
             )
@@ -620,7 +631,7 @@ mod tests {
     /// Noise: a second, different report or a silence about a member after its first event, an
     /// event about a node that is not a member, or the leader silent.
     fn noise_event(c: &Case, (pick, what): (usize, u8)) -> (Option<usize>, Event) {
-        let leader = c.members[0].node;
+        let leader = c.members[c.ruler].node;
         match what {
             0 => {
                 let i = pick % c.members.len();
@@ -686,7 +697,7 @@ mod tests {
         let mut s = Settlement::new(
             3,
             c.members.clone(),
-            c.members[0].node,
+            c.members[c.ruler].node,
             c.restarts,
             c.joiners.clone(),
             c.regroup,
@@ -729,7 +740,7 @@ mod tests {
                 for (k, e) in events.iter().enumerate() {
                     let node = match e { Event::Reported { node, .. } | Event::Silent { node } => *node };
                     let member = c.members.iter().any(|m| m.node == node);
-                    let leader_silence = matches!(e, Event::Silent { node } if *node == c.members[0].node);
+                    let leader_silence = matches!(e, Event::Silent { node } if *node == c.members[c.ruler].node);
                     if member && !leader_silence && seen.insert(node) {
                         at = k;
                     }
