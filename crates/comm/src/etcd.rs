@@ -65,7 +65,11 @@ impl EtcdClient {
             .map(str::to_string)
             .collect();
         for e in &endpoints {
-            if !e.contains(':') || e.contains('/') {
+            let port = e
+                .rsplit_once(':')
+                .map(|(host, port)| (host, port.parse::<u16>()));
+            let valid = matches!(port, Some((host, Ok(_))) if !host.is_empty());
+            if !valid {
                 return Err(CommError::invalid(
                     "etcd",
                     format!("endpoint {e:?} in {url:?} is not HOST:PORT"),
