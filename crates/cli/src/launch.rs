@@ -172,9 +172,30 @@ enum Event {
 /// Run the workers to completion. A worker failure is reported in `Outcome::failure` (the other
 /// workers are stopped); `Err` is for failures to start at all.
 pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
-    let exe = std::env::current_exe().context("locating the lockstep executable")?;
-    let world = spec.world;
     let (tx, rx) = mpsc::channel::<Event>();
+    let children = spawn_workers(spec, &tx)?;
+    let mut launch = Launch::new(spec, children, tx);
+    while launch.running > 0 {
+        launch.watch();
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(Event::Line { rank, stderr, line }) => launch.on_line(rank, stderr, line),
+            Ok(Event::Exited { rank, status }) => launch.on_exit(rank, status),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    // The last lines the workers wrote before they exited.
+    while let Ok(ev) = rx.recv_timeout(Duration::from_millis(100)) {
+        if let Event::Line { rank, line, .. } = ev {
+            launch.on_late_line(rank, line);
+        }
+    }
+    Ok(launch.conclude())
+}
+
+/// Starts this node's workers, each with its output pumped into `tx`.
+fn spawn_workers(spec: &LaunchSpec, tx: &mpsc::Sender<Event>) -> Result<Vec<Running>> {
+    let exe = std::env::current_exe().context("locating the lockstep executable")?;
     let mut children: Vec<Running> = Vec::new();
     for local in 0..spec.nproc {
         let rank = spec.first_rank + local;
@@ -182,7 +203,7 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
         cmd.arg("worker")
             .args(&spec.worker_args)
             .env("LOCKSTEP_RANK", rank.to_string())
-            .env("LOCKSTEP_WORLD_SIZE", world.to_string())
+            .env("LOCKSTEP_WORLD_SIZE", spec.world.to_string())
             .env("LOCKSTEP_LOCAL_RANK", local.to_string())
             .env("LOCKSTEP_STORE", &spec.store)
             .env("LOCKSTEP_SECRET", spec.secret.to_hex())
@@ -211,159 +232,225 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             exited: false,
         });
     }
+    Ok(children)
+}
 
-    let fancy = std::io::stderr().is_terminal();
-    let mut progress_shown = false;
-    let mut outcome = Outcome::default();
-    let mut last_progress = Instant::now();
-    let mut first_failure_at: Option<Instant> = None;
-    let mut running = children.len();
-    // Abnormal exits in arrival order. The first one starts a short grace period before the rest
-    // are stopped: a worker that dies takes its peers down with it within milliseconds (they see
-    // the broken link), and the launcher should blame the cause, not the first casualty it polls.
-    let mut failures: Vec<(usize, ExitStatus)> = Vec::new();
-    let mut stop_at: Option<Instant> = None;
-    let mut stopped = false;
-    let mut tails = Tails::new(world);
-    let mut records: Vec<Option<FailureRecord>> = vec![None; world];
-    // Per rank: the size of an allocation it reported failed (it aborts next).
-    let mut out_of_memory: Vec<Option<u64>> = vec![None; world];
-    // Per rank: when its last heartbeat arrived, and what it said (waiting, idle seconds).
-    let mut beats: Vec<Option<(Instant, bool, f64)>> = vec![None; world];
-    // A worker this launcher found hung by its heartbeat (and killed): the root cause.
-    let mut hung: Option<(usize, FailureKind, String)> = None;
+/// One launch of this node's workers while they run: what they said and how they ended.
+struct Launch<'a> {
+    spec: &'a LaunchSpec,
+    world: usize,
+    tx: mpsc::Sender<Event>,
+    children: Vec<Running>,
+    running: usize,
+    fancy: bool,
+    progress_shown: bool,
+    outcome: Outcome,
+    last_progress: Instant,
+    first_failure_at: Option<Instant>,
+    /// Abnormal exits in arrival order. The first one starts a short grace period before the
+    /// rest are stopped: a worker that dies takes its peers down with it within milliseconds
+    /// (they see the broken link), and the launcher should blame the cause, not the first
+    /// casualty it polls.
+    failures: Vec<(usize, ExitStatus)>,
+    stop_at: Option<Instant>,
+    stopped: bool,
+    tails: Tails,
+    records: Vec<Option<FailureRecord>>,
+    /// Per rank: the size of an allocation it reported failed (it aborts next).
+    out_of_memory: Vec<Option<u64>>,
+    /// Per rank: when its last heartbeat arrived, and what it said (waiting, idle seconds).
+    beats: Vec<Option<(Instant, bool, f64)>>,
+    /// A worker this launcher found hung by its heartbeat (and killed): the root cause.
+    hung: Option<(usize, FailureKind, String)>,
+}
 
-    while running > 0 {
-        if !stopped && stop_at.is_some_and(|t| Instant::now() >= t) {
-            stop_all(&mut children);
-            stopped = true;
+impl<'a> Launch<'a> {
+    fn new(spec: &'a LaunchSpec, children: Vec<Running>, tx: mpsc::Sender<Event>) -> Launch<'a> {
+        let world = spec.world;
+        Launch {
+            spec,
+            world,
+            tx,
+            running: children.len(),
+            children,
+            fancy: std::io::stderr().is_terminal(),
+            progress_shown: false,
+            outcome: Outcome::default(),
+            last_progress: Instant::now(),
+            first_failure_at: None,
+            failures: Vec::new(),
+            stop_at: None,
+            stopped: false,
+            tails: Tails::new(world),
+            records: vec![None; world],
+            out_of_memory: vec![None; world],
+            beats: vec![None; world],
+            hung: None,
         }
-        for w in children.iter_mut().filter(|w| !w.exited) {
+    }
+
+    /// Between events: stop the workers when due, notice exits, hung workers and a stop from
+    /// outside.
+    fn watch(&mut self) {
+        if !self.stopped && self.stop_at.is_some_and(|t| Instant::now() >= t) {
+            stop_all(&mut self.children);
+            self.stopped = true;
+        }
+        for w in self.children.iter_mut().filter(|w| !w.exited) {
             if let Ok(Some(status)) = w.child.try_wait() {
                 w.exited = true;
-                let _ = tx.send(Event::Exited {
+                let _ = self.tx.send(Event::Exited {
                     rank: w.rank,
                     status,
                 });
             }
         }
-        if let (Some(limit), true) = (spec.stall_timeout, !stopped && failures.is_empty()) {
-            if let Some((rank, kind, what)) = find_stalled(&children, &beats, limit) {
+        let quiet = !self.stopped && self.failures.is_empty();
+        if let (Some(limit), true) = (self.spec.stall_timeout, quiet) {
+            if let Some((rank, kind, what)) = find_stalled(&self.children, &self.beats, limit) {
                 eprintln!("lockstep: worker rank {rank} {what}; stopping it");
-                if let Some(w) = children.iter_mut().find(|w| w.rank == rank) {
+                if let Some(w) = self.children.iter_mut().find(|w| w.rank == rank) {
                     let _ = w.child.kill();
                 }
-                hung = Some((rank, kind, what));
-                first_failure_at.get_or_insert_with(Instant::now);
-                stop_at = Some(Instant::now());
+                self.hung = Some((rank, kind, what));
+                self.first_failure_at.get_or_insert_with(Instant::now);
+                self.stop_at = Some(Instant::now());
             }
         }
         // Stopped from outside only while no local worker has failed, and only once every exit
         // seen so far has been handled: a local worker that died first is a root cause to
         // report, not a casualty of the stop.
-        if !stopped
-            && failures.is_empty()
-            && running == children.iter().filter(|w| !w.exited).count()
-            && spec.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
+        if quiet
+            && self.running == self.children.iter().filter(|w| !w.exited).count()
+            && self
+                .spec
+                .stop
+                .as_ref()
+                .is_some_and(|s| s.load(Ordering::SeqCst))
         {
-            stop_all(&mut children);
-            stopped = true;
-            outcome.stopped_from_outside = true;
-        }
-        match rx.recv_timeout(Duration::from_millis(50)) {
-            Ok(Event::Line { rank, stderr, line }) => match WorkerMessage::parse(&line) {
-                Some(Ok(WorkerMessage::Heartbeat { waiting, idle_secs })) => {
-                    beats[rank % world] = Some((Instant::now(), waiting, idle_secs));
-                }
-                Some(Ok(message)) => {
-                    let step_done = matches!(message, WorkerMessage::StepDone { .. });
-                    if let WorkerMessage::Progress(p) = &message {
-                        draw_progress(p, fancy);
-                        progress_shown = fancy;
-                    }
-                    handle(
-                        message,
-                        rank,
-                        &mut outcome,
-                        &mut records,
-                        &mut out_of_memory,
-                    );
-                    if step_done {
-                        last_progress = Instant::now();
-                        if let (Some(p), Some(step)) = (&spec.progress, outcome.last_step) {
-                            p.store(step, Ordering::SeqCst);
-                        }
-                    }
-                }
-                parsed => {
-                    if progress_shown {
-                        eprint!("\r\x1b[2K");
-                    }
-                    // A malformed protocol line is shown as what it is, with the parse error.
-                    let line = match parsed {
-                        Some(Err(e)) => e,
-                        _ => line,
-                    };
-                    tails.push(rank % world, &line);
-                    if stderr {
-                        eprintln!("[rank {rank}] {line}");
-                    } else {
-                        println!("[rank {rank}] {line}");
-                    }
-                }
-            },
-            Ok(Event::Exited { rank, status }) => {
-                running -= 1;
-                if !status.success() && !stopped {
-                    failures.push((rank, status));
-                    first_failure_at.get_or_insert_with(Instant::now);
-                    stop_at.get_or_insert_with(|| Instant::now() + FAILURE_GRACE);
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            stop_all(&mut self.children);
+            self.stopped = true;
+            self.outcome.stopped_from_outside = true;
         }
     }
-    // Drain remaining output lines.
-    while let Ok(ev) = rx.recv_timeout(Duration::from_millis(100)) {
-        if let Event::Line { rank, line, .. } = ev {
-            match WorkerMessage::parse(&line) {
-                Some(Ok(WorkerMessage::Progress(_))) => {}
-                Some(Ok(message)) => handle(
-                    message,
-                    rank,
-                    &mut outcome,
-                    &mut records,
-                    &mut out_of_memory,
-                ),
-                Some(Err(e)) => eprintln!("[rank {rank}] {e}"),
-                None => {
-                    tails.push(rank % world, &line);
+
+    fn on_line(&mut self, rank: usize, stderr: bool, line: String) {
+        match WorkerMessage::parse(&line) {
+            Some(Ok(WorkerMessage::Heartbeat { waiting, idle_secs })) => {
+                self.beats[rank % self.world] = Some((Instant::now(), waiting, idle_secs));
+            }
+            Some(Ok(message)) => {
+                let step_done = matches!(message, WorkerMessage::StepDone { .. });
+                if let WorkerMessage::Progress(p) = &message {
+                    draw_progress(p, self.fancy);
+                    self.progress_shown = self.fancy;
+                }
+                self.handle(message, rank);
+                if step_done {
+                    self.last_progress = Instant::now();
+                    if let (Some(p), Some(step)) = (&self.spec.progress, self.outcome.last_step) {
+                        p.store(step, Ordering::SeqCst);
+                    }
+                }
+            }
+            parsed => {
+                if self.progress_shown {
+                    eprint!("\r\x1b[2K");
+                }
+                // A malformed protocol line is shown as what it is, with the parse error.
+                let line = match parsed {
+                    Some(Err(e)) => e,
+                    _ => line,
+                };
+                self.tails.push(rank % self.world, &line);
+                if stderr {
                     eprintln!("[rank {rank}] {line}");
+                } else {
+                    println!("[rank {rank}] {line}");
                 }
             }
         }
     }
-    if progress_shown {
-        eprintln!();
+
+    /// A line that arrived after every worker exited (no progress bar any more).
+    fn on_late_line(&mut self, rank: usize, line: String) {
+        match WorkerMessage::parse(&line) {
+            Some(Ok(WorkerMessage::Progress(_))) => {}
+            Some(Ok(message)) => self.handle(message, rank),
+            Some(Err(e)) => eprintln!("[rank {rank}] {e}"),
+            None => {
+                self.tails.push(rank % self.world, &line);
+                eprintln!("[rank {rank}] {line}");
+            }
+        }
     }
-    let root = hung.or_else(|| blame(&failures, &records));
-    if let Some((rank, kind, what)) = root.map(|r| with_out_of_memory(r, &out_of_memory)) {
+
+    fn on_exit(&mut self, rank: usize, status: ExitStatus) {
+        self.running -= 1;
+        if !status.success() && !self.stopped {
+            self.failures.push((rank, status));
+            self.first_failure_at.get_or_insert_with(Instant::now);
+            self.stop_at
+                .get_or_insert_with(|| Instant::now() + FAILURE_GRACE);
+        }
+    }
+
+    /// A protocol message from `rank` into the outcome.
+    fn handle(&mut self, message: WorkerMessage, rank: usize) {
+        let r = rank % self.world;
+        match message {
+            WorkerMessage::Progress(_) | WorkerMessage::Heartbeat { .. } => {}
+            WorkerMessage::StepDone { step } => self.outcome.last_step = Some(step),
+            WorkerMessage::Resumed { step } => self.outcome.resumed_from = Some(step),
+            WorkerMessage::BenchRow { row } => self.outcome.results.push(row),
+            WorkerMessage::Failure(record) => self.records[r] = Some(record),
+            WorkerMessage::OutOfMemory { bytes } => self.out_of_memory[r] = Some(bytes),
+        }
+    }
+
+    /// The outcome, with the root cause of a failure named and described.
+    fn conclude(mut self) -> Outcome {
+        if self.progress_shown {
+            eprintln!();
+        }
+        let root = self
+            .hung
+            .take()
+            .or_else(|| blame(&self.failures, &self.records));
+        let Some((rank, kind, what)) = root.map(|r| with_out_of_memory(r, &self.out_of_memory))
+        else {
+            return self.outcome;
+        };
         // Bad input or a full disk (exit status 3) and running out of memory recur on every
         // attempt: not worth a restart. Judged on the root cause: its peers fail only because
         // it left.
-        let status_permanent = matches!(kind, FailureKind::OutOfMemory { .. })
-            || failures
-                .iter()
-                .any(|(r, s)| *r == rank && s.code() == Some(EXIT_PERMANENT));
-        let mut tail = tails.last(rank % world).join("\n    ");
-        let bad_input = failures
+        let bad_input = self
+            .failures
             .iter()
             .any(|(r, s)| *r == rank && s.code() == Some(EXIT_PERMANENT));
+        let permanent = bad_input || matches!(kind, FailureKind::OutOfMemory { .. });
+        let message = self.failure_message(rank, &what, bad_input);
+        let detected = self.first_failure_at.unwrap_or_else(Instant::now);
+        self.outcome.failure = Some(WorkerFailure {
+            rank,
+            kind,
+            what,
+            message,
+            permanent,
+            detection_seconds: detected
+                .saturating_duration_since(self.last_progress)
+                .as_secs_f64(),
+        });
+        self.outcome
+    }
+
+    /// "worker rank R failed: WHAT; its last output: … (then: the others)".
+    fn failure_message(&self, rank: usize, what: &str, bad_input: bool) -> String {
+        let mut tail = self.tails.last(rank % self.world).join("\n    ");
         if tail.is_empty() || bad_input {
             // A worker stopped by bad input reports it only in its typed record (its launcher
             // says it once, here), after whatever it printed before.
-            if let Some(r) = records.get(rank % world).and_then(Option::as_ref) {
+            if let Some(r) = self.records.get(rank % self.world).and_then(Option::as_ref) {
                 let error = format!("lockstep: error: {}", r.message);
                 tail = if tail.is_empty() {
                     error
@@ -372,12 +459,13 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
                 };
             }
         }
-        let others: Vec<String> = failures
+        let others: Vec<String> = self
+            .failures
             .iter()
             .filter(|(r, _)| *r != rank)
             .map(|(r, s)| format!("rank {r} {}", describe(*s)))
             .collect();
-        let message = format!(
+        format!(
             "worker rank {rank} failed: {what}{}{}",
             if tail.is_empty() {
                 String::new()
@@ -389,20 +477,8 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
             } else {
                 format!("\n  (then: {})", others.join(", "))
             }
-        );
-        let detected = first_failure_at.unwrap_or_else(Instant::now);
-        outcome.failure = Some(WorkerFailure {
-            rank,
-            kind,
-            what,
-            message,
-            permanent: status_permanent,
-            detection_seconds: detected
-                .saturating_duration_since(last_progress)
-                .as_secs_f64(),
-        });
+        )
     }
-    Ok(outcome)
 }
 
 /// What each worker printed last (for the failure message).
@@ -559,30 +635,6 @@ fn kind_of(status: ExitStatus, record: Option<&FailureRecord>) -> FailureKind {
         _ => FailureKind::Exited {
             status: status.code(),
         },
-    }
-}
-
-/// A protocol message from `rank` into the outcome.
-fn handle(
-    message: WorkerMessage,
-    rank: usize,
-    outcome: &mut Outcome,
-    records: &mut [Option<FailureRecord>],
-    out_of_memory: &mut [Option<u64>],
-) {
-    match message {
-        WorkerMessage::Progress(_) | WorkerMessage::Heartbeat { .. } => {}
-        WorkerMessage::StepDone { step } => outcome.last_step = Some(step),
-        WorkerMessage::Resumed { step } => outcome.resumed_from = Some(step),
-        WorkerMessage::BenchRow { row } => outcome.results.push(row),
-        WorkerMessage::Failure(record) => {
-            let world = records.len();
-            records[rank % world] = Some(record);
-        }
-        WorkerMessage::OutOfMemory { bytes } => {
-            let world = out_of_memory.len();
-            out_of_memory[rank % world] = Some(bytes);
-        }
     }
 }
 
