@@ -17,7 +17,9 @@ mod export;
 mod flags;
 mod inject;
 mod launch;
-pub mod oom;
+// Its allocator is unused when the feature is off.
+#[cfg_attr(not(feature = "report-oom"), allow(dead_code))]
+mod oom;
 mod orphan;
 mod plan;
 mod protocol;

@@ -232,16 +232,16 @@ impl NodeAgent {
             }
             Backend::Etcd(url) => url,
         };
+        let generations = Generation::of(&url, job_id)?;
         loop {
-            let generations = Generation::of(&url, job_id)?;
             let g = if s.node == 0 {
                 generations.open()?
             } else {
                 generations.current(s.join_timeout)?
             };
-            let rdzv = Rendezvous::etcd(&url, job_id, g)?;
-            let joined = Self::join_at(rdzv, Some((generations, g)), secret, job_id, s.clone())?;
-            if let JoinStep::Joined(j) = joined {
+            let rdzv = generations.rendezvous(g);
+            let at = Some((generations.clone(), g));
+            if let JoinStep::Joined(j) = Self::join_at(rdzv, at, secret, job_id, s.clone())? {
                 return Ok(j);
             }
             eprintln!(
@@ -603,7 +603,7 @@ impl NodeAgent {
         let mut lost_early = watched.silent.contains(&leader);
         loop {
             if let Some(raw) = self.client.try_get(&keys::decision(a))? {
-                return serde_json::from_slice(&raw).context("store key decision: not a decision");
+                return parse_decision(&raw);
             }
             lost_early = lost_early
                 || beats.silent(self.client.as_mut(), &keys::heartbeat(leader, incarnation));
@@ -637,7 +637,7 @@ impl NodeAgent {
         let mut beats = Beats::new(self.s.heartbeat_timeout);
         loop {
             if let Some(raw) = self.client.try_get(&keys::decision(a))? {
-                return serde_json::from_slice(&raw).context("store key decision: not a decision");
+                return parse_decision(&raw);
             }
             let ruler = self
                 .members
@@ -768,7 +768,7 @@ impl NodeAgent {
                     self.describe_node(self.leader)
                 )
             })?;
-        serde_json::from_slice(&raw).context("store key decision: not a decision")
+        parse_decision(&raw)
     }
 
     /// The leader: make a decision on attempt `a` known (with the next attempt's members and the
@@ -1035,6 +1035,11 @@ impl NodeAgent {
             max_restarts: self.s.max_restarts,
         }
     }
+}
+
+/// A decision as the store holds it.
+fn parse_decision(raw: &[u8]) -> Result<Decision> {
+    serde_json::from_slice(raw).context("store key decision: not a decision")
 }
 
 impl Coordinator for NodeAgent {

@@ -181,22 +181,14 @@ impl Rendezvous {
             *addr = to;
         }
     }
-
-    /// The job's etcd rendezvous: node 0 opens a new generation of the job's keys; the others
-    /// join the newest one (see [`Generation`]).
-    pub fn etcd(url: &str, job_id: &str, generation: i64) -> Result<Rendezvous> {
-        let client = EtcdClient::from_url(url).with_context(|| format!("--rdzv {url}"))?;
-        Ok(Rendezvous::Etcd(EtcdNamespace {
-            client,
-            prefix: format!("/lockstep/{job_id}/{generation}/"),
-        }))
-    }
 }
 
 /// The counter of a job's generations in etcd: node 0 bumps it when it starts; the others read
 /// it, and start over when it moves while they wait to be admitted (node 0 started after them).
+#[derive(Clone)]
 pub(super) struct Generation {
     client: EtcdClient,
+    job_id: String,
     key: String,
 }
 
@@ -205,7 +197,16 @@ impl Generation {
         let client = EtcdClient::from_url(url).with_context(|| format!("--rdzv {url}"))?;
         Ok(Generation {
             client,
+            job_id: job_id.to_string(),
             key: format!("/lockstep/{job_id}/generation"),
+        })
+    }
+
+    /// The agents' keys of generation `g`: `/lockstep/{job_id}/{g}/`.
+    pub fn rendezvous(&self, g: i64) -> Rendezvous {
+        Rendezvous::Etcd(EtcdNamespace {
+            client: self.client.clone(),
+            prefix: format!("/lockstep/{}/{g}/", self.job_id),
         })
     }
 
