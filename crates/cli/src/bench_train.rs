@@ -83,6 +83,14 @@ pub struct Machine {
     pub cpu_model: String,
     /// 1-minute load average when the benchmark started (other work on the machine).
     pub load_average: Option<f64>,
+    /// One core's measured f32 matrix-multiply peak, GFLOP/s: the kernel set the dense layers
+    /// use, single-threaded, on square products of `gemm_peak_n` (`lockstep_model::measure_gemm_peak`).
+    pub gemm_peak_gflops_per_core: f64,
+    pub gemm_peak_n: usize,
+    /// Training FLOPs of one sample (forward and backward) of the config's model, by the usual
+    /// count: 6 per dense parameter, plus the transformer's attention (`12·L·d·T²`); `None` where
+    /// lockstep has no count (the CNN's convolutions, a user's job).
+    pub model_flops_per_sample: Option<f64>,
 }
 
 /// One case over all repetitions.
@@ -102,6 +110,10 @@ pub struct CaseResult {
     pub communication_ms: Spread,
     /// `param_hash` of every repetition (of the first job, for the no-communication bound).
     pub param_hashes: Vec<String>,
+    /// Achieved training GFLOP/s (`model_flops_per_sample` × samples/s) and that over the peak
+    /// of the cores the case computes on (workers × threads per worker × one core's peak).
+    pub gflops: Option<Spread>,
+    pub fraction_of_peak: Option<f64>,
 }
 
 /// Per-repetition values and their median, min and max.
@@ -206,7 +218,7 @@ pub fn run(a: BenchTrainArgs) -> Result<()> {
         .with_context(|| format!("case {}", c.name))?;
     }
     std::fs::create_dir_all(&a.runs).with_context(|| format!("creating {}", a.runs.display()))?;
-    let machine = machine();
+    let machine = machine(&base);
     eprintln!(
         "lockstep bench: {} cases × {} repetitions on {} ({} cores, {}), runs in {}",
         cases.len(),
@@ -372,6 +384,24 @@ fn assemble(
             median_step_ms: Spread::of(r.iter().map(|x| x.step_seconds * 1e3).collect()),
             communication_ms: Spread::of(r.iter().map(|x| x.communication_seconds * 1e3).collect()),
             param_hashes: r.iter().map(|x| x.param_hash.clone()).collect(),
+            gflops: None,
+            fraction_of_peak: None,
+        })
+        .map(|mut c| {
+            if let Some(flops) = machine.model_flops_per_sample {
+                let gflops = Spread::of(
+                    c.samples_per_sec
+                        .per_rep
+                        .iter()
+                        .map(|sps| sps * flops / 1e9)
+                        .collect(),
+                );
+                let cores = (c.workers * a.threads_per_worker) as f64;
+                c.fraction_of_peak =
+                    Some(gflops.median / (cores * machine.gemm_peak_gflops_per_core));
+                c.gflops = Some(gflops);
+            }
+            c
         })
         .collect();
     let ratio = |name: &str, of: usize, to: usize| Ratio {
@@ -420,15 +450,40 @@ fn assemble(
     }
 }
 
-fn machine() -> Machine {
+fn machine(cfg: &TrainConfig) -> Machine {
     let cpu_model = lockstep_train::device::cpu_model().unwrap_or_else(|| "unknown".into());
     let load_average = std::fs::read_to_string("/proc/loadavg")
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse().ok());
+    // Before any case runs, on this (otherwise idle) thread.
+    let peak = lockstep_model::measure_gemm_peak(512, std::time::Duration::from_millis(300), 5);
     Machine {
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         cpu_model,
         load_average,
+        gemm_peak_gflops_per_core: peak.gflops,
+        gemm_peak_n: peak.n,
+        model_flops_per_sample: model_flops_per_sample(cfg),
+    }
+}
+
+/// Training FLOPs of one sample of a built-in model (see `Machine::model_flops_per_sample`).
+/// The transformer's parameters are counted with a 256-symbol vocabulary (the limits' upper
+/// bound), a few percent above the embedded corpora's.
+fn model_flops_per_sample(cfg: &TrainConfig) -> Option<f64> {
+    use lockstep_run::config::ModelKind;
+    if crate::job().name() != "lockstep" {
+        return None;
+    }
+    let dense = 6.0 * lockstep_train::limits::param_count(cfg) as f64;
+    let m = &cfg.model;
+    match m.kind {
+        ModelKind::Mlp => Some(dense),
+        ModelKind::Transformer => {
+            let t = m.context as f64;
+            Some(dense * t + 12.0 * m.blocks as f64 * m.d_model as f64 * t * t)
+        }
+        ModelKind::Cnn => None,
     }
 }
 
@@ -447,20 +502,38 @@ pub fn format_table(r: &BenchReport) -> String {
         r.machine.cpu_model
     );
     s += &format!(
-        "{:<12} {:>7} {:>12} {:>17} {:>9} {:>17} {:>8}\n",
-        "case", "workers", "samples/s", "min–max", "step_ms", "comm_ms (min–max)", "hash"
+        "one core's f32 matrix-multiply peak: {:.1} GFLOP/s ({}³ products, single-threaded)\n",
+        r.machine.gemm_peak_gflops_per_core, r.machine.gemm_peak_n
+    );
+    s += &format!(
+        "{:<12} {:>7} {:>12} {:>17} {:>9} {:>17} {:>8} {:>9} {:>7}\n",
+        "case",
+        "workers",
+        "samples/s",
+        "min–max",
+        "step_ms",
+        "comm_ms (min–max)",
+        "hash",
+        "GFLOP/s",
+        "% peak"
     );
     for c in &r.cases {
         let (sps, comm) = (&c.samples_per_sec, &c.communication_ms);
+        let (gflops, peak) = match (&c.gflops, c.fraction_of_peak) {
+            (Some(g), Some(f)) => (format!("{:.1}", g.median), format!("{:.0}%", 100.0 * f)),
+            _ => ("–".into(), "–".into()),
+        };
         s += &format!(
-            "{:<12} {:>7} {:>12.0} {:>17} {:>9.2} {:>17} {:>8}\n",
+            "{:<12} {:>7} {:>12.0} {:>17} {:>9.2} {:>17} {:>8} {:>9} {:>7}\n",
             c.name,
             c.workers,
             sps.median,
             format!("{:.0}–{:.0}", sps.min, sps.max),
             c.median_step_ms.median,
             format!("{:.2} ({:.2}–{:.2})", comm.median, comm.min, comm.max),
-            c.param_hashes.first().map_or("", |h| &h[..8.min(h.len())])
+            c.param_hashes.first().map_or("", |h| &h[..8.min(h.len())]),
+            gflops,
+            peak
         );
     }
     for q in &r.ratios {

@@ -29,6 +29,21 @@ pub fn seconds(flag: &str, value: f64, min: f64) -> Result<Duration, BadRequest>
     }
 }
 
+/// Largest `--worker-memory-gib`: a petabyte is no cap.
+pub const MAX_MEMORY_GIB: f64 = 1024.0 * 1024.0;
+
+/// A memory size in GiB, as bytes: at least 1 MiB (less could not even start a worker).
+pub fn gib(flag: &str, value: f64) -> Result<u64, BadRequest> {
+    if value.is_finite() && (1.0 / 1024.0..=MAX_MEMORY_GIB).contains(&value) {
+        Ok((value * (1u64 << 30) as f64) as u64)
+    } else {
+        Err(BadRequest(format!(
+            "{flag} {value}: must be a number of GiB from {} to {MAX_MEMORY_GIB}",
+            1.0 / 1024.0
+        )))
+    }
+}
+
 /// This host's cores (logical CPUs this process may run on).
 pub fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())

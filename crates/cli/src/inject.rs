@@ -5,9 +5,11 @@
 //!   job (`--nproc MIN:MAX`) goes on with fewer workers;
 //! - `hang:rank=R,step=S` — rank R stops making progress at step S (sleeps forever);
 //! - `slow:rank=R,factor=F` — rank R's computation takes F times as long (a straggler);
-//! - `corrupt-checkpoint:step=S` — the checkpoint written at step S is damaged after writing.
+//! - `corrupt-checkpoint:step=S` — the checkpoint written at step S is damaged after writing;
+//! - `kill-while-checkpointing:step=S` — rank 0 kills itself (SIGKILL) part-way through writing
+//!   the checkpoint of step S (with `checkpoint.async`, while training goes on).
 //!
-//! Kill, lose, hang and corrupt-checkpoint fire on the first attempt only, so the restarted group runs
+//! Kill, lose, hang and the checkpoint faults fire on the first attempt only, so the restarted group runs
 //! clean. Several faults are separated by `;`.
 
 use anyhow::{bail, Context, Result};
@@ -83,9 +85,13 @@ fn parse_one(spec: &str) -> Result<Fault> {
         "corrupt-checkpoint" => Fault::CorruptCheckpoint {
             step: need("step", step)?,
         },
-        other => {
-            bail!("--inject: unknown fault `{other}` (kill, lose, hang, slow, corrupt-checkpoint)")
-        }
+        "kill-while-checkpointing" => Fault::KillWhileCheckpointing {
+            step: need("step", step)?,
+        },
+        other => bail!(
+            "--inject: unknown fault `{other}` (kill, lose, hang, slow, corrupt-checkpoint, \
+             kill-while-checkpointing)"
+        ),
     })
 }
 
@@ -100,11 +106,11 @@ pub fn validate(faults: &[Fault], world: usize, steps: u64, checkpoint_every: u6
             | Fault::Lose { rank, step }
             | Fault::Hang { rank, step } => (Some(rank), Some(step)),
             Fault::Slow { rank, .. } => (Some(rank), None),
-            Fault::CorruptCheckpoint { step } => {
+            Fault::CorruptCheckpoint { step } | Fault::KillWhileCheckpointing { step } => {
                 if checkpoint_every == 0 || step == 0 || step % checkpoint_every != 0 {
                     bail!(
-                        "--inject corrupt-checkpoint:step={step}: no checkpoint is written at step \
-                         {step} (checkpoint.every = {checkpoint_every})"
+                        "--inject {f}: no checkpoint is written at step {step} \
+                         (checkpoint.every = {checkpoint_every})"
                     );
                 }
                 (None, Some(step))
@@ -150,7 +156,7 @@ mod tests {
             assert!(parse(bad).is_err(), "{bad} should be refused");
         }
         // Each fault prints as the spec it was parsed from (errors quote it so).
-        let spec = "kill:rank=1,step=30;slow:rank=2,factor=3;corrupt-checkpoint:step=20;hang:rank=0,step=5;lose:rank=3,step=4";
+        let spec = "kill:rank=1,step=30;slow:rank=2,factor=3;corrupt-checkpoint:step=20;hang:rank=0,step=5;lose:rank=3,step=4;kill-while-checkpointing:step=40";
         let printed: Vec<String> = parse(spec).unwrap().iter().map(|f| f.to_string()).collect();
         assert_eq!(printed.join(";"), spec);
     }
@@ -189,6 +195,13 @@ mod tests {
                 100,
                 0,
                 "checkpoint.every = 0",
+            ),
+            (
+                "kill-while-checkpointing:step=25",
+                2,
+                100,
+                10,
+                "kill-while-checkpointing:step=25: no checkpoint is written at step 25",
             ),
         ] {
             let e = validate(&parse(spec).unwrap(), world, steps, every)

@@ -9,6 +9,7 @@
 //! restart can help) used to blame the root cause.
 
 use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,6 +20,7 @@ use anyhow::{Context, Result};
 use lockstep_comm::JobSecret;
 use serde::{Deserialize, Serialize};
 
+use crate::memory_cap::{self, MemoryCaps};
 use crate::protocol::{FailureRecord, Progress, WorkerMessage};
 
 /// Exit status of a worker that failed on bad input (config, data, checkpoint of another run):
@@ -70,6 +72,9 @@ pub enum FailureKind {
     /// Its allocator failed to find `bytes` (the worker reported it, then aborted): recurs on
     /// every attempt.
     OutOfMemory { bytes: u64 },
+    /// The kernel's OOM killer killed it at its `--worker-memory-gib` cap of `limit_bytes` (its
+    /// memory cgroup's `oom_kill` count): recurs on every attempt.
+    MemoryCap { limit_bytes: u64 },
 }
 
 impl FailureKind {
@@ -89,6 +94,9 @@ impl FailureKind {
             FailureKind::PeerGone { .. } => "a peer saw its link close",
             FailureKind::OutOfMemory { .. } => {
                 "the worker reported a failed allocation, then aborted"
+            }
+            FailureKind::MemoryCap { .. } => {
+                "its memory cgroup counted an OOM kill (the kernel enforced --worker-memory-gib)"
             }
             FailureKind::BadInput | FailureKind::Exited { .. } | FailureKind::StoreLost => {
                 "worker exited with an error"
@@ -147,6 +155,8 @@ pub struct LaunchSpec {
     /// Where the launch publishes the last step rank 0 completed (its checkpoint, when one was
     /// due, is on disk by then), for whoever decides when to regroup.
     pub progress: Option<Arc<AtomicU64>>,
+    /// `--worker-memory-gib` in bytes: each worker in a memory cgroup of its own capped at it.
+    pub memory_cap: Option<u64>,
 }
 
 /// Default threads per worker: the cores of this host shared among its workers.
@@ -173,8 +183,9 @@ enum Event {
 /// workers are stopped); `Err` is for failures to start at all.
 pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let (tx, rx) = mpsc::channel::<Event>();
-    let children = spawn_workers(spec, &tx)?;
+    let (children, caps) = spawn_workers(spec, &tx)?;
     let mut launch = Launch::new(spec, children, tx);
+    launch.caps = caps;
     while launch.running > 0 {
         launch.watch();
         match rx.recv_timeout(Duration::from_millis(50)) {
@@ -194,12 +205,28 @@ pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
 }
 
 /// Starts this node's workers, each with its output pumped into `tx`.
-fn spawn_workers(spec: &LaunchSpec, tx: &mpsc::Sender<Event>) -> Result<Vec<Running>> {
+fn spawn_workers(
+    spec: &LaunchSpec,
+    tx: &mpsc::Sender<Event>,
+) -> Result<(Vec<Running>, Option<MemoryCaps>)> {
     let exe = std::env::current_exe().context("locating the lockstep executable")?;
     let mut children: Vec<Running> = Vec::new();
+    // Named by job, attempt and first rank: unique even with several nodes on one kernel.
+    let label = format!("{}-a{}-r{}", spec.job_id, spec.attempt, spec.first_rank);
+    let mut caps = spec
+        .memory_cap
+        .map(|bytes| MemoryCaps::create(&label, bytes))
+        .transpose()?;
     for local in 0..spec.nproc {
         let rank = spec.first_rank + local;
         let mut cmd = Command::new(&exe);
+        if let Some(caps) = caps.as_mut() {
+            let procs = caps.rank(rank)?;
+            // SAFETY: the closure only makes system calls (`join_in_child`).
+            unsafe {
+                cmd.pre_exec(move || memory_cap::join_in_child(&procs));
+            }
+        }
         cmd.arg("worker")
             .args(&spec.worker_args)
             .env("LOCKSTEP_RANK", rank.to_string())
@@ -232,7 +259,7 @@ fn spawn_workers(spec: &LaunchSpec, tx: &mpsc::Sender<Event>) -> Result<Vec<Runn
             exited: false,
         });
     }
-    Ok(children)
+    Ok((children, caps))
 }
 
 /// One launch of this node's workers while they run: what they said and how they ended.
@@ -258,6 +285,8 @@ struct Launch<'a> {
     records: Vec<Option<FailureRecord>>,
     /// Per rank: the size of an allocation it reported failed (it aborts next).
     out_of_memory: Vec<Option<u64>>,
+    /// The workers' memory cgroups (`--worker-memory-gib`), removed when the launch ends.
+    caps: Option<MemoryCaps>,
     /// Per rank: when its last heartbeat arrived, and what it said (waiting, idle seconds).
     beats: Vec<Option<(Instant, bool, f64)>>,
     /// A worker this launcher found hung by its heartbeat (and killed): the root cause.
@@ -284,6 +313,7 @@ impl<'a> Launch<'a> {
             tails: Tails::new(world),
             records: vec![None; world],
             out_of_memory: vec![None; world],
+            caps: None,
             beats: vec![None; world],
             hung: None,
         }
@@ -417,7 +447,10 @@ impl<'a> Launch<'a> {
             .hung
             .take()
             .or_else(|| blame(&self.failures, &self.records));
-        let Some((rank, kind, what)) = root.map(|r| with_out_of_memory(r, &self.out_of_memory))
+        let caps = self.caps.as_ref();
+        let Some((rank, kind, what)) = root
+            .map(|r| with_out_of_memory(r, &self.out_of_memory))
+            .map(|r| with_memory_cap(r, caps))
         else {
             return self.outcome;
         };
@@ -428,7 +461,11 @@ impl<'a> Launch<'a> {
             .failures
             .iter()
             .any(|(r, s)| *r == rank && s.code() == Some(EXIT_PERMANENT));
-        let permanent = bad_input || matches!(kind, FailureKind::OutOfMemory { .. });
+        let permanent = bad_input
+            || matches!(
+                kind,
+                FailureKind::OutOfMemory { .. } | FailureKind::MemoryCap { .. }
+            );
         let message = self.failure_message(rank, &what, bad_input);
         let detected = self.first_failure_at.unwrap_or_else(Instant::now);
         self.outcome.failure = Some(WorkerFailure {
@@ -522,6 +559,31 @@ fn with_out_of_memory(
             FailureKind::OutOfMemory { bytes },
             format!("ran out of memory (an allocation of {bytes} bytes failed) and aborted"),
         ),
+        _ => (rank, kind, what),
+    }
+}
+
+/// A root cause killed by SIGKILL whose memory cgroup counted an OOM kill: the kernel enforced
+/// its `--worker-memory-gib` cap.
+fn with_memory_cap(
+    (rank, kind, what): (usize, FailureKind, String),
+    caps: Option<&MemoryCaps>,
+) -> (usize, FailureKind, String) {
+    match (kind, caps) {
+        (FailureKind::Killed { signal }, Some(caps))
+            if signal == libc::SIGKILL && caps.oom_killed(rank) =>
+        {
+            let limit_bytes = caps.limit_bytes();
+            (
+                rank,
+                FailureKind::MemoryCap { limit_bytes },
+                format!(
+                    "killed by the kernel's OOM killer at its memory cap of {:.3} GiB \
+                     (--worker-memory-gib)",
+                    limit_bytes as f64 / (1u64 << 30) as f64
+                ),
+            )
+        }
         _ => (rank, kind, what),
     }
 }

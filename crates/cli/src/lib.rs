@@ -17,6 +17,7 @@ mod export;
 mod flags;
 mod inject;
 mod launch;
+mod memory_cap;
 // Its allocator is unused when the feature is off.
 #[cfg_attr(not(feature = "report-oom"), allow(dead_code))]
 mod oom;
@@ -109,7 +110,8 @@ struct TrainArgs {
     #[arg(long, default_value_t = 60.0)]
     stall_timeout: f64,
     /// Deliberate faults, e.g. "kill:rank=1,step=30", "hang:rank=0,step=5", "slow:rank=1,factor=3",
-    /// "corrupt-checkpoint:step=20", "lose:rank=3,step=40" (separate several with `;`).
+    /// "corrupt-checkpoint:step=20", "kill-while-checkpointing:step=20", "lose:rank=3,step=40"
+    /// (separate several with `;`).
     #[arg(long, value_name = "SPEC")]
     inject: Option<String>,
     /// Threads each worker may use, passed on as RAYON_NUM_THREADS (default: this host's cores /
@@ -122,6 +124,11 @@ struct TrainArgs {
     /// workers use cores better.
     #[arg(long)]
     threads_per_worker: Option<usize>,
+    /// Cap each of this node's workers at this much memory, GiB, enforced by the kernel (a
+    /// memory cgroup per worker: root, or a delegated cgroup v2 subtree). A worker over its cap
+    /// is OOM-killed and the job ends with exit status 3 (the cap would be met again).
+    #[arg(long, value_name = "GIB")]
+    worker_memory_gib: Option<f64>,
     /// Run directory (default: runs/run-<time>).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -320,6 +327,10 @@ struct PlanArgs {
     /// marked as not fitting and never recommended.
     #[arg(long, value_name = "GIB")]
     memory_gib: Option<f64>,
+    /// Predict for this ZeRO level (0–3) instead of the calibration run's: what sharding would
+    /// save, e.g. with --memory-gib, before running it.
+    #[arg(long, value_name = "LEVEL")]
+    zero: Option<u8>,
     /// Write the plan (cluster, calibration, predictions, recommendation) as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -468,6 +479,7 @@ where
             stall_timeout: 60.0,
             inject: None,
             threads_per_worker: None,
+            worker_memory_gib: None,
             out: None,
             sets: Vec::new(),
             device: None,
@@ -798,6 +810,7 @@ fn attempt_spec(
         stop: None,
         stall_timeout: None,
         progress: None,
+        memory_cap: None,
     })
 }
 
@@ -858,6 +871,7 @@ fn cmd_scale(a: ScaleArgs) -> Result<()> {
             stall_timeout: 60.0,
             inject: None,
             threads_per_worker: Some(a.threads_per_worker),
+            worker_memory_gib: None,
             out: Some(dir.clone()),
             sets: scale::layout_sets(layout, &a.sets),
             device: None,

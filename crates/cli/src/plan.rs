@@ -28,6 +28,14 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         plan::calibration_link(&summary.transport, a.calib_gbytes_per_s, a.calib_latency_us)?;
     let cal = plan::calibrate(&summary, &records, &workload, &link)
         .with_context(|| format!("calibrating from run {}", a.from.display()))?;
+    // Calibrated on what the run did; predicted for the level asked for.
+    match a.zero {
+        Some(z) if z > 3 => {
+            return Err(BadRequest(format!("--zero {z}: ZeRO levels are 0, 1, 2 and 3")).into())
+        }
+        Some(z) => workload.zero = z,
+        None => {}
+    }
     let layouts = a
         .layouts
         .as_deref()

@@ -171,7 +171,9 @@ pub fn rule(
                 "{} ({}: not restarting)",
                 f.message,
                 match f.kind {
-                    FailureKind::OutOfMemory { .. } => "out of memory",
+                    FailureKind::OutOfMemory { .. } | FailureKind::MemoryCap { .. } => {
+                        "out of memory"
+                    }
                     _ => "bad input",
                 }
             ),

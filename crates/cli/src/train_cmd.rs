@@ -41,6 +41,9 @@ struct Request {
     /// The cluster engine that started this process as a worker, if one did.
     engine: Option<cluster_env::WorkerEnv>,
     faults: Vec<Fault>,
+    /// `--worker-memory-gib` in bytes: each of this node's workers in a memory cgroup capped
+    /// at it (`memory_cap.rs`).
+    memory_cap: Option<u64>,
     /// Whether this process writes the run directory (rank 0 under an engine, node 0's
     /// launcher otherwise).
     writes_run_dir: bool,
@@ -103,6 +106,23 @@ impl Request {
                 .map_err(|e| request::BadRequest(format!("{e:#}")))?,
             None => Vec::new(),
         };
+        let memory_cap = match a.worker_memory_gib {
+            Some(_) if engine.is_some() => {
+                return Err(request::BadRequest(
+                    "--worker-memory-gib caps the workers lockstep's launcher starts; under a \
+                     cluster engine, ask it for the memory (e.g. Slurm's --mem-per-cpu)"
+                        .into(),
+                )
+                .into())
+            }
+            Some(gib) => {
+                let bytes = flags::gib("--worker-memory-gib", gib)?;
+                crate::memory_cap::MemoryCaps::check(bytes)
+                    .map_err(|e| request::BadRequest(e.to_string()))?;
+                Some(bytes)
+            }
+            None => None,
+        };
         if max_nodes > 1 && min_world != max_world {
             return Err(request::BadRequest(format!(
                 "--nproc {} with --nnodes {}: elastic worker counts are for one node; with \
@@ -128,6 +148,7 @@ impl Request {
             nodes: (min_nodes, max_nodes),
             engine,
             faults,
+            memory_cap,
             writes_run_dir,
         })
     }
@@ -275,6 +296,7 @@ fn launch_and_supervise(a: &TrainArgs, r: &Request, mut dir: RunDir) -> Result<(
             spec.threads_per_worker = t;
         }
         spec.stall_timeout = Some(r.stall_timeout);
+        spec.memory_cap = r.memory_cap;
         Ok(spec)
     });
     let sup = sup.inspect_err(|e| {

@@ -56,6 +56,15 @@ fn all_four_cases_run_and_exact_equals_one_worker() {
     assert_eq!(j["steps"], 6);
     assert!(j["machine"]["cores"].as_u64().unwrap() >= 1);
     assert!(!j["machine"]["cpu_model"].as_str().unwrap().is_empty());
+    // The limit each case is read against: a measured peak, and the MLP's FLOPs per sample by
+    // the 6-per-parameter count (digits: 64-128-64-10 plus biases).
+    let peak = j["machine"]["gemm_peak_gflops_per_core"].as_f64().unwrap();
+    assert!(peak.is_finite() && peak > 0.0, "{peak}");
+    let params = 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10;
+    assert_eq!(
+        j["machine"]["model_flops_per_sample"].as_f64().unwrap(),
+        6.0 * params as f64
+    );
 
     let cases = j["cases"].as_array().unwrap();
     let names: Vec<&str> = cases.iter().map(|c| c["name"].as_str().unwrap()).collect();
@@ -78,6 +87,15 @@ fn all_four_cases_run_and_exact_equals_one_worker() {
         let (min, max) = (sps["min"].as_f64().unwrap(), sps["max"].as_f64().unwrap());
         let median = sps["median"].as_f64().unwrap();
         assert!(min <= median && median <= max, "{c}");
+        let gflops = c["gflops"]["median"].as_f64().unwrap();
+        let flops = j["machine"]["model_flops_per_sample"].as_f64().unwrap();
+        assert!(
+            (gflops - median * flops / 1e9).abs() <= 1e-9 * gflops.max(1.0),
+            "{c}"
+        );
+        let cores = c["workers"].as_f64().unwrap() * j["threads_per_worker"].as_f64().unwrap();
+        let fraction = c["fraction_of_peak"].as_f64().unwrap();
+        assert!((fraction - gflops / (cores * peak)).abs() < 1e-12, "{c}");
         assert_eq!(c["param_hashes"].as_array().unwrap().len(), 2);
         assert_eq!(c["median_step_ms"]["per_rep"].as_array().unwrap().len(), 2);
         // Every case sums gradients (the exact ones and the bound their own micro-batches too).

@@ -51,6 +51,13 @@ fn timeouts_threads_and_faults_out_of_range_are_refused_before_the_run_directory
         &["train", "--out", o, "--threads-per-worker", "0"],
         &["--threads-per-worker 0"],
     );
+    for gib in ["nan", "inf", "-1", "0", "1e300", "0.0001"] {
+        let cap = format!("--worker-memory-gib={gib}");
+        refused(
+            &["train", "--out", o, &cap],
+            &["--worker-memory-gib", "GiB"],
+        );
+    }
     for factor in ["1e308", "inf", "nan", "0.5"] {
         let spec = format!("slow:rank=1,factor={factor}");
         refused(&["train", "--out", o, "--inject", &spec], &["factor"]);

@@ -262,6 +262,101 @@ fn a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used() {
     assert_eq!(s["steps_recomputed"], 15);
 }
 
+/// Checkpoints written in the background hold the bytes of those written in the step, and the
+/// run ends with the same parameters; its summary says which way they were written and what
+/// they cost.
+#[test]
+fn background_checkpoints_have_the_bytes_of_checkpoints_written_in_the_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (in_step, background) = (tmp.path().join("in-step"), tmp.path().join("background"));
+    ok(&train(&in_step, "2", &[]));
+    ok(&train(
+        &background,
+        "2",
+        &["--set", "checkpoint.async=true"],
+    ));
+    assert_eq!(
+        summary(&background)["param_hash"],
+        summary(&in_step)["param_hash"]
+    );
+    for step in [20, 30, 40] {
+        let name = format!("checkpoints/step-{step:09}.ckpt");
+        let (a, b) = (in_step.join(&name), background.join(&name));
+        assert_eq!(
+            std::fs::read(&a).unwrap(),
+            std::fs::read(&b).unwrap(),
+            "{name}"
+        );
+    }
+    for (dir, background) in [(&in_step, false), (&background, true)] {
+        let c = &summary(dir)["checkpoints"];
+        assert_eq!(c["background"], background, "{c}");
+        assert_eq!(c["count"], 4, "{c}");
+        assert!(c["stall_seconds_max"].as_f64().unwrap() > 0.0, "{c}");
+    }
+    // The stall is a phase of the checkpoint steps' records, and only of theirs.
+    let metrics = std::fs::read_to_string(background.join("metrics.jsonl")).unwrap();
+    let stalled: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["rank"] == 0 && r["seconds"]["checkpoint"].as_f64().is_some())
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(stalled, [9, 19, 29, 39]);
+    let report = std::fs::read_to_string(background.join("report.md")).unwrap();
+    assert!(
+        report.contains("Checkpoints: 4 taken, written in the background"),
+        "{report}"
+    );
+}
+
+/// Rank 0 killed half-way through writing a checkpoint, in the step or in the background: the
+/// unfinished file never counts as a checkpoint, the run resumes from the previous one with the
+/// fault-free parameters, and the unfinished file is removed.
+#[test]
+fn a_kill_while_a_checkpoint_is_written_resumes_from_the_previous_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = reference_hash(tmp.path());
+    for background in ["false", "true"] {
+        let dir = tmp.path().join(format!("async-{background}"));
+        let mode = format!("checkpoint.async={background}");
+        let o = ok(&train(
+            &dir,
+            "2",
+            &[
+                "--set",
+                &mode,
+                "--inject",
+                "kill-while-checkpointing:step=20",
+            ],
+        ))
+        .clone();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("rank 0 kills itself while writing the checkpoint of step 20")
+                && err.contains("left unfinished by an interrupted checkpoint write"),
+            "{background}: {err}"
+        );
+        let s = summary(&dir);
+        assert_eq!(s["param_hash"].as_str().unwrap(), want, "{background}");
+        assert_eq!(s["failures"][0]["resumed_from"], 10, "{background}");
+        let mut names: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "step-000000020.ckpt",
+                "step-000000030.ckpt",
+                "step-000000040.ckpt"
+            ],
+            "{background}"
+        );
+    }
+}
+
 #[test]
 fn resume_continues_a_stopped_run_on_a_different_world_size() {
     let tmp = tempfile::tempdir().unwrap();

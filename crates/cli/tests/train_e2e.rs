@@ -334,6 +334,32 @@ fn engine_worker_without_a_secret_is_refused_with_a_hint() {
 }
 
 #[test]
+fn a_worker_memory_cap_under_a_cluster_engine_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("r");
+    let o = lockstep(&[
+        "train",
+        "--out",
+        out.to_str().unwrap(),
+        "--worker-memory-gib",
+        "1",
+    ])
+    .env("RANK", "0")
+    .env("WORLD_SIZE", "2")
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("LOCKSTEP_SECRET", "00".repeat(32))
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("--worker-memory-gib") && err.contains("cluster engine"),
+        "{err}"
+    );
+    assert!(!out.exists(), "the run directory was created");
+}
+
+#[test]
 fn a_model_that_differs_between_ranks_is_refused_not_hung() {
     let tmp = tempfile::tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -49,6 +49,7 @@ pub mod flat {
     };
 }
 mod params;
+mod peak;
 mod rng;
 mod schedule;
 mod spec;
@@ -107,6 +108,7 @@ pub use kernels::{first_mismatch as first_kernel_mismatch, Kernels};
 pub use model::{param_hash, Model, TimedLoss};
 pub use optim::{check_elementwise, Optimizer, OptimizerSpec, UpdateRule};
 pub use params::ParamInfo;
+pub use peak::{measure_gemm_peak, GemmPeak};
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
 pub use stage::{Stage, StageEval, StageInput, StageOutput};

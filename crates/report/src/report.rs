@@ -387,6 +387,7 @@ pub fn render_with_failures(
         "data s",
         "optimizer s",
         "device copy s",
+        "checkpoint s",
         "bytes sent",
         "mean step s",
         "max step s",
@@ -403,6 +404,7 @@ pub fn render_with_failures(
             format!("{:.3}", r.data_seconds),
             format!("{:.3}", r.optimizer_seconds),
             format!("{:.3}", r.device_copy_seconds),
+            format!("{:.3}", r.checkpoint_seconds),
             r.bytes_sent.to_string(),
             format!("{:.5}", r.step_seconds_mean),
             format!("{:.5}", r.step_seconds_max),
@@ -449,6 +451,24 @@ pub fn render_with_failures(
         "Imbalance {:.3} (max / mean compute seconds; 1.000 = balanced); {straggler}.",
         s.imbalance
     ));
+
+    if let Some(c) = &s.checkpoints {
+        doc.para(&format!(
+            "Checkpoints: {} taken, written {}; each stalled training {:.3} s (median; at most \
+             {:.3} s){}.",
+            c.count,
+            if c.background {
+                "in the background (checkpoint.async)"
+            } else {
+                "in the step"
+            },
+            c.stall_seconds_median,
+            c.stall_seconds_max,
+            c.ordinary_step_seconds_median
+                .map(|o| format!(" against {o:.3} s for an ordinary step"))
+                .unwrap_or_default()
+        ));
+    }
 
     memory_section(&mut doc, s, records);
 
@@ -759,6 +779,7 @@ mod tests {
             optimizer_seconds: 0.001,
             overlapped_communication_seconds: 0.0,
             device_copy_seconds: 0.0,
+            checkpoint_seconds: 0.0,
             bytes_sent: 1000,
             step_seconds_mean: 0.01,
             step_seconds_max: 0.012,
@@ -808,6 +829,13 @@ mod tests {
             compute: Default::default(),
             gradient_sum: None,
             plan: None,
+            checkpoints: Some(lockstep_run::metrics::CheckpointSummary {
+                background: false,
+                count: 2,
+                stall_seconds_median: 0.3,
+                stall_seconds_max: 0.4,
+                ordinary_step_seconds_median: Some(0.01),
+            }),
         }
     }
 
@@ -838,7 +866,9 @@ mod tests {
             "| parameter hash (SHA-256) | `abc123` |",
             "| restarts | 1 |",
             "| steps recomputed | 4 |",
-            "| 0 | h<1> |  | 80 | 0.070 | 0.020 | 0.000 | 0.000 | 0.001 | 0.000 | 1000 | 0.01000 | 0.01200 |",
+            "| 0 | h<1> |  | 80 | 0.070 | 0.020 | 0.000 | 0.000 | 0.001 | 0.000 | 0.000 | 1000 | 0.01000 | 0.01200 |",
+            "Checkpoints: 2 taken, written in the step; each stalled training 0.300 s (median; at \
+             most 0.400 s) against 0.010 s for an ordinary step.",
             "## Per rank",
             "## Evaluations",
             "## Failures and recoveries",

@@ -348,6 +348,7 @@ mod tests {
                         optimizer: 0.0002,
                         overlapped_communication: 0.0,
                         device_copy: 0.0,
+                        checkpoint: 0.0,
                     },
                     bytes_sent: 0,
                     eval: None,

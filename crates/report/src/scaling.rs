@@ -486,6 +486,7 @@ pub(crate) mod tests {
             optimizer_seconds: 0.0,
             overlapped_communication_seconds: 0.0,
             device_copy_seconds: 0.0,
+            checkpoint_seconds: 0.0,
             bytes_sent: 0,
             step_seconds_mean: 0.0,
             step_seconds_max: 0.0,
@@ -523,6 +524,7 @@ pub(crate) mod tests {
             compute: Default::default(),
             gradient_sum: None,
             plan: None,
+            checkpoints: None,
         }
     }
 

@@ -267,6 +267,10 @@ pub struct CheckpointConfig {
     pub keep: usize,
     /// Directory; empty = `<run dir>/checkpoints`.
     pub dir: String,
+    /// Write checkpoints in the background while training goes on (rank 0 keeps the step's
+    /// state in memory until written). Not written when false, so older configs keep their text.
+    #[serde(rename = "async", skip_serializing_if = "std::ops::Not::not")]
+    pub background: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -275,6 +279,7 @@ impl Default for CheckpointConfig {
             every: 50,
             keep: 3,
             dir: String::new(),
+            background: false,
         }
     }
 }

@@ -105,6 +105,9 @@ pub struct StateShape {
     pub optimizer_vectors: usize,
     /// Exact (fixed-point) gradient sum: an `i64` accumulator per reduced value.
     pub reproducible: bool,
+    /// Values of the stage's largest layer: ZeRO 3 reduce-scatters the gradient layer by
+    /// layer, so its accumulator holds one layer at a time (0: unknown, counted whole).
+    pub largest_layer: usize,
     /// Data-parallel replicas sharing the stage.
     pub dp: usize,
     /// ZeRO level on the data-parallel axis: optimizer state sharded at ≥ 1, the reduced
@@ -120,9 +123,9 @@ pub struct StateShape {
 /// The [`RankMemory`] a rank of `shape` would report (`peak_rss_bytes` = 0: not predicted here).
 ///
 /// `params = P / (dp if zero = 3)`, `grads = m·P + P / (dp if zero ≥ 2)` plus `8·P` bytes of
-/// fixed-point accumulator in reproducible mode (an upper bound, see
-/// `lockstep_train::memory::ModelState::exact_scratch`), `optimizer = k·P / (dp if zero ≥ 1)`, activations
-/// = `peak_held ×` one micro-batch's. A shard is the ceiling of `P / dp`.
+/// fixed-point accumulator in reproducible mode (`8·` the largest layer at ZeRO 3; an upper
+/// bound, see `lockstep_train::memory::ModelState::exact_scratch`), `optimizer = k·P / (dp if
+/// zero ≥ 1)`, activations = `peak_held ×` one micro-batch's. A shard is the ceiling of `P / dp`.
 pub fn predict(shape: &StateShape) -> RankMemory {
     let p = shape.stage_params as u64;
     let dp = shape.dp.max(1) as u64;
@@ -133,7 +136,15 @@ pub fn predict(shape: &StateShape) -> RankMemory {
             p
         }
     };
-    let fixed = if shape.reproducible { p * FIXED } else { 0 };
+    let accumulated = match shape.largest_layer as u64 {
+        layer if shape.zero >= 3 && layer > 0 => layer.min(p),
+        _ => p,
+    };
+    let fixed = if shape.reproducible {
+        accumulated * FIXED
+    } else {
+        0
+    };
     RankMemory {
         params_bytes: shard(3) * F32,
         grads_bytes: (shape.local_microbatches as u64 * p + shard(2)) * F32 + fixed,
@@ -188,6 +199,7 @@ mod tests {
             local_microbatches: 2,
             optimizer_vectors: 2,
             reproducible: false,
+            largest_layer: 400,
             dp: 2,
             zero,
             activation_bytes_per_microbatch: 10,
@@ -212,6 +224,12 @@ mod tests {
             ..shape(0)
         });
         assert_eq!(exact.grads_bytes, z0.grads_bytes + 8 * 1001);
+        // ZeRO 3 reduce-scatters layer by layer: one layer's accumulator at a time.
+        let exact3 = predict(&StateShape {
+            reproducible: true,
+            ..shape(3)
+        });
+        assert_eq!(exact3.grads_bytes, z3.grads_bytes + 8 * 400);
     }
 
     #[test]

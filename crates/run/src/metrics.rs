@@ -26,6 +26,15 @@ pub struct PhaseSeconds {
     /// memory copies on the CPU), taken out of the phase it happened in. Absent in older runs.
     #[serde(default)]
     pub device_copy: f64,
+    /// Training stalled for a checkpoint of this step: gathering the model to rank 0, then
+    /// writing and syncing the file (`checkpoint.async = false`) or waiting for the previous
+    /// background write (`true`). Absent in older runs and zero on other steps.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub checkpoint: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 impl PhaseSeconds {
@@ -41,6 +50,7 @@ impl PhaseSeconds {
         self.optimizer += o.optimizer;
         self.overlapped_communication += o.overlapped_communication;
         self.device_copy += o.device_copy;
+        self.checkpoint += o.checkpoint;
     }
 }
 
@@ -172,6 +182,9 @@ pub struct RankSummary {
     /// Moving gradients and parameters between the model's device and the host.
     #[serde(default)]
     pub device_copy_seconds: f64,
+    /// Training stalled for checkpoints (see `PhaseSeconds::checkpoint`).
+    #[serde(default)]
+    pub checkpoint_seconds: f64,
     pub bytes_sent: u64,
     pub step_seconds_mean: f64,
     pub step_seconds_max: f64,
@@ -247,6 +260,57 @@ pub struct Summary {
     /// The parallel plan the run followed (absent in summaries written before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<crate::layout::ParallelPlan>,
+    /// What this attempt's checkpoints cost the training (absent when it took none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoints: Option<CheckpointSummary>,
+}
+
+/// How long checkpoints stalled the training: per checkpoint step, the longest `checkpoint`
+/// phase of any rank (the others wait for it at the next collective).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CheckpointSummary {
+    /// Written in the background (`checkpoint.async = true`) or in the step.
+    pub background: bool,
+    /// Checkpoints taken in this attempt.
+    pub count: usize,
+    pub stall_seconds_median: f64,
+    pub stall_seconds_max: f64,
+    /// Median seconds of the steps without a checkpoint (to read the stall against); absent
+    /// when every step took one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordinary_step_seconds_median: Option<f64>,
+}
+
+impl CheckpointSummary {
+    /// From every rank's records; `None` when no step took a checkpoint.
+    pub fn from_records(records: &[StepRecord], background: bool) -> Option<CheckpointSummary> {
+        let mut stall: BTreeMap<u64, f64> = BTreeMap::new();
+        let mut step_max: BTreeMap<u64, f64> = BTreeMap::new();
+        for r in records {
+            let s = step_max.entry(r.step).or_default();
+            *s = s.max(r.step_seconds);
+            if r.seconds.checkpoint > 0.0 {
+                let s = stall.entry(r.step).or_default();
+                *s = s.max(r.seconds.checkpoint);
+            }
+        }
+        if stall.is_empty() {
+            return None;
+        }
+        let ordinary: Vec<f64> = step_max
+            .iter()
+            .filter(|(k, _)| !stall.contains_key(k))
+            .map(|(_, v)| *v)
+            .collect();
+        let stalls: Vec<f64> = stall.values().copied().collect();
+        Some(CheckpointSummary {
+            background,
+            count: stalls.len(),
+            stall_seconds_median: median(stalls.clone()),
+            stall_seconds_max: stalls.iter().copied().fold(0.0, f64::max),
+            ordinary_step_seconds_median: (!ordinary.is_empty()).then(|| median(ordinary)),
+        })
+    }
 }
 
 /// How a data-parallel step's gradients were summed across the workers.
@@ -326,6 +390,7 @@ pub fn rank_summaries(records: &[StepRecord], hosts: &[String]) -> Vec<RankSumma
                 optimizer_seconds: total.optimizer,
                 overlapped_communication_seconds: total.overlapped_communication,
                 device_copy_seconds: total.device_copy,
+                checkpoint_seconds: total.checkpoint,
                 bytes_sent: mine.iter().map(|s| s.bytes_sent).sum(),
                 step_seconds_mean: if mine.is_empty() {
                     0.0
@@ -443,6 +508,40 @@ mod tests {
             grad_norm: None,
             train_metrics: Default::default(),
         }
+    }
+
+    #[test]
+    fn checkpoint_stalls_are_the_slowest_ranks_and_read_against_ordinary_steps() {
+        // Two ranks, steps 0..4, checkpoints after steps 1 and 3.
+        let at = |rank, step, seconds, stall| StepRecord {
+            step,
+            step_seconds: seconds,
+            seconds: PhaseSeconds {
+                checkpoint: stall,
+                ..Default::default()
+            },
+            ..rec(rank, 0.0)
+        };
+        let records = vec![
+            at(0, 0, 1.0, 0.0),
+            at(1, 0, 1.2, 0.0),
+            at(0, 1, 2.0, 0.5),
+            at(1, 1, 2.0, 0.1),
+            at(0, 2, 1.4, 0.0),
+            at(1, 2, 1.1, 0.0),
+            at(0, 3, 3.0, 0.9),
+            at(1, 3, 3.0, 0.2),
+        ];
+        let c = CheckpointSummary::from_records(&records, true).unwrap();
+        assert_eq!(c.count, 2);
+        assert!(c.background);
+        assert_eq!((c.stall_seconds_median, c.stall_seconds_max), (0.7, 0.9));
+        // Ordinary steps 0 and 2, each its slowest rank's time: 1.2 and 1.4.
+        assert!((c.ordinary_step_seconds_median.unwrap() - 1.3).abs() < 1e-12);
+        // Every step a checkpoint: nothing to read against (absent, never a NaN in the JSON).
+        let c = CheckpointSummary::from_records(&records[2..4], false).unwrap();
+        assert_eq!(c.ordinary_step_seconds_median, None);
+        assert_eq!(CheckpointSummary::from_records(&records[..2], false), None);
     }
 
     #[test]

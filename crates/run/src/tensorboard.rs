@@ -75,6 +75,7 @@ fn scalars(ranks: &[&StepRecord]) -> Vec<(String, f64)> {
             ("communication", s.communication),
             ("waiting", s.waiting),
             ("optimizer", s.optimizer),
+            ("checkpoint", s.checkpoint),
         ] {
             v.push((format!("seconds/rank{}/{phase}", r.rank), x));
         }

@@ -107,6 +107,20 @@ pub fn file_name(step: u64) -> String {
 
 /// The bytes of a checkpoint file holding `c` (the inverse of [`decode`]).
 pub fn encode(c: &Checkpoint) -> Vec<u8> {
+    let floats = c.params.len() + c.optimizer_state.iter().map(Vec::len).sum::<usize>();
+    let mut out = Vec::with_capacity(16 + 1024 + 4 * floats + 32);
+    write_encoded(&mut out, c, &mut |_| {}).expect("writing to memory cannot fail");
+    out
+}
+
+/// Stream [`encode`]'s bytes into `w`, hashing as they go, so a checkpoint never exists twice in
+/// memory; `between` is called with the fraction of the payload written after each vector (the
+/// `kill-while-checkpointing` fault fires there).
+fn write_encoded<W: std::io::Write>(
+    w: &mut W,
+    c: &Checkpoint,
+    between: &mut dyn FnMut(f64),
+) -> std::io::Result<()> {
     let header = Header {
         identity: c.identity.clone(),
         step: c.step,
@@ -115,18 +129,30 @@ pub fn encode(c: &Checkpoint) -> Vec<u8> {
         state_lens: c.optimizer_state.iter().map(|s| s.len() as u64).collect(),
     };
     let header = serde_json::to_vec(&header).expect("header serialises");
-    let floats = c.params.len() + c.optimizer_state.iter().map(Vec::len).sum::<usize>();
-    let mut out = Vec::with_capacity(16 + header.len() + 4 * floats + 32);
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
-    out.extend_from_slice(&header);
-    for v in std::iter::once(&c.params).chain(&c.optimizer_state) {
-        out.extend_from_slice(bytemuck::cast_slice(v));
+    let mut hasher = Sha256::new();
+    let mut put = |w: &mut W, bytes: &[u8]| {
+        hasher.update(bytes);
+        w.write_all(bytes)
+    };
+    put(w, MAGIC)?;
+    put(w, &VERSION.to_le_bytes())?;
+    put(w, &(header.len() as u32).to_le_bytes())?;
+    put(w, &header)?;
+    let vectors: Vec<&Vec<f32>> = std::iter::once(&c.params)
+        .chain(&c.optimizer_state)
+        .collect();
+    for (i, v) in vectors.iter().enumerate() {
+        // Little-endian on disk: the payload is the vectors' bytes as they are on this target.
+        for chunk in v.chunks(1 << 18) {
+            put(w, bytemuck::cast_slice(chunk))?;
+        }
+        // What is written so far reaches the file first: a process killed from `between` leaves
+        // a partial file whose header says whose it is.
+        w.flush()?;
+        between((i + 1) as f64 / vectors.len() as f64);
     }
-    let digest = Sha256::digest(&out);
-    out.extend_from_slice(&digest);
-    out
+    let digest = hasher.finalize();
+    w.write_all(&digest)
 }
 
 /// Decodes and verifies a checkpoint's bytes (everything but the identity check of [`load`]);
@@ -228,17 +254,70 @@ fn io_err(path: &Path, e: std::io::Error) -> CheckpointError {
 /// run: files of another run or of nobody (a user's file that happens to be called
 /// `step-<n>.ckpt`, a checkpoint of a run sharing `checkpoint.dir`) are never removed.
 pub fn save(dir: &Path, c: &Checkpoint, keep: usize) -> Result<PathBuf, CheckpointError> {
+    stage(dir, c, &mut |_| {})?.publish(keep)
+}
+
+/// A checkpoint written and synced under a temporary name in its directory, not yet under its
+/// own: [`save`] in two steps, so that its publication can wait (for metrics.jsonl) while its
+/// writing counts as the step's. Dropped unpublished, the temporary file is removed.
+pub struct StagedCheckpoint {
+    file: crate::files::Staged,
+    dir: PathBuf,
+    path: PathBuf,
+    identity: Identity,
+    step: u64,
+}
+
+/// Stage `c` in `dir` (see [`StagedCheckpoint`]); `between` is called with the fraction of the
+/// payload written after each vector, the file holding all of it so far.
+pub fn stage(
+    dir: &Path,
+    c: &Checkpoint,
+    between: &mut dyn FnMut(f64),
+) -> Result<StagedCheckpoint, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
     let path = dir.join(file_name(c.step));
-    let bytes = encode(c);
-    crate::files::replace_atomically(&path, &bytes).map_err(|e| io_err(&path, e))?;
-    let ours = of_run(dir, |id| id == &c.identity)?;
-    if ours.len() > keep.max(1) {
-        for old in &ours[..ours.len() - keep.max(1)] {
-            let _ = std::fs::remove_file(old);
-        }
+    let mut file = crate::files::Staged::create(&path).map_err(|e| io_err(&path, e))?;
+    let mut buffered = std::io::BufWriter::with_capacity(1 << 20, file.file());
+    write_encoded(&mut buffered, c, between)
+        .and_then(|()| std::io::Write::flush(&mut buffered))
+        .map_err(|e| io_err(&path, e))?;
+    drop(buffered);
+    file.sync().map_err(|e| io_err(&path, e))?;
+    Ok(StagedCheckpoint {
+        file,
+        dir: dir.to_path_buf(),
+        path,
+        identity: c.identity.clone(),
+        step: c.step,
+    })
+}
+
+impl StagedCheckpoint {
+    /// The step the checkpoint was taken after.
+    pub fn step(&self) -> u64 {
+        self.step
     }
-    Ok(path)
+
+    /// Give the checkpoint its name (atomically), then prune all but the newest `keep` of the
+    /// run's checkpoints (see [`save`]). Returns its path.
+    pub fn publish(self, keep: usize) -> Result<PathBuf, CheckpointError> {
+        let StagedCheckpoint {
+            file,
+            dir,
+            path,
+            identity,
+            ..
+        } = self;
+        file.publish().map_err(|e| io_err(&path, e))?;
+        let ours = of_run(&dir, |id| id == &identity)?;
+        if ours.len() > keep.max(1) {
+            for old in &ours[..ours.len() - keep.max(1)] {
+                let _ = std::fs::remove_file(old);
+            }
+        }
+        Ok(path)
+    }
 }
 
 /// The checkpoint files in `dir` (oldest first) that are regular files whose header names an
@@ -303,6 +382,33 @@ pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     }
     v.sort();
     Ok(v)
+}
+
+/// Remove the unfinished checkpoint files a killed write of this run left in `dir`: hidden
+/// temporaries named after a checkpoint (`.step-N.ckpt.XXXXXX.tmp`) that are regular files whose
+/// header names `identity` (written first, so even a partial file says whose it is). Another
+/// run's files and anything else are left alone. Returns the paths removed.
+pub fn remove_abandoned(dir: &Path, identity: &Identity) -> Vec<PathBuf> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in rd.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let unfinished = name
+            .strip_prefix(".step-")
+            .and_then(|rest| rest.split_once(".ckpt."))
+            .is_some_and(|(step, tail)| step.parse::<u64>().is_ok() && tail.ends_with(".tmp"));
+        let path = entry.path();
+        if unfinished
+            && read_identity(&path).as_ref() == Some(identity)
+            && std::fs::remove_file(&path).is_ok()
+        {
+            removed.push(path);
+        }
+    }
+    removed.sort();
+    removed
 }
 
 /// Read and verify one file; `expect` is the loading run's identity.
@@ -391,6 +497,59 @@ mod tests {
         assert!(skipped.is_empty());
         // No temporary files left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
+    }
+
+    #[test]
+    fn a_staged_checkpoint_is_invisible_until_published_and_has_encodes_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let older = save(dir.path(), &sample(10), 3).unwrap();
+        let mut fractions = Vec::new();
+        let staged = stage(dir.path(), &sample(20), &mut |f| fractions.push(f)).unwrap();
+        assert_eq!(fractions, vec![0.5, 1.0]);
+        // Not under its name yet: a resume now finds step 10.
+        let (c, _) = load_latest(dir.path(), &sample(0).identity).unwrap();
+        assert_eq!(c.unwrap().step, 10);
+        let path = staged.publish(3).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), encode(&sample(20)));
+        assert!(older.exists());
+        // Dropped unpublished: no file, no temporary left.
+        drop(stage(dir.path(), &sample(30), &mut |_| {}).unwrap());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn only_this_runs_unfinished_files_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = sample(10);
+        let mut theirs = sample(10);
+        theirs.identity.config = "another run".into();
+        // Partial files as a killed write leaves them (the header and part of the payload).
+        let partial = |c: &Checkpoint, name: &str| {
+            let bytes = encode(c);
+            std::fs::write(dir.path().join(name), &bytes[..bytes.len() / 2]).unwrap();
+        };
+        partial(&ours, ".step-000000010.ckpt.AbC123.tmp");
+        partial(&theirs, ".step-000000010.ckpt.XyZ789.tmp");
+        partial(&ours, ".summary.json.AbC123.tmp");
+        save(dir.path(), &ours, 3).unwrap();
+        let removed = remove_abandoned(dir.path(), &ours.identity);
+        assert_eq!(
+            removed,
+            vec![dir.path().join(".step-000000010.ckpt.AbC123.tmp")]
+        );
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ".step-000000010.ckpt.XyZ789.tmp",
+                ".summary.json.AbC123.tmp",
+                "step-000000010.ckpt"
+            ]
+        );
     }
 
     #[test]

@@ -15,6 +15,10 @@ pub enum Fault {
     Slow { rank: usize, factor: f64 },
     /// The checkpoint written at `step` is damaged after it was written.
     CorruptCheckpoint { step: u64 },
+    /// Rank 0's process SIGKILLs itself while it writes the checkpoint of `step`: after the
+    /// parameters are written, before the file is complete or published (with
+    /// `checkpoint.async`, from the background writer while training goes on).
+    KillWhileCheckpointing { step: u64 },
 }
 
 /// The fault as `--inject` spells it (`kill:rank=1,step=30`).
@@ -26,6 +30,9 @@ impl std::fmt::Display for Fault {
             Fault::Hang { rank, step } => write!(f, "hang:rank={rank},step={step}"),
             Fault::Slow { rank, factor } => write!(f, "slow:rank={rank},factor={factor}"),
             Fault::CorruptCheckpoint { step } => write!(f, "corrupt-checkpoint:step={step}"),
+            Fault::KillWhileCheckpointing { step } => {
+                write!(f, "kill-while-checkpointing:step={step}")
+            }
         }
     }
 }
@@ -66,6 +73,18 @@ pub fn at_step(faults: &[Fault], rank: usize, step: u64) {
 /// so that the line tests and people look for is never there whole.
 fn say(line: &str) {
     let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+}
+
+/// SIGKILL this process now if a `kill-while-checkpointing` fault names `step` (called by the
+/// checkpoint writer, part-way through the file).
+pub fn while_checkpointing(faults: &[Fault], step: u64) {
+    if faults.contains(&Fault::KillWhileCheckpointing { step }) {
+        say(&format!(
+            "injected fault: rank 0 kills itself while writing the checkpoint of step {step}\n"
+        ));
+        // SAFETY: raising a signal on our own process.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
 }
 
 /// Slow-down factor for `rank` (1.0 when none).

@@ -91,23 +91,60 @@ fn parent_dir(path: &Path) -> &Path {
 /// Write `bytes` to `path` atomically (see the module doc): `path` is replaced by the complete
 /// new file or left as it was. The new file gets mode 0644 less the umask.
 pub fn replace_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    check_output_path(path)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    let dir = parent_dir(path);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(".tmp")
-        .permissions(std::fs::Permissions::from_mode(0o644))
-        .tempfile_in(dir)?;
-    tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
-    // On failure the temporary file is dropped, which removes it.
-    tmp.persist(path).map_err(|e| e.error)?;
-    std::fs::File::open(dir)?.sync_all()
+    let mut staged = Staged::create(path)?;
+    staged.file().write_all(bytes)?;
+    staged.sync()?;
+    staged.publish()
+}
+
+/// [`replace_atomically`] in two steps, for a file too large to build in memory first or whose
+/// publication must wait for something else (a checkpoint waits for metrics.jsonl): the bytes are
+/// written to the temporary file ([`Staged::file`], [`Staged::sync`]) and it replaces the
+/// destination later ([`Staged::publish`]). Dropped unpublished, the temporary file is removed.
+pub struct Staged {
+    tmp: tempfile::NamedTempFile,
+    path: PathBuf,
+}
+
+impl Staged {
+    /// A fresh temporary file beside `path` (refused when `path` is not absent or a regular file).
+    pub fn create(path: &Path) -> std::io::Result<Staged> {
+        check_output_path(path)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!(".{name}."))
+            .suffix(".tmp")
+            .permissions(std::fs::Permissions::from_mode(0o644))
+            .tempfile_in(parent_dir(path))?;
+        Ok(Staged {
+            tmp,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The temporary file, to write the bytes into.
+    pub fn file(&mut self) -> &mut std::fs::File {
+        self.tmp.as_file_mut()
+    }
+
+    /// The bytes on stable storage.
+    pub fn sync(&mut self) -> std::io::Result<()> {
+        self.tmp.as_file().sync_all()
+    }
+
+    /// Rename over the destination (checked again: it may have changed since `create`), then
+    /// fsync the directory. On failure the temporary file is removed.
+    pub fn publish(self) -> std::io::Result<()> {
+        check_output_path(&self.path)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let dir = parent_dir(&self.path).to_path_buf();
+        self.tmp.persist(&self.path).map_err(|e| e.error)?;
+        std::fs::File::open(dir)?.sync_all()
+    }
 }
 
 /// Prove `dir` writable with a probe file (exclusively created under a random name, removed at

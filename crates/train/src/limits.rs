@@ -355,6 +355,7 @@ pub fn memory_estimate(cfg: &TrainConfig) -> u128 {
         local_microbatches: 0,
         optimizer_vectors: memory::optimizer_vectors(cfg),
         reproducible: cfg.dist.reproducible,
+        largest_layer: 0,
         dp: 1,
         zero: 0,
         activation_bytes_per_microbatch: 0,

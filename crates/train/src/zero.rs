@@ -248,19 +248,20 @@ impl Zero {
     }
 
     /// Collective over the group: the whole optimizer state vectors (for a checkpoint).
-    pub fn whole_state(
+    pub fn whole_state<'o>(
         &self,
-        optimizer: &Optimizer,
+        optimizer: &'o Optimizer,
         dp: &mut Communicator,
-    ) -> Result<Vec<Vec<f32>>, CommError> {
+    ) -> Result<Vec<std::borrow::Cow<'o, [f32]>>, CommError> {
+        // Level 0 holds the whole state already: lent, not copied.
         optimizer
             .state()
             .into_iter()
             .map(|v| {
                 if self.level == 0 {
-                    Ok(v.to_vec())
+                    Ok(std::borrow::Cow::Borrowed(v))
                 } else {
-                    self.gather(v, dp)
+                    self.gather(v, dp).map(std::borrow::Cow::Owned)
                 }
             })
             .collect()

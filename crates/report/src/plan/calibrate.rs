@@ -265,6 +265,7 @@ mod tests {
                 optimizer: opt,
                 overlapped_communication: 0.0,
                 device_copy: 0.0,
+                checkpoint: 0.0,
             },
             bytes_sent: 1000,
             eval: None,

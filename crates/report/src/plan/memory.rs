@@ -40,6 +40,11 @@ pub(super) fn fullest_rank(w: &Workload, layout: Layout, stages: &[(usize, usize
                 local_microbatches: m,
                 optimizer_vectors: w.optimizer_vectors,
                 reproducible: w.reproducible,
+                largest_layer: layers
+                    .iter()
+                    .map(|l| rank_params(std::slice::from_ref(l), layout.tp))
+                    .max()
+                    .unwrap_or(0),
                 dp: layout.dp,
                 zero: w.zero,
                 activation_bytes_per_microbatch: (held_per_sample * w.microbatch) as u64,

@@ -582,6 +582,12 @@ impl<'m> StageRank<'m> {
         } else {
             None
         };
+        let checkpoint_now = ledger.checkpoint_due(step);
+        if checkpoint_now {
+            let t0 = Instant::now();
+            self.checkpoint(ledger, step)?;
+            sec.checkpoint = t0.elapsed().as_secs_f64();
+        }
         let step_seconds = step_start.elapsed().as_secs_f64();
         let t = &self.cfg.train;
         let record = StepRecord {
@@ -600,13 +606,9 @@ impl<'m> StageRank<'m> {
             grad_norm,
             train_metrics,
         };
-        let checkpoint_now = ledger.checkpoint_due(step);
         ledger.record_step(comm, record, checkpoint_now)?;
-        if checkpoint_now {
-            self.checkpoint(ledger, step)?;
-        }
-        ledger.step_done(step);
-        Ok(())
+        ledger.release_checkpoint()?;
+        ledger.step_done(step)
     }
 
     /// The job's training metrics of this step: the rows of the micro-batches whose loss this
@@ -859,7 +861,8 @@ impl<'m> StageRank<'m> {
     }
 
     /// Collective: the stage (ZeRO 3: gathered) and its optimizer state sent to rank 0, which
-    /// writes the checkpoint taken after `step`.
+    /// takes the checkpoint after `step` (written under a temporary name, or kept for the
+    /// background writer; published after the step's record).
     fn checkpoint(&mut self, ledger: &mut Ledger<'_>, step: u64) -> Result<(), TrainError> {
         let gathered;
         let stage_params: &[f32] = if self.zero.level() >= 3 {
@@ -878,7 +881,7 @@ impl<'m> StageRank<'m> {
             full_state.push(whole(&v)?);
         }
         if self.rank == 0 {
-            ledger.save_checkpoint(
+            ledger.take_checkpoint(
                 step,
                 full.expect("rank 0 gathers"),
                 full_state.into_iter().map(|s| s.expect("rank 0")).collect(),
@@ -1069,6 +1072,18 @@ fn gather_whole(
     let stage_len = stage_lens[pp.rank()];
     let stage = match tp {
         Some(tp) => gather_stage(tp, mine, maps, stage_len)?,
+        None if pp.rank() == 0 => {
+            // The whole model's buffer from the start, filled once (a checkpoint of a large
+            // model is copied once here, never zeroed first or grown).
+            let mut full = Vec::with_capacity(stage_lens.iter().sum());
+            if maps[0].len() == 1 && maps[0][0] == (0..stage_len) {
+                full.extend_from_slice(mine);
+            } else {
+                full.resize(stage_len, 0.0);
+                scatter_map(mine, &maps[0], &mut full);
+            }
+            Some(full)
+        }
         None => {
             let mut stage = vec![0f32; stage_len];
             scatter_map(mine, &maps[0], &mut stage);
@@ -1076,7 +1091,7 @@ fn gather_whole(
         }
     };
     match stage {
-        Some(stage) => gather_model(pp, replica, &stage, stage_lens),
+        Some(stage) => gather_model(pp, replica, stage, stage_lens),
         None => Ok(None),
     }
 }
@@ -1087,21 +1102,22 @@ fn gather_whole(
 fn gather_model(
     pp: &mut Communicator,
     replica: usize,
-    mine: &[f32],
+    mine: Vec<f32>,
     stage_lens: &[usize],
 ) -> Result<Option<Vec<f32>>, TrainError> {
     if replica != 0 {
         return Ok(None);
     }
     if pp.rank() != 0 {
-        pp.send(0, mine)?;
+        pp.send(0, &mine)?;
         return Ok(None);
     }
-    let mut full = mine.to_vec();
+    let mut full = mine;
+    let mut at = full.len();
+    full.resize(stage_lens.iter().sum(), 0.0);
     for (s, &len) in stage_lens.iter().enumerate().skip(1) {
-        let mut buf = vec![0f32; len];
-        pp.recv(s, &mut buf)?;
-        full.extend_from_slice(&buf);
+        pp.recv(s, &mut full[at..at + len])?;
+        at += len;
     }
     Ok(Some(full))
 }

@@ -5,11 +5,10 @@ use std::path::Path;
 use lockstep_comm::Communicator;
 use lockstep_model::Optimizer;
 
-use crate::checkpoint::{self, Checkpoint, Identity};
+use crate::checkpoint::{self, Identity};
 use crate::config::TrainConfig;
 use crate::context::Event;
 use crate::error::TrainError;
-use crate::faults::{self, Fault};
 
 /// Is a checkpoint written after `step` (counting from 0)? Every `checkpoint.every` steps, and
 /// after the last step, so that a finished run can be extended from where it ended.
@@ -41,6 +40,12 @@ pub(crate) fn resume_from_checkpoint(
     let mut header = [0i64; 3];
     let mut loaded = Ok(None);
     if comm.rank() == 0 {
+        for path in checkpoint::remove_abandoned(dir, identity) {
+            on_event(Event::Notice(format!(
+                "removed {}, left unfinished by an interrupted checkpoint write",
+                path.display()
+            )));
+        }
         loaded = checkpoint::load_latest(dir, identity).map(|(c, skipped)| {
             for (path, why) in skipped {
                 on_event(Event::Notice(format!(
@@ -82,48 +87,4 @@ pub(crate) fn resume_from_checkpoint(
     }
     optimizer.set_steps_taken(header[2] as u64);
     Ok(header[1] as u64)
-}
-
-/// Rank 0: write checkpoint `c` atomically (keeping the newest `checkpoint.keep`), then damage it
-/// if a `corrupt-checkpoint` fault is injected for its step.
-pub(crate) fn save_checkpoint(
-    cfg: &TrainConfig,
-    dir: &Path,
-    c: &Checkpoint,
-    faults: &[Fault],
-    on_event: &mut dyn FnMut(Event),
-) -> Result<(), TrainError> {
-    let path = checkpoint::save(dir, c, cfg.checkpoint.keep)?;
-    if faults::corrupts_checkpoint(faults, c.step) {
-        damage(&path)?;
-        on_event(Event::Notice(format!(
-            "injected fault: damaged checkpoint {}",
-            path.display()
-        )));
-    }
-    on_event(Event::Checkpointed { step: c.step, path });
-    Ok(())
-}
-
-/// Flip one byte in the middle of a file (the `corrupt-checkpoint` fault).
-fn damage(path: &Path) -> Result<(), TrainError> {
-    let io = |source| TrainError::Io {
-        path: path.display().to_string(),
-        cause: source,
-    };
-    use std::io::{Read, Seek, SeekFrom, Write};
-    use std::os::unix::fs::OpenOptionsExt;
-    // The file this rank just wrote, changed in place (never created, never through a link).
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(io)?;
-    let mid = f.metadata().map_err(io)?.len() / 2;
-    let mut byte = [0u8];
-    f.seek(SeekFrom::Start(mid)).map_err(io)?;
-    f.read_exact(&mut byte).map_err(io)?;
-    f.seek(SeekFrom::Start(mid)).map_err(io)?;
-    f.write_all(&[byte[0] ^ 0xff]).map_err(io)
 }

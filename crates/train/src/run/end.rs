@@ -14,8 +14,8 @@ use crate::context::{Event, JobLabel, Progress};
 use crate::error::TrainError;
 use crate::memory::RankMemory;
 use crate::metrics::{
-    imbalance, imbalance_within_stages, rank_summaries, ComputeSummary, Eval, GradientSum,
-    PipelineSummary, RankSummary, StepRecord, Summary,
+    imbalance, imbalance_within_stages, rank_summaries, CheckpointSummary, ComputeSummary, Eval,
+    GradientSum, PipelineSummary, RankSummary, StepRecord, Summary,
 };
 use lockstep_run::ParallelPlan;
 
@@ -29,18 +29,21 @@ pub(crate) struct StepPoint {
     pub loss: f64,
 }
 
-/// Rank 0: a `StepDone` event every step and a `Progress` event every `train.log_every` steps
-/// (and at the last one).
+/// Rank 0: a `StepDone` event when `step_done` (held back while a checkpoint is written in the
+/// background) and a `Progress` event every `train.log_every` steps (and at the last one).
 pub(crate) fn emit_progress(
     cfg: &TrainConfig,
     rank: usize,
     p: &StepPoint,
+    step_done: bool,
     on_event: &mut dyn FnMut(Event),
 ) {
     if rank != 0 {
         return;
     }
-    on_event(Event::StepDone(p.done));
+    if step_done {
+        on_event(Event::StepDone(p.done));
+    }
     if p.done.is_multiple_of(cfg.train.log_every) || p.done == p.total_steps {
         let elapsed = p.started.elapsed().as_secs_f64();
         let done = (p.done - p.start_step) as f64;
@@ -159,5 +162,6 @@ pub(crate) fn build_summary(
         },
         gradient_sum: end.gradient_sum,
         plan: Some(end.plan),
+        checkpoints: CheckpointSummary::from_records(all_records, cfg.checkpoint.background),
     }
 }

@@ -13,9 +13,8 @@ use lockstep_comm::Communicator;
 use lockstep_model::{LrSchedule, Optimizer, UpdateRule};
 use sha2::{Digest, Sha256};
 
-use super::checkpointing::{
-    checkpoint_dir, checkpoint_due, resume_from_checkpoint, save_checkpoint,
-};
+use super::checkpoint_writer::CheckpointWriter;
+use super::checkpointing::{checkpoint_dir, checkpoint_due, resume_from_checkpoint};
 use super::end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use super::outputs::{write_outputs, MetricsLog};
 use super::schedule::{optimizer_spec, RECORDS_RESERVED};
@@ -86,6 +85,11 @@ pub(crate) struct Ledger<'a> {
     job: JobLabel,
     /// The job's own optimizer update (`optimizer.kind = "custom"`).
     rule: Option<Arc<dyn UpdateRule>>,
+    /// Rank 0's checkpoint writes (in the step, or in the background).
+    writer: CheckpointWriter,
+    /// A step done whose `StepDone` waits for a background checkpoint write: the launcher takes
+    /// a reported step as "every checkpoint up to it is on disk".
+    unreported: Option<u64>,
 }
 
 impl<'a> Ledger<'a> {
@@ -122,6 +126,13 @@ impl<'a> Ledger<'a> {
             device: device.info.describe(),
             resume_requested: resume,
             ckpt_dir: checkpoint_dir(cfg, out_dir),
+            writer: CheckpointWriter::new(
+                checkpoint_dir(cfg, out_dir),
+                cfg.checkpoint.keep,
+                cfg.checkpoint.background,
+                faults,
+            ),
+            unreported: None,
             identity: Identity {
                 config: cfg.identity_hash(),
                 model: model_identity(structure_hash, rule.as_deref()),
@@ -250,8 +261,11 @@ impl<'a> Ledger<'a> {
         (every > 0 && (step + 1).is_multiple_of(every)) || step + 1 == self.total_steps
     }
 
-    /// Rank 0: write the checkpoint taken after `step` of the whole model.
-    pub(crate) fn save_checkpoint(
+    /// Rank 0, before the step's record: take the checkpoint after `step` of the whole model —
+    /// written under a temporary name now, or kept for the background writer (which first
+    /// finishes the previous write). [`Ledger::record_step`] then flushes metrics.jsonl and
+    /// [`Ledger::release_checkpoint`] publishes it.
+    pub(crate) fn take_checkpoint(
         &mut self,
         step: u64,
         params: Vec<f32>,
@@ -265,13 +279,13 @@ impl<'a> Ledger<'a> {
             optimizer_steps,
             identity: self.identity.clone(),
         };
-        save_checkpoint(
-            self.cfg,
-            &self.ckpt_dir,
-            &c,
-            self.faults,
-            &mut *self.on_event,
-        )
+        self.writer.take(c, &mut *self.on_event)
+    }
+
+    /// After the record of a checkpoint step is flushed: publish the checkpoint taken, or start
+    /// writing it in the background (nothing when none was taken, e.g. on other ranks).
+    pub(crate) fn release_checkpoint(&mut self) -> Result<(), TrainError> {
+        self.writer.release(&mut *self.on_event)
     }
 
     /// After a step's evaluation: keep its record (and evaluation), and when a checkpoint is due
@@ -299,9 +313,10 @@ impl<'a> Ledger<'a> {
         Ok(())
     }
 
-    /// Report `step` done (after its checkpoint, if one was due, is on disk: the launcher may
-    /// regroup the job at it).
-    pub(crate) fn step_done(&mut self, step: u64) {
+    /// Report `step` done. Its `StepDone` (the launcher may regroup the job at a checkpoint
+    /// boundary it reports) waits while a checkpoint is still being written in the background,
+    /// and then reports the newest step done.
+    pub(crate) fn step_done(&mut self, step: u64) -> Result<(), TrainError> {
         let point = StepPoint {
             done: step + 1,
             total_steps: self.total_steps,
@@ -309,7 +324,26 @@ impl<'a> Ledger<'a> {
             started: self.started,
             loss: self.last_loss,
         };
-        emit_progress(self.cfg, self.rank, &point, &mut *self.on_event);
+        let writing = self.writer.poll(&mut *self.on_event)?;
+        if writing {
+            self.unreported = Some(step + 1);
+        } else {
+            self.unreported = None;
+        }
+        emit_progress(self.cfg, self.rank, &point, !writing, &mut *self.on_event);
+        Ok(())
+    }
+
+    /// Wait for a checkpoint still being written in the background, and report the step held
+    /// back for it.
+    fn checkpoints_written(&mut self) -> Result<(), TrainError> {
+        self.writer.wait(&mut *self.on_event)?;
+        if let Some(done) = self.unreported.take() {
+            if self.rank == 0 {
+                (self.on_event)(Event::StepDone(done));
+            }
+        }
+        Ok(())
     }
 
     /// Records how the run sums its gradients (`summary.json`'s `gradient_sum`).
@@ -328,6 +362,7 @@ impl<'a> Ledger<'a> {
         held: ModelState,
         pipeline: impl FnOnce(&[StepRecord], &mut [RankSummary]) -> Option<PipelineSummary>,
     ) -> Result<Summary, TrainError> {
+        self.checkpoints_written()?;
         let peak_held = self
             .records
             .iter()

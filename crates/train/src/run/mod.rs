@@ -3,6 +3,7 @@
 //! hashes, and the end-of-run summary. The loops (`trainer.rs` data parallel,
 //! `pipeline/train.rs` dp × pp) import from here and never from each other.
 
+pub(crate) mod checkpoint_writer;
 pub(crate) mod checkpointing;
 pub(crate) mod collect;
 pub(crate) mod end;
