@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+from benchlib import cpu_model
+
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/lockstep"
 OUT = sys.argv[2] if len(sys.argv) > 2 else "bench/checkpoint.json"
 REPS = 3
@@ -29,14 +31,6 @@ ARGS = [
     "--config", "configs/shakespeare-large.toml", "--nproc", "1",
     "--set", f"train.steps={STEPS}", "--set", f"checkpoint.every={EVERY}",
 ]
-
-
-def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def run(background, threads, work):

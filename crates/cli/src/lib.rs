@@ -12,6 +12,7 @@ mod agent;
 mod bench;
 mod bench_train;
 mod cluster_env;
+mod decimal;
 mod elastic;
 mod export;
 mod flags;

@@ -248,17 +248,8 @@ pub fn join_in_child(procs: &CString) -> std::io::Result<()> {
             return Err(std::io::Error::last_os_error());
         }
         let mut buf = [0u8; 20];
-        let mut at = buf.len();
-        let mut pid = libc::getpid() as u64;
-        loop {
-            at -= 1;
-            buf[at] = b'0' + (pid % 10) as u8;
-            pid /= 10;
-            if pid == 0 {
-                break;
-            }
-        }
-        let n = libc::write(fd, buf[at..].as_ptr().cast(), buf.len() - at);
+        let pid = crate::decimal::digits(libc::getpid() as u64, &mut buf);
+        let n = libc::write(fd, pid.as_ptr().cast(), pid.len());
         let err = std::io::Error::last_os_error();
         libc::close(fd);
         if n < 0 {

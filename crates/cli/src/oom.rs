@@ -92,17 +92,7 @@ fn report_line(bytes: u64, buf: &mut [u8; LINE_CAPACITY]) -> usize {
     put(PREFIX.as_bytes());
     put(br#"{"kind":"out-of-memory","bytes":"#);
     let mut digits = [0u8; 20];
-    let mut n = bytes;
-    let mut first = digits.len();
-    loop {
-        first -= 1;
-        digits[first] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    put(&digits[first..]);
+    put(crate::decimal::digits(bytes, &mut digits));
     put(b"}\n");
     len
 }
