@@ -83,6 +83,44 @@ impl Checkpoint {
     }
 }
 
+/// A checkpoint's contents where they lie: what [`stage`] writes. A run takes one of its live
+/// buffers when nothing has to be gathered for it (training waits meanwhile), so writing it
+/// needs no copy of the model.
+#[derive(Debug, Clone)]
+pub struct CheckpointView<'a> {
+    pub step: u64,
+    pub params: &'a [f32],
+    pub optimizer_state: Vec<&'a [f32]>,
+    pub optimizer_steps: u64,
+    pub identity: &'a Identity,
+}
+
+impl Checkpoint {
+    /// This checkpoint as a [`CheckpointView`].
+    pub fn view(&self) -> CheckpointView<'_> {
+        CheckpointView {
+            step: self.step,
+            params: &self.params,
+            optimizer_state: self.optimizer_state.iter().map(Vec::as_slice).collect(),
+            optimizer_steps: self.optimizer_steps,
+            identity: &self.identity,
+        }
+    }
+}
+
+impl CheckpointView<'_> {
+    /// An owned copy (for a write that outlives the buffers).
+    pub fn to_owned(&self) -> Checkpoint {
+        Checkpoint {
+            step: self.step,
+            params: self.params.to_vec(),
+            optimizer_state: self.optimizer_state.iter().map(|v| v.to_vec()).collect(),
+            optimizer_steps: self.optimizer_steps,
+            identity: self.identity.clone(),
+        }
+    }
+}
+
 /// What a checkpoint must agree on with the run that loads it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
@@ -109,7 +147,7 @@ pub fn file_name(step: u64) -> String {
 pub fn encode(c: &Checkpoint) -> Vec<u8> {
     let floats = c.params.len() + c.optimizer_state.iter().map(Vec::len).sum::<usize>();
     let mut out = Vec::with_capacity(16 + 1024 + 4 * floats + 32);
-    write_encoded(&mut out, c, &mut |_| {}).expect("writing to memory cannot fail");
+    write_encoded(&mut out, &c.view(), &mut |_| {}).expect("writing to memory cannot fail");
     out
 }
 
@@ -118,7 +156,7 @@ pub fn encode(c: &Checkpoint) -> Vec<u8> {
 /// `kill-while-checkpointing` fault fires there).
 fn write_encoded<W: std::io::Write>(
     w: &mut W,
-    c: &Checkpoint,
+    c: &CheckpointView,
     between: &mut dyn FnMut(f64),
 ) -> std::io::Result<()> {
     let header = Header {
@@ -138,8 +176,8 @@ fn write_encoded<W: std::io::Write>(
     put(w, &VERSION.to_le_bytes())?;
     put(w, &(header.len() as u32).to_le_bytes())?;
     put(w, &header)?;
-    let vectors: Vec<&Vec<f32>> = std::iter::once(&c.params)
-        .chain(&c.optimizer_state)
+    let vectors: Vec<&[f32]> = std::iter::once(c.params)
+        .chain(c.optimizer_state.iter().copied())
         .collect();
     for (i, v) in vectors.iter().enumerate() {
         // Little-endian on disk: the payload is the vectors' bytes as they are on this target.
@@ -254,7 +292,7 @@ fn io_err(path: &Path, e: std::io::Error) -> CheckpointError {
 /// run: files of another run or of nobody (a user's file that happens to be called
 /// `step-<n>.ckpt`, a checkpoint of a run sharing `checkpoint.dir`) are never removed.
 pub fn save(dir: &Path, c: &Checkpoint, keep: usize) -> Result<PathBuf, CheckpointError> {
-    stage(dir, c, &mut |_| {})?.publish(keep)
+    stage(dir, &c.view(), &mut |_| {})?.publish(keep)
 }
 
 /// A checkpoint written and synced under a temporary name in its directory, not yet under its
@@ -272,7 +310,7 @@ pub struct StagedCheckpoint {
 /// payload written after each vector, the file holding all of it so far.
 pub fn stage(
     dir: &Path,
-    c: &Checkpoint,
+    c: &CheckpointView,
     between: &mut dyn FnMut(f64),
 ) -> Result<StagedCheckpoint, CheckpointError> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
@@ -504,7 +542,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let older = save(dir.path(), &sample(10), 3).unwrap();
         let mut fractions = Vec::new();
-        let staged = stage(dir.path(), &sample(20), &mut |f| fractions.push(f)).unwrap();
+        let staged = stage(dir.path(), &sample(20).view(), &mut |f| fractions.push(f)).unwrap();
         assert_eq!(fractions, vec![0.5, 1.0]);
         // Not under its name yet: a resume now finds step 10.
         let (c, _) = load_latest(dir.path(), &sample(0).identity).unwrap();
@@ -513,7 +551,7 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), encode(&sample(20)));
         assert!(older.exists());
         // Dropped unpublished: no file, no temporary left.
-        drop(stage(dir.path(), &sample(30), &mut |_| {}).unwrap());
+        drop(stage(dir.path(), &sample(30).view(), &mut |_| {}).unwrap());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 

@@ -864,6 +864,16 @@ impl<'m> StageRank<'m> {
     /// takes the checkpoint after `step` (written under a temporary name, or kept for the
     /// background writer; published after the step's record).
     fn checkpoint(&mut self, ledger: &mut Ledger<'_>, step: u64) -> Result<(), TrainError> {
+        // One stage, no tensor parallelism, nothing sharded: rank 0 holds the whole model and
+        // its optimizer state already, and writes them where they lie (no other rank takes part).
+        let in_place = || matches!(self.maps.first().map(Vec::as_slice), Some([r]) if *r == (0..self.params.len()));
+        if self.dims.pp == 1 && self.tp_comm.is_none() && self.zero.level() == 0 && in_place() {
+            if self.rank == 0 {
+                let steps = self.optimizer.steps_taken();
+                ledger.take_checkpoint(step, &self.params, self.optimizer.state(), steps)?;
+            }
+            return Ok(());
+        }
         let gathered;
         let stage_params: &[f32] = if self.zero.level() >= 3 {
             gathered = self.zero.gather(&self.params, &mut self.dp_comm)?;
@@ -881,10 +891,11 @@ impl<'m> StageRank<'m> {
             full_state.push(whole(&v)?);
         }
         if self.rank == 0 {
+            let state: Vec<Vec<f32>> = full_state.into_iter().map(|s| s.expect("rank 0")).collect();
             ledger.take_checkpoint(
                 step,
-                full.expect("rank 0 gathers"),
-                full_state.into_iter().map(|s| s.expect("rank 0")).collect(),
+                &full.expect("rank 0 gathers"),
+                state.iter().map(Vec::as_slice).collect(),
                 self.optimizer.steps_taken(),
             )?;
         }

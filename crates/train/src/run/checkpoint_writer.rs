@@ -18,7 +18,7 @@
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
-use crate::checkpoint::{self, Checkpoint, StagedCheckpoint};
+use crate::checkpoint::{self, Checkpoint, CheckpointView, StagedCheckpoint};
 use crate::context::Event;
 use crate::error::TrainError;
 use crate::faults::{self, Fault};
@@ -60,16 +60,17 @@ impl CheckpointWriter {
         }
     }
 
-    /// Before the step's record: take checkpoint `c` (see the module doc). In the background,
-    /// first waits for the previous write and reports it.
+    /// Before the step's record: take checkpoint `c` (see the module doc): written from where it
+    /// lies, or copied for the background writer after the previous write ended (and was
+    /// reported).
     pub(crate) fn take(
         &mut self,
-        c: Checkpoint,
+        c: CheckpointView<'_>,
         on_event: &mut dyn FnMut(Event),
     ) -> Result<(), TrainError> {
         self.wait(on_event)?;
         self.state = if self.background {
-            State::Snapshot(c)
+            State::Snapshot(c.to_owned())
         } else {
             State::Staged(stage(&self.dir, &c, &self.faults)?)
         };
@@ -90,7 +91,7 @@ impl CheckpointWriter {
                     .name("lockstep-checkpoint".into())
                     .spawn(move || {
                         lower_priority();
-                        let staged = stage(&dir, &c, &faults)?;
+                        let staged = stage(&dir, &c.view(), &faults)?;
                         drop(c);
                         publish(staged, keep, &faults)
                     })
@@ -149,7 +150,7 @@ fn lower_priority() {
 
 /// Write and sync `c` under a temporary name (a `kill-while-checkpointing` fault fires after its
 /// first vector).
-fn stage(dir: &Path, c: &Checkpoint, faults: &[Fault]) -> Result<StagedCheckpoint, TrainError> {
+fn stage(dir: &Path, c: &CheckpointView, faults: &[Fault]) -> Result<StagedCheckpoint, TrainError> {
     let step = c.step;
     let mut first = true;
     let mut between = |_done: f64| {

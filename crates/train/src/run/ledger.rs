@@ -18,7 +18,7 @@ use super::checkpointing::{checkpoint_dir, checkpoint_due, resume_from_checkpoin
 use super::end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use super::outputs::{write_outputs, MetricsLog};
 use super::schedule::{optimizer_spec, RECORDS_RESERVED};
-use crate::checkpoint::{Checkpoint, Identity};
+use crate::checkpoint::{CheckpointView, Identity};
 use crate::config::TrainConfig;
 use crate::context::{Event, JobLabel, WorkerContext};
 use crate::error::TrainError;
@@ -268,16 +268,16 @@ impl<'a> Ledger<'a> {
     pub(crate) fn take_checkpoint(
         &mut self,
         step: u64,
-        params: Vec<f32>,
-        optimizer_state: Vec<Vec<f32>>,
+        params: &[f32],
+        optimizer_state: Vec<&[f32]>,
         optimizer_steps: u64,
     ) -> Result<(), TrainError> {
-        let c = Checkpoint {
+        let c = CheckpointView {
             step: step + 1,
             params,
             optimizer_state,
             optimizer_steps,
-            identity: self.identity.clone(),
+            identity: &self.identity,
         };
         self.writer.take(c, &mut *self.on_event)
     }
