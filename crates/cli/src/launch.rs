@@ -184,8 +184,7 @@ enum Event {
 pub fn run(spec: &LaunchSpec) -> Result<Outcome> {
     let (tx, rx) = mpsc::channel::<Event>();
     let (children, caps) = spawn_workers(spec, &tx)?;
-    let mut launch = Launch::new(spec, children, tx);
-    launch.caps = caps;
+    let mut launch = Launch::new(spec, children, caps, tx);
     while launch.running > 0 {
         launch.watch();
         match rx.recv_timeout(Duration::from_millis(50)) {
@@ -294,7 +293,12 @@ struct Launch<'a> {
 }
 
 impl<'a> Launch<'a> {
-    fn new(spec: &'a LaunchSpec, children: Vec<Running>, tx: mpsc::Sender<Event>) -> Launch<'a> {
+    fn new(
+        spec: &'a LaunchSpec,
+        children: Vec<Running>,
+        caps: Option<MemoryCaps>,
+        tx: mpsc::Sender<Event>,
+    ) -> Launch<'a> {
         let world = spec.world;
         Launch {
             spec,
@@ -313,7 +317,7 @@ impl<'a> Launch<'a> {
             tails: Tails::new(world),
             records: vec![None; world],
             out_of_memory: vec![None; world],
-            caps: None,
+            caps,
             beats: vec![None; world],
             hung: None,
         }

@@ -16,6 +16,7 @@
 //! newest `keep` files are kept. Loading verifies length, magic, version, checksum and identity; a
 //! damaged newest file is reported and the previous good one used.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -83,14 +84,15 @@ impl Checkpoint {
     }
 }
 
-/// A checkpoint's contents where they lie: what [`stage`] writes. A run takes one of its live
-/// buffers when nothing has to be gathered for it (training waits meanwhile), so writing it
-/// needs no copy of the model.
+/// A checkpoint's contents as they come: what [`stage`] writes. Each vector is lent (a run's
+/// live buffer when nothing has to be gathered for it; training waits meanwhile) or owned (one
+/// gathered for it), so writing it takes no copy, and keeping it for a background write copies
+/// only what is lent.
 #[derive(Debug, Clone)]
 pub struct CheckpointView<'a> {
     pub step: u64,
-    pub params: &'a [f32],
-    pub optimizer_state: Vec<&'a [f32]>,
+    pub params: Cow<'a, [f32]>,
+    pub optimizer_state: Vec<Cow<'a, [f32]>>,
     pub optimizer_steps: u64,
     pub identity: &'a Identity,
 }
@@ -100,8 +102,12 @@ impl Checkpoint {
     pub fn view(&self) -> CheckpointView<'_> {
         CheckpointView {
             step: self.step,
-            params: &self.params,
-            optimizer_state: self.optimizer_state.iter().map(Vec::as_slice).collect(),
+            params: Cow::Borrowed(&self.params),
+            optimizer_state: self
+                .optimizer_state
+                .iter()
+                .map(|v| Cow::Borrowed(&v[..]))
+                .collect(),
             optimizer_steps: self.optimizer_steps,
             identity: &self.identity,
         }
@@ -109,12 +115,17 @@ impl Checkpoint {
 }
 
 impl CheckpointView<'_> {
-    /// An owned copy (for a write that outlives the buffers).
-    pub fn to_owned(&self) -> Checkpoint {
+    /// The checkpoint, owned (for a write that outlives the buffers): lent vectors are copied,
+    /// owned ones moved.
+    pub fn into_owned(self) -> Checkpoint {
         Checkpoint {
             step: self.step,
-            params: self.params.to_vec(),
-            optimizer_state: self.optimizer_state.iter().map(|v| v.to_vec()).collect(),
+            params: self.params.into_owned(),
+            optimizer_state: self
+                .optimizer_state
+                .into_iter()
+                .map(Cow::into_owned)
+                .collect(),
             optimizer_steps: self.optimizer_steps,
             identity: self.identity.clone(),
         }
@@ -176,8 +187,8 @@ fn write_encoded<W: std::io::Write>(
     put(w, &VERSION.to_le_bytes())?;
     put(w, &(header.len() as u32).to_le_bytes())?;
     put(w, &header)?;
-    let vectors: Vec<&[f32]> = std::iter::once(c.params)
-        .chain(c.optimizer_state.iter().copied())
+    let vectors: Vec<&[f32]> = std::iter::once(&c.params[..])
+        .chain(c.optimizer_state.iter().map(|v| &v[..]))
         .collect();
     for (i, v) in vectors.iter().enumerate() {
         // Little-endian on disk: the payload is the vectors' bytes as they are on this target.

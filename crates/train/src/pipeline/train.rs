@@ -25,6 +25,7 @@
 //! can resume on any layout; evaluation runs the validation windows forward through each
 //! replica's pipeline.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::rc::Rc;
@@ -866,11 +867,21 @@ impl<'m> StageRank<'m> {
     fn checkpoint(&mut self, ledger: &mut Ledger<'_>, step: u64) -> Result<(), TrainError> {
         // One stage, no tensor parallelism, nothing sharded: rank 0 holds the whole model and
         // its optimizer state already, and writes them where they lie (no other rank takes part).
-        let in_place = || matches!(self.maps.first().map(Vec::as_slice), Some([r]) if *r == (0..self.params.len()));
+        let in_place = || {
+            self.maps
+                .first()
+                .is_some_and(|m| covers(m, self.params.len()))
+        };
         if self.dims.pp == 1 && self.tp_comm.is_none() && self.zero.level() == 0 && in_place() {
             if self.rank == 0 {
                 let steps = self.optimizer.steps_taken();
-                ledger.take_checkpoint(step, &self.params, self.optimizer.state(), steps)?;
+                let state = self
+                    .optimizer
+                    .state()
+                    .into_iter()
+                    .map(Cow::Borrowed)
+                    .collect();
+                ledger.take_checkpoint(step, Cow::Borrowed(&self.params), state, steps)?;
             }
             return Ok(());
         }
@@ -891,11 +902,14 @@ impl<'m> StageRank<'m> {
             full_state.push(whole(&v)?);
         }
         if self.rank == 0 {
-            let state: Vec<Vec<f32>> = full_state.into_iter().map(|s| s.expect("rank 0")).collect();
+            // Gathered for the checkpoint: handed over, never copied again.
             ledger.take_checkpoint(
                 step,
-                &full.expect("rank 0 gathers"),
-                state.iter().map(Vec::as_slice).collect(),
+                Cow::Owned(full.expect("rank 0 gathers")),
+                full_state
+                    .into_iter()
+                    .map(|s| Cow::Owned(s.expect("rank 0")))
+                    .collect(),
                 self.optimizer.steps_taken(),
             )?;
         }
@@ -1083,21 +1097,21 @@ fn gather_whole(
     let stage_len = stage_lens[pp.rank()];
     let stage = match tp {
         Some(tp) => gather_stage(tp, mine, maps, stage_len)?,
-        None if pp.rank() == 0 => {
-            // The whole model's buffer from the start, filled once (a checkpoint of a large
-            // model is copied once here, never zeroed first or grown).
-            let mut full = Vec::with_capacity(stage_lens.iter().sum());
-            if maps[0].len() == 1 && maps[0][0] == (0..stage_len) {
-                full.extend_from_slice(mine);
-            } else {
-                full.resize(stage_len, 0.0);
-                scatter_map(mine, &maps[0], &mut full);
-            }
-            Some(full)
-        }
         None => {
-            let mut stage = vec![0f32; stage_len];
-            scatter_map(mine, &maps[0], &mut stage);
+            // Stage 0's buffer is the whole model's from the start, filled once (a large model
+            // is copied once here, never zeroed first or grown by `gather_model`).
+            let whole = if pp.rank() == 0 {
+                stage_lens.iter().sum()
+            } else {
+                stage_len
+            };
+            let mut stage = Vec::with_capacity(whole);
+            if covers(&maps[0], stage_len) {
+                stage.extend_from_slice(mine);
+            } else {
+                stage.resize(stage_len, 0.0);
+                scatter_map(mine, &maps[0], &mut stage);
+            }
             Some(stage)
         }
     };
@@ -1105,6 +1119,12 @@ fn gather_whole(
         Some(stage) => gather_model(pp, replica, stage, stage_lens),
         None => Ok(None),
     }
+}
+
+/// Does `map` select all of a stage of `len` values, in order (so that the local vector is the
+/// stage's own)?
+fn covers(map: &[Range<usize>], len: usize) -> bool {
+    matches!(map, [r] if *r == (0..len))
 }
 
 /// Collective over one replica's pipeline: replica 0's stages send their slices (stage order =

@@ -70,7 +70,7 @@ impl CheckpointWriter {
     ) -> Result<(), TrainError> {
         self.wait(on_event)?;
         self.state = if self.background {
-            State::Snapshot(c.to_owned())
+            State::Snapshot(c.into_owned())
         } else {
             State::Staged(stage(&self.dir, &c, &self.faults)?)
         };

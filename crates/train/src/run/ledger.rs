@@ -5,6 +5,7 @@
 //! A loop (data-parallel, pipeline) owns only what differs: how gradients are computed and summed,
 //! how the whole model reaches rank 0 for a checkpoint, and how evaluation runs.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -118,6 +119,7 @@ impl<'a> Ledger<'a> {
             faults,
         } = ctx;
         let t = &cfg.train;
+        let ckpt_dir = checkpoint_dir(cfg, out_dir);
         let ledger = Ledger {
             cfg,
             rank: comm.rank(),
@@ -125,14 +127,14 @@ impl<'a> Ledger<'a> {
             host,
             device: device.info.describe(),
             resume_requested: resume,
-            ckpt_dir: checkpoint_dir(cfg, out_dir),
             writer: CheckpointWriter::new(
-                checkpoint_dir(cfg, out_dir),
+                ckpt_dir.clone(),
                 cfg.checkpoint.keep,
                 cfg.checkpoint.background,
                 faults,
             ),
             unreported: None,
+            ckpt_dir,
             identity: Identity {
                 config: cfg.identity_hash(),
                 model: model_identity(structure_hash, rule.as_deref()),
@@ -268,8 +270,8 @@ impl<'a> Ledger<'a> {
     pub(crate) fn take_checkpoint(
         &mut self,
         step: u64,
-        params: &[f32],
-        optimizer_state: Vec<&[f32]>,
+        params: Cow<'_, [f32]>,
+        optimizer_state: Vec<Cow<'_, [f32]>>,
         optimizer_steps: u64,
     ) -> Result<(), TrainError> {
         let c = CheckpointView {
@@ -325,11 +327,7 @@ impl<'a> Ledger<'a> {
             loss: self.last_loss,
         };
         let writing = self.writer.poll(&mut *self.on_event)?;
-        if writing {
-            self.unreported = Some(step + 1);
-        } else {
-            self.unreported = None;
-        }
+        self.unreported = writing.then_some(step + 1);
         emit_progress(self.cfg, self.rank, &point, !writing, &mut *self.on_event);
         Ok(())
     }
