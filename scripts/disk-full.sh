@@ -4,15 +4,16 @@
 # file written before (earlier checkpoints, config.toml).
 #
 # The run directory is a 512 KiB tmpfs in a private mount namespace, so it fills at a checkpoint
-# of the default digits MLP. Checked with checkpoints written in the step and in the background
-# (checkpoint.async, where the full disk is met by the writer thread while training goes on).
+# of the default digits MLP. Checked with checkpoints written in the step, in the background
+# (checkpoint.async, where the full disk is met by the writer thread while training goes on) and
+# sharded (checkpoint.sharded, where every rank writes its shard and one of them meets it).
 # Needs root (mount). Usage: scripts/disk-full.sh [path/to/lockstep]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bin="$(realpath "${1:-$root/target/debug/lockstep}")"
 
 check() {
-background="$1"
+setting="$1"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
@@ -20,7 +21,7 @@ cat >"$work/inner.sh" <<INNER
 set -u
 mount -t tmpfs -o size=512k lockstep-full "$work/mnt"
 "$bin" train --nproc 2 --out "$work/mnt/run" --set train.steps=400 --set checkpoint.every=10 \
-    --set checkpoint.keep=100 --set checkpoint.async=$background >"$work/log" 2>&1
+    --set checkpoint.keep=100 --set $setting >"$work/log" 2>&1
 echo \$? >"$work/status"
 ls -la "$work/mnt/run" "$work/mnt/run/checkpoints" >"$work/listing" 2>&1
 find "$work/mnt/run" -name '*tmp*' >"$work/leftovers"
@@ -42,7 +43,7 @@ INNER
 mkdir -p "$work/mnt"
 unshare --mount --propagation private bash "$work/inner.sh"
 
-fail() { echo "disk-full (checkpoint.async=$background): FAIL: $*"; echo "--- log"; tail -n 30 "$work/log"; echo "--- files"; cat "$work/listing"; exit 1; }
+fail() { echo "disk-full ($setting): FAIL: $*"; echo "--- log"; tail -n 30 "$work/log"; echo "--- files"; cat "$work/listing"; exit 1; }
 status="$(cat "$work/status")"
 [[ "$status" == 3 ]] || fail "exit status $status, expected 3"
 grep -q "no space left" "$work/log" || grep -qi "No space left on device" "$work/log" || fail "the error does not say the disk is full"
@@ -53,11 +54,12 @@ if grep -q "restart 1/" "$work/log"; then fail "a full disk was retried"; fi
 [[ -f "$work/config_kept" ]] || fail "config.toml lost"
 [[ "$(cat "$work/resume_status")" == 0 ]] || { tail -n 20 "$work/resume_log"; fail "the resumed run failed once space was freed"; }
 [[ "$(cat "$work/metrics_check")" == ok ]] || fail "metrics.jsonl after the resume: $(cat "$work/metrics_check")"
-echo "disk-full (checkpoint.async=$background): ok: exit 3, not retried, $(cat "$work/kept") earlier checkpoint(s) kept, no temporary file left; resumed once space was freed, every step recorded once"
+echo "disk-full ($setting): ok: exit 3, not retried, $(cat "$work/kept") earlier checkpoint(s) kept, no temporary file left; resumed once space was freed, every step recorded once"
 grep "error" "$work/log" | tail -n 2
 rm -rf "$work"
 trap - EXIT
 }
 
-check false
-check true
+check checkpoint.async=false
+check checkpoint.async=true
+check checkpoint.sharded=true

@@ -269,7 +269,8 @@ impl Fresh {
     /// Remove the replaced run's files (links themselves, never their targets).
     pub fn apply(self) {
         for p in self.remove {
-            let _ = std::fs::remove_file(p);
+            // A checkpoint file, or a sharded checkpoint's directory.
+            let _ = lockstep_train::checkpoint::sharded::remove(&p);
         }
     }
 }

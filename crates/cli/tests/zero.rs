@@ -1,8 +1,9 @@
 //! ZeRO sharding (`parallel.zero`) end to end: every level and layout ends with the bits of the
 //! unsharded one-worker run (parameters, loss and validation curves), on the data-parallel loop
 //! (digits MLP, SGD with momentum and AdamW) and the layered loop (the transformer, with
-//! pipelines); checkpoints stay whole-model, so a sharded run recovers from a kill and resumes
-//! unsharded on another world size and back; invalid requests are refused before any worker starts.
+//! pipelines); checkpoints are whole-model or, with `checkpoint.sharded`, one shard per rank in
+//! canonical coordinates, so a sharded run recovers from a kill and resumes unsharded on another
+//! world size and layout and back; invalid requests are refused before any worker starts.
 
 use std::path::Path;
 use std::process::Output;
@@ -236,6 +237,174 @@ fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_siz
     assert_eq!(hash(&dir), want);
 }
 
+/// A copy of run directory `from` at `to` (files and the checkpoints' set directories).
+fn copy_run(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_run(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn sharded_checkpoints_resume_on_any_layout_with_the_same_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pieces = "model.tp_pieces=2";
+    let reference = tmp.path().join("reference");
+    ok(transformer(&reference, "1", &[pieces], &[]));
+    let want = hash(&reference);
+
+    // A 2×2 ZeRO-3 run (dp2 × pp2) writes sets of one shard per rank, and stops at step 5.
+    let dir = tmp.path().join("2x2");
+    let sharded = "checkpoint.sharded=true";
+    let o = transformer(
+        &dir,
+        "4",
+        &[pieces, "parallel.pp=2", "parallel.zero=3", sharded],
+        &["--inject", "kill:rank=3,step=5", "--max-restarts", "0"],
+    );
+    assert!(!o.status.success());
+    let ckpts = dir.join("checkpoints");
+    assert_eq!(
+        names(&ckpts),
+        ["step-000000002.shards", "step-000000004.shards"]
+    );
+    assert_eq!(
+        names(&ckpts.join("step-000000004.shards")),
+        [
+            "manifest.json",
+            "shard-00000.bin",
+            "shard-00001.bin",
+            "shard-00002.bin",
+            "shard-00003.bin"
+        ]
+    );
+    // It resumes as tp2 × pp2, as dp4 and on one worker, with the bits of the reference.
+    for (name, nproc, sets) in [
+        (
+            "tp2xpp2",
+            "4",
+            ["parallel.pp=2", "parallel.tp=2", "parallel.zero=0"],
+        ),
+        (
+            "dp4",
+            "4",
+            ["parallel.pp=1", "parallel.tp=1", "parallel.zero=0"],
+        ),
+        (
+            "one",
+            "1",
+            ["parallel.pp=1", "parallel.tp=1", "parallel.zero=0"],
+        ),
+    ] {
+        let copy = tmp.path().join(name);
+        copy_run(&dir, &copy);
+        let mut args = vec![
+            "train",
+            "--resume",
+            copy.to_str().unwrap(),
+            "--nproc",
+            nproc,
+        ];
+        for s in &sets {
+            args.extend_from_slice(&["--set", s]);
+        }
+        let o = ok(lockstep(&args).output().unwrap());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("resumed from the checkpoint of step 4"),
+            "{name}: {err}"
+        );
+        assert_eq!(hash(&copy), want, "{name}");
+    }
+
+    // tp2 × dp2 at ZeRO 3 (the tp ranks' shards both hold the replicated tensors): step 4's set
+    // is damaged, a worker dies at step 5; the damaged set is skipped as a whole, naming its
+    // shard, and the run recovers from step 2 to the same bits.
+    let dir = tmp.path().join("tp2-damaged");
+    let o = ok(transformer(
+        &dir,
+        "4",
+        &[pieces, "parallel.tp=2", "parallel.zero=3", sharded],
+        &["--inject", "kill:rank=2,step=5;corrupt-checkpoint:step=4"],
+    ));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("step-000000004.shards/shard-00000.bin")
+            && err.contains("SHA-256 checksum does not match"),
+        "{err}"
+    );
+    assert!(
+        err.contains("resumed from the checkpoint of step 2"),
+        "{err}"
+    );
+    assert_eq!(hash(&dir), want);
+
+    // Rank 0 killed half-way through its shard of step 4: the staged set is never published,
+    // the run recovers from step 2 and removes the staging directory.
+    let dir = tmp.path().join("killed-while-writing");
+    let o = ok(transformer(
+        &dir,
+        "2",
+        &[pieces, "parallel.zero=3", sharded],
+        &["--inject", "kill-while-checkpointing:step=4"],
+    ));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("resumed from the checkpoint of step 2"),
+        "{err}"
+    );
+    assert!(err.contains(".step-000000004.shards."), "{err}");
+    assert_eq!(hash(&dir), want);
+    assert_eq!(
+        names(&dir.join("checkpoints")),
+        [
+            "step-000000002.shards",
+            "step-000000004.shards",
+            "step-000000006.shards"
+        ]
+    );
+
+    // The data-parallel loop's flat model too: dp3 × ZeRO 2 stops, 2 unsharded workers go on.
+    let mlp_ref = tmp.path().join("mlp-reference");
+    ok(mlp(&mlp_ref, "1", &[], &[]));
+    let dir = tmp.path().join("mlp");
+    let o = mlp(
+        &dir,
+        "3",
+        &["parallel.zero=2", sharded],
+        &["--inject", "kill:rank=1,step=5", "--max-restarts", "0"],
+    );
+    assert!(!o.status.success());
+    ok(lockstep(&[
+        "train",
+        "--resume",
+        dir.to_str().unwrap(),
+        "--nproc",
+        "2",
+        "--set",
+        "parallel.zero=0",
+    ])
+    .output()
+    .unwrap());
+    assert_eq!(hash(&dir), hash(&mlp_ref));
+}
+
 #[test]
 fn invalid_zero_requests_are_refused_before_any_worker_starts() {
     let tmp = tempfile::tempdir().unwrap();
@@ -251,6 +420,10 @@ fn invalid_zero_requests_are_refused_before_any_worker_starts() {
         (
             &["parallel.zero=2", "dist.overlap=true"],
             &["dist.overlap", "parallel.zero = 2"],
+        ),
+        (
+            &["checkpoint.sharded=true", "checkpoint.async=true"],
+            &["checkpoint.async", "checkpoint.sharded = true"],
         ),
     ];
     for (i, (sets, needles)) in cases.iter().enumerate() {

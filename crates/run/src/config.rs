@@ -271,6 +271,12 @@ pub struct CheckpointConfig {
     /// state in memory until written). Not written when false, so older configs keep their text.
     #[serde(rename = "async", skip_serializing_if = "std::ops::Not::not")]
     pub background: bool,
+    /// Every rank writes its own shard of the model state (a `step-<N>.shards` set with a
+    /// manifest) instead of rank 0 the whole model: no rank holds the whole state for a
+    /// checkpoint. `checkpoint.dir` must then be a directory every rank sees. Not written when
+    /// false.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub sharded: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -280,6 +286,7 @@ impl Default for CheckpointConfig {
             keep: 3,
             dir: String::new(),
             background: false,
+            sharded: false,
         }
     }
 }
@@ -868,6 +875,13 @@ impl TrainConfig {
         }
         if self.checkpoint.keep == 0 {
             return Err(invalid("checkpoint.keep", "must be ≥ 1"));
+        }
+        if self.checkpoint.sharded && self.checkpoint.background {
+            return Err(invalid(
+                "checkpoint.async",
+                "applies to whole-model checkpoints (rank 0 writes in the background); with \
+                 checkpoint.sharded = true every rank writes its shard in the step",
+            ));
         }
         let d = &self.dist;
         if d.bucket_elems == 0 {

@@ -16,6 +16,8 @@
 //! newest `keep` files are kept. Loading verifies length, magic, version, checksum and identity; a
 //! damaged newest file is reported and the previous good one used.
 
+pub mod sharded;
+
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
@@ -288,7 +290,7 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<Checkpoint, CheckpointError> {
     })
 }
 
-fn io_err(path: &Path, e: std::io::Error) -> CheckpointError {
+pub(crate) fn io_err(path: &Path, e: std::io::Error) -> CheckpointError {
     let (path, what) = (path.display().to_string(), e.to_string());
     if crate::files::is_no_space(&e) {
         CheckpointError::NoSpace { path, what }
@@ -359,14 +361,21 @@ impl StagedCheckpoint {
             ..
         } = self;
         file.publish().map_err(|e| io_err(&path, e))?;
-        let ours = of_run(&dir, |id| id == &identity)?;
-        if ours.len() > keep.max(1) {
-            for old in &ours[..ours.len() - keep.max(1)] {
-                let _ = std::fs::remove_file(old);
-            }
-        }
+        prune(&dir, &identity, keep)?;
         Ok(path)
     }
+}
+
+/// Remove all but the newest `keep` (at least one) of the run's checkpoints in `dir`, files and
+/// sharded sets alike (see [`save`]: never another run's).
+pub(crate) fn prune(dir: &Path, identity: &Identity, keep: usize) -> Result<(), CheckpointError> {
+    let ours = of_run(dir, |id| id == identity)?;
+    if ours.len() > keep.max(1) {
+        for old in &ours[..ours.len() - keep.max(1)] {
+            let _ = sharded::remove(old);
+        }
+    }
+    Ok(())
 }
 
 /// The checkpoint files in `dir` (oldest first) that are regular files whose header names an
@@ -383,11 +392,14 @@ pub fn of_run(
 }
 
 /// The identity in a checkpoint file's header, reading only the header (no checksum: a damaged
-/// payload still says whose file it is). `None` for anything that is not a regular file starting
-/// like a lockstep checkpoint.
+/// payload still says whose file it is), or in a sharded set's manifest. `None` for anything
+/// that is not a regular file starting like a lockstep checkpoint or a set's directory.
 pub fn read_identity(path: &Path) -> Option<Identity> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
+    if std::fs::symlink_metadata(path).ok()?.is_dir() {
+        return sharded::read_manifest(path).ok().map(|m| m.identity);
+    }
     /// Headers are a few hundred bytes; anything claiming more is not ours.
     const MAX_HEADER: usize = 1 << 20;
     let mut f = std::fs::OpenOptions::new()
@@ -411,7 +423,8 @@ pub fn read_identity(path: &Path) -> Option<Identity> {
         .map(|h| h.identity)
 }
 
-/// Checkpoint files in `dir`, oldest first.
+/// Checkpoints in `dir`, oldest first: whole-model files and sharded sets (directories; by step,
+/// a file before a set of the same step).
 pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     let mut v = Vec::new();
     let rd = match std::fs::read_dir(dir) {
@@ -427,6 +440,10 @@ pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
             .and_then(|s| s.parse().ok())
         {
             v.push((step, entry.path()));
+        } else if let Some(step) = sharded::set_step(&name) {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                v.push((step, entry.path()));
+            }
         }
     }
     v.sort();
@@ -456,17 +473,20 @@ pub fn remove_abandoned(dir: &Path, identity: &Identity) -> Vec<PathBuf> {
             removed.push(path);
         }
     }
+    removed.extend(sharded::remove_abandoned(dir, identity));
     removed.sort();
     removed
 }
 
-/// Read and verify one file; `expect` is the loading run's identity.
+/// Read and verify one file, or the whole model from a sharded set; `expect` is the loading
+/// run's identity.
 pub fn load(path: &Path, expect: &Identity) -> Result<Checkpoint, CheckpointError> {
+    let meta = std::fs::metadata(path).map_err(|e| io_err(path, e))?;
+    if meta.is_dir() {
+        return sharded::load_whole(path, expect);
+    }
     // A device or FIFO under a checkpoint's name would be read forever: only regular files.
-    if !std::fs::metadata(path)
-        .map_err(|e| io_err(path, e))?
-        .is_file()
-    {
+    if !meta.is_file() {
         return Err(CheckpointError::Corrupt {
             path: path.display().to_string(),
             what: "not a regular file".into(),
@@ -474,22 +494,32 @@ pub fn load(path: &Path, expect: &Identity) -> Result<Checkpoint, CheckpointErro
     }
     let bytes = std::fs::read(path).map_err(|e| io_err(path, e))?;
     let c = decode(&bytes, &path.display().to_string())?;
-    if c.identity.model != expect.model {
+    check_identity(path, &c.identity, expect)?;
+    Ok(c)
+}
+
+/// A checkpoint (file or set) at `path` whose identity is `found` belongs to the run of `expect`.
+pub(crate) fn check_identity(
+    path: &Path,
+    found: &Identity,
+    expect: &Identity,
+) -> Result<(), CheckpointError> {
+    if found.model != expect.model {
         return Err(CheckpointError::Mismatch {
             path: path.display().to_string(),
             what: format!(
                 "model structure {} ≠ this run's {}",
-                c.identity.model, expect.model
+                found.model, expect.model
             ),
         });
     }
-    if c.identity.config != expect.config {
+    if found.config != expect.config {
         return Err(CheckpointError::Mismatch {
             path: path.display().to_string(),
-            what: format!("config identity {} ≠ this run's {} (model, data, training or optimizer settings differ)", c.identity.config, expect.config),
+            what: format!("config identity {} ≠ this run's {} (model, data, training or optimizer settings differ)", found.config, expect.config),
         });
     }
-    Ok(c)
+    Ok(())
 }
 
 /// Checkpoint files passed over while looking for a good one: (path, why).

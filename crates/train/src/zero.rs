@@ -17,9 +17,11 @@
 //! reduce-scattered (`ExactReducer::reduce_scatter_with_buckets` converts the owned chunk with the
 //! buckets' shared exponents, which are all-reduced in full), and every optimizer is an
 //! elementwise loop, so updating a chunk on its owner and copying the result to the others is the
-//! unsharded update. Checkpoints stay whole-model: the chunks of the optimizer state are gathered
-//! before a save ([`Zero::whole_state`]) and a resumed whole state is cut into chunks again
-//! ([`Zero::shard_of`]), so a sharded run resumes unsharded, on another world size, and back.
+//! unsharded update. Whole-model checkpoints gather the chunks of the optimizer state before a
+//! save ([`Zero::whole_state`]); sharded ones (`checkpoint.sharded`) have each rank write its
+//! chunks ([`Zero::chunks`]) at their canonical coordinates. A resumed whole state is cut into
+//! chunks again ([`Zero::shard_of`]), so a sharded run resumes unsharded, on another world size,
+//! and back.
 //!
 //! Level 3 (layered models) chunks each layer of a stage on its own ([`Zero::by_segments`]): the
 //! stage's parameters are gathered layer by layer ([`Zero::gather`]) before a step's compute and
@@ -109,6 +111,12 @@ impl Zero {
         } else {
             self.len
         }
+    }
+
+    /// This rank's chunk of each segment, as ranges of the whole vector (at every level: what
+    /// it owns from level 1 on, and what it writes of a sharded checkpoint at any level).
+    pub fn chunks(&self) -> &[Range<usize>] {
+        &self.chunks
     }
 
     /// Values of this rank's chunks, in all.

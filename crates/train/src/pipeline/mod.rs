@@ -17,6 +17,7 @@
 //! - `train`: the one training loop, for every model and layout.
 
 pub mod balance;
+mod checkpoint_shards;
 pub mod executor;
 pub mod flat;
 pub mod layered;

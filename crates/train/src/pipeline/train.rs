@@ -21,9 +21,10 @@
 //! 4. the optimizer steps the stage's slice of the flat parameter vector (elementwise, so the
 //!    slices of all stages together make exactly the whole model's update).
 //!
-//! Checkpoints hold the whole model (replica 0's stages send their slices to rank 0), so a run
-//! can resume on any layout; evaluation runs the validation windows forward through each
-//! replica's pipeline.
+//! Checkpoints hold the whole model (replica 0's stages send their slices to rank 0) or, with
+//! `checkpoint.sharded`, every rank's ZeRO chunks of its local vector in canonical coordinates
+//! (nothing gathered), so a run can resume on any layout; evaluation runs the validation windows
+//! forward through each replica's pipeline.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -37,11 +38,13 @@ use lockstep_data::{assign, microbatches, Sampler};
 use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer, TimedLoss};
 
 use super::balance::{balance, stage_ranges};
+use super::checkpoint_shards::{check_set, local_ranges, shard_view};
 use super::executor::{run_schedule, StageWork};
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, Op, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use super::whole::{self, WholeStep};
+use crate::checkpoint::sharded::read_local;
 use crate::clip::{even_share, Clip};
 use crate::config::{OptimizerKind, TrainConfig};
 use crate::context::{JobLabel, WorkerContext};
@@ -58,6 +61,7 @@ use crate::metrics::{
 };
 use crate::outcome::ReplicaError;
 use crate::parallel_dims::ParallelDims;
+use crate::run::checkpointing::{broadcast_whole, Found};
 use crate::run::collect::{check_same_kernels, check_same_structure, gather_strings};
 use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
@@ -471,9 +475,11 @@ impl<'m> StageRank<'m> {
         }
     }
 
-    /// Rank 0 loads the whole model and broadcasts it; each rank keeps its stage's slice (its tp
-    /// rank's values of it) and of the optimizer state its shard. `my_offset`: the stage's first
-    /// value in the whole model.
+    /// Resume from the newest good checkpoint: a whole-model file (rank 0 loads it and
+    /// broadcasts it; each rank keeps its stage's slice, its tp rank's values of it) or a
+    /// sharded set (each rank reads its own values from the shards holding them); then each
+    /// rank keeps its shard of the optimizer state. `my_offset`: the stage's first value in the
+    /// whole model.
     fn resume(
         &mut self,
         comm: &mut Communicator,
@@ -484,19 +490,36 @@ impl<'m> StageRank<'m> {
             return Ok(());
         }
         let full_len = *self.model.layer_offsets().last().expect("offsets");
-        let mut full = vec![0f32; full_len];
-        let mut full_opt = ledger.optimizer(full_len);
-        if ledger.resume(comm, &mut full, &mut full_opt)? > 0 {
-            // Where the local parameters sit in the stage's canonical vector.
-            let my_map = self.stage.index_map();
-            let mine = my_offset..my_offset + self.stage_lens[self.me.stage];
-            self.params
-                .copy_from_slice(&gather_map(&full[mine.clone()], &my_map));
-            let mut local = ledger.optimizer(self.params.len());
-            for (dst, src) in local.state_mut().into_iter().zip(full_opt.state()) {
-                dst.copy_from_slice(&gather_map(&src[mine.clone()], &my_map));
+        // Where the local parameters sit in the stage's canonical vector.
+        let my_map = self.stage.index_map();
+        let mine = my_offset..my_offset + self.stage_lens[self.me.stage];
+        let mut params = vec![0f32; self.params.len()];
+        let mut local = ledger.optimizer(params.len());
+        let resumed = ledger.resume(comm, &mut |comm, found, dir, steps| {
+            match found {
+                Found::Whole(c) => {
+                    let mut full = vec![0f32; full_len];
+                    let mut full_opt = local.fresh(full_len);
+                    broadcast_whole(comm, c.as_ref(), dir, steps, &mut full, &mut full_opt)?;
+                    params.copy_from_slice(&gather_map(&full[mine.clone()], &my_map));
+                    for (dst, src) in local.state_mut().into_iter().zip(full_opt.state()) {
+                        dst.copy_from_slice(&gather_map(&src[mine.clone()], &my_map));
+                    }
+                }
+                Found::Set { path, manifest } => {
+                    check_set(&path, &manifest, full_len, local.state().len())?;
+                    let wanted = local_ranges(&my_map, my_offset, params.len());
+                    let mut out: Vec<&mut [f32]> = std::iter::once(&mut params[..])
+                        .chain(local.state_mut())
+                        .collect();
+                    read_local(&path, &manifest, &wanted, &mut out)?;
+                }
             }
-            local.set_steps_taken(full_opt.steps_taken());
+            local.set_steps_taken(steps);
+            Ok(())
+        })?;
+        if resumed > 0 {
+            self.params = params;
             self.optimizer = self.zero.shard_of(&local, 0);
             let params = std::mem::take(&mut self.params);
             let set = self.stage.set_params_flat(&params);
@@ -586,7 +609,7 @@ impl<'m> StageRank<'m> {
         let checkpoint_now = ledger.checkpoint_due(step);
         if checkpoint_now {
             let t0 = Instant::now();
-            self.checkpoint(ledger, step)?;
+            self.checkpoint(comm, ledger, step)?;
             sec.checkpoint = t0.elapsed().as_secs_f64();
         }
         let step_seconds = step_start.elapsed().as_secs_f64();
@@ -864,7 +887,27 @@ impl<'m> StageRank<'m> {
     /// Collective: the stage (ZeRO 3: gathered) and its optimizer state sent to rank 0, which
     /// takes the checkpoint after `step` (written under a temporary name, or kept for the
     /// background writer; published after the step's record).
-    fn checkpoint(&mut self, ledger: &mut Ledger<'_>, step: u64) -> Result<(), TrainError> {
+    fn checkpoint(
+        &mut self,
+        comm: &mut Communicator,
+        ledger: &mut Ledger<'_>,
+        step: u64,
+    ) -> Result<(), TrainError> {
+        if ledger.sharded_checkpoints() {
+            // Every rank writes its own chunks: nothing is gathered.
+            let offset = self.model.layer_offsets()[self.my_layers.start];
+            let map = self.stage.index_map();
+            let view = shard_view(
+                &self.zero,
+                &map,
+                offset,
+                &self.params,
+                self.optimizer.state(),
+            );
+            let full_len = *self.model.layer_offsets().last().expect("offsets");
+            let steps = self.optimizer.steps_taken();
+            return ledger.take_sharded_checkpoint(comm, step, &view, steps, full_len);
+        }
         // One stage, no tensor parallelism, nothing sharded: rank 0 holds the whole model and
         // its optimizer state already, and writes them where they lie (no other rank takes part).
         let in_place = || {

@@ -18,7 +18,14 @@
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
-use crate::checkpoint::{self, Checkpoint, CheckpointView, StagedCheckpoint};
+use lockstep_comm::Communicator;
+use serde::{Deserialize, Serialize};
+
+use super::collect::gather_strings;
+use crate::checkpoint::sharded::{self, Manifest, ShardInfo, ShardView, StagedSet};
+use crate::checkpoint::{
+    self, Checkpoint, CheckpointError, CheckpointView, Identity, StagedCheckpoint,
+};
 use crate::context::Event;
 use crate::error::TrainError;
 use crate::faults::{self, Fault};
@@ -35,6 +42,9 @@ enum State {
     Idle,
     /// In the step: written under a temporary name, waiting for the record's flush.
     Staged(StagedCheckpoint),
+    /// In the step, sharded: every rank's shard and the manifest in the staging directory,
+    /// waiting for the record's flush.
+    StagedSet(StagedSet),
     /// In the background: the gathered state, waiting for the record's flush.
     Snapshot(Checkpoint),
     /// In the background: the thread writing it.
@@ -77,6 +87,12 @@ impl CheckpointWriter {
         Ok(())
     }
 
+    /// Rank 0, before the step's record: a sharded set staged by [`write_set`], published by
+    /// [`CheckpointWriter::release`].
+    pub(crate) fn take_set(&mut self, staged: StagedSet) {
+        self.state = State::StagedSet(staged);
+    }
+
     /// After the step's record is flushed: publish the checkpoint taken, or start writing it in
     /// the background. Nothing to do when none was taken.
     pub(crate) fn release(&mut self, on_event: &mut dyn FnMut(Event)) -> Result<(), TrainError> {
@@ -84,6 +100,23 @@ impl CheckpointWriter {
             State::Staged(staged) => {
                 let written = publish(staged, self.keep, &self.faults)?;
                 report(written, on_event);
+            }
+            State::StagedSet(staged) => {
+                let step = staged.step();
+                let path = staged.publish(self.keep)?;
+                let damaged = faults::corrupts_checkpoint(&self.faults, step);
+                if damaged {
+                    // The first shard stands for the set: one damaged shard spoils it whole.
+                    damage(&path.join("shard-00000.bin"))?;
+                }
+                report(
+                    Written {
+                        step,
+                        path,
+                        damaged,
+                    },
+                    on_event,
+                );
             }
             State::Snapshot(c) => {
                 let (dir, keep, faults) = (self.dir.clone(), self.keep, self.faults.clone());
@@ -210,4 +243,133 @@ fn damage(path: &Path) -> Result<(), TrainError> {
     f.read_exact(&mut byte).map_err(io)?;
     f.seek(SeekFrom::Start(mid)).map_err(io)?;
     f.write_all(&[byte[0] ^ 0xff]).map_err(io)
+}
+
+/// What a rank's shard write came to, as every rank learns it.
+#[derive(Serialize, Deserialize)]
+enum ShardOutcome {
+    Written(ShardInfo),
+    Failed {
+        path: String,
+        what: String,
+        no_space: bool,
+    },
+}
+
+/// The checkpoint `set` (after `step` steps; `view`: this rank's shard) as a sharded set,
+/// collective over the world: rank 0 prepares the staging directory, every rank writes and
+/// syncs its shard, all learn every outcome (so all stop alike on one rank's error, which names
+/// that rank), and rank 0 writes the manifest and returns the staged set (`None` elsewhere).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn write_set(
+    comm: &mut Communicator,
+    dir: &Path,
+    step: u64,
+    identity: &Identity,
+    view: &ShardView,
+    optimizer_steps: u64,
+    num_params: usize,
+    faults: &[Fault],
+) -> Result<Option<StagedSet>, TrainError> {
+    let rank = comm.rank();
+    let mut prepared = [1i64];
+    let mut prepare_error = None;
+    if rank == 0 {
+        if let Err(e) = sharded::prepare(dir, step, identity) {
+            prepared[0] = 0;
+            prepare_error = Some(e);
+        }
+    }
+    comm.broadcast(&mut prepared, 0)?;
+    if prepared[0] == 0 {
+        if rank == 0 {
+            sharded::abandon(dir, step, identity);
+        }
+        return Err(TrainError::Checkpoint(prepare_error.unwrap_or_else(|| {
+            CheckpointError::Io {
+                path: dir.display().to_string(),
+                what: format!("rank 0 could not prepare the sharded checkpoint of step {step}"),
+            }
+        })));
+    }
+    let mut first = true;
+    let mut between = || {
+        if rank == 0 && std::mem::take(&mut first) {
+            faults::while_checkpointing(faults, step);
+        }
+    };
+    let outcome = match sharded::write_shard(dir, step, identity, rank, view, &mut between) {
+        Ok(info) => ShardOutcome::Written(info),
+        Err(e) => {
+            let (path, what) = error_parts(&e);
+            ShardOutcome::Failed {
+                no_space: matches!(e, CheckpointError::NoSpace { .. }),
+                path,
+                what,
+            }
+        }
+    };
+    let json = serde_json::to_string(&outcome).expect("outcome serialises");
+    let mut shards = Vec::new();
+    for (r, text) in gather_strings(comm, &json)?.into_iter().enumerate() {
+        match serde_json::from_str(&text) {
+            Ok(ShardOutcome::Written(info)) => shards.push(info),
+            Ok(ShardOutcome::Failed {
+                path,
+                what,
+                no_space,
+            }) => {
+                if rank == 0 {
+                    sharded::abandon(dir, step, identity);
+                }
+                let what = format!(
+                    "rank {r} could not write its shard: {what}{}",
+                    shared_hint(&what)
+                );
+                return Err(TrainError::Checkpoint(if no_space {
+                    CheckpointError::NoSpace { path, what }
+                } else {
+                    CheckpointError::Io { path, what }
+                }));
+            }
+            Err(e) => panic!("rank {r}'s shard outcome does not parse: {e}"),
+        }
+    }
+    if rank != 0 {
+        return Ok(None);
+    }
+    let manifest = Manifest {
+        format: sharded::FORMAT.into(),
+        version: sharded::VERSION,
+        identity: identity.clone(),
+        step,
+        optimizer_steps,
+        num_params: num_params as u64,
+        vectors: view.vectors.len() as u32,
+        shards,
+    };
+    Ok(Some(sharded::stage_manifest(dir, &manifest)?))
+}
+
+/// The path an error names, and what it says of it.
+fn error_parts(e: &CheckpointError) -> (String, String) {
+    match e {
+        CheckpointError::Io { path, what }
+        | CheckpointError::Corrupt { path, what }
+        | CheckpointError::Mismatch { path, what }
+        | CheckpointError::NoSpace { path, what }
+        | CheckpointError::NotRegular { path, what } => (path.clone(), what.clone()),
+        CheckpointError::BadMagic { path } | CheckpointError::Version { path, .. } => {
+            (path.clone(), e.to_string())
+        }
+    }
+}
+
+/// A shard that found no staging directory: the ranks do not share `checkpoint.dir`.
+fn shared_hint(what: &str) -> &'static str {
+    if what.contains("No such file or directory") {
+        " (checkpoint.sharded = true needs checkpoint.dir on a file system every rank sees)"
+    } else {
+        ""
+    }
 }

@@ -1,11 +1,12 @@
 //! When checkpoints are written, where, and resuming from the newest good one.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use lockstep_comm::Communicator;
 use lockstep_model::Optimizer;
 
-use crate::checkpoint::{self, Identity};
+use crate::checkpoint::sharded::{self, Manifest};
+use crate::checkpoint::{self, Checkpoint, CheckpointError, Identity};
 use crate::config::TrainConfig;
 use crate::context::Event;
 use crate::error::TrainError;
@@ -26,19 +27,27 @@ pub fn checkpoint_dir(cfg: &TrainConfig, out_dir: &Path) -> std::path::PathBuf {
     }
 }
 
-/// Rank 0 loads the newest good checkpoint and broadcasts it; returns the step to continue
-/// from (0 when there is none). Only rank 0 reads files, so node 0's disk is enough.
-pub(crate) fn resume_from_checkpoint(
+/// The newest good checkpoint, as every rank learns of it from [`find_checkpoint`].
+pub(crate) enum Found {
+    /// A whole-model file, held by rank 0 (`None` elsewhere) until [`broadcast_whole`].
+    Whole(Option<Checkpoint>),
+    /// A sharded set (verified by rank 0), from which every rank reads its own values.
+    Set { path: PathBuf, manifest: Manifest },
+}
+
+/// Collective: rank 0 finds the newest good checkpoint in `dir` — a whole-model file or a
+/// sharded set, damaged ones skipped with a notice naming the file or shard — and every rank
+/// learns which: `(step, optimizer steps, what)`, or `None` when there is none. Only rank 0
+/// verifies checksums; with a set, every rank then reads its part of it.
+pub(crate) fn find_checkpoint(
     comm: &mut Communicator,
     dir: &Path,
     identity: &Identity,
-    params: &mut [f32],
-    optimizer: &mut Optimizer,
     on_event: &mut dyn FnMut(Event),
-) -> Result<u64, TrainError> {
-    // status: 0 = nothing to resume from, 1 = found, 2 = rank 0 failed.
+) -> Result<Option<(u64, u64, Found)>, TrainError> {
+    // status: 0 = nothing to resume from, 1 = a file, 2 = rank 0 failed, 3 = a set.
     let mut header = [0i64; 3];
-    let mut loaded = Ok(None);
+    let mut found = Ok(None);
     if comm.rank() == 0 {
         for path in checkpoint::remove_abandoned(dir, identity) {
             on_event(Event::Notice(format!(
@@ -46,33 +55,76 @@ pub(crate) fn resume_from_checkpoint(
                 path.display()
             )));
         }
-        loaded = checkpoint::load_latest(dir, identity).map(|(c, skipped)| {
-            for (path, why) in skipped {
-                on_event(Event::Notice(format!(
-                    "skipping damaged checkpoint {}: {why}",
-                    path.display()
-                )));
-            }
-            c
-        });
-        header = match &loaded {
-            Ok(Some(c)) => [1, c.step as i64, c.optimizer_steps as i64],
+        found = newest_good(dir, identity, on_event);
+        header = match &found {
+            Ok(Some((step, steps, Found::Whole(_)))) => [1, *step as i64, *steps as i64],
+            Ok(Some((step, steps, Found::Set { .. }))) => [3, *step as i64, *steps as i64],
             Ok(None) => [0, 0, 0],
             Err(_) => [2, 0, 0],
         };
     }
     comm.broadcast(&mut header, 0)?;
+    let (step, steps) = (header[1] as u64, header[2] as u64);
     match header[0] {
-        0 => return Ok(0),
-        2 => {
-            return Err(loaded
-                .err()
-                .map(TrainError::Checkpoint)
-                .unwrap_or(TrainError::ResumeFailed))
+        0 => Ok(None),
+        2 => Err(found
+            .err()
+            .map(TrainError::Checkpoint)
+            .unwrap_or(TrainError::ResumeFailed)),
+        _ if comm.rank() == 0 => found.map_err(TrainError::Checkpoint),
+        1 => Ok(Some((step, steps, Found::Whole(None)))),
+        _ => {
+            let path = dir.join(sharded::set_name(step));
+            let manifest = sharded::read_manifest(&path)?;
+            Ok(Some((step, steps, Found::Set { path, manifest })))
         }
-        _ => {}
     }
-    if let Ok(Some(c)) = &loaded {
+}
+
+/// Rank 0: the newest checkpoint in `dir` that verifies (see [`find_checkpoint`]); another run's
+/// is an error, never skipped.
+fn newest_good(
+    dir: &Path,
+    identity: &Identity,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Option<(u64, u64, Found)>, CheckpointError> {
+    for (_, path) in checkpoint::list(dir)?.into_iter().rev() {
+        let found = if path.is_dir() {
+            sharded::verify(&path, identity).map(|m| {
+                let (step, steps) = (m.step, m.optimizer_steps);
+                let set = Found::Set {
+                    path: path.clone(),
+                    manifest: m,
+                };
+                (step, steps, set)
+            })
+        } else {
+            checkpoint::load(&path, identity)
+                .map(|c| (c.step, c.optimizer_steps, Found::Whole(Some(c))))
+        };
+        match found {
+            Ok(f) => return Ok(Some(f)),
+            Err(e @ CheckpointError::Mismatch { .. }) => return Err(e),
+            Err(e) => on_event(Event::Notice(format!(
+                "skipping damaged checkpoint {}: {e}",
+                path.display()
+            ))),
+        }
+    }
+    Ok(None)
+}
+
+/// Collective, after [`find_checkpoint`] found a whole-model file: rank 0 checks its sizes and
+/// broadcasts it into every rank's whole-model `params` and `optimizer`.
+pub(crate) fn broadcast_whole(
+    comm: &mut Communicator,
+    c: Option<&Checkpoint>,
+    dir: &Path,
+    optimizer_steps: u64,
+    params: &mut [f32],
+    optimizer: &mut Optimizer,
+) -> Result<(), TrainError> {
+    if let Some(c) = c {
         // Every state vector, not just their number: copy_from_slice panics on a length mismatch.
         let state: Vec<usize> = optimizer.state().iter().map(|v| v.len()).collect();
         c.check_sizes(dir, params.len(), &state)?;
@@ -85,6 +137,6 @@ pub(crate) fn resume_from_checkpoint(
     for v in optimizer.state_mut() {
         comm.broadcast(v, 0)?;
     }
-    optimizer.set_steps_taken(header[2] as u64);
-    Ok(header[1] as u64)
+    optimizer.set_steps_taken(optimizer_steps);
+    Ok(())
 }

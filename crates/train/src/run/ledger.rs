@@ -14,11 +14,12 @@ use lockstep_comm::Communicator;
 use lockstep_model::{LrSchedule, Optimizer, UpdateRule};
 use sha2::{Digest, Sha256};
 
-use super::checkpoint_writer::CheckpointWriter;
-use super::checkpointing::{checkpoint_dir, checkpoint_due, resume_from_checkpoint};
+use super::checkpoint_writer::{write_set, CheckpointWriter};
+use super::checkpointing::{checkpoint_dir, checkpoint_due, find_checkpoint, Found};
 use super::end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use super::outputs::{write_outputs, MetricsLog};
 use super::schedule::{optimizer_spec, RECORDS_RESERVED};
+use crate::checkpoint::sharded::ShardView;
 use crate::checkpoint::{CheckpointView, Identity};
 use crate::config::TrainConfig;
 use crate::context::{Event, JobLabel, WorkerContext};
@@ -53,6 +54,11 @@ fn model_identity(structure_hash: [u8; 32], rule: Option<&dyn UpdateRule>) -> St
     }
     hex::encode(h.finalize())
 }
+
+/// What [`Ledger::resume`] has the loop do with the checkpoint found: put it (from the checkpoint
+/// directory, with the optimizer steps it holds) into the loop's buffers. Collective.
+pub(crate) type LoadCheckpoint<'l> =
+    dyn FnMut(&mut Communicator, Found, &Path, u64) -> Result<(), TrainError> + 'l;
 
 /// One rank's bookkeeping over one attempt of a run.
 pub(crate) struct Ledger<'a> {
@@ -183,26 +189,26 @@ impl<'a> Ledger<'a> {
         }
     }
 
-    /// Collective, when resuming was asked for: rank 0 loads the newest good checkpoint of the
-    /// whole model into `params` and `optimizer` and broadcasts it; sets and returns the step to
-    /// continue from (0: none, or not resuming).
+    /// Collective, when resuming was asked for: finds the newest good checkpoint (a whole-model
+    /// file or a sharded set) and has `load` put it into the caller's buffers (with the
+    /// optimizer steps it holds); sets and returns the step to continue from (0: none, or not
+    /// resuming).
     pub(crate) fn resume(
         &mut self,
         comm: &mut Communicator,
-        params: &mut [f32],
-        optimizer: &mut Optimizer,
+        load: &mut LoadCheckpoint<'_>,
     ) -> Result<u64, TrainError> {
         if !self.resume_requested {
             return Ok(0);
         }
-        let step = resume_from_checkpoint(
-            comm,
-            &self.ckpt_dir,
-            &self.identity,
-            params,
-            optimizer,
-            &mut *self.on_event,
-        )?;
+        let found = find_checkpoint(comm, &self.ckpt_dir, &self.identity, &mut *self.on_event)?;
+        let step = match found {
+            Some((step, optimizer_steps, found)) => {
+                load(comm, found, &self.ckpt_dir, optimizer_steps)?;
+                step
+            }
+            None => 0,
+        };
         self.start_step = step;
         if step > 0 && self.rank == 0 {
             (self.on_event)(Event::Resumed(step));
@@ -282,6 +288,39 @@ impl<'a> Ledger<'a> {
             identity: &self.identity,
         };
         self.writer.take(c, &mut *self.on_event)
+    }
+
+    /// Does `checkpoint.sharded` ask every rank for its shard instead of rank 0 for the whole
+    /// model?
+    pub(crate) fn sharded_checkpoints(&self) -> bool {
+        self.cfg.checkpoint.sharded
+    }
+
+    /// Collective over the world, with `checkpoint.sharded`: every rank writes its shard of the
+    /// checkpoint after `step` (`view`), staged until [`Ledger::release_checkpoint`] publishes
+    /// the set on rank 0, as [`Ledger::take_checkpoint`] does with a whole-model file.
+    pub(crate) fn take_sharded_checkpoint(
+        &mut self,
+        comm: &mut Communicator,
+        step: u64,
+        view: &ShardView,
+        optimizer_steps: u64,
+        num_params: usize,
+    ) -> Result<(), TrainError> {
+        let staged = write_set(
+            comm,
+            &self.ckpt_dir,
+            step + 1,
+            &self.identity,
+            view,
+            optimizer_steps,
+            num_params,
+            self.faults,
+        )?;
+        if let Some(staged) = staged {
+            self.writer.take_set(staged);
+        }
+        Ok(())
     }
 
     /// After the record of a checkpoint step is flushed: publish the checkpoint taken, or start
