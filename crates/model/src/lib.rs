@@ -105,7 +105,7 @@ pub(crate) fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) 
         .install(f)
 }
 pub use kernels::{first_mismatch as first_kernel_mismatch, Kernels};
-pub use model::{param_hash, Model, TimedLoss};
+pub use model::{param_hash, Model, ParamHasher, TimedLoss};
 pub use optim::{check_elementwise, Optimizer, OptimizerSpec, UpdateRule};
 pub use params::ParamInfo;
 pub use peak::{measure_gemm_peak, GemmPeak};

@@ -292,17 +292,35 @@ fn structure_hash(spec: &ModelSpec, layout: &[ParamInfo]) -> [u8; 32] {
 /// SHA-256 (lower-case hex) of the parameters' little-endian bytes: a compact fingerprint
 /// ranks and checkpoints compare to prove bitwise agreement.
 pub fn param_hash(params: &[f32]) -> String {
-    let mut h = Sha256::new();
-    // Feed in blocks: one `update` per float would dominate the cost.
-    let mut buf = Vec::with_capacity(4 * 4096);
-    for chunk in params.chunks(4096) {
-        buf.clear();
-        for v in chunk {
-            buf.extend_from_slice(&v.to_le_bytes());
+    let mut h = ParamHasher::default();
+    h.update(params);
+    h.finish()
+}
+
+/// [`param_hash`] of a vector fed in consecutive pieces (a model arriving stage by stage, never
+/// whole in memory): the same hash as of the pieces concatenated.
+#[derive(Default)]
+pub struct ParamHasher {
+    sha: Sha256,
+    buf: Vec<u8>,
+}
+
+impl ParamHasher {
+    /// The next values of the vector.
+    pub fn update(&mut self, params: &[f32]) {
+        // Fed in blocks: one `update` per float would dominate the cost.
+        for chunk in params.chunks(4096) {
+            self.buf.clear();
+            for v in chunk {
+                self.buf.extend_from_slice(&v.to_le_bytes());
+            }
+            self.sha.update(&self.buf);
         }
-        h.update(&buf);
     }
-    hex::encode(h.finalize())
+
+    pub fn finish(self) -> String {
+        hex::encode(self.sha.finalize())
+    }
 }
 
 /// Result of [`Model::loss_and_grad_timed`].

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{tiny_cnn, tiny_mlp};
-use lockstep_model::{param_hash, Model, ModelError, ModelSpec};
+use lockstep_model::{param_hash, Model, ModelError, ModelSpec, ParamHasher};
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -181,6 +181,20 @@ fn param_hash_is_sha256_of_little_endian_bytes() {
         param_hash(&[]),
         "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
     );
+    // Fed in pieces (stage by stage, of any lengths, empty ones too): the same hash.
+    for cuts in [
+        vec![0, 5000],
+        vec![1, 4096, 4097],
+        vec![0, 0, 2500, 2500, 4999],
+    ] {
+        let mut hasher = ParamHasher::default();
+        let mut at = 0;
+        for cut in cuts.into_iter().chain([5000]) {
+            hasher.update(&values[at..cut]);
+            at = cut;
+        }
+        assert_eq!(hasher.finish(), param_hash(&values));
+    }
 }
 
 #[test]

@@ -35,7 +35,7 @@ use std::time::Instant;
 use lockstep_comm::exact::ExactError;
 use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
-use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer, TimedLoss};
+use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer, ParamHasher, TimedLoss};
 
 use super::balance::{balance, stage_ranges};
 use super::checkpoint_shards::{check_set, local_ranges, shard_view};
@@ -985,7 +985,7 @@ impl<'m> StageRank<'m> {
                 ours: hashes[0].clone(),
             });
         }
-        let full = gather_whole(
+        let whole = hash_whole(
             self.tp_comm.as_mut(),
             &mut self.pp_comm,
             self.me.replica,
@@ -994,8 +994,8 @@ impl<'m> StageRank<'m> {
             &self.stage_lens,
         )?;
         let mut hash_bytes = [0u8; 64];
-        if let Some(full) = &full {
-            hash_bytes.copy_from_slice(param_hash(full).as_bytes());
+        if let Some(hash) = &whole {
+            hash_bytes.copy_from_slice(hash.as_bytes());
         }
         comm.broadcast(&mut hash_bytes, 0)?;
         Ok((String::from_utf8_lossy(&hash_bytes).into_owned(), held))
@@ -1137,31 +1137,78 @@ fn gather_whole(
     if replica != 0 {
         return Ok(None);
     }
-    let stage_len = stage_lens[pp.rank()];
-    let stage = match tp {
-        Some(tp) => gather_stage(tp, mine, maps, stage_len)?,
-        None => {
-            // Stage 0's buffer is the whole model's from the start, filled once (a large model
-            // is copied once here, never zeroed first or grown by `gather_model`).
-            let whole = if pp.rank() == 0 {
-                stage_lens.iter().sum()
-            } else {
-                stage_len
-            };
-            let mut stage = Vec::with_capacity(whole);
-            if covers(&maps[0], stage_len) {
-                stage.extend_from_slice(mine);
-            } else {
-                stage.resize(stage_len, 0.0);
-                scatter_map(mine, &maps[0], &mut stage);
-            }
-            Some(stage)
-        }
+    // Stage 0's buffer is the whole model's from the start, filled once (a large model is
+    // copied once here, never zeroed first or grown by `gather_model`).
+    let room = if pp.rank() == 0 {
+        stage_lens.iter().sum()
+    } else {
+        stage_lens[pp.rank()]
     };
-    match stage {
-        Some(stage) => gather_model(pp, replica, stage, stage_lens),
+    match canonical_stage(tp, mine, maps, stage_lens[pp.rank()], room)? {
+        Some(stage) => gather_model(pp, replica, stage.into_owned(), stage_lens),
         None => Ok(None),
     }
+}
+
+/// Collective over replica 0, as [`gather_whole`], but rank 0 returns the whole model's
+/// [`param_hash`], fed stage by stage: it never holds more than its own stage and one other
+/// (and its own is not copied when it is the stage's vector itself).
+fn hash_whole(
+    tp: Option<&mut Communicator>,
+    pp: &mut Communicator,
+    replica: usize,
+    mine: &[f32],
+    maps: &[Vec<Range<usize>>],
+    stage_lens: &[usize],
+) -> Result<Option<String>, TrainError> {
+    if replica != 0 {
+        return Ok(None);
+    }
+    let len = stage_lens[pp.rank()];
+    let Some(stage) = canonical_stage(tp, mine, maps, len, len)? else {
+        return Ok(None);
+    };
+    if pp.rank() != 0 {
+        pp.send(0, &stage)?;
+        return Ok(None);
+    }
+    let mut hasher = ParamHasher::default();
+    hasher.update(&stage);
+    drop(stage);
+    for (s, &len) in stage_lens.iter().enumerate().skip(1) {
+        let mut next = vec![0f32; len];
+        pp.recv(s, &mut next)?;
+        hasher.update(&next);
+    }
+    Ok(Some(hasher.finish()))
+}
+
+/// Collective over a stage's tp group: the stage's canonical vector of `len` values on tp rank 0
+/// (`None` on the others), built from every tp rank's local values; without tensor parallelism
+/// this rank's own, lent when it is already the stage's vector in order and no more than `len`
+/// values of room are asked for, else built in a buffer of `room` values' capacity.
+fn canonical_stage<'v>(
+    tp: Option<&mut Communicator>,
+    mine: &'v [f32],
+    maps: &[Vec<Range<usize>>],
+    len: usize,
+    room: usize,
+) -> Result<Option<Cow<'v, [f32]>>, TrainError> {
+    if let Some(tp) = tp {
+        return Ok(gather_stage(tp, mine, maps, len)?.map(Cow::Owned));
+    }
+    let in_order = covers(&maps[0], len);
+    if in_order && room <= len {
+        return Ok(Some(Cow::Borrowed(mine)));
+    }
+    let mut stage = Vec::with_capacity(room.max(len));
+    if in_order {
+        stage.extend_from_slice(mine);
+    } else {
+        stage.resize(len, 0.0);
+        scatter_map(mine, &maps[0], &mut stage);
+    }
+    Ok(Some(Cow::Owned(stage)))
 }
 
 /// Does `map` select all of a stage of `len` values, in order (so that the local vector is the
