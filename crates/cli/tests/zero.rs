@@ -354,6 +354,7 @@ fn sharded_checkpoints_resume_on_any_layout_with_the_same_bits() {
         "{err}"
     );
     assert_eq!(hash(&dir), want);
+    assert_eq!(summary(&dir)["checkpoints"]["sharded"], true);
 
     // Rank 0 killed half-way through its shard of step 4: the staged set is never published,
     // the run recovers from step 2 and removes the staging directory.

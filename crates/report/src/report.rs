@@ -457,10 +457,10 @@ pub fn render_with_failures(
             "Checkpoints: {} taken, written {}; each stalled training {:.3} s (median; at most \
              {:.3} s){}.",
             c.count,
-            if c.background {
-                "in the background (checkpoint.async)"
-            } else {
-                "in the step"
+            match (c.background, c.sharded) {
+                (true, _) => "in the background (checkpoint.async)",
+                (false, true) => "in the step, a shard by every rank (checkpoint.sharded)",
+                (false, false) => "in the step",
             },
             c.stall_seconds_median,
             c.stall_seconds_max,
@@ -831,6 +831,7 @@ mod tests {
             plan: None,
             checkpoints: Some(lockstep_run::metrics::CheckpointSummary {
                 background: false,
+                sharded: true,
                 count: 2,
                 stall_seconds_median: 0.3,
                 stall_seconds_max: 0.4,
@@ -867,8 +868,9 @@ mod tests {
             "| restarts | 1 |",
             "| steps recomputed | 4 |",
             "| 0 | h<1> |  | 80 | 0.070 | 0.020 | 0.000 | 0.000 | 0.001 | 0.000 | 0.000 | 1000 | 0.01000 | 0.01200 |",
-            "Checkpoints: 2 taken, written in the step; each stalled training 0.300 s (median; at \
-             most 0.400 s) against 0.010 s for an ordinary step.",
+            "Checkpoints: 2 taken, written in the step, a shard by every rank \
+             (checkpoint.sharded); each stalled training 0.300 s (median; at most 0.400 s) \
+             against 0.010 s for an ordinary step.",
             "## Per rank",
             "## Evaluations",
             "## Failures and recoveries",

@@ -271,6 +271,10 @@ pub struct Summary {
 pub struct CheckpointSummary {
     /// Written in the background (`checkpoint.async = true`) or in the step.
     pub background: bool,
+    /// Every rank wrote its own shard (`checkpoint.sharded = true`); absent: rank 0 wrote the
+    /// whole model.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sharded: bool,
     /// Checkpoints taken in this attempt.
     pub count: usize,
     pub stall_seconds_median: f64,
@@ -283,7 +287,11 @@ pub struct CheckpointSummary {
 
 impl CheckpointSummary {
     /// From every rank's records; `None` when no step took a checkpoint.
-    pub fn from_records(records: &[StepRecord], background: bool) -> Option<CheckpointSummary> {
+    pub fn from_records(
+        records: &[StepRecord],
+        background: bool,
+        sharded: bool,
+    ) -> Option<CheckpointSummary> {
         let mut stall: BTreeMap<u64, f64> = BTreeMap::new();
         let mut step_max: BTreeMap<u64, f64> = BTreeMap::new();
         for r in records {
@@ -305,6 +313,7 @@ impl CheckpointSummary {
         let stalls: Vec<f64> = stall.values().copied().collect();
         Some(CheckpointSummary {
             background,
+            sharded,
             count: stalls.len(),
             stall_seconds_median: median(stalls.clone()),
             stall_seconds_max: stalls.iter().copied().fold(0.0, f64::max),
@@ -532,16 +541,19 @@ mod tests {
             at(0, 3, 3.0, 0.9),
             at(1, 3, 3.0, 0.2),
         ];
-        let c = CheckpointSummary::from_records(&records, true).unwrap();
+        let c = CheckpointSummary::from_records(&records, true, false).unwrap();
         assert_eq!(c.count, 2);
         assert!(c.background);
         assert_eq!((c.stall_seconds_median, c.stall_seconds_max), (0.7, 0.9));
         // Ordinary steps 0 and 2, each its slowest rank's time: 1.2 and 1.4.
         assert!((c.ordinary_step_seconds_median.unwrap() - 1.3).abs() < 1e-12);
         // Every step a checkpoint: nothing to read against (absent, never a NaN in the JSON).
-        let c = CheckpointSummary::from_records(&records[2..4], false).unwrap();
+        let c = CheckpointSummary::from_records(&records[2..4], false, true).unwrap();
         assert_eq!(c.ordinary_step_seconds_median, None);
-        assert_eq!(CheckpointSummary::from_records(&records[..2], false), None);
+        assert_eq!(
+            CheckpointSummary::from_records(&records[..2], false, false),
+            None
+        );
     }
 
     #[test]

@@ -162,6 +162,10 @@ pub(crate) fn build_summary(
         },
         gradient_sum: end.gradient_sum,
         plan: Some(end.plan),
-        checkpoints: CheckpointSummary::from_records(all_records, cfg.checkpoint.background),
+        checkpoints: CheckpointSummary::from_records(
+            all_records,
+            cfg.checkpoint.background,
+            cfg.checkpoint.sharded,
+        ),
     }
 }
