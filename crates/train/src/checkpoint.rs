@@ -450,10 +450,11 @@ pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     Ok(v)
 }
 
-/// Remove the unfinished checkpoint files a killed write of this run left in `dir`: hidden
+/// Remove the unfinished checkpoints a killed write of this run left in `dir`: hidden
 /// temporaries named after a checkpoint (`.step-N.ckpt.XXXXXX.tmp`) that are regular files whose
-/// header names `identity` (written first, so even a partial file says whose it is). Another
-/// run's files and anything else are left alone. Returns the paths removed.
+/// header names `identity` (written first, so even a partial file says whose it is), and this
+/// run's staging directories of sharded sets (named after its identity). Another run's files and
+/// anything else are left alone. Returns the paths removed.
 pub fn remove_abandoned(dir: &Path, identity: &Identity) -> Vec<PathBuf> {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();
@@ -466,14 +467,17 @@ pub fn remove_abandoned(dir: &Path, identity: &Identity) -> Vec<PathBuf> {
             .and_then(|rest| rest.split_once(".ckpt."))
             .is_some_and(|(step, tail)| step.parse::<u64>().is_ok() && tail.ends_with(".tmp"));
         let path = entry.path();
-        if unfinished
-            && read_identity(&path).as_ref() == Some(identity)
-            && std::fs::remove_file(&path).is_ok()
-        {
+        let abandoned = if sharded::is_staging_of(&name, identity) {
+            sharded::remove(&path).is_ok()
+        } else {
+            unfinished
+                && read_identity(&path).as_ref() == Some(identity)
+                && std::fs::remove_file(&path).is_ok()
+        };
+        if abandoned {
             removed.push(path);
         }
     }
-    removed.extend(sharded::remove_abandoned(dir, identity));
     removed.sort();
     removed
 }

@@ -302,27 +302,13 @@ pub fn remove(path: &Path) -> std::io::Result<()> {
     }
 }
 
-/// The unfinished staging directories of this run in `dir` (a killed write's), removed.
-pub fn remove_abandoned(dir: &Path, identity: &Identity) -> Vec<PathBuf> {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut removed = Vec::new();
-    for entry in rd.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let step = name
-            .strip_prefix(".step-")
-            .and_then(|rest| rest.split_once(".shards."))
-            .and_then(|(step, _)| step.parse::<u64>().ok());
-        if let Some(step) = step {
-            let path = entry.path();
-            if name == staging_name(step, identity) && remove(&path).is_ok() {
-                removed.push(path);
-            }
-        }
-    }
-    removed.sort();
-    removed
+/// Is `name` the staging directory of a set of the run of `identity` (a killed write's, when
+/// found at a resume)?
+pub(crate) fn is_staging_of(name: &str, identity: &Identity) -> bool {
+    name.strip_prefix(".step-")
+        .and_then(|rest| rest.split_once(".shards."))
+        .and_then(|(step, _)| step.parse::<u64>().ok())
+        .is_some_and(|step| name == staging_name(step, identity))
 }
 
 /// The manifest of the set at `path` (bounded, regular file, parsed; not verified).
@@ -753,7 +739,7 @@ mod tests {
             model: "m".into(),
         };
         prepare(tmp.path(), 6, &other).unwrap();
-        let removed = remove_abandoned(tmp.path(), &identity());
+        let removed = crate::checkpoint::remove_abandoned(tmp.path(), &identity());
         assert_eq!(removed.len(), 1);
         assert!(!removed[0].exists());
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);

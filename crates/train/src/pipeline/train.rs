@@ -1121,8 +1121,6 @@ fn choose_cuts(
     Ok((balance(&costs, stages), costs, "auto".into()))
 }
 
-/// `parallel.pp` and `parallel.stage_cuts` against the model's layers (known only once the job
-/// has built its model; the built-in transformer's are checked with the config already).
 /// Collective over replica 0 (its tensor-parallel groups, then its pipeline of tp ranks 0): rank
 /// 0 returns the whole model built from every rank's local parameters (`maps`: each tp rank's
 /// index map, known to tp rank 0; without a tp group, this rank's); everyone else gets `None`.
