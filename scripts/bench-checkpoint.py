@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchlib import cpu_model
+from benchlib import cpu_model, median_range
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/lockstep"
 OUT = sys.argv[2] if len(sys.argv) > 2 else "bench/checkpoint.json"
@@ -55,10 +55,6 @@ def run(background, threads, work):
     }
 
 
-def summary(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def main():
     results = {f"{mode}_threads{t}": [] for t in (2, 1) for mode in ("in_step", "background")}
     with tempfile.TemporaryDirectory() as work:
@@ -78,7 +74,7 @@ def main():
         "ratios": {},
     }
     for mode, rs in results.items():
-        report["modes"][mode] = {k: summary([r[k] for r in rs]) for k in rs[0] if k != "param_hash"}
+        report["modes"][mode] = {k: median_range([r[k] for r in rs]) for k in rs[0] if k != "param_hash"}
         m = report["modes"][mode]
         ordinary = m["ordinary_step_seconds"]["median"]
         report["ratios"][mode] = {

@@ -9,10 +9,11 @@ Usage: scripts/bench-recompute.py [path/to/lockstep-testjob-layered] [out.json]
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
+
+from benchlib import cpu_model, median_range
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/lockstep-testjob-layered"
 OUT = sys.argv[2] if len(sys.argv) > 2 else "bench/recompute.json"
@@ -22,14 +23,6 @@ ARGS = [
     "--set", "job.hidden=2048", "--set", "job.train_samples=4096", "--set", "job.dropout=0.2",
     "--set", "train.global_batch=4096", "--set", "train.microbatch=512", "--set", "train.steps=4",
 ]
-
-
-def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def run(mode, work):
@@ -44,10 +37,6 @@ def run(mode, work):
         "activation_peak_mib": [r["memory"]["activation_peak_bytes"] / 2**20 for r in ranks],
         "step_seconds": ranks[0]["step_seconds_mean"],
     }
-
-
-def summary(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def main():
@@ -68,10 +57,10 @@ def main():
     }
     for mode, rs in results.items():
         report["modes"][mode] = {
-            "peak_rss_mib_rank0": summary([r["peak_rss_mib"][0] for r in rs]),
-            "peak_rss_mib_rank1": summary([r["peak_rss_mib"][1] for r in rs]),
+            "peak_rss_mib_rank0": median_range([r["peak_rss_mib"][0] for r in rs]),
+            "peak_rss_mib_rank1": median_range([r["peak_rss_mib"][1] for r in rs]),
             "activation_estimate_mib": rs[0]["activation_peak_mib"],
-            "step_seconds": summary([r["step_seconds"] for r in rs]),
+            "step_seconds": median_range([r["step_seconds"] for r in rs]),
         }
     m = report["modes"]
     report["ratios"] = {

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchlib import cpu_model
+from benchlib import cpu_model, median_range
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/lockstep"
 OUT = sys.argv[2] if len(sys.argv) > 2 else "bench/checkpoint-sharded.json"
@@ -60,10 +60,6 @@ def run(mode, work):
     return result
 
 
-def summary(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def main():
     results = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as work:
@@ -84,12 +80,12 @@ def main():
         "modes": {},
     }
     for mode, rs in results.items():
-        m = {"peak_rss_mib": [summary([r["peak_rss_mib"][k] for r in rs]) for k in range(ranks)]}
+        m = {"peak_rss_mib": [median_range([r["peak_rss_mib"][k] for r in rs]) for k in range(ranks)]}
         m["peak_rss_over_no_checkpoints"] = [
             m["peak_rss_mib"][k]["median"] / base[k] for k in range(ranks)]
         for k in rs[0]:
             if k.endswith("seconds"):
-                m[k] = summary([r[k] for r in rs])
+                m[k] = median_range([r[k] for r in rs])
         if mode != "none":
             m["checkpoint_step_over_ordinary"] = (
                 m["checkpoint_step_seconds"]["median"] / m["ordinary_step_seconds"]["median"])

@@ -1,4 +1,5 @@
-"""Helpers the PyTorch comparison scripts share (bench-vs-pytorch.py, bench-vs-pytorch-transformer.py)."""
+"""Helpers the benchmark scripts share (bench-vs-pytorch.py, bench-vs-pytorch-transformer.py, the
+checkpoint and recompute benchmarks)."""
 import json
 import os
 import platform
@@ -17,6 +18,11 @@ def wait_for_quiet(thresh, max_wait):
 
 def spread(v):
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
+
+
+def median_range(xs):
+    """The median of repeated measurements, with their range."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def cpu_model():

@@ -270,7 +270,7 @@ impl Fresh {
     pub fn apply(self) {
         for p in self.remove {
             // A checkpoint file, or a sharded checkpoint's directory.
-            let _ = lockstep_train::checkpoint::sharded::remove(&p);
+            let _ = lockstep_train::checkpoint::remove(&p);
         }
     }
 }

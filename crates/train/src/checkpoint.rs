@@ -180,30 +180,54 @@ fn write_encoded<W: std::io::Write>(
         state_lens: c.optimizer_state.iter().map(|s| s.len() as u64).collect(),
     };
     let header = serde_json::to_vec(&header).expect("header serialises");
-    let mut hasher = Sha256::new();
-    let mut put = |w: &mut W, bytes: &[u8]| {
-        hasher.update(bytes);
-        w.write_all(bytes)
-    };
-    put(w, MAGIC)?;
-    put(w, &VERSION.to_le_bytes())?;
-    put(w, &(header.len() as u32).to_le_bytes())?;
-    put(w, &header)?;
-    let vectors: Vec<&[f32]> = std::iter::once(&c.params[..])
+    let vectors: Vec<[&[f32]; 1]> = std::iter::once(&c.params[..])
         .chain(c.optimizer_state.iter().map(|v| &v[..]))
+        .map(|v| [v])
         .collect();
-    for (i, v) in vectors.iter().enumerate() {
-        // Little-endian on disk: the payload is the vectors' bytes as they are on this target.
-        for chunk in v.chunks(1 << 18) {
-            put(w, bytemuck::cast_slice(chunk))?;
+    let n = vectors.len();
+    let mut after = |i: usize| between((i + 1) as f64 / n as f64);
+    write_container(w, MAGIC, VERSION, &header, &vectors, &mut after)?;
+    Ok(())
+}
+
+/// The container both checkpoint formats share, streamed into `w` and hashed on the way:
+/// `magic | version u32 | header length u32 | header | payload | SHA-256 of all before`, the
+/// payload being each of `vectors` (given as pieces) as little-endian `f32`. `between(i)` is
+/// called after vector `i`, once what is written so far has reached `w`'s sink (a process killed
+/// there leaves a partial file whose header says whose it is). Returns the bytes written and
+/// the digest.
+pub(crate) fn write_container<'v, W: std::io::Write, V: AsRef<[&'v [f32]]>>(
+    w: &mut W,
+    magic: &[u8; 8],
+    version: u32,
+    header: &[u8],
+    vectors: &[V],
+    between: &mut dyn FnMut(usize),
+) -> std::io::Result<(u64, [u8; 32])> {
+    let mut hasher = Sha256::new();
+    let mut bytes = 0u64;
+    let mut put = |w: &mut W, b: &[u8]| {
+        hasher.update(b);
+        bytes += b.len() as u64;
+        w.write_all(b)
+    };
+    put(w, magic)?;
+    put(w, &version.to_le_bytes())?;
+    put(w, &(header.len() as u32).to_le_bytes())?;
+    put(w, header)?;
+    for (i, pieces) in vectors.iter().enumerate() {
+        for piece in pieces.as_ref() {
+            // Little-endian on disk: the payload is the vectors' bytes as they are on this target.
+            for chunk in piece.chunks(1 << 18) {
+                put(w, bytemuck::cast_slice(chunk))?;
+            }
         }
-        // What is written so far reaches the file first: a process killed from `between` leaves
-        // a partial file whose header says whose it is.
         w.flush()?;
-        between((i + 1) as f64 / vectors.len() as f64);
+        between(i);
     }
-    let digest = hasher.finalize();
-    w.write_all(&digest)
+    let digest: [u8; 32] = hasher.finalize().into();
+    w.write_all(&digest)?;
+    Ok((bytes + 32, digest))
 }
 
 /// Decodes and verifies a checkpoint's bytes (everything but the identity check of [`load`]);
@@ -366,13 +390,23 @@ impl StagedCheckpoint {
     }
 }
 
+/// Remove a checkpoint: a file, or a sharded set's directory (never following a link; absent is fine).
+pub fn remove(path: &Path) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Remove all but the newest `keep` (at least one) of the run's checkpoints in `dir`, files and
 /// sharded sets alike (see [`save`]: never another run's).
 pub(crate) fn prune(dir: &Path, identity: &Identity, keep: usize) -> Result<(), CheckpointError> {
     let ours = of_run(dir, |id| id == identity)?;
     if ours.len() > keep.max(1) {
         for old in &ours[..ours.len() - keep.max(1)] {
-            let _ = sharded::remove(old);
+            let _ = remove(old);
         }
     }
     Ok(())
@@ -468,7 +502,7 @@ pub fn remove_abandoned(dir: &Path, identity: &Identity) -> Vec<PathBuf> {
             .is_some_and(|(step, tail)| step.parse::<u64>().is_ok() && tail.ends_with(".tmp"));
         let path = entry.path();
         let abandoned = if sharded::is_staging_of(&name, identity) {
-            sharded::remove(&path).is_ok()
+            remove(&path).is_ok()
         } else {
             unfinished
                 && read_identity(&path).as_ref() == Some(identity)
@@ -529,16 +563,54 @@ pub(crate) fn check_identity(
 /// Checkpoint files passed over while looking for a good one: (path, why).
 pub type Skipped = Vec<(PathBuf, String)>;
 
-/// The newest checkpoint in `dir` that verifies. Damaged files are skipped and reported in the
-/// returned list (path, reason); a checkpoint of *another run* is an error, never skipped.
+/// The newest good checkpoint of either kind, as [`load_latest`] finds it.
+#[derive(Debug, PartialEq)]
+pub enum Latest {
+    /// A whole-model file, read and verified.
+    File(Checkpoint),
+    /// A sharded set, verified (every shard, the coverage); its values are read by each rank.
+    Set {
+        path: PathBuf,
+        manifest: sharded::Manifest,
+    },
+}
+
+impl Latest {
+    /// Optimizer steps completed (the step the checkpoint was taken after).
+    pub fn step(&self) -> u64 {
+        match self {
+            Latest::File(c) => c.step,
+            Latest::Set { manifest, .. } => manifest.step,
+        }
+    }
+
+    pub fn optimizer_steps(&self) -> u64 {
+        match self {
+            Latest::File(c) => c.optimizer_steps,
+            Latest::Set { manifest, .. } => manifest.optimizer_steps,
+        }
+    }
+}
+
+/// The newest checkpoint in `dir` (file or sharded set) that verifies. Damaged ones are skipped
+/// and reported in the returned list (path, reason); a checkpoint of *another run* is an error,
+/// never skipped.
 pub fn load_latest(
     dir: &Path,
     expect: &Identity,
-) -> Result<(Option<Checkpoint>, Skipped), CheckpointError> {
+) -> Result<(Option<Latest>, Skipped), CheckpointError> {
     let mut skipped = Vec::new();
     for (_, path) in list(dir)?.into_iter().rev() {
-        match load(&path, expect) {
-            Ok(c) => return Ok((Some(c), skipped)),
+        let found = if path.is_dir() {
+            sharded::verify(&path, expect).map(|manifest| Latest::Set {
+                path: path.clone(),
+                manifest,
+            })
+        } else {
+            load(&path, expect).map(Latest::File)
+        };
+        match found {
+            Ok(latest) => return Ok((Some(latest), skipped)),
             Err(e @ CheckpointError::Mismatch { .. }) => return Err(e),
             Err(e) => skipped.push((path, e.to_string())),
         }
@@ -576,7 +648,7 @@ mod tests {
             .collect();
         assert_eq!(steps, vec![20, 30, 40]);
         let (c, skipped) = load_latest(dir.path(), &sample(0).identity).unwrap();
-        assert_eq!(c.unwrap(), sample(40));
+        assert_eq!(c.unwrap(), Latest::File(sample(40)));
         assert!(skipped.is_empty());
         // No temporary files left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
@@ -591,7 +663,7 @@ mod tests {
         assert_eq!(fractions, vec![0.5, 1.0]);
         // Not under its name yet: a resume now finds step 10.
         let (c, _) = load_latest(dir.path(), &sample(0).identity).unwrap();
-        assert_eq!(c.unwrap().step, 10);
+        assert_eq!(c.unwrap().step(), 10);
         let path = staged.publish(3).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), encode(&sample(20)));
         assert!(older.exists());
@@ -644,13 +716,13 @@ mod tests {
         bytes[100] ^= 0x40;
         std::fs::write(&newest, &bytes).unwrap();
         let (c, skipped) = load_latest(dir.path(), &sample(0).identity).unwrap();
-        assert_eq!(c.unwrap().step, 10);
+        assert_eq!(c.unwrap().step(), 10);
         assert_eq!(skipped.len(), 1);
         assert!(skipped[0].1.contains("checksum"), "{}", skipped[0].1);
         bytes.truncate(50);
         std::fs::write(&newest, &bytes).unwrap();
         let (c, skipped) = load_latest(dir.path(), &sample(0).identity).unwrap();
-        assert_eq!(c.unwrap().step, 10);
+        assert_eq!(c.unwrap().step(), 10);
         assert!(
             skipped[0].1.contains("truncated or corrupt"),
             "{}",
@@ -664,7 +736,7 @@ mod tests {
         save(dir.path(), &sample(10), 3).unwrap();
         std::os::unix::fs::symlink("/dev/zero", dir.path().join(file_name(20))).unwrap();
         let (c, skipped) = load_latest(dir.path(), &sample(0).identity).unwrap();
-        assert_eq!(c.unwrap().step, 10);
+        assert_eq!(c.unwrap().step(), 10);
         assert!(skipped[0].1.contains("not a regular file"), "{skipped:?}");
     }
 

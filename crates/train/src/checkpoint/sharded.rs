@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::checkpoint::{io_err, CheckpointError, Identity};
+use crate::checkpoint::{io_err, remove, write_container, CheckpointError, Identity};
 
 const MAGIC: &[u8; 8] = b"LKSTSHRD";
 pub(crate) const VERSION: u32 = 1;
@@ -56,13 +56,19 @@ pub fn set_step(name: &str) -> Option<u64> {
         .ok()
 }
 
-/// The hidden directory a set is staged in before publication (its name says whose it is).
+/// The hidden directory in `dir` a set is staged in before publication.
+pub(crate) fn staging_dir(dir: &Path, step: u64, identity: &Identity) -> PathBuf {
+    dir.join(staging_name(step, identity))
+}
+
+/// [`staging_dir`]'s name (it says whose it is).
 fn staging_name(step: u64, identity: &Identity) -> String {
     let id: String = identity.config.chars().take(16).collect();
     format!(".step-{step:09}.shards.{id}.tmp")
 }
 
-fn shard_name(rank: usize) -> String {
+/// The name of `rank`'s shard in a set.
+pub(crate) fn shard_name(rank: usize) -> String {
     format!("shard-{rank:05}.bin")
 }
 
@@ -136,7 +142,7 @@ pub fn canonical_pieces(
 /// leftover of a killed attempt is removed first).
 pub fn prepare(dir: &Path, step: u64, identity: &Identity) -> Result<(), CheckpointError> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
-    let staging = dir.join(staging_name(step, identity));
+    let staging = staging_dir(dir, step, identity);
     remove(&staging).map_err(|e| io_err(&staging, e))?;
     std::fs::create_dir(&staging).map_err(|e| io_err(&staging, e))
 }
@@ -144,7 +150,7 @@ pub fn prepare(dir: &Path, step: u64, identity: &Identity) -> Result<(), Checkpo
 /// Rank 0, after a rank failed to write its shard (every rank has stopped writing): the set's
 /// staging directory and whatever it holds, removed (best effort; a resume removes it too).
 pub fn abandon(dir: &Path, step: u64, identity: &Identity) {
-    let _ = remove(&dir.join(staging_name(step, identity)));
+    let _ = remove(&staging_dir(dir, step, identity));
 }
 
 /// Write `rank`'s shard into the staging directory [`prepare`] made, synced; `between` is called
@@ -157,9 +163,7 @@ pub fn write_shard(
     view: &ShardView,
     between: &mut dyn FnMut(),
 ) -> Result<ShardInfo, CheckpointError> {
-    let path = dir
-        .join(staging_name(step, identity))
-        .join(shard_name(rank));
+    let path = staging_dir(dir, step, identity).join(shard_name(rank));
     let ranges: Vec<[u64; 2]> = view
         .ranges
         .iter()
@@ -186,36 +190,19 @@ pub fn write_shard(
         .open(&path)
         .map_err(|e| io_err(&path, e))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut hasher = Sha256::new();
-    let mut bytes = 0u64;
-    let mut put = |w: &mut std::io::BufWriter<File>, b: &[u8]| {
-        hasher.update(b);
-        bytes += b.len() as u64;
-        w.write_all(b)
-    };
     let io = |e| io_err(&path, e);
     let header = serde_json::to_vec(&header).expect("header serialises");
-    put(&mut w, MAGIC).map_err(io)?;
-    put(&mut w, &VERSION.to_le_bytes()).map_err(io)?;
-    put(&mut w, &(header.len() as u32).to_le_bytes()).map_err(io)?;
-    put(&mut w, &header).map_err(io)?;
-    for pieces in &view.vectors {
-        for p in pieces {
-            for chunk in p.chunks(1 << 18) {
-                put(&mut w, bytemuck::cast_slice(chunk)).map_err(io)?;
-            }
-        }
-        w.flush().map_err(io)?;
-        between();
-    }
-    let digest = hasher.finalize();
-    w.write_all(&digest).map_err(io)?;
+    let (bytes, digest) =
+        write_container(&mut w, MAGIC, VERSION, &header, &view.vectors, &mut |_| {
+            between()
+        })
+        .map_err(io)?;
     let file = w.into_inner().map_err(|e| io(e.into_error()))?;
     file.sync_all().map_err(io)?;
     Ok(ShardInfo {
         file: shard_name(rank),
         rank,
-        bytes: bytes + 32,
+        bytes,
         sha256: hex(&digest),
         ranges,
     })
@@ -224,7 +211,7 @@ pub fn write_shard(
 /// Rank 0, once every shard is written: the manifest into the staging directory, synced; the set
 /// is then published by [`StagedSet::publish`].
 pub fn stage_manifest(dir: &Path, manifest: &Manifest) -> Result<StagedSet, CheckpointError> {
-    let staging = dir.join(staging_name(manifest.step, &manifest.identity));
+    let staging = staging_dir(dir, manifest.step, &manifest.identity);
     let path = staging.join(MANIFEST);
     let bytes = serde_json::to_vec(manifest).expect("manifest serialises");
     let mut f = std::fs::OpenOptions::new()
@@ -289,16 +276,6 @@ impl Drop for StagedSet {
         if !self.staging.as_os_str().is_empty() {
             let _ = remove(&self.staging);
         }
-    }
-}
-
-/// Remove a file or a set's directory (never following a link; absent is fine).
-pub fn remove(path: &Path) -> std::io::Result<()> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
-        Ok(_) => std::fs::remove_file(path),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
     }
 }
 

@@ -886,14 +886,15 @@ impl<'m> StageRank<'m> {
 
     /// Collective: the stage (ZeRO 3: gathered) and its optimizer state sent to rank 0, which
     /// takes the checkpoint after `step` (written under a temporary name, or kept for the
-    /// background writer; published after the step's record).
+    /// background writer; published after the step's record); with `checkpoint.sharded`, every
+    /// rank's shard written where it lies, the set published after the record.
     fn checkpoint(
         &mut self,
         comm: &mut Communicator,
         ledger: &mut Ledger<'_>,
         step: u64,
     ) -> Result<(), TrainError> {
-        if ledger.sharded_checkpoints() {
+        if self.cfg.checkpoint.sharded {
             // Every rank writes its own chunks: nothing is gathered.
             let offset = self.model.layer_offsets()[self.my_layers.start];
             let map = self.stage.index_map();

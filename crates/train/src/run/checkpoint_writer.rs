@@ -107,7 +107,7 @@ impl CheckpointWriter {
                 let damaged = faults::corrupts_checkpoint(&self.faults, step);
                 if damaged {
                     // The first shard stands for the set: one damaged shard spoils it whole.
-                    damage(&path.join("shard-00000.bin"))?;
+                    damage(&path.join(sharded::shard_name(0)))?;
                 }
                 report(
                     Written {
@@ -253,6 +253,9 @@ enum ShardOutcome {
         path: String,
         what: String,
         no_space: bool,
+        /// The rank did not see the staging directory rank 0 made: the ranks do not share
+        /// `checkpoint.dir`.
+        unshared: bool,
     },
 }
 
@@ -304,6 +307,7 @@ pub(crate) fn write_set(
             let (path, what) = error_parts(&e);
             ShardOutcome::Failed {
                 no_space: matches!(e, CheckpointError::NoSpace { .. }),
+                unshared: !sharded::staging_dir(dir, step, identity).is_dir(),
                 path,
                 what,
             }
@@ -318,13 +322,19 @@ pub(crate) fn write_set(
                 path,
                 what,
                 no_space,
+                unshared,
             }) => {
                 if rank == 0 {
                     sharded::abandon(dir, step, identity);
                 }
                 let what = format!(
                     "rank {r} could not write its shard: {what}{}",
-                    shared_hint(&what)
+                    if unshared {
+                        " (checkpoint.sharded = true needs checkpoint.dir on a file system \
+                         every rank sees)"
+                    } else {
+                        ""
+                    }
                 );
                 return Err(TrainError::Checkpoint(if no_space {
                     CheckpointError::NoSpace { path, what }
@@ -362,14 +372,5 @@ fn error_parts(e: &CheckpointError) -> (String, String) {
         CheckpointError::BadMagic { path } | CheckpointError::Version { path, .. } => {
             (path.clone(), e.to_string())
         }
-    }
-}
-
-/// A shard that found no staging directory: the ranks do not share `checkpoint.dir`.
-fn shared_hint(what: &str) -> &'static str {
-    if what.contains("No such file or directory") {
-        " (checkpoint.sharded = true needs checkpoint.dir on a file system every rank sees)"
-    } else {
-        ""
     }
 }

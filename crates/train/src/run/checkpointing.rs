@@ -6,7 +6,7 @@ use lockstep_comm::Communicator;
 use lockstep_model::Optimizer;
 
 use crate::checkpoint::sharded::{self, Manifest};
-use crate::checkpoint::{self, Checkpoint, CheckpointError, Identity};
+use crate::checkpoint::{self, Checkpoint, Identity, Latest};
 use crate::config::TrainConfig;
 use crate::context::Event;
 use crate::error::TrainError;
@@ -55,7 +55,22 @@ pub(crate) fn find_checkpoint(
                 path.display()
             )));
         }
-        found = newest_good(dir, identity, on_event);
+        found = checkpoint::load_latest(dir, identity).map(|(latest, skipped)| {
+            for (path, why) in skipped {
+                on_event(Event::Notice(format!(
+                    "skipping damaged checkpoint {}: {why}",
+                    path.display()
+                )));
+            }
+            latest.map(|l| {
+                let (step, steps) = (l.step(), l.optimizer_steps());
+                let found = match l {
+                    Latest::File(c) => Found::Whole(Some(c)),
+                    Latest::Set { path, manifest } => Found::Set { path, manifest },
+                };
+                (step, steps, found)
+            })
+        });
         header = match &found {
             Ok(Some((step, steps, Found::Whole(_)))) => [1, *step as i64, *steps as i64],
             Ok(Some((step, steps, Found::Set { .. }))) => [3, *step as i64, *steps as i64],
@@ -79,39 +94,6 @@ pub(crate) fn find_checkpoint(
             Ok(Some((step, steps, Found::Set { path, manifest })))
         }
     }
-}
-
-/// Rank 0: the newest checkpoint in `dir` that verifies (see [`find_checkpoint`]); another run's
-/// is an error, never skipped.
-fn newest_good(
-    dir: &Path,
-    identity: &Identity,
-    on_event: &mut dyn FnMut(Event),
-) -> Result<Option<(u64, u64, Found)>, CheckpointError> {
-    for (_, path) in checkpoint::list(dir)?.into_iter().rev() {
-        let found = if path.is_dir() {
-            sharded::verify(&path, identity).map(|m| {
-                let (step, steps) = (m.step, m.optimizer_steps);
-                let set = Found::Set {
-                    path: path.clone(),
-                    manifest: m,
-                };
-                (step, steps, set)
-            })
-        } else {
-            checkpoint::load(&path, identity)
-                .map(|c| (c.step, c.optimizer_steps, Found::Whole(Some(c))))
-        };
-        match found {
-            Ok(f) => return Ok(Some(f)),
-            Err(e @ CheckpointError::Mismatch { .. }) => return Err(e),
-            Err(e) => on_event(Event::Notice(format!(
-                "skipping damaged checkpoint {}: {e}",
-                path.display()
-            ))),
-        }
-    }
-    Ok(None)
 }
 
 /// Collective, after [`find_checkpoint`] found a whole-model file: rank 0 checks its sizes and

@@ -290,12 +290,6 @@ impl<'a> Ledger<'a> {
         self.writer.take(c, &mut *self.on_event)
     }
 
-    /// Does `checkpoint.sharded` ask every rank for its shard instead of rank 0 for the whole
-    /// model?
-    pub(crate) fn sharded_checkpoints(&self) -> bool {
-        self.cfg.checkpoint.sharded
-    }
-
     /// Collective over the world, with `checkpoint.sharded`: every rank writes its shard of the
     /// checkpoint after `step` (`view`), staged until [`Ledger::release_checkpoint`] publishes
     /// the set on rank 0, as [`Ledger::take_checkpoint`] does with a whole-model file.
