@@ -6,10 +6,11 @@
 #     one param_hash;
 # (3) the built-in transformer (configs/shakespeare.toml) with --device wgpu at 1 worker, 2
 #     workers (dp 2) and 2 stages (pp 2): one param_hash, not the CPU's;
-# (4) refused before any worker starts, exit 3, naming the setting: the built-in MLP on wgpu (its
-#     kernels are lockstep's own CPU kernels), tensor parallelism and tensor-parallel pieces on
-#     wgpu, cuda on a machine without a GPU;
-# (5) wgpu without any Vulkan adapter (no ICD) is refused, never trained on OpenGL instead;
+# (4) the built-in classifiers (the default MLP on digits, and a CNN) with --device wgpu at 1
+#     worker, 2 workers (dp 2) and 2 stages (pp 2): one param_hash per model, not the CPU's;
+# (5) refused before any worker starts, exit 3, naming the setting: tensor parallelism and
+#     tensor-parallel pieces on wgpu, cuda on a machine without a GPU;
+# (6) wgpu without any Vulkan adapter (no ICD) is refused, never trained on OpenGL instead;
 # and prints own-cnn's wgpu/cpu samples/s for the closing note.
 # Needs: Debian's mesa-vulkan-drivers and binaries built with `cargo build --release --features
 # wgpu` (.ci/run does both).
@@ -86,17 +87,31 @@ print(f"wgpu: transformer 1 worker, 2 steps: wgpu {g['samples_per_sec']:.1f} sam
       f"samples/s: wgpu (llvmpipe) = {g['samples_per_sec'] / c['samples_per_sec']:.3f}x cpu")
 EOF2
 
-# (4) what the plan or the machine cannot do.
-refused "the built-in MLP on wgpu" 'train.device' \
-    "$bins/lockstep" train --device wgpu --nproc 1 --out "$work/no1"
+# (4) the built-in classifiers: a LayeredJob like any user's, so they run wherever burn does.
+for model in mlp cnn; do
+    cls=(--set model.kind=$model --set model.conv=[4] --set model.cnn_hidden=16 --set train.steps=6
+         --set train.eval_every=0 --set checkpoint.every=0 --set train.log_every=1000)
+    run "$model wgpu 1 worker" "$bins/lockstep" train --device wgpu --nproc 1 --out "$work/$model-1" "${cls[@]}"
+    run "$model wgpu dp 2" "$bins/lockstep" train --device wgpu --nproc 2 --out "$work/$model-2" "${cls[@]}"
+    run "$model wgpu pp 2" "$bins/lockstep" train --device wgpu --nproc 2 --set parallel.pp=2 --out "$work/$model-3" "${cls[@]}"
+    run "$model cpu 1 worker" "$bins/lockstep" train --nproc 1 --out "$work/$model-cpu" "${cls[@]}"
+    c1="$(hash_of "$work/$model-1/summary.json")"
+    echo "wgpu: built-in $model 1 worker $c1, dp 2 $(hash_of "$work/$model-2/summary.json"), pp 2 $(hash_of "$work/$model-3/summary.json")"
+    [[ "$(hash_of "$work/$model-2/summary.json")" == "$c1" ]] || fail "built-in $model on wgpu: dp 2 differs from 1 worker"
+    [[ "$(hash_of "$work/$model-3/summary.json")" == "$c1" ]] || fail "built-in $model on wgpu: pp 2 differs from 1 worker"
+    [[ "$(hash_of "$work/$model-cpu/summary.json")" != "$c1" ]] || fail "the built-in $model's cpu and wgpu runs have one hash"
+    [[ "$(field "$work/$model-3/summary.json" "s['ranks'][1]['device']")" == wgpu/vulkan* ]] || fail "$model pp 2's rank 1 is not on wgpu"
+done
+
+# (5) what the plan or the machine cannot do.
 refused "tensor-parallel pieces on wgpu" 'model.tp_pieces = 2' \
     "$bins/lockstep" train --config "$repo/configs/shakespeare.toml" --set model.tp_pieces=2 --set parallel.pp=1 --device wgpu --nproc 1 --out "$work/no5"
 refused "tensor parallelism on wgpu" 'parallel.tp' \
     "$bins/own-pipeline" train --device wgpu --nproc 2 --set parallel.pp=1 --set parallel.tp=2 --out "$work/no2"
 refused "cuda without a GPU" 'train.device = "cuda"' \
     "$bins/own-cnn" train --device cuda --nproc 1 --out "$work/no3"
-# (5) no Vulkan at all: refused, not run on OpenGL.
+# (6) no Vulkan at all: refused, not run on OpenGL.
 VK_ICD_FILENAMES=/nonexistent.json refused "wgpu without a Vulkan adapter" 'no vulkan adapter' \
     "$bins/own-cnn" train --device wgpu --nproc 1 --out "$work/no4"
-for d in no1 no2 no3 no4 no5; do [[ ! -e "$work/$d" ]] || fail "a refused run wrote $d"; done
+for d in no2 no3 no4 no5; do [[ ! -e "$work/$d" ]] || fail "a refused run wrote $d"; done
 echo "wgpu: all checks passed"

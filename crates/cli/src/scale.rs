@@ -196,15 +196,16 @@ mod tests {
                 && e.contains("tp_pieces"),
             "{e}"
         );
-        // A pipeline of the default MLP: the config's own validation error, naming the layout.
-        let e = plan(Some("dp,pp"), &[1, 2], None, &[]).unwrap_err();
+        // More stages than the default MLP has layers: the config's own validation error,
+        // naming the layout.
+        let e = plan(Some("dp,pp"), &[1, 4], None, &[]).unwrap_err();
         let text = format!("{e:#}");
         assert!(
-            text.contains("layout pp-2 (2 workers: 1 replica(s) × 2 stages)"),
+            text.contains("layout pp-4 (4 workers: 1 replica(s) × 4 stages)"),
             "{text}"
         );
         assert!(
-            text.contains("parallel.pp") && text.contains("transformer"),
+            text.contains("parallel.pp") && text.contains("only 3 layers"),
             "{text}"
         );
         assert!(

@@ -144,11 +144,12 @@ fn a_sweep_writes_reports_whose_numbers_are_the_runs() {
 fn a_bad_layout_fails_before_any_run() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("sweep");
+    // The default MLP has 3 layers: 4 stages are one too many.
     for (layouts, needle) in [("dp,pp", "parallel.pp"), ("dp,dp2x2", "layout `dp2x2`")] {
         let o = lockstep(&[
             "scale",
             "--nproc",
-            "1,2",
+            "1,4",
             "--layouts",
             layouts,
             "--out",

@@ -415,8 +415,8 @@ fn invalid_zero_requests_are_refused_before_any_worker_starts() {
             &["parallel.zero", "4 is not a ZeRO stage"],
         ),
         (
-            &["parallel.zero=3"],
-            &["parallel.zero", "layered model", "model `mlp`"],
+            &["parallel.tp=2"],
+            &["parallel.tp", "model `mlp` has no tensor-parallel layers"],
         ),
         (
             &["parallel.zero=2", "dist.overlap=true"],

@@ -28,9 +28,17 @@ pub(crate) fn scaled_cross_entropy_ids(
     picked.sum().mul_scalar(-scale)
 }
 
+/// `-sum_i log_softmax(logits_i)[y_i]` as a one-element tensor, `targets` `[n, 1]` the class
+/// ids: the built-in classifiers' training loss, a sum over the samples (scaled by lockstep to the
+/// global batch). Scaled by `s`, its bits are those of `scaled_cross_entropy` with scale `s`:
+/// negating is exact, in the value and in its gradient.
+pub fn cross_entropy_sum(logits: Tensor<2>, targets: Tensor<2, Int>) -> Tensor<1> {
+    log_softmax(logits, 1).gather(1, targets).sum().neg()
+}
+
 /// (sum of cross-entropy in f64, number of correct arg-max predictions) for row-major
 /// `[n, classes]` logits. Log-sum-exp is shifted by the row maximum for stability.
-pub(crate) fn sum_ce_and_correct(logits: &[f32], y: &[u8], classes: usize) -> (f64, usize) {
+pub fn sum_ce_and_correct(logits: &[f32], y: &[u8], classes: usize) -> (f64, usize) {
     let mut loss = 0.0f64;
     let mut correct = 0;
     for (row, &label) in logits.chunks_exact(classes).zip(y) {

@@ -4,7 +4,7 @@
 //! [`Model::layout`]; burn types never leave this crate.
 
 use crate::error::ModelError;
-use crate::net::{Net, NoTap};
+use crate::net::{zero_layers, ClassifierLayer, NoTap, ParamTap};
 use crate::params::{self, ParamInfo};
 use crate::spec::ModelSpec;
 use crate::streaming::{DoneOnDrop, Msg, StreamTap};
@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 pub struct Model {
     spec: ModelSpec,
     device: Device,
-    net: Net,
+    layers: Vec<ClassifierLayer>,
     layout: Vec<ParamInfo>,
     num_params: usize,
     structure_hash: [u8; 32],
@@ -43,16 +43,16 @@ impl Model {
     pub fn new(spec: &ModelSpec, seed: u64) -> Result<Model, ModelError> {
         spec.validate()?;
         let device = Device::flex().autodiff();
-        let net = Net::zeros(spec, &device);
+        let net = zero_layers(spec, &device);
         let layout = params::layout(&net);
         let num_params = layout.iter().map(|p| p.len).sum();
         let structure_hash = structure_hash(spec, &layout);
         let initial = init::initial_values(&layout, seed);
-        let net = params::write(net, &initial, &device);
+        let layers = params::write(net, &initial, &device);
         Ok(Model {
             spec: spec.clone(),
             device,
-            net,
+            layers,
             layout,
             num_params,
             structure_hash,
@@ -82,21 +82,15 @@ impl Model {
 
     /// All parameters in canonical order.
     pub fn params_flat(&self) -> Vec<f32> {
-        params::read(&self.net, self.num_params)
+        params::read(&self.layers, self.num_params)
     }
 
     /// Replaces all parameters (canonical order). Refuses a vector of the wrong length.
     pub fn set_params_flat(&mut self, p: &[f32]) -> Result<(), ModelError> {
         check_len("set_params_flat", self.num_params, p.len())?;
         // `map` consumes the module; swap in an empty one meanwhile (no tensors allocated).
-        let net = std::mem::replace(
-            &mut self.net,
-            Net {
-                convs: Vec::new(),
-                layers: Vec::new(),
-            },
-        );
-        self.net = params::write(net, p, &self.device);
+        let layers = std::mem::take(&mut self.layers);
+        self.layers = params::write(layers, p, &self.device);
         Ok(())
     }
 
@@ -137,7 +131,7 @@ impl Model {
         let forward_done = std::time::Instant::now();
         let grads = loss.backward();
         let value = params::f32_slice(&loss.into_data())[0];
-        params::read_grads(&self.net, grads, grad_out);
+        params::read_grads(&self.layers, grads, grad_out);
         let loss = finite(value, n)?;
         Ok(TimedLoss {
             loss,
@@ -199,10 +193,10 @@ impl Model {
     /// f64, so it can differ from `loss_and_grad`'s f32 value in the last bits.
     pub fn evaluate(&self, x: &[f32], y: &[u8], n: usize) -> Result<(f64, usize), ModelError> {
         self.check_batch(x, y, n)?;
-        let net = self.net.valid();
+        let layers = self.layers.valid();
         let device = self.device.clone().inner();
         let x = self.input_tensor(x, n, &device);
-        let logits = net.forward(&self.spec, x, &NoTap).into_data();
+        let logits = forward(&layers, x, &NoTap).into_data();
         Ok(loss::sum_ce_and_correct(
             params::f32_slice(&logits),
             y,
@@ -217,11 +211,11 @@ impl Model {
         y: &[u8],
         n: usize,
         scale: f32,
-        tap: &impl crate::net::ParamTap,
+        tap: &impl ParamTap,
     ) -> Result<Tensor<1>, ModelError> {
         self.check_batch(x, y, n)?;
         let x = self.input_tensor(x, n, &self.device);
-        let logits = self.net.forward(&self.spec, x, tap);
+        let logits = forward(&self.layers, x, tap);
         Ok(loss::scaled_cross_entropy(logits, y, scale, &self.device))
     }
 
@@ -259,6 +253,14 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// Logits `[n, classes]` of `x` `[n, input_len]` through every layer.
+fn forward(layers: &[ClassifierLayer], x: Tensor<2>, tap: &impl ParamTap) -> Tensor<2> {
+    let mut index = 0;
+    layers
+        .iter()
+        .fold(x, |x, layer| layer.forward_tapped(x, tap, &mut index))
 }
 
 fn finite(loss: f32, n: usize) -> Result<f32, ModelError> {

@@ -25,7 +25,7 @@ fn zero_parameters_give_closed_form_loss_and_output_bias_gradient() {
     let (loss, g) = grad(&m, &x, &y, n, scale);
     assert!((loss as f64 - scale as f64 * n as f64 * (c as f64).ln()).abs() < 1e-5);
     let last = m.layout().pop().unwrap();
-    assert_eq!(last.name, "layers.2.bias");
+    assert_eq!(last.name, "2.Output.bias");
     let counts = [3.0, 1.0, 2.0];
     for k in 0..c {
         let want = scale * (n as f32 / c as f32 - counts[k]);

@@ -39,7 +39,7 @@ fn init_is_he_uniform_with_zero_biases() {
     let p = m.params_flat();
     let layout = m.layout();
     let w0 = &layout[0];
-    assert_eq!(w0.name, "layers.0.weight");
+    assert_eq!(w0.name, "0.Hidden.weight");
     let w = &p[w0.offset..w0.offset + w0.len];
     let bound = (6.0f32 / 400.0).sqrt();
     assert!(w.iter().all(|v| v.abs() <= bound));
@@ -66,14 +66,14 @@ fn layout_is_canonical_and_contiguous() {
     assert_eq!(
         names,
         [
-            "convs.0.weight",
-            "convs.0.bias",
-            "convs.1.weight",
-            "convs.1.bias",
-            "layers.0.weight",
-            "layers.0.bias",
-            "layers.1.weight",
-            "layers.1.bias"
+            "0.Conv.conv.weight",
+            "0.Conv.conv.bias",
+            "1.Conv.conv.weight",
+            "1.Conv.conv.bias",
+            "2.Hidden.weight",
+            "2.Hidden.bias",
+            "3.Output.weight",
+            "3.Output.bias"
         ]
     );
     let shapes: Vec<_> = m.layout().iter().map(|p| p.shape.clone()).collect();

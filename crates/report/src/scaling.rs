@@ -731,20 +731,21 @@ pub(crate) mod tests {
 
     #[test]
     fn layouts_are_checked_against_the_config() {
-        let pp2 = Layout {
-            name: "pp-2".into(),
+        let pp = |stages| Layout {
+            name: format!("pp-{stages}"),
             dp: 1,
             tp: 1,
-            pp: 2,
+            pp: stages,
         };
-        // The default config is an MLP: its own validation refuses a pipeline.
-        let e = TrainConfig::parse_builtin("", "built-in defaults", &pp2.overrides())
+        // The default config is an MLP of 3 layers: its own validation refuses 4 stages.
+        let e = TrainConfig::parse_builtin("", "built-in defaults", &pp(4).overrides())
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("parallel.pp") && e.contains("transformer"),
+            e.contains("parallel.pp") && e.contains("only 3 layers"),
             "{e}"
         );
+        assert!(TrainConfig::parse_builtin("", "x", &pp(3).overrides()).is_ok());
         // Pure data parallelism at any size passes.
         let dp3 = &expand(&[LayoutSpec::Dp], &[3])[0];
         let cfg = TrainConfig::parse_builtin("", "x", &dp3.overrides()).unwrap();

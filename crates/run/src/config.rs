@@ -909,12 +909,13 @@ impl TrainConfig {
 }
 
 impl TrainConfig {
-    /// Layers the pipeline can cut between: embedding, blocks, head (transformer); 1 otherwise.
+    /// Layers the pipeline can cut between: embedding, blocks, head (transformer); the hidden
+    /// and output layers (MLP); the conv blocks, the hidden and the output layer (CNN).
     pub fn pipeline_layers(&self) -> usize {
-        if self.model.kind == ModelKind::Transformer {
-            self.model.blocks + 2
-        } else {
-            1
+        match self.model.kind {
+            ModelKind::Transformer => self.model.blocks + 2,
+            ModelKind::Mlp => self.model.hidden.len() + 1,
+            ModelKind::Cnn => self.model.conv.len() + 2,
         }
     }
 

@@ -23,11 +23,8 @@ pub enum ModelShape {
         /// overlap it (`dist.overlap`).
         streams_gradients: bool,
         /// How this job would become layered, for refusals ("implement lockstep::LayeredJob
-        /// …", "model.kind = \"transformer\" …").
+        /// …").
         to_layer: String,
-        /// The model is burn code on burn's dispatch device (a user's `Job`), so `train.device`
-        /// may name an accelerator; false: lockstep's own CPU kernels (the built-in models).
-        on_devices: bool,
     },
     /// A sequence of layers (a user's `LayeredJob`, the built-in transformer): pipelines, ZeRO
     /// 3 layer by layer, tensor parallelism over its fixed pieces. `None`: not known until the
@@ -38,20 +35,11 @@ pub enum ModelShape {
         /// Where the pieces come from, for refusals ("model.tp_pieces = 4", "job `x`'s
         /// tensor-parallel layers").
         pieces_from: String,
-        /// As for `Flat`: a user's `LayeredJob` (true) or the built-in transformer (false).
-        on_devices: bool,
+        /// Its layers can run their forward again in backward (`train.recompute = "layers"`):
+        /// a `LayeredJob` or `StagedJob` (the built-in classifiers included), not the built-in
+        /// transformer, which keeps its own activations.
+        recomputes: bool,
     },
-}
-
-impl ModelShape {
-    /// Whether the model is burn code that runs on any burn device.
-    pub fn on_devices(&self) -> bool {
-        match self {
-            ModelShape::Flat { on_devices, .. } | ModelShape::Layered { on_devices, .. } => {
-                *on_devices
-            }
-        }
-    }
 }
 
 /// The plan a run follows (see the module doc).
@@ -106,33 +94,33 @@ impl ParallelPlan {
         })
     }
 
-    /// `train.recompute = "layers"`: a user's layered model (burn layers whose forward can run
-    /// again), one stage's layers whole (not split into tensor-parallel pieces), not streamed.
+    /// `train.recompute = "layers"`: a layered job (burn layers whose forward can run again), one
+    /// stage's layers whole (not split into tensor-parallel pieces), not streamed.
     fn check_recompute(cfg: &TrainConfig, shape: &ModelShape) -> Result<(), ConfigError> {
         if cfg.train.recompute == crate::config::Recompute::None {
             return Ok(());
         }
         let why = match shape {
-            // `on_devices`: burn layers of a user's job, not the built-in transformer's kernels.
             ModelShape::Layered {
-                on_devices: true, ..
+                recomputes: true, ..
             } if cfg.parallel.tp > 1 => format!(
                 "is not available with tensor parallelism (parallel.tp = {}): a recomputed forward would sum \
                  its pieces over the group again",
                 cfg.parallel.tp
             ),
             ModelShape::Layered {
-                on_devices: true, ..
+                recomputes: true, ..
             } if cfg.dist.overlap => {
                 "is not available with dist.overlap, whose backward already runs layer by layer from a kept \
                  graph"
                     .to_string()
             }
             ModelShape::Layered {
-                on_devices: true, ..
+                recomputes: true, ..
             } => return Ok(()),
-            _ => "recomputes the layers of a LayeredJob or StagedJob, and this model is not one \
-                  (the built-in models keep their own activations)"
+            _ => "recomputes the layers of a LayeredJob or StagedJob (the built-in MLP and CNN \
+                  are one), and this model is not one (the built-in transformer keeps its own \
+                  activations)"
                 .to_string(),
         };
         Err(invalid(
@@ -259,24 +247,12 @@ impl ParallelPlan {
         }
     }
 
-    /// A device other than the CPU needs a model written as burn code, and tensor parallelism
-    /// (whose layers are custom ops of burn's flex backend) stays on the CPU.
+    /// Every model is burn code and runs on any device, but tensor parallelism (whose layers
+    /// are custom ops of burn's flex backend) stays on the CPU.
     fn check_device(cfg: &TrainConfig, shape: &ModelShape) -> Result<(), ConfigError> {
         let device = cfg.train.device;
         if device == DeviceKind::Cpu {
             return Ok(());
-        }
-        if !shape.on_devices() {
-            return Err(invalid(
-                "train.device",
-                format!(
-                    "train.device = \"{device}\" needs a model written as burn code (your own \
-                     lockstep::Job or LayeredJob, or the built-in transformer); lockstep's \
-                     built-in classifiers (model.kind = \"{}\") run on its own CPU kernels: set \
-                     train.device = \"cpu\"",
-                    cfg.model.kind
-                ),
-            ));
         }
         if cfg.parallel.tp > 1 {
             return Err(invalid(
@@ -360,24 +336,20 @@ impl ParallelPlan {
 impl TrainConfig {
     /// The shape of the built-in model of this config, `layers` its pipeline layers.
     pub fn builtin_shape(&self, layers: usize) -> ModelShape {
-        if self.model.kind == ModelKind::Transformer {
-            ModelShape::Layered {
-                layers: Some(layers),
-                tp_pieces: Some(self.model.tp_pieces.max(1)),
-                pieces_from: format!("model.tp_pieces = {}", self.model.tp_pieces),
-                // Its stages compute with burn's operations off the flex backend.
-                on_devices: true,
-            }
-        } else {
-            ModelShape::Flat {
-                streams_gradients: true,
-                to_layer: format!(
-                    "model.kind = \"transformer\" (model `{}` is trained whole; the transformer \
-                     is split into model.tp_pieces pieces for parallel.tp)",
-                    self.model.kind
-                ),
-                on_devices: false,
-            }
+        let transformer = self.model.kind == ModelKind::Transformer;
+        ModelShape::Layered {
+            layers: Some(layers),
+            tp_pieces: Some(if transformer {
+                self.model.tp_pieces.max(1)
+            } else {
+                1
+            }),
+            pieces_from: if transformer {
+                format!("model.tp_pieces = {}", self.model.tp_pieces)
+            } else {
+                format!("model `{}` has no tensor-parallel layers", self.model.kind)
+            },
+            recomputes: !transformer,
         }
     }
 
@@ -416,7 +388,6 @@ mod tests {
         ModelShape::Flat {
             streams_gradients: streams,
             to_layer: "implement lockstep::LayeredJob".into(),
-            on_devices: true,
         }
     }
 
@@ -425,7 +396,7 @@ mod tests {
             layers: Some(layers),
             tp_pieces: Some(pieces),
             pieces_from: format!("model.tp_pieces = {pieces}"),
-            on_devices: true,
+            recomputes: true,
         }
     }
 
@@ -488,30 +459,34 @@ mod tests {
         }
         let (_, m) = refused(&cfg(&["parallel.zero=3"]), 2, &flat(true));
         assert!(m.contains("implement lockstep::LayeredJob"), "{m}");
-        // The built-in transformer keeps its own activations; a user's layers recompute.
-        let builtin = ModelShape::Layered {
-            layers: Some(4),
-            tp_pieces: Some(1),
-            pieces_from: "model.tp_pieces = 1".into(),
-            on_devices: false,
-        };
+        // The built-in transformer keeps its own activations; a layered job's layers (the
+        // built-in classifiers' too) recompute.
         let recompute = cfg(&["train.recompute=\"layers\""]);
-        let (field, m) = refused(&recompute, 2, &builtin);
+        let transformer = cfg(&["train.recompute=\"layers\"", "model.kind=transformer"]);
+        let (field, m) = refused(&transformer, 2, &transformer.builtin_shape(4));
         assert_eq!(field, "train.recompute", "{m}");
         assert!(ParallelPlan::new(&recompute, 2, &layered(4, 1)).is_ok());
+        for kind in ["mlp", "cnn"] {
+            let c = cfg(&["train.recompute=\"layers\"", &format!("model.kind={kind}")]);
+            assert!(
+                ParallelPlan::new(&c, 2, &c.builtin_shape(3)).is_ok(),
+                "{kind}"
+            );
+        }
     }
 
     #[test]
-    fn devices_are_for_burn_models_and_tensor_parallelism_stays_on_the_cpu() {
+    fn every_model_runs_on_devices_and_tensor_parallelism_stays_on_the_cpu() {
         for device in ["wgpu", "cuda", "auto"] {
             let set = format!("train.device={device}");
             assert!(ParallelPlan::new(&cfg(&[&set]), 2, &flat(true)).is_ok());
             assert!(ParallelPlan::new(&cfg(&[&set, "parallel.pp=2"]), 2, &layered(4, 1)).is_ok());
             for kind in ["mlp", "cnn"] {
-                let c = cfg(&[&set, &format!("model.kind={kind}")]);
-                let (field, m) = refused(&c, 2, &c.builtin_shape(4));
-                assert_eq!(field, "train.device");
-                assert!(m.contains(&format!("model.kind = \"{kind}\"")), "{m}");
+                let c = cfg(&[&set, &format!("model.kind={kind}"), "parallel.pp=2"]);
+                assert!(
+                    ParallelPlan::new(&c, 2, &c.builtin_shape(3)).is_ok(),
+                    "{kind}"
+                );
             }
             let c = cfg(&[&set, "model.kind=transformer"]);
             assert!(ParallelPlan::new(&c, 2, &c.builtin_shape(4)).is_ok());
@@ -568,7 +543,7 @@ mod tests {
             layers: None,
             tp_pieces: None,
             pieces_from: String::new(),
-            on_devices: true,
+            recomputes: true,
         };
         assert!(ParallelPlan::check_shape(&cfg(&["parallel.pp=9"]), &unknown).is_ok());
         // A world the layout does not fit.

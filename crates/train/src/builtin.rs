@@ -1,17 +1,22 @@
 //! lockstep's built-in jobs, chosen by the config: the MLP and CNN classifiers on digits /
 //! Fashion-MNIST / MNIST, and the character-level transformer on text (the layered driver).
 //!
-//! The classifiers go through the same public [`JobSpec`] / [`Replica`] interface as any user
-//! job; they implement the flat level directly because their forward anchors each parameter in
-//! its layer, which lets `dist.overlap` stream gradients during backward.
+//! The classifiers are a public [`LayeredJob`] like any user's: the one layered path trains
+//! them, with every feature it has (pipelines, ZeRO 3, overlap, recomputation, devices).
 
-use crate::device::Placement;
-use crate::ConfigLoad;
+use std::sync::Arc;
+
+use burn::data::dataset::{Dataset as DatasetOf, DatasetError};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use lockstep_data::Dataset;
-use lockstep_model::{Model, ModelSpec, ParamInfo};
+use lockstep_model::{
+    classifier_layers, cross_entropy_sum, flat, sum_ce_and_correct, ClassifierLayer, ModelSpec,
+};
 
 use crate::config::{ConfigError, ConfigSections, ModelKind, TrainConfig};
-use crate::job::{Computed, EvalSums, JobSpec, Replica, ReplicaError, Trainable};
+use crate::device::Placement;
+use crate::job::{BoxError, BurnLayered, JobSpec, LayeredJob, LossReduction, Trainable};
+use crate::ConfigLoad;
 use crate::TrainError;
 use lockstep_run::ModelShape;
 
@@ -46,114 +51,131 @@ impl JobSpec for BuiltinJob {
 
     fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError> {
         if cfg.model.kind == ModelKind::Transformer {
-            // On any device (the classifiers, which the plan keeps on the CPU, ignore it).
             let device = device.seeded(cfg.train.seed);
             let model = crate::pipeline::transformer::Transformer::new(cfg, device)?;
             return Ok(Trainable::Layered(Box::new(model)));
         }
         let (train, test) = crate::datasets::load(&cfg.data, cfg.train.seed)?;
-        let model = Model::new(&model_spec(cfg, &train), cfg.train.seed)?;
-        Ok(Trainable::Replica(Box::new(Classifier {
-            model,
-            train,
-            test,
-            x: Vec::new(),
-            y: Vec::new(),
-            held_per_sample: crate::limits::activation_values_per_sample(cfg) as u64,
-        })))
+        let job = ClassifierJob {
+            spec: model_spec(cfg, &train),
+            train: Arc::new(train),
+            test: Arc::new(test),
+        };
+        Ok(Trainable::Layered(Box::new(BurnLayered::owning(
+            job, cfg, device,
+        )?)))
     }
 }
 
-/// A built-in MLP or CNN with its training and test sets.
-struct Classifier {
-    model: Model,
-    train: Dataset,
-    test: Dataset,
-    x: Vec<f32>,
-    y: Vec<u8>,
-    /// Activation values a training forward keeps per sample (`crate::memory`'s estimate).
-    held_per_sample: u64,
+/// A built-in MLP or CNN with its training and test sets: a [`LayeredJob`] like any user's (its
+/// layers `lockstep_model::ClassifierLayer`s, lockstep's CPU kernels on the flex backend and
+/// burn's operations on any other device), so pipelines, ZeRO 3, overlap, recomputation and
+/// devices reach it through the one layered path.
+struct ClassifierJob {
+    spec: ModelSpec,
+    train: Arc<Dataset>,
+    test: Arc<Dataset>,
 }
 
-impl Replica for Classifier {
-    fn train_len(&self) -> usize {
-        self.train.len()
-    }
+/// One sample of a built-in dataset: its features (NCHW for an image) and label.
+#[derive(Clone, Debug)]
+struct Sample {
+    features: Vec<f32>,
+    label: u8,
+}
 
-    fn eval_len(&self) -> usize {
-        self.test.len()
-    }
+/// A built-in dataset as burn's [`burn::data::dataset::Dataset`] of [`Sample`]s.
+struct Samples(Arc<Dataset>);
 
-    fn layout(&self) -> Vec<ParamInfo> {
-        self.model.layout()
-    }
-
-    fn structure_hash(&self) -> [u8; 32] {
-        self.model.structure_hash()
-    }
-
-    fn params_flat(&self) -> Vec<f32> {
-        self.model.params_flat()
-    }
-
-    fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError> {
-        Ok(self.model.set_params_flat(params)?)
-    }
-
-    fn loss_and_grad(
-        &mut self,
-        samples: &[u32],
-        scale: f32,
-        grad_out: &mut [f32],
-    ) -> Result<Computed, ReplicaError> {
-        let t0 = std::time::Instant::now();
-        self.train.gather(samples, &mut self.x, &mut self.y);
-        let data_seconds = t0.elapsed().as_secs_f64();
-        let timed =
-            self.model
-                .loss_and_grad_timed(&self.x, &self.y, samples.len(), scale, grad_out)?;
-        Ok(Computed {
-            loss: timed.loss,
-            data_seconds,
-            forward_seconds: timed.forward_seconds,
-            backward_seconds: timed.backward_seconds,
+impl burn::data::dataset::Dataset<Sample> for Samples {
+    fn get(&self, index: usize) -> Result<Sample, DatasetError> {
+        let set = &self.0;
+        if index >= set.len() {
+            return Err(DatasetError::new(std::io::Error::other(format!(
+                "sample {index} of {}, which has {}",
+                set.name,
+                set.len()
+            ))));
+        }
+        let dim = set.dim();
+        Ok(Sample {
+            features: set.features[index * dim..(index + 1) * dim].to_vec(),
+            label: set.labels[index],
         })
     }
 
-    fn streams_gradients(&self) -> bool {
-        true
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// A micro-batch: features `[n, input_len]`, class ids `[n, 1]`, and the labels on the host
+/// (for accuracy).
+struct ClassBatch {
+    features: Tensor<2>,
+    targets: Tensor<2, Int>,
+    labels: Vec<u8>,
+}
+
+impl LayeredJob for ClassifierJob {
+    type Layer = ClassifierLayer;
+    type Item = Sample;
+    type Batch = ClassBatch;
+    // `-Σ log p(y)` scaled by 1 / global batch alone: the bits of lockstep's earlier
+    // classifier trainer.
+    const LOSS_REDUCTION: LossReduction = LossReduction::Sum;
+
+    fn name(&self) -> &str {
+        "lockstep"
     }
 
-    fn loss_and_grad_streaming(
-        &mut self,
-        samples: &[u32],
-        scale: f32,
-        on_grad: &(dyn Fn(usize, &[f32]) + Sync),
-    ) -> Option<Result<Computed, ReplicaError>> {
-        let t0 = std::time::Instant::now();
-        self.train.gather(samples, &mut self.x, &mut self.y);
-        let data_seconds = t0.elapsed().as_secs_f64();
-        let result =
-            self.model
-                .loss_and_grad_streaming(&self.x, &self.y, samples.len(), scale, on_grad);
-        Some(result.map_err(Into::into).map(|loss| Computed {
-            loss,
-            data_seconds,
-            ..Computed::default()
-        }))
+    fn layers(&self, cfg: &TrainConfig, device: &Device) -> Vec<ClassifierLayer> {
+        classifier_layers(&self.spec, cfg.train.seed, device)
+            .unwrap_or_else(|e| panic!("the classifier's spec was validated: {e}"))
     }
 
-    fn activation_bytes(&self, n: usize) -> u64 {
-        4 * self.held_per_sample * n as u64
+    fn train_data(&self, _: &TrainConfig) -> Result<Box<dyn DatasetOf<Sample>>, BoxError> {
+        Ok(Box::new(Samples(self.train.clone())))
     }
 
-    fn evaluate(&mut self, samples: &[u32]) -> Result<EvalSums, ReplicaError> {
-        self.test.gather(samples, &mut self.x, &mut self.y);
-        let (loss, correct) = self.model.evaluate(&self.x, &self.y, samples.len())?;
-        Ok(EvalSums {
-            loss,
-            metrics: vec![("accuracy".into(), correct as f64)],
-        })
+    fn eval_data(&self, _: &TrainConfig) -> Result<Box<dyn DatasetOf<Sample>>, BoxError> {
+        Ok(Box::new(Samples(self.test.clone())))
+    }
+
+    fn batch(&self, items: Vec<Sample>, device: &Device) -> ClassBatch {
+        let n = items.len();
+        let dim = self.spec.input_len();
+        let mut features = Vec::with_capacity(n * dim);
+        let mut labels = Vec::with_capacity(n);
+        for item in items {
+            features.extend_from_slice(&item.features);
+            labels.push(item.label);
+        }
+        let ids: Vec<i64> = labels.iter().map(|&l| l as i64).collect();
+        ClassBatch {
+            features: Tensor::from_data(TensorData::new(features, [n, dim]), device),
+            targets: Tensor::from_data(TensorData::new(ids, [n, 1]), device),
+            labels,
+        }
+    }
+
+    fn input(&self, batch: &ClassBatch) -> Tensor<2> {
+        batch.features.clone()
+    }
+
+    fn forward(&self, layer: &ClassifierLayer, x: Tensor<2>) -> Tensor<2> {
+        layer.forward(x)
+    }
+
+    fn loss(&self, output: Tensor<2>, batch: &ClassBatch) -> Tensor<1> {
+        cross_entropy_sum(output, batch.targets.clone())
+    }
+
+    fn metrics(&self, output: Tensor<2>, batch: &ClassBatch) -> Vec<(&'static str, f64)> {
+        let logits = output.into_data();
+        let (_, correct) =
+            sum_ce_and_correct(flat::f32_slice(&logits), &batch.labels, self.spec.classes());
+        vec![("accuracy", correct as f64)]
     }
 }
 

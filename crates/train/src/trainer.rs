@@ -26,22 +26,28 @@ pub fn train<'a>(
     // The plan, again from what the built model can do (the launcher made it from what the job
     // declared): every capability rule is `ParallelPlan`'s.
     let declared = job.shape(cfg);
-    let on_devices = declared.on_devices();
     let shape = match &built {
         Trainable::Layered(model) => ModelShape::Layered {
             layers: Some(model.num_layers()),
             tp_pieces: Some(model.tp_pieces()),
-            pieces_from: match declared {
-                ModelShape::Layered { pieces_from, .. } if !pieces_from.is_empty() => pieces_from,
+            pieces_from: match &declared {
+                ModelShape::Layered { pieces_from, .. } if !pieces_from.is_empty() => {
+                    pieces_from.clone()
+                }
                 _ => format!("job `{name}`'s tensor-parallel layers"),
             },
-            on_devices,
+            recomputes: matches!(
+                declared,
+                ModelShape::Layered {
+                    recomputes: true,
+                    ..
+                }
+            ),
         },
         Trainable::Replica(replica) => match declared {
             ModelShape::Flat { to_layer, .. } => ModelShape::Flat {
                 streams_gradients: replica.streams_gradients(),
                 to_layer,
-                on_devices,
             },
             layered => layered,
         },

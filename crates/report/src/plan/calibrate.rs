@@ -155,14 +155,14 @@ pub fn calibrate(
     // The calibration run's layout on its own links.
     let cluster = Cluster::uniform(world, *link);
     let place = Placement::new(&cluster, world);
-    let (stage_params, groups) = stage_groups(workload, Layout::dp_pp(dp, pp), &layer_shares);
+    let (stage, groups) = stage_groups(workload, Layout::dp_pp(dp, pp), &layer_shares);
+    let stage_params = stage.params;
     let local = if pp == 1 {
         workload.microbatches.div_ceil(world)
     } else {
         m_rep
     };
-    let net =
-        place.loss_exchange(world, workload) + place.gradient_sync(&groups, stage_params, workload);
+    let net = place.loss_exchange(world, workload) + place.gradient_sync(&groups, stage, workload);
     let mut notes = Vec::new();
     let units = sync_units(stage_params, local, workload.reproducible);
     let cpu = measured_sync_s - net.seconds;
@@ -236,7 +236,7 @@ pub fn calibrate(
 mod tests {
     use super::*;
     use crate::plan::predict::predict;
-    use crate::plan::test_support::{close, pipeline_workload, workload};
+    use crate::plan::test_support::{close, pipeline_workload, whole, workload};
     use lockstep_run::metrics::{PhaseSeconds, PipelineSummary};
 
     fn rec(
@@ -332,7 +332,7 @@ mod tests {
         let own = Cluster::uniform(2, link);
         let place = Placement::new(&own, 2);
         let g = vec![vec![0, 1]];
-        let net = (place.loss_exchange(2, &w) + place.gradient_sync(&g, p, &w)).seconds;
+        let net = (place.loss_exchange(2, &w) + place.gradient_sync(&g, whole(&w), &w)).seconds;
         assert!(close(cal.modelled_network_s, net));
         assert!(close(
             cal.sync_cpu_per_unit_s,

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use lockstep_comm::Algorithm;
 
+use super::stages::StageSize;
 use super::{Cluster, Layout, Link, Workload};
 
 /// Time and bytes of some communication.
@@ -253,14 +254,20 @@ impl<'a> Placement<'a> {
         self.all_reduce(&g, 2, 4, w, false) + self.all_reduce(&g, 1, 8, w, false)
     }
 
-    /// The gradient sum of `params` values within each group (`GradSync::sync` or, with
+    /// The gradient sum of a `stage`'s values within each group (`GradSync::sync` or, with
     /// overlap, one bucket at a time; overlap is assumed to hide nothing). Its first large
     /// message is the step's first: the links were idle during compute.
-    pub(super) fn gradient_sync(&self, groups: &[Vec<usize>], params: usize, w: &Workload) -> Cost {
-        let be = w.bucket_elems;
+    pub(super) fn gradient_sync(
+        &self,
+        groups: &[Vec<usize>],
+        stage: StageSize,
+        w: &Workload,
+    ) -> Cost {
+        let (be, params) = (w.bucket_elems, stage.params);
         if w.reproducible && !w.overlap {
             let n = groups.first().map_or(1, Vec::len);
-            let exponents = self.all_reduce(groups, params.div_ceil(be) + 1, 4, w, false);
+            // One shared exponent per bucket, and the most micro-batches a rank holds.
+            let exponents = self.all_reduce(groups, stage.buckets + 1, 4, w, false);
             if self.shared_windows(groups, w) {
                 return exponents + self.shared_sum(groups, params, w);
             }
@@ -443,7 +450,7 @@ pub(super) fn p2p_bytes_per_rank(layout: Layout, boundary: &[f64], m: usize) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::test_support::{close, workload};
+    use crate::plan::test_support::{close, whole, workload};
 
     const MIB: usize = 1 << 20;
 
@@ -567,8 +574,8 @@ mod tests {
             let c = one_node(n, Link::new(1e-5, 1e9));
             let place = Placement::new(&c, n);
             let g = vec![(0..n).collect::<Vec<_>>()];
-            let b =
-                (place.loss_exchange(n, &w) + place.gradient_sync(&g, w.params, &w)).bytes_per_rank;
+            let b = (place.loss_exchange(n, &w) + place.gradient_sync(&g, whole(&w), &w))
+                .bytes_per_rank;
             assert!((b - measured).abs() <= 8.0, "n={n}: {b} vs {measured}");
         }
     }
@@ -587,7 +594,7 @@ mod tests {
             let c = one_node(n, Link::new(a, b));
             let place = Placement::new(&c, n);
             let g = vec![(0..n).collect::<Vec<_>>()];
-            let sync = place.gradient_sync(&g, w.params, &w);
+            let sync = place.gradient_sync(&g, whole(&w), &w);
             let small = place.all_reduce(&g, w.params.div_ceil(w.bucket_elems) + 1, 4, &w, false);
             assert!(
                 close(sync.bytes_per_rank, small.bytes_per_rank + rounds),
@@ -611,7 +618,7 @@ mod tests {
         let g = vec![vec![0, 1]];
         let rings = Placement::new(&one_node(2, Link::new(a, b)), 2).gradient_sync(
             &g,
-            w.params,
+            whole(&w),
             &workload(669_706),
         );
         for (cluster, w) in [
@@ -631,7 +638,7 @@ mod tests {
                 },
             ),
         ] {
-            let got = Placement::new(cluster, 2).gradient_sync(&g, w.params, &w);
+            let got = Placement::new(cluster, 2).gradient_sync(&g, whole(&w), &w);
             assert!(got.bytes_per_rank >= rings.bytes_per_rank * 0.99, "{w:?}");
         }
     }

@@ -112,7 +112,8 @@ pub fn predict(
     let per_sample = cal.work_per_sample_s / cs;
     let mb = w.microbatch as f64;
     let m = w.microbatches.div_ceil(layout.dp);
-    let (stage_params, groups) = stage_groups(w, layout, &shares);
+    let (stage, groups) = stage_groups(w, layout, &shares);
+    let stage_params = stage.params;
     // A tensor-parallel rank computes its layers' replicated part and its share of the split
     // part: each layer's compute in proportion to the parameters the rank holds.
     let rank_shares: Vec<f64> = shares
@@ -144,7 +145,7 @@ pub fn predict(
         (compute, bubble, schedule - compute - bubble, stages)
     };
     let net = place.loss_exchange(world, w)
-        + place.gradient_sync(&groups, stage_params, w)
+        + place.gradient_sync(&groups, stage, w)
         + tp_sums(&place, w, layout, &stage_layers, m);
     let sync_cpu_s = cal.sync_cpu_per_unit_s * sync_units(stage_params, m, w.reproducible) / cs;
     let other_s = (cal.optimizer_per_param_s * stage_params as f64 + cal.overhead_s) / cs;

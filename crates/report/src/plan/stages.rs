@@ -52,13 +52,22 @@ pub(super) fn rank_params(layers: &[Layer], tp: usize) -> usize {
     layers.iter().map(|l| l.params_per_tp_rank(tp)).sum()
 }
 
-/// The largest rank's parameter count and the data-parallel group (global ranks) of every
-/// (stage, tp rank).
+/// The gradient buckets of one rank of a stage of `layers`: the exact sum's buckets never
+/// straddle a layer, so each layer's values are cut on their own.
+fn rank_buckets(layers: &[Layer], tp: usize, bucket_elems: usize) -> usize {
+    layers
+        .iter()
+        .map(|l| l.params_per_tp_rank(tp).div_ceil(bucket_elems.max(1)))
+        .sum()
+}
+
+/// The largest rank's parameters and gradient buckets, and the data-parallel group (global
+/// ranks) of every (stage, tp rank).
 pub(super) fn stage_groups(
     w: &Workload,
     layout: Layout,
     shares: &[f64],
-) -> (usize, Vec<Vec<usize>>) {
+) -> (StageSize, Vec<Vec<usize>>) {
     let (pp, tp) = (layout.pp, layout.tp);
     let groups = (0..pp * tp)
         .map(|st| (0..layout.dp).map(|r| r * pp * tp + st).collect())
@@ -70,10 +79,24 @@ pub(super) fn stage_groups(
     };
     let largest = stages
         .iter()
-        .map(|&(a, b)| rank_params(&w.layers[a..b], tp))
-        .max()
-        .unwrap_or(w.params);
+        .map(|&(a, b)| StageSize {
+            params: rank_params(&w.layers[a..b], tp),
+            buckets: rank_buckets(&w.layers[a..b], tp, w.bucket_elems),
+        })
+        .max_by_key(|s| s.params)
+        .unwrap_or(StageSize {
+            params: w.params,
+            buckets: w.params.div_ceil(w.bucket_elems.max(1)),
+        });
     (largest, groups)
+}
+
+/// What one rank of a stage sums over its data-parallel group each step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StageSize {
+    pub(crate) params: usize,
+    /// Its gradient buckets (one shared exponent each in the exact sum).
+    pub(crate) buckets: usize,
 }
 
 #[cfg(test)]

@@ -1,9 +1,18 @@
 //! Fixtures shared by the plan tests: a relative float comparison and small workloads.
 
+use super::stages::StageSize;
 use super::{Layer, Workload};
 
 pub(super) fn close(a: f64, b: f64) -> bool {
     (a - b).abs() <= 1e-9 * b.abs().max(1e-12)
+}
+
+/// The whole model of `w` as one stage of one layer.
+pub(super) fn whole(w: &Workload) -> StageSize {
+    StageSize {
+        params: w.params,
+        buckets: w.params.div_ceil(w.bucket_elems),
+    }
 }
 
 pub(super) fn workload(params: usize) -> Workload {

@@ -98,8 +98,11 @@ pub trait Job: Send + Sync + 'static {
     /// Turn items into a batch on `device` (the shape of burn's `Batcher::batch`).
     fn batch(&self, items: Vec<Self::Item>, device: &Device) -> Self::Batch;
     /// The mean loss of a batch: a single value. lockstep scales it by the batch's share of the
-    /// global batch before backward.
+    /// global batch before backward (a sum over the batch's samples with
+    /// [`Job::LOSS_REDUCTION`] = [`LossReduction::Sum`]).
     fn loss(&self, model: &Self::Model, batch: &Self::Batch) -> Tensor<1>;
+    /// What [`Job::loss`] returns: the batch's mean (default) or its sum over samples.
+    const LOSS_REDUCTION: LossReduction = LossReduction::Mean;
     /// Your own optimizer update on flat slices of the parameters ([`UpdateRule`]), used when
     /// the config says `optimizer.kind = "custom"` (default: none, and `custom` is refused). Its
     /// hyper-parameters can come from your `[job]` settings in `cfg`. It must be elementwise:
@@ -454,7 +457,7 @@ impl<J: Job> Replica for BurnReplica<'_, J> {
         let t0 = Instant::now();
         let batch = self.batch_of(&*self.train, "training", samples, &self.device)?;
         let t1 = Instant::now();
-        let share = samples.len() as f32 * scale;
+        let share = J::LOSS_REDUCTION.share(samples.len(), scale);
         let (loss, metrics) = guarded(|| self.job.loss_and_metrics(&self.model, &batch))?;
         // Checked before backward: a wrong shape would make `backward` panic.
         scalar(&loss)?;
@@ -494,12 +497,41 @@ impl<J: Job> Replica for BurnReplica<'_, J> {
         let loss = scalar(&guarded(|| self.job.loss(&model, &batch))?)?;
         let metrics = guarded(|| self.job.metrics(&model, &batch))?;
         Ok(EvalSums {
-            loss: loss as f64 * samples.len() as f64,
+            loss: J::LOSS_REDUCTION.sum_of(loss, samples.len()),
             metrics: metrics
                 .into_iter()
                 .map(|(name, sum)| (name.to_string(), sum))
                 .collect(),
         })
+    }
+}
+
+/// What a job's loss function returns for a batch of samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossReduction {
+    /// The mean over the batch's samples (as burn's and PyTorch's losses by default).
+    Mean,
+    /// The sum over the batch's samples (PyTorch's `reduction="sum"`): lockstep scales it by
+    /// `1 / global batch` alone, one rounding fewer than a mean's.
+    Sum,
+}
+
+impl LossReduction {
+    /// The factor a micro-batch of `n` samples' loss is multiplied by before backward, `scale`
+    /// being `1 / global batch`: the micro-batch's share of the global batch for a mean.
+    pub(super) fn share(self, n: usize, scale: f32) -> f32 {
+        match self {
+            LossReduction::Mean => n as f32 * scale,
+            LossReduction::Sum => scale,
+        }
+    }
+
+    /// The sum over `n` samples of a loss the job returned as `loss`.
+    pub(super) fn sum_of(self, loss: f32, n: usize) -> f64 {
+        match self {
+            LossReduction::Mean => loss as f64 * n as f64,
+            LossReduction::Sum => loss as f64,
+        }
     }
 }
 

@@ -24,7 +24,7 @@ use lockstep_model::{
 use sha2::{Digest, Sha256};
 
 use super::activation::{activation_of, float_values, parts_of, ActivationError, Layout, Part};
-use super::burn_job::{self, guarded, metric_row, open_data, scalar, BoxError};
+use super::burn_job::{self, guarded, metric_row, open_data, scalar, BoxError, LossReduction};
 use super::staged_job::StagedJob;
 use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, JobSettings, TrainConfig};
@@ -91,8 +91,11 @@ pub trait LayeredJob: Send + Sync + 'static {
     fn input(&self, batch: &Self::Batch) -> Tensor<2>;
     /// One layer's forward.
     fn forward(&self, layer: &Self::Layer, x: Tensor<2>) -> Tensor<2>;
-    /// The mean loss of a batch from the last layer's output: a single value.
+    /// The mean loss of a batch from the last layer's output: a single value (a sum over the
+    /// samples with [`LayeredJob::LOSS_REDUCTION`] = [`LossReduction::Sum`]).
     fn loss(&self, output: Tensor<2>, batch: &Self::Batch) -> Tensor<1>;
+    /// What [`LayeredJob::loss`] returns, as [`crate::job::Job::LOSS_REDUCTION`].
+    const LOSS_REDUCTION: LossReduction = LossReduction::Mean;
     /// Evaluation metrics from the last layer's output, as sums over the batch's samples.
     fn metrics(&self, _output: Tensor<2>, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
         Vec::new()
@@ -159,7 +162,7 @@ impl<J: StagedJob> JobSpec for Pipelined<J> {
             layers: None,
             tp_pieces: None,
             pieces_from: String::new(),
-            on_devices: true,
+            recomputes: true,
         }
     }
 
@@ -201,7 +204,7 @@ impl<J: StagedJob> JobSpec for Pipelined<J> {
                 layers: Some(layers.len()),
                 tp_pieces: Some(pieces),
                 pieces_from: format!("job `{}`'s tensor-parallel layers", self.0.name()),
-                on_devices: true,
+                recomputes: true,
             };
             ParallelPlan::check_shape(cfg, &shape)?;
         }
@@ -217,7 +220,7 @@ impl<J: StagedJob> JobSpec for Pipelined<J> {
 
 /// A [`StagedJob`]'s layers and data on one rank, as the pipeline driver's [`Layered`].
 pub struct BurnLayered<'j, J: StagedJob> {
-    job: &'j J,
+    job: JobRef<'j, J>,
     device: Device,
     layers: Vec<J::Layer>,
     /// Flat offset of each layer's first parameter, and the total.
@@ -270,8 +273,41 @@ impl PieceSum for ShapeOnly {
     }
 }
 
+/// The job a [`BurnLayered`] runs: a user's, borrowed from the caller, or one built for the run
+/// (the built-in classifiers, which hold their datasets).
+enum JobRef<'j, J> {
+    Borrowed(&'j J),
+    Owned(Box<J>),
+}
+
+impl<J> std::ops::Deref for JobRef<'_, J> {
+    type Target = J;
+
+    fn deref(&self) -> &J {
+        match self {
+            JobRef::Borrowed(job) => job,
+            JobRef::Owned(job) => job,
+        }
+    }
+}
+
+impl<J: StagedJob> BurnLayered<'static, J> {
+    /// [`BurnLayered::new`] for a job made for this run, which it keeps.
+    pub fn owning(job: J, cfg: &TrainConfig, place: &Placement) -> Result<Self, TrainError> {
+        Self::with_job(JobRef::Owned(Box::new(job)), cfg, place)
+    }
+}
+
 impl<'j, J: StagedJob> BurnLayered<'j, J> {
     pub fn new(job: &'j J, cfg: &TrainConfig, place: &Placement) -> Result<Self, TrainError> {
+        Self::with_job(JobRef::Borrowed(job), cfg, place)
+    }
+
+    fn with_job(
+        job: JobRef<'j, J>,
+        cfg: &TrainConfig,
+        place: &Placement,
+    ) -> Result<Self, TrainError> {
         let name = job.name().to_string();
         let setup = |message: String| TrainError::JobSetup {
             job: name.clone(),
@@ -329,7 +365,7 @@ impl<'j, J: StagedJob> BurnLayered<'j, J> {
     /// One training sample through `layers` (no gradients): the activations' layouts.
     fn probe_boundaries(&self, layers: &[J::Layer]) -> Result<Vec<Layout>, ReplicaError> {
         let device = self.device.clone().inner();
-        let batch = batch_of(self.job, &*self.train, "training", &[0], &device)?;
+        let batch = batch_of(&*self.job, &*self.train, "training", &[0], &device)?;
         let mut x = guarded(|| self.job.input(&batch))?;
         let mut boundaries = Vec::with_capacity(layers.len() + 1);
         for l in 0..=layers.len() {
@@ -453,7 +489,7 @@ impl<J: StagedJob> Layered for BurnLayered<'_, J> {
             message: format!("profiling the layers: {e}"),
         };
         let batch =
-            batch_of(self.job, &*self.train, "training", &samples, &device).map_err(fail)?;
+            batch_of(&*self.job, &*self.train, "training", &samples, &device).map_err(fail)?;
         let layers: Vec<J::Layer> = self.layers.iter().map(|l| l.valid()).collect();
         let mut times = vec![Vec::with_capacity(reps); layers.len()];
         for rep in 0..=reps {
@@ -717,7 +753,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
             self.reseed(DrawPart::Batch);
             let set = &*self.owner.train;
             Some(batch_of(
-                self.owner.job,
+                &*self.owner.job,
                 set,
                 "training",
                 samples,
@@ -961,7 +997,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         let x = self.run_layers(&self.layers, x, true)?;
         let (output, result) = if self.last {
             let batch = batch.as_ref().expect("the last stage reads its batch");
-            let (scaled, value) = self.scaled_loss(x, batch, n as f32 * scale)?;
+            let (scaled, value) = self.scaled_loss(x, batch, J::LOSS_REDUCTION.share(n, scale))?;
             (
                 PendingOutput::Loss(Box::new(scaled)),
                 Forwarded::Loss(value),
@@ -1064,7 +1100,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
             layers.push((leaves, float_values(parts.clone())));
             x = activation_of(parts).map_err(fail)?;
         }
-        let (scaled, value) = self.scaled_loss(x, &batch, n as f32 * scale)?;
+        let (scaled, value) = self.scaled_loss(x, &batch, J::LOSS_REDUCTION.share(n, scale))?;
         self.streamed.insert(
             id,
             Split {
@@ -1135,7 +1171,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         let n = samples.len();
         let batch = if self.first || self.last {
             Some(batch_of(
-                self.owner.job,
+                &*self.owner.job,
                 &*self.owner.eval,
                 "evaluation",
                 samples,
@@ -1154,7 +1190,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         let loss = scalar(&guarded(|| self.owner.job.loss(x.clone(), batch))?)?;
         let metrics = guarded(|| self.owner.job.metrics(x, batch))?;
         Ok(Evaluated::Sums(EvalSums {
-            loss: loss as f64 * n as f64,
+            loss: J::LOSS_REDUCTION.sum_of(loss, n),
             metrics: metrics
                 .into_iter()
                 .map(|(name, sum)| (name.to_string(), sum))

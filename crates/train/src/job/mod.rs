@@ -20,7 +20,7 @@ mod layered_job;
 mod staged_job;
 
 pub use activation::{Activation, ActivationError, Part, PartKind, Parts};
-pub use burn_job::{BoxError, BurnReplica, Job};
+pub use burn_job::{BoxError, BurnReplica, Job, LossReduction};
 pub use layered_job::{BurnLayered, LayeredJob, Pipelined};
 pub use staged_job::StagedJob;
 
@@ -112,7 +112,6 @@ pub fn flat_job_shape() -> ModelShape {
         to_layer: "implement lockstep::LayeredJob (a model written as a sequence of layers) and \
                    run lockstep::main(lockstep::Pipelined(job))"
             .into(),
-        on_devices: true,
     }
 }
 

@@ -10,7 +10,7 @@ use burn::tensor::{Device, Tensor};
 use lockstep_model::UpdateRule;
 
 use super::activation::Activation;
-use super::burn_job::BoxError;
+use super::burn_job::{BoxError, LossReduction};
 use super::layered_job::LayeredJob;
 use crate::config::{JobSettings, TrainConfig};
 
@@ -117,8 +117,11 @@ pub trait StagedJob: Send + Sync + 'static {
     fn input(&self, batch: &Self::Batch) -> Self::Activation;
     /// One layer's forward.
     fn forward(&self, layer: &Self::Layer, x: Self::Activation) -> Self::Activation;
-    /// The mean loss of a batch from the last layer's output: a single value.
+    /// The mean loss of a batch from the last layer's output: a single value (a sum over the
+    /// samples with [`StagedJob::LOSS_REDUCTION`] = [`LossReduction::Sum`]).
     fn loss(&self, output: Self::Activation, batch: &Self::Batch) -> Tensor<1>;
+    /// What [`StagedJob::loss`] returns, as [`crate::job::Job::LOSS_REDUCTION`].
+    const LOSS_REDUCTION: LossReduction = LossReduction::Mean;
     /// Evaluation metrics from the last layer's output, as sums over the batch's samples.
     fn metrics(&self, _output: Self::Activation, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
         Vec::new()
@@ -147,6 +150,7 @@ impl<J: LayeredJob> StagedJob for J {
     type Activation = Tensor<2>;
     const TRAIN_METRICS: &'static [&'static str] = J::TRAIN_METRICS;
     const SETTINGS: JobSettings = <J as LayeredJob>::SETTINGS;
+    const LOSS_REDUCTION: LossReduction = <J as LayeredJob>::LOSS_REDUCTION;
 
     fn name(&self) -> &str {
         LayeredJob::name(self)

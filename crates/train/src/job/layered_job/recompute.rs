@@ -60,7 +60,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
             let fresh = activation_of(parts).map_err(other)?;
             x = guarded(|| self.owner.job.forward(layer, fresh))?;
         }
-        let share = n as f32 * scale;
+        let share = J::LOSS_REDUCTION.share(n, scale);
         let result = if self.last {
             let batch = batch.as_ref().expect("the last stage reads its batch");
             let (_, value) = self.scaled_loss(x, batch, share)?;
