@@ -6,7 +6,8 @@
 # The run directory is a 512 KiB tmpfs in a private mount namespace, so it fills at a checkpoint
 # of the default digits MLP. Checked with checkpoints written in the step, in the background
 # (checkpoint.async, where the full disk is met by the writer thread while training goes on) and
-# sharded (checkpoint.sharded, where every rank writes its shard and one of them meets it).
+# sharded (checkpoint.sharded, where every rank writes its shard and one of them meets it), in the
+# step and in the background.
 # Needs root (mount). Usage: scripts/disk-full.sh [path/to/lockstep]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -63,3 +64,4 @@ trap - EXIT
 check checkpoint.async=false
 check checkpoint.async=true
 check checkpoint.sharded=true
+check "checkpoint.sharded=true --set checkpoint.async=true"

@@ -91,16 +91,16 @@ EOF2
 for model in mlp cnn; do
     cls=(--set model.kind=$model --set model.conv=[4] --set model.cnn_hidden=16 --set train.steps=6
          --set train.eval_every=0 --set checkpoint.every=0 --set train.log_every=1000)
-    run "$model wgpu 1 worker" "$bins/lockstep" train --device wgpu --nproc 1 --out "$work/$model-1" "${cls[@]}"
-    run "$model wgpu dp 2" "$bins/lockstep" train --device wgpu --nproc 2 --out "$work/$model-2" "${cls[@]}"
-    run "$model wgpu pp 2" "$bins/lockstep" train --device wgpu --nproc 2 --set parallel.pp=2 --out "$work/$model-3" "${cls[@]}"
-    run "$model cpu 1 worker" "$bins/lockstep" train --nproc 1 --out "$work/$model-cpu" "${cls[@]}"
-    c1="$(hash_of "$work/$model-1/summary.json")"
-    echo "wgpu: built-in $model 1 worker $c1, dp 2 $(hash_of "$work/$model-2/summary.json"), pp 2 $(hash_of "$work/$model-3/summary.json")"
-    [[ "$(hash_of "$work/$model-2/summary.json")" == "$c1" ]] || fail "built-in $model on wgpu: dp 2 differs from 1 worker"
-    [[ "$(hash_of "$work/$model-3/summary.json")" == "$c1" ]] || fail "built-in $model on wgpu: pp 2 differs from 1 worker"
-    [[ "$(hash_of "$work/$model-cpu/summary.json")" != "$c1" ]] || fail "the built-in $model's cpu and wgpu runs have one hash"
-    [[ "$(field "$work/$model-3/summary.json" "s['ranks'][1]['device']")" == wgpu/vulkan* ]] || fail "$model pp 2's rank 1 is not on wgpu"
+    run "$model wgpu 1 worker" "$bins/lockstep" train --device wgpu --nproc 1 --out "$work/builtin-$model-1" "${cls[@]}"
+    run "$model wgpu dp 2" "$bins/lockstep" train --device wgpu --nproc 2 --out "$work/builtin-$model-2" "${cls[@]}"
+    run "$model wgpu pp 2" "$bins/lockstep" train --device wgpu --nproc 2 --set parallel.pp=2 --out "$work/builtin-$model-3" "${cls[@]}"
+    run "$model cpu 1 worker" "$bins/lockstep" train --nproc 1 --out "$work/builtin-$model-cpu" "${cls[@]}"
+    c1="$(hash_of "$work/builtin-$model-1/summary.json")"
+    echo "wgpu: built-in $model 1 worker $c1, dp 2 $(hash_of "$work/builtin-$model-2/summary.json"), pp 2 $(hash_of "$work/builtin-$model-3/summary.json")"
+    [[ "$(hash_of "$work/builtin-$model-2/summary.json")" == "$c1" ]] || fail "built-in $model on wgpu: dp 2 differs from 1 worker"
+    [[ "$(hash_of "$work/builtin-$model-3/summary.json")" == "$c1" ]] || fail "built-in $model on wgpu: pp 2 differs from 1 worker"
+    [[ "$(hash_of "$work/builtin-$model-cpu/summary.json")" != "$c1" ]] || fail "the built-in $model's cpu and wgpu runs have one hash"
+    [[ "$(field "$work/builtin-$model-3/summary.json" "s['ranks'][1]['device']")" == wgpu/vulkan* ]] || fail "$model pp 2's rank 1 is not on wgpu"
 done
 
 # (5) what the plan or the machine cannot do.

@@ -69,6 +69,21 @@ fn the_built_in_classifiers_reproduce_one_worker_in_every_layout() {
         }
         let s = summary(&tmp.path().join(format!("{model}-dp2")));
         assert_eq!(s["gradient_sum"], "shared_windows", "{model}");
+        // ZeRO 3 releases each layer's parameters outside its compute: a rank holds about half.
+        let params = |name: &str| {
+            summary(&tmp.path().join(format!("{model}-{name}")))["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["memory"]["params_bytes"].as_u64().unwrap())
+                .max()
+                .unwrap()
+        };
+        let ratio = params("dp2-zero3") as f64 / params("dp2") as f64;
+        assert!(
+            ratio <= 0.55,
+            "{model}: ZeRO 3 keeps {ratio:.3} of ZeRO 0's parameters"
+        );
         let s = summary(&tmp.path().join(format!("{model}-pp-every-layer")));
         assert_eq!(s["plan"]["pp"], layers, "{model}");
     }

@@ -351,8 +351,7 @@ pub struct TrainSection {
     pub eval_every: u64,
     /// Progress line every this many steps.
     pub log_every: u64,
-    /// Where the model computes (a user's `Job` / `LayeredJob`; the built-in models run on the
-    /// CPU only).
+    /// Where the model computes (every model; tensor-parallel pieces only on the CPU).
     pub device: DeviceKind,
     /// Start from the parameters of this burn record (a `lockstep export` of another run, or a
     /// user's `module.save_file(…)`) instead of the seeded initialisation: fine-tuning. A user's
@@ -875,13 +874,6 @@ impl TrainConfig {
         }
         if self.checkpoint.keep == 0 {
             return Err(invalid("checkpoint.keep", "must be ≥ 1"));
-        }
-        if self.checkpoint.sharded && self.checkpoint.background {
-            return Err(invalid(
-                "checkpoint.async",
-                "applies to whole-model checkpoints (rank 0 writes in the background); with \
-                 checkpoint.sharded = true every rank writes its shard in the step",
-            ));
         }
         let d = &self.dist;
         if d.bucket_elems == 0 {

@@ -16,7 +16,7 @@ use crate::parallel_dims::ParallelDims;
 /// What a model can do, as far as the layout is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelShape {
-    /// One flat parameter vector trained whole (a user's `Job`, the built-in classifiers):
+    /// One flat parameter vector trained whole (a user's `Job`):
     /// data parallelism only.
     Flat {
         /// The model hands out each parameter's gradient during backward, so the sum can

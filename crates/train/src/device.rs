@@ -67,7 +67,7 @@ pub struct Placement {
 }
 
 impl Placement {
-    /// The CPU (flex): the built-in models' device, and the default.
+    /// The CPU (flex): the default.
     pub fn cpu() -> Placement {
         Placement {
             device: Device::flex(),

@@ -6,9 +6,10 @@
 //!   Every `Job` is a [`JobSpec`] through a blanket implementation.
 //! - [`JobSpec`] + [`Replica`]: the flat interface the data-parallel step driver trains: one
 //!   model replica per rank behind `Vec<f32>` parameters, computing the loss and gradient of a
-//!   micro-batch given by sample indices. The built-in MLP/CNN implement it directly (their
-//!   forward anchors each parameter so `dist.overlap` can stream gradients during backward); a user
-//!   who needs that control can do the same.
+//!   micro-batch given by sample indices; a user who needs that control (streaming gradients
+//!   during backward for `dist.overlap`) can implement it directly.
+//! - [`LayeredJob`] / [`StagedJob`] through [`Pipelined`]: a model as a sequence of layers, for
+//!   pipelines, ZeRO 3 layer by layer and overlap; the built-in MLP/CNN are one.
 //!
 //! The driver never sees burn: it moves sample indices in and flat gradients out, so the
 //! reproducibility rules (fixed micro-batches, exact sums, elementwise optimizers) hold for every
@@ -91,8 +92,7 @@ pub trait JobSpec: Send + Sync {
     /// built-in jobs' stricter [`ConfigLoad::validate_builtin`](crate::ConfigLoad::validate_builtin)) and the job's own settings.
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError>;
     /// Builds this rank's replica: model initialised from `train.seed` (rank 0's copy is then
-    /// broadcast) on `device` (the worker's `train.device`; the built-in models, which the plan
-    /// keeps on the CPU, ignore it), datasets opened.
+    /// broadcast) on `device` (the worker's `train.device`), datasets opened.
     fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError>;
 }
 

@@ -1,4 +1,4 @@
-//! A model trained whole (a [`Replica`]: a user's `Job`, the built-in classifiers) as a
+//! A model trained whole (a [`Replica`]: a user's `Job`) as a
 //! [`Layered`] model of one layer, so that the one training loop (`train.rs`) trains it like any
 //! other: data parallelism is a schedule of one stage.
 //!

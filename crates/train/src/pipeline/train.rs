@@ -607,9 +607,14 @@ impl<'m> StageRank<'m> {
             None
         };
         let checkpoint_now = ledger.checkpoint_due(step);
-        if checkpoint_now {
+        if checkpoint_now || ledger.set_pending() {
+            // A sharded set written in the background since the last step is settled now: its
+            // wait, if the write outlasted the step, is stall too.
             let t0 = Instant::now();
-            self.checkpoint(comm, ledger, step)?;
+            match checkpoint_now {
+                true => self.checkpoint(comm, ledger, step)?,
+                false => ledger.settle_set(comm)?,
+            }
             sec.checkpoint = t0.elapsed().as_secs_f64();
         }
         let step_seconds = step_start.elapsed().as_secs_f64();

@@ -12,6 +12,11 @@
 //!   damaged-checkpoint notice, or an error such as a full disk) is reported on the training
 //!   thread at the next [`CheckpointWriter::poll`] or at [`CheckpointWriter::wait`].
 //!
+//! Sharded sets (`checkpoint.sharded`) are collective: [`write_set`] in the step, or with
+//! `checkpoint.async` [`start_set`] (each rank's shard copied and written by a thread of its own)
+//! and, at the next step, [`settle_set`] (every rank's outcome learnt, the set published by rank
+//! 0), so training stalls only for the copy and for a write slower than a step.
+//!
 //! A process killed in the middle leaves the previous checkpoints as they were and at most a
 //! temporary file under a hidden name; the files a resume reads are only ever complete ones.
 
@@ -247,7 +252,7 @@ fn damage(path: &Path) -> Result<(), TrainError> {
 
 /// What a rank's shard write came to, as every rank learns it.
 #[derive(Serialize, Deserialize)]
-enum ShardOutcome {
+pub(crate) enum ShardOutcome {
     Written(ShardInfo),
     Failed {
         path: String,
@@ -259,21 +264,125 @@ enum ShardOutcome {
     },
 }
 
+/// What a set's manifest needs besides the shards: the optimizer steps, the model's parameters
+/// and the vectors per shard.
+#[derive(Clone, Copy)]
+pub(crate) struct SetCounts {
+    pub(crate) optimizer_steps: u64,
+    pub(crate) num_params: usize,
+    pub(crate) vectors: usize,
+}
+
 /// The checkpoint `set` (after `step` steps; `view`: this rank's shard) as a sharded set,
 /// collective over the world: rank 0 prepares the staging directory, every rank writes and
 /// syncs its shard, all learn every outcome (so all stop alike on one rank's error, which names
 /// that rank), and rank 0 writes the manifest and returns the staged set (`None` elsewhere).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn write_set(
     comm: &mut Communicator,
     dir: &Path,
     step: u64,
     identity: &Identity,
     view: &ShardView,
-    optimizer_steps: u64,
-    num_params: usize,
+    counts: SetCounts,
     faults: &[Fault],
 ) -> Result<Option<StagedSet>, TrainError> {
+    prepare_set(comm, dir, step, identity)?;
+    let outcome = shard_outcome(dir, step, identity, comm.rank(), view, faults);
+    settle(comm, dir, step, identity, outcome, counts)
+}
+
+/// This rank's shard of a sharded set written on a thread of its own (`checkpoint.async`),
+/// from a copy of its values, while training goes on; [`settle_set`] ends it, on every rank at
+/// the same step.
+pub(crate) struct PendingSet {
+    step: u64,
+    counts: SetCounts,
+    writer: Option<JoinHandle<ShardOutcome>>,
+    /// Rank 0's: where the staging directory is, to remove it when the run stops before the set
+    /// is settled (`None` on other ranks).
+    staging: Option<(PathBuf, Identity)>,
+}
+
+/// [`write_set`]'s first half in the background: the staging directory prepared (collective),
+/// this rank's values copied, its shard written by a low-priority thread.
+pub(crate) fn start_set(
+    comm: &mut Communicator,
+    dir: &Path,
+    step: u64,
+    identity: &Identity,
+    view: &ShardView,
+    counts: SetCounts,
+    faults: &[Fault],
+) -> Result<PendingSet, TrainError> {
+    prepare_set(comm, dir, step, identity)?;
+    let ranges = view.ranges.clone();
+    let values: Vec<Vec<f32>> = view.vectors.iter().map(|pieces| pieces.concat()).collect();
+    let rank = comm.rank();
+    let staging = (rank == 0).then(|| (dir.to_path_buf(), identity.clone()));
+    let (identity, faults) = (identity.clone(), faults.to_vec());
+    let at = dir.to_path_buf();
+    let writer = std::thread::Builder::new()
+        .name("lockstep-shard".into())
+        .spawn(move || {
+            lower_priority();
+            let view = ShardView {
+                ranges,
+                vectors: values.iter().map(|v| vec![v.as_slice()]).collect(),
+            };
+            shard_outcome(&at, step, &identity, rank, &view, &faults)
+        })
+        .map_err(|e| TrainError::Io {
+            path: dir.display().to_string(),
+            cause: e,
+        })?;
+    Ok(PendingSet {
+        step,
+        counts,
+        writer: Some(writer),
+        staging,
+    })
+}
+
+/// [`write_set`]'s second half for a [`PendingSet`]: this rank's write waited for, every
+/// rank's outcome learnt, the manifest staged on rank 0 (`None` elsewhere).
+pub(crate) fn settle_set(
+    comm: &mut Communicator,
+    dir: &Path,
+    identity: &Identity,
+    mut pending: PendingSet,
+) -> Result<Option<StagedSet>, TrainError> {
+    let writer = pending.writer.take().expect("a pending set has its writer");
+    let outcome = writer.join().unwrap_or_else(|_| ShardOutcome::Failed {
+        path: dir.display().to_string(),
+        what: "the shard writer thread panicked".into(),
+        no_space: false,
+        unshared: false,
+    });
+    settle(comm, dir, pending.step, identity, outcome, pending.counts)
+}
+
+/// A run that stops on an error before the set is settled lets its shard write end, as
+/// [`CheckpointWriter`] does, and rank 0 removes the staging directory: nothing unfinished is
+/// left behind (a kill leaves it to the resumed run, which removes it).
+impl Drop for PendingSet {
+    fn drop(&mut self) {
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+            if let Some((dir, identity)) = &self.staging {
+                sharded::abandon(dir, self.step, identity);
+            }
+        }
+    }
+}
+
+/// Collective: rank 0 makes the staging directory of the set after `step`, and every rank
+/// learns whether it could.
+fn prepare_set(
+    comm: &mut Communicator,
+    dir: &Path,
+    step: u64,
+    identity: &Identity,
+) -> Result<(), TrainError> {
     let rank = comm.rank();
     let mut prepared = [1i64];
     let mut prepare_error = None;
@@ -295,13 +404,26 @@ pub(crate) fn write_set(
             }
         })));
     }
+    Ok(())
+}
+
+/// This rank writes and syncs its shard of the set after `step` (rank 0 meets an injected
+/// `kill-while-checkpointing` fault after its first vector).
+fn shard_outcome(
+    dir: &Path,
+    step: u64,
+    identity: &Identity,
+    rank: usize,
+    view: &ShardView,
+    faults: &[Fault],
+) -> ShardOutcome {
     let mut first = true;
     let mut between = || {
         if rank == 0 && std::mem::take(&mut first) {
             faults::while_checkpointing(faults, step);
         }
     };
-    let outcome = match sharded::write_shard(dir, step, identity, rank, view, &mut between) {
+    match sharded::write_shard(dir, step, identity, rank, view, &mut between) {
         Ok(info) => ShardOutcome::Written(info),
         Err(e) => {
             let (path, what) = error_parts(&e);
@@ -312,7 +434,20 @@ pub(crate) fn write_set(
                 what,
             }
         }
-    };
+    }
+}
+
+/// Collective: every rank's `outcome` learnt (one rank's failure stops all, naming it), and on
+/// rank 0 the manifest staged.
+fn settle(
+    comm: &mut Communicator,
+    dir: &Path,
+    step: u64,
+    identity: &Identity,
+    outcome: ShardOutcome,
+    counts: SetCounts,
+) -> Result<Option<StagedSet>, TrainError> {
+    let rank = comm.rank();
     let json = serde_json::to_string(&outcome).expect("outcome serialises");
     let mut shards = Vec::new();
     for (r, text) in gather_strings(comm, &json)?.into_iter().enumerate() {
@@ -353,9 +488,9 @@ pub(crate) fn write_set(
         version: sharded::VERSION,
         identity: identity.clone(),
         step,
-        optimizer_steps,
-        num_params: num_params as u64,
-        vectors: view.vectors.len() as u32,
+        optimizer_steps: counts.optimizer_steps,
+        num_params: counts.num_params as u64,
+        vectors: counts.vectors as u32,
         shards,
     };
     Ok(Some(sharded::stage_manifest(dir, &manifest)?))

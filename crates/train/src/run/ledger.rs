@@ -14,7 +14,9 @@ use lockstep_comm::Communicator;
 use lockstep_model::{LrSchedule, Optimizer, UpdateRule};
 use sha2::{Digest, Sha256};
 
-use super::checkpoint_writer::{write_set, CheckpointWriter};
+use super::checkpoint_writer::{
+    settle_set, start_set, write_set, CheckpointWriter, PendingSet, SetCounts,
+};
 use super::checkpointing::{checkpoint_dir, checkpoint_due, find_checkpoint, Found};
 use super::end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use super::outputs::{write_outputs, MetricsLog};
@@ -97,6 +99,8 @@ pub(crate) struct Ledger<'a> {
     /// A step done whose `StepDone` waits for a background checkpoint write: the launcher takes
     /// a reported step as "every checkpoint up to it is on disk".
     unreported: Option<u64>,
+    /// This rank's shard of a sharded set written in the background (`checkpoint.async`).
+    pending_set: Option<PendingSet>,
 }
 
 impl<'a> Ledger<'a> {
@@ -140,6 +144,7 @@ impl<'a> Ledger<'a> {
                 faults,
             ),
             unreported: None,
+            pending_set: None,
             ckpt_dir,
             identity: Identity {
                 config: cfg.identity_hash(),
@@ -292,7 +297,9 @@ impl<'a> Ledger<'a> {
 
     /// Collective over the world, with `checkpoint.sharded`: every rank writes its shard of the
     /// checkpoint after `step` (`view`), staged until [`Ledger::release_checkpoint`] publishes
-    /// the set on rank 0, as [`Ledger::take_checkpoint`] does with a whole-model file.
+    /// the set on rank 0, as [`Ledger::take_checkpoint`] does with a whole-model file. With
+    /// `checkpoint.async` each rank's shard is copied and written by a thread of its own (after
+    /// the previous set is settled), and [`Ledger::settle_set`] publishes it at a later step.
     pub(crate) fn take_sharded_checkpoint(
         &mut self,
         comm: &mut Communicator,
@@ -301,18 +308,43 @@ impl<'a> Ledger<'a> {
         optimizer_steps: u64,
         num_params: usize,
     ) -> Result<(), TrainError> {
-        let staged = write_set(
-            comm,
-            &self.ckpt_dir,
-            step + 1,
-            &self.identity,
-            view,
+        let counts = SetCounts {
             optimizer_steps,
             num_params,
-            self.faults,
-        )?;
+            vectors: view.vectors.len(),
+        };
+        if self.cfg.checkpoint.background {
+            self.settle_set(comm)?;
+        }
+        let (dir, step) = (&self.ckpt_dir, step + 1);
+        if self.cfg.checkpoint.background {
+            let pending = start_set(comm, dir, step, &self.identity, view, counts, self.faults)?;
+            self.pending_set = Some(pending);
+            return Ok(());
+        }
+        let staged = write_set(comm, dir, step, &self.identity, view, counts, self.faults)?;
         if let Some(staged) = staged {
             self.writer.take_set(staged);
+        }
+        Ok(())
+    }
+
+    /// Whether a sharded set is being written in the background.
+    pub(crate) fn set_pending(&self) -> bool {
+        self.pending_set.is_some()
+    }
+
+    /// Collective, on every rank at the same step (one after the set's, or the next checkpoint,
+    /// or the end): the sharded set written in the background since an earlier step waited for,
+    /// every rank's outcome learnt, and the set published by rank 0 (its step's record was
+    /// flushed when it was taken). Nothing when none is pending.
+    pub(crate) fn settle_set(&mut self, comm: &mut Communicator) -> Result<(), TrainError> {
+        let Some(pending) = self.pending_set.take() else {
+            return Ok(());
+        };
+        if let Some(staged) = settle_set(comm, &self.ckpt_dir, &self.identity, pending)? {
+            self.writer.take_set(staged);
+            self.writer.release(&mut *self.on_event)?;
         }
         Ok(())
     }
@@ -359,7 +391,7 @@ impl<'a> Ledger<'a> {
             started: self.started,
             loss: self.last_loss,
         };
-        let writing = self.writer.poll(&mut *self.on_event)?;
+        let writing = self.writer.poll(&mut *self.on_event)? || self.pending_set.is_some();
         self.unreported = writing.then_some(step + 1);
         emit_progress(self.cfg, self.rank, &point, !writing, &mut *self.on_event);
         Ok(())
@@ -393,6 +425,7 @@ impl<'a> Ledger<'a> {
         held: ModelState,
         pipeline: impl FnOnce(&[StepRecord], &mut [RankSummary]) -> Option<PipelineSummary>,
     ) -> Result<Summary, TrainError> {
+        self.settle_set(comm)?;
         self.checkpoints_written()?;
         let peak_held = self
             .records
