@@ -314,15 +314,15 @@ impl<'a> Ledger<'a> {
             vectors: view.vectors.len(),
         };
         if self.cfg.checkpoint.background {
+            // One set in the background at a time: the previous one is settled first.
             self.settle_set(comm)?;
         }
-        let (dir, step) = (&self.ckpt_dir, step + 1);
+        let (dir, id, faults) = (&self.ckpt_dir, &self.identity, self.faults);
         if self.cfg.checkpoint.background {
-            let pending = start_set(comm, dir, step, &self.identity, view, counts, self.faults)?;
-            self.pending_set = Some(pending);
+            self.pending_set = Some(start_set(comm, dir, step + 1, id, view, counts, faults)?);
             return Ok(());
         }
-        let staged = write_set(comm, dir, step, &self.identity, view, counts, self.faults)?;
+        let staged = write_set(comm, dir, step + 1, id, view, counts, faults)?;
         if let Some(staged) = staged {
             self.writer.take_set(staged);
         }
