@@ -77,8 +77,8 @@ pub use lockstep_train::draws::{DrawPart, Draws};
 pub use lockstep_train::job::BinaryAbout;
 pub use lockstep_train::job::{
     Activation, ActivationError, BoxError, BurnLayered, BurnReplica, Computed, EvalSums, Job,
-    JobSpec, LayeredJob, Part, PartKind, Parts, Pipelined, Replica, ReplicaError, StagedJob,
-    Trainable,
+    JobSpec, LayeredJob, LossReduction, Part, PartKind, Parts, Pipelined, Replica, ReplicaError,
+    StagedJob, Trainable,
 };
 pub use lockstep_train::metrics::Eval;
 pub use lockstep_train::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
