@@ -16,6 +16,9 @@
 #   4. the run on the shaped link; its median step (slowest rank, warm-up skipped) is compared
 #      with the prediction. Exits 1 if a data-parallel case's |error| > 20% (the issue's check);
 #      the pipeline case is reported, not gated (noisier: few long steps on 2 shared cores).
+# A data-parallel case that misses is measured twice more (steps 1–4 afresh) and judged by the
+# median of its three errors: one attempt disturbed by other work on a shared machine does not
+# decide, a model that is wrong still fails. Every attempt is printed.
 # Needs root. About 40 s with the release build. PLAN_VALIDATE_KEEP=DIR keeps the runs. Usage:
 #   scripts/netns-plan-validate.sh [path/to/lockstep] [rate_gbit] [latency_us]
 # Traffic stays between these two namespaces; nothing else is addressed.
@@ -31,7 +34,7 @@ gbit="${2:-1}"
 lat_us="${3:-500}"
 pipe_gbit=0.1
 burst_kib=256
-limit=20
+limit="${PLAN_VALIDATE_LIMIT:-20}" # the check is 20; lower only to exercise the retries
 
 work="$(mktemp -d)"
 A=lpA$$ B=lpB$$ VA=lvA$$ VB=lvB$$
@@ -94,10 +97,11 @@ fi
 echo "netns-plan: 2 hosts joined by a veth shaped with tbf (burst ${burst_kib} KiB), ${lat_us} µs emulated latency per message; $bin"
 
 rows=()
-# case_ NAME LAYOUT WORKERS_PER_HOST RATE_GBIT CONFIG [--set ...]
+# case_ CASE ATTEMPT LAYOUT WORKERS_PER_HOST RATE_GBIT CONFIG [--set ...]
 case_() {
-    local name="$1" layout="$2" npn="$3" rate="$4" config="$5"
-    shift 5
+    local case="$1" attempt="$2" layout="$3" npn="$4" rate="$5" config="$6"
+    shift 6
+    local name="$case-$attempt"
     unshape
     run_job "calib-$name" "$npn" 0 "$config" "$@"
     shape "$rate"
@@ -119,42 +123,69 @@ case_() {
         --json "$work/plan-$name.json" >"$work/plan-$name.txt" 2>&1 || { cat "$work/plan-$name.txt"; exit 1; }
     # The shaped run's own median step, measured the same way (the calibration block of a plan).
     "$bin" plan --from "$work/shaped-$name" "${cluster[@]}" --json "$work/measured-$name.json" >/dev/null 2>&1
-    rows+=("$name $npn $rate $work/plan-$name.json $work/measured-$name.json")
+    rows+=("$case $attempt $npn $rate $work/plan-$name.json $work/measured-$name.json")
     sed 's/^/    /' "$work/plan-$name.txt"
 }
 
 mlp="$root/configs/bench-mlp784.toml"
-case_ dp2 2 1 "$gbit" "$mlp" --set train.steps=60
-case_ dp4 4 2 "$gbit" "$mlp" --set train.steps=60
-case_ pp2 1x2 1 "$pipe_gbit" "$root/configs/shakespeare.toml" --set train.steps=20 \
+# data_parallel CASE ATTEMPT: one attempt at a gated case.
+data_parallel() {
+    case "$1" in
+        dp2) case_ dp2 "$2" 2 1 "$gbit" "$mlp" --set train.steps=60 ;;
+        dp4) case_ dp4 "$2" 4 2 "$gbit" "$mlp" --set train.steps=60 ;;
+    esac
+}
+data_parallel dp2 1
+data_parallel dp4 1
+case_ pp2 1 1x2 1 "$pipe_gbit" "$root/configs/shakespeare.toml" --set train.steps=20 \
     --set model.blocks=2 --set parallel.pp=2 --set parallel.dp=1 --set parallel.microbatches=4
 
-python3 - "$limit" "$lat_us" "${rows[@]}" <<'PY'
-import json, sys
-limit, lat = float(sys.argv[1]), sys.argv[2]
-print(f"{'layout':<10} {'per host':>8} {'link':>13} {'calib_ms':>9} {'pred_ms':>8} {'compute':>8} "
-      f"{'comm':>7} {'bubble':>7} {'meas_ms':>8} {'error':>7}")
-worst = 0.0
-for row in sys.argv[3:]:
-    name, npn, rate, plan_path, meas_path = row.split()
+# judge MODE: MODE "missed" prints the gated cases whose only attempt missed; MODE "table" prints
+# every attempt and exits 1 if a gated case's median error over its attempts exceeds the limit.
+judge() {
+    python3 - "$1" "$limit" "$lat_us" "${rows[@]}" <<'PY'
+import json, statistics, sys
+mode, limit, lat = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+attempts = {}
+lines = []
+for row in sys.argv[4:]:
+    case, attempt, npn, rate, plan_path, meas_path = row.split()
     p, m = json.load(open(plan_path)), json.load(open(meas_path))
     pred = p["predictions"][0]
     meas = m["calibration"]["measured_step_s"]
     err = 100.0 * (pred["step_s"] / meas - 1.0)
-    # The data-parallel cases are the check; the pipeline case (fewer, longer steps on a slow
-    # link, noisier on 2 shared cores) is reported alongside.
-    gated = name.startswith("dp")
-    if gated:
-        worst = max(worst, abs(err))
+    attempts.setdefault(case, []).append(err)
     comm = pred["sync_cpu_s"] + pred["network_s"] + pred["p2p_s"]
     layout = f"{pred['layout']['dp']}x{pred['layout']['pp']}"
     link = f"{float(rate):g}G/{lat}us"
-    print(f"{layout:<10} {npn:>8} {link:>13} {p['calibration']['measured_step_s']*1e3:>9.2f} "
-          f"{pred['step_s']*1e3:>8.2f} {pred['compute_s']*1e3:>8.2f} {comm*1e3:>7.2f} "
-          f"{pred['bubble_s']*1e3:>7.2f} {meas*1e3:>8.2f} {err:>+6.1f}%"
-          + ("" if gated else "  (reported, not gated)"))
+    lines.append(f"{layout:<10} {attempt:>7} {npn:>8} {link:>13} "
+                 f"{p['calibration']['measured_step_s']*1e3:>9.2f} {pred['step_s']*1e3:>8.2f} "
+                 f"{pred['compute_s']*1e3:>8.2f} {comm*1e3:>7.2f} {pred['bubble_s']*1e3:>7.2f} "
+                 f"{meas*1e3:>8.2f} {err:>+6.1f}%"
+                 # The data-parallel cases are the check; the pipeline case (fewer, longer steps
+                 # on a slow link, noisier on 2 shared cores) is reported alongside.
+                 + ("" if case.startswith("dp") else "  (reported, not gated)"))
+gated = {c: abs(statistics.median(e)) for c, e in attempts.items() if c.startswith("dp")}
+if mode == "missed":
+    print(" ".join(c for c, e in gated.items() if e > limit and len(attempts[c]) == 1))
+    sys.exit(0)
+print(f"{'layout':<10} {'attempt':>7} {'per host':>8} {'link':>13} {'calib_ms':>9} {'pred_ms':>8} "
+      f"{'compute':>8} {'comm':>7} {'bubble':>7} {'meas_ms':>8} {'error':>7}")
+print("\n".join(lines))
+worst = max(gated.values())
+for c, e in attempts.items():
+    if c in gated and len(e) > 1:
+        print(f"netns-plan: {c}: median error over {len(e)} attempts {statistics.median(e):+.1f}%")
 if worst > limit:
     print(f"netns-plan: FAILED: a data-parallel error of {worst:.1f}% exceeds {limit:.0f}%")
     sys.exit(1)
 print(f"netns-plan: ok: predicted data-parallel steps within {limit:.0f}% of measured (worst {worst:.1f}%)")
 PY
+}
+
+for c in $(judge missed); do
+    echo "netns-plan: $c missed by more than ${limit}%: measuring it twice more"
+    data_parallel "$c" 2
+    data_parallel "$c" 3
+done
+judge table

@@ -11,7 +11,7 @@ use super::cost::{boundary_bytes, p2p_bytes_per_rank, sync_units, Placement};
 use super::stages::{balanced_stages, even, stage_groups};
 use super::{Cluster, Layout, Link, PlanError, Workload};
 use crate::scaling::warmup_steps;
-use lockstep_run::metrics::{StepRecord, Summary};
+use lockstep_run::metrics::{GradientSum, StepRecord, Summary};
 
 /// What a real run says about this machine and model.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -89,7 +89,11 @@ pub fn calibrate(
         by_step.entry(r.step).or_default().push(r);
     }
     let mb = workload.microbatch.max(1) as f64;
-    let work = |r: &StepRecord| r.seconds.data + r.seconds.forward + r.seconds.backward;
+    // Device copies (gradients off and parameters onto the model's device, host copies on the
+    // CPU) are per micro-batch work like the forward and backward they were taken out of.
+    let work = |r: &StepRecord| {
+        r.seconds.data + r.seconds.forward + r.seconds.backward + r.seconds.device_copy
+    };
     let busy = |r: &StepRecord| match &r.pipeline {
         Some(p) => r.seconds.data + p.schedule_seconds,
         None => work(r),
@@ -162,7 +166,17 @@ pub fn calibrate(
     } else {
         m_rep
     };
-    let net = place.loss_exchange(world, workload) + place.gradient_sync(&groups, stage, workload);
+    // The sum as the run did it: ranks on several hosts use the collectives even where the
+    // transport would share memory on one (the calibration cluster is one node of `link`s).
+    let as_run = Workload {
+        shared_memory: match summary.gradient_sum {
+            Some(GradientSum::SharedWindows) => true,
+            Some(GradientSum::Collectives | GradientSum::Local) => false,
+            None => workload.shared_memory,
+        },
+        ..workload.clone()
+    };
+    let net = place.loss_exchange(world, &as_run) + place.gradient_sync(&groups, stage, &as_run);
     let mut notes = Vec::new();
     let units = sync_units(stage_params, local, workload.reproducible);
     let cpu = measured_sync_s - net.seconds;
@@ -343,6 +357,47 @@ mod tests {
         let pred = predict(&c, &w, &cal, Layout::dp_pp(2, 1)).unwrap();
         assert!((pred.step_s - 0.0275).abs() < 1e-9, "{}", pred.step_s);
         assert_eq!(cal.layer_shares, vec![1.0]);
+    }
+
+    #[test]
+    fn device_copies_are_compute_and_the_sum_is_modelled_as_the_run_did_it() {
+        // A layered model's run: 1 ms of every 10 ms of compute is device copies, taken out of
+        // the forward and backward. Two hosts, so its sum went through the collectives although
+        // its transport (auto) would share memory on one host.
+        let p = 1_000_000;
+        let w = Workload {
+            shared_memory: true,
+            ..workload(p)
+        };
+        let link = Link::new(10e-6, 4e9);
+        let records: Vec<StepRecord> = (0..20u64)
+            .flat_map(|step| {
+                (0..2).map(move |rank| {
+                    let mut r = rec(rank, step, 0.009, 0.012, 0.002, 0.0245, 128);
+                    r.seconds.device_copy = 0.001;
+                    r
+                })
+            })
+            .collect();
+        let mut s = summary(2, "tcp");
+        s.gradient_sum = Some(GradientSum::Collectives);
+        let cal = calibrate(&s, &records, &w, &link).unwrap();
+        assert!(
+            close(cal.work_per_sample_s, 0.010 / 128.0),
+            "{}",
+            cal.work_per_sample_s
+        );
+        // The exact sum's ring over two ranks: i64 half-vectors out, f32 half-vectors back.
+        let ring = 6.0 * p as f64;
+        assert!(
+            (cal.modelled_bytes_per_rank_step - ring).abs() < 0.001 * ring,
+            "{}",
+            cal.modelled_bytes_per_rank_step
+        );
+        // The same run on one host summed through shared windows: barrier tokens only.
+        s.gradient_sum = Some(GradientSum::SharedWindows);
+        let windows = calibrate(&s, &records, &w, &link).unwrap();
+        assert!(windows.modelled_bytes_per_rank_step < 1000.0);
     }
 
     #[test]
