@@ -17,6 +17,9 @@ speed drifts between runs, and other work may share it), for each repetition:
                     the copies, the optimizer and the one-worker exact sum; burn's remaining
                     kernels run on one: see `lockstep train --help`)
   torch_1x2         torch.set_num_threads(2), OMP_NUM_THREADS=MKL_NUM_THREADS=2
+  with --baseline-bin B also:
+  baseline_1x1      lockstep_1x1 with an earlier build B (a change measured against its parent
+                    in the same invocation)
   with --ddp also:
   lockstep_2x1      --nproc 2 --threads-per-worker 1 (data parallel, exact sum; the slowest
                     rank's step time)
@@ -336,6 +339,8 @@ def main():
                     help="also lockstep --threads-per-worker 2 and torch at 2 threads")
     ap.add_argument("--ddp", action="store_true",
                     help="also 2 workers x 1 thread: lockstep --nproc 2 and PyTorch DDP (gloo)")
+    ap.add_argument("--baseline-bin", help="also an earlier lockstep build, 1 x 1 (baseline_1x1), "
+                    "to measure a change against it in the same invocation")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/vs-pytorch-transformer.json"))
     ap.add_argument("--quiet-load", type=float, default=2.5,
                     help="before each run, wait for the 1-minute load average to fall under this")
@@ -345,15 +350,17 @@ def main():
         sys.exit("--steps must exceed --warmup")
 
     settings = model_settings()
-    configs = CONFIGS_1 + (CONFIGS_2 if a.two_threads else []) + (CONFIGS_DDP if a.ddp else [])
+    configs = CONFIGS_1 + (["baseline_1x1"] if a.baseline_bin else []) \
+        + (CONFIGS_2 if a.two_threads else []) + (CONFIGS_DDP if a.ddp else [])
     runs = {}  # config -> [result per rep]
     for rep in range(a.reps):
         for cfg in (configs if rep % 2 == 0 else configs[::-1]):
             load0 = wait_for_quiet(a.quiet_load, a.max_wait)
             threads = 2 if "_1x2" in cfg else 1
             nproc = 2 if "_2x1" in cfg else 1
-            if cfg.startswith("lockstep"):
-                r = run_lockstep(a.bin, threads, a.steps, a.warmup, settings, nproc)
+            if cfg.startswith("lockstep") or cfg.startswith("baseline"):
+                binary = a.baseline_bin if cfg.startswith("baseline") else a.bin
+                r = run_lockstep(binary, threads, a.steps, a.warmup, settings, nproc)
             else:
                 attention = "eager" if cfg.endswith("_eager") else "sdpa"
                 r = run_torch(a.python, settings, threads, attention, a.steps, a.warmup, nproc)
@@ -394,7 +401,7 @@ def main():
         c = spread([r["samples_per_s"] for r in rs])
         c["step_ms"] = spread([r["step_ms"] for r in rs])
         c["load_before"] = [round(r["load_before"], 2) for r in rs]
-        if cfg.startswith("lockstep"):
+        if cfg.startswith("lockstep") or cfg.startswith("baseline"):
             c["phases_ms_median"] = {k: statistics.median(r["phases_ms"][k] for r in rs)
                                      for k in rs[0]["phases_ms"]}
             c["phases_ms"] = [r["phases_ms"] for r in rs]
@@ -412,6 +419,9 @@ def main():
         "lockstep_1x1 / torch_1x1": ratio("lockstep_1x1", "torch_1x1"),
         "lockstep_1x1 / torch_1x1_eager": ratio("lockstep_1x1", "torch_1x1_eager"),
     }
+    if a.baseline_bin:
+        result["baseline_bin"] = a.baseline_bin
+        result["ratios"]["lockstep_1x1 / baseline_1x1"] = ratio("lockstep_1x1", "baseline_1x1")
     if a.two_threads:
         result["ratios"]["lockstep_1x2 / torch_1x2"] = ratio("lockstep_1x2", "torch_1x2")
     if a.ddp:
