@@ -82,6 +82,11 @@ CONFIGS_2 = ["lockstep_1x2", "torch_1x2"]
 CONFIGS_DDP = ["lockstep_2x1", "torch_ddp_2x1"]
 
 
+
+def is_lockstep(cfg):
+    """Whether a case runs a lockstep build (this one, or the --baseline-bin one)."""
+    return cfg.startswith("lockstep") or cfg.startswith("baseline")
+
 def shakespeare_vocab():
     """Distinct bytes of train ∪ val, as crates/data/src/text.rs builds the vocabulary."""
     present = set()
@@ -358,7 +363,7 @@ def main():
             load0 = wait_for_quiet(a.quiet_load, a.max_wait)
             threads = 2 if "_1x2" in cfg else 1
             nproc = 2 if "_2x1" in cfg else 1
-            if cfg.startswith("lockstep") or cfg.startswith("baseline"):
+            if is_lockstep(cfg):
                 binary = a.baseline_bin if cfg.startswith("baseline") else a.bin
                 r = run_lockstep(binary, threads, a.steps, a.warmup, settings, nproc)
             else:
@@ -401,7 +406,7 @@ def main():
         c = spread([r["samples_per_s"] for r in rs])
         c["step_ms"] = spread([r["step_ms"] for r in rs])
         c["load_before"] = [round(r["load_before"], 2) for r in rs]
-        if cfg.startswith("lockstep") or cfg.startswith("baseline"):
+        if is_lockstep(cfg):
             c["phases_ms_median"] = {k: statistics.median(r["phases_ms"][k] for r in rs)
                                      for k in rs[0]["phases_ms"]}
             c["phases_ms"] = [r["phases_ms"] for r in rs]

@@ -238,6 +238,17 @@ fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_siz
 }
 
 /// A copy of run directory `from` at `to` (files and the checkpoints' set directories).
+/// A run whose rank was killed while writing its shard of step 4's set: the set was never
+/// published (its staging directory is named), and the run resumed from step 2's.
+fn assert_recovered_from_killed_write(o: &Output) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("resumed from the checkpoint of step 2"),
+        "{err}"
+    );
+    assert!(err.contains(".step-000000004.shards."), "{err}");
+}
+
 fn copy_run(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
@@ -307,12 +318,7 @@ fn sharded_checkpoints_in_the_background_are_the_sets_written_in_the_step() {
         ],
         &["--inject", "kill-while-checkpointing:step=4"],
     ));
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.contains("resumed from the checkpoint of step 2"),
-        "{err}"
-    );
-    assert!(err.contains(".step-000000004.shards."), "{err}");
+    assert_recovered_from_killed_write(&o);
     let reference = tmp.path().join("reference");
     ok(transformer(&reference, "1", &[], &[]));
     assert_eq!(hash(&killed), hash(&reference));
@@ -422,12 +428,7 @@ fn sharded_checkpoints_resume_on_any_layout_with_the_same_bits() {
         &[pieces, "parallel.zero=3", sharded],
         &["--inject", "kill-while-checkpointing:step=4"],
     ));
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.contains("resumed from the checkpoint of step 2"),
-        "{err}"
-    );
-    assert!(err.contains(".step-000000004.shards."), "{err}");
+    assert_recovered_from_killed_write(&o);
     assert_eq!(hash(&dir), want);
     assert_eq!(
         names(&dir.join("checkpoints")),

@@ -57,103 +57,29 @@ pub fn calibrate(
     workload: &Workload,
     link: &Link,
 ) -> Result<Calibration, PlanError> {
-    let bad = |m: String| Err(PlanError::Calibration(m));
     let world = summary.world_size.max(1);
-    let (dp, pp, m_rep) = match &summary.pipeline {
-        Some(p) => (p.dp.max(1), p.pp.max(1), p.microbatches_per_replica.max(1)),
-        None => (world, 1, 0),
-    };
-    if dp * pp != world && world.is_multiple_of(dp * pp) {
-        return bad(format!(
-            "the run is tensor-parallel (tp = {}); the plan calibrates from a run with \
-             parallel.tp = 1 (the same config on 1 worker or data-parallel) and predicts tp \
-             layouts from it",
-            world / (dp * pp)
-        ));
-    }
-    if dp * pp != world {
-        return bad(format!(
-            "summary.json says {world} workers but a layout of dp {dp} × pp {pp}"
-        ));
-    }
+    let shape = RunShape::of(summary, world)?;
     if workload.params == 0 {
-        return bad("the model has no parameters".into());
+        return Err(PlanError::Calibration("the model has no parameters".into()));
     }
-    let total = records.iter().map(|r| r.step + 1).max().unwrap_or(0);
-    let skip = warmup_steps(total);
-    let mut by_step: BTreeMap<u64, Vec<&StepRecord>> = BTreeMap::new();
-    for r in records
-        .iter()
-        .filter(|r| r.step >= skip && r.eval.is_none())
-    {
-        by_step.entry(r.step).or_default().push(r);
-    }
-    let mb = workload.microbatch.max(1) as f64;
-    // Device copies (gradients off and parameters onto the model's device, host copies on the
-    // CPU) are per micro-batch work like the forward and backward they were taken out of.
-    let work = |r: &StepRecord| {
-        r.seconds.data + r.seconds.forward + r.seconds.backward + r.seconds.device_copy
-    };
-    let busy = |r: &StepRecord| match &r.pipeline {
-        Some(p) => r.seconds.data + p.schedule_seconds,
-        None => work(r),
-    };
-    // Per step: (per-sample compute, sync, optimizer, overhead, step).
-    let mut rows: Vec<[f64; 5]> = Vec::new();
-    for recs in by_step.values() {
-        let step = recs.iter().map(|r| r.step_seconds).fold(0.0, f64::max);
-        let crit = *recs
-            .iter()
-            .max_by(|a, b| busy(a).total_cmp(&busy(b)))
-            .expect("a step has records");
-        let per_sample = if pp == 1 {
-            if crit.samples == 0 {
-                continue;
-            }
-            work(crit) / crit.samples as f64
-        } else {
-            // A replica's stages together compute each of its samples once.
-            let rep = |r: &StepRecord| r.rank / pp;
-            let mut sums: BTreeMap<usize, f64> = BTreeMap::new();
-            for r in recs {
-                *sums.entry(rep(r)).or_default() += work(r);
-            }
-            sums.values().copied().fold(0.0, f64::max) / (m_rep as f64 * mb)
-        };
-        let sync = crit.seconds.communication + crit.seconds.waiting;
-        let other = (step - busy(crit) - sync - crit.seconds.optimizer).max(0.0);
-        rows.push([per_sample, sync, crit.seconds.optimizer, other, step]);
-    }
+    let steady = SteadySteps::of(records);
+    let rows = steady.rows(shape, workload.microbatch.max(1) as f64);
     if rows.is_empty() {
-        return bad(format!(
-            "no steady-state steps to measure: the run has {total} step(s) and the first {skip} are warm-up; run more steps (e.g. --set train.steps=40)"
-        ));
+        return Err(PlanError::Calibration(format!(
+            "no steady-state steps to measure: the run has {} step(s) and the first {} are warm-up; run more steps (e.g. --set train.steps=40)",
+            steady.total, steady.skip
+        )));
     }
     let col = |i: usize| median(rows.iter().map(|r| r[i]).collect());
     let (work_per_sample_s, measured_sync_s, opt_s, overhead_s, measured_step_s) =
         (col(0), col(1), col(2), col(3), col(4));
-
-    let (layer_shares, layer_shares_from) = match &summary.pipeline {
-        Some(p)
-            if p.layer_seconds.len() == workload.layers.len()
-                && p.layer_seconds.iter().sum::<f64>() > 0.0 =>
-        {
-            let s: f64 = p.layer_seconds.iter().sum();
-            (
-                p.layer_seconds.iter().map(|x| x / s).collect(),
-                "measured layer costs (summary.json pipeline.layer_seconds)".to_string(),
-            )
-        }
-        _ => (
-            even(workload.layers.len()),
-            "even split over layers (no measured layer costs in the run)".to_string(),
-        ),
-    };
+    let (layer_shares, layer_shares_from) = layer_shares(summary, workload);
+    let (dp, pp) = (shape.dp, shape.pp);
     if pp > workload.layers.len() {
-        return bad(format!(
+        return Err(PlanError::Calibration(format!(
             "the run has {pp} pipeline stages but its model has {} layer(s)",
             workload.layers.len()
-        ));
+        )));
     }
 
     // The calibration run's layout on its own links.
@@ -164,18 +90,9 @@ pub fn calibrate(
     let local = if pp == 1 {
         workload.microbatches.div_ceil(world)
     } else {
-        m_rep
+        shape.m_rep
     };
-    // The sum as the run did it: ranks on several hosts use the collectives even where the
-    // transport would share memory on one (the calibration cluster is one node of `link`s).
-    let as_run = Workload {
-        shared_memory: match summary.gradient_sum {
-            Some(GradientSum::SharedWindows) => true,
-            Some(GradientSum::Collectives | GradientSum::Local) => false,
-            None => workload.shared_memory,
-        },
-        ..workload.clone()
-    };
+    let as_run = summed_as_run(summary, workload);
     let net = place.loss_exchange(world, &as_run) + place.gradient_sync(&groups, stage, &as_run);
     let mut notes = Vec::new();
     let units = sync_units(stage_params, local, workload.reproducible);
@@ -189,37 +106,7 @@ pub fn calibrate(
             link.latency_s * 1e6
         ));
     }
-    // Bytes: each rank's median per steady step, averaged over ranks.
-    let mut per_rank: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
-    for recs in by_step.values() {
-        for r in recs {
-            per_rank
-                .entry(r.rank)
-                .or_default()
-                .push(r.bytes_sent as f64);
-        }
-    }
-    let measured_bytes = per_rank.into_values().map(median).sum::<f64>() / world as f64;
-    // A pipeline run's activations and gradients between stages, cut where the run cut.
-    let p2p_bytes = match &summary.pipeline {
-        Some(p) if pp > 1 => {
-            let valid = p.stage_layers.len() == pp
-                && p.stage_layers
-                    .iter()
-                    .all(|&(a, b)| a < b && b <= workload.layers.len());
-            let stages = if valid {
-                p.stage_layers.clone()
-            } else {
-                balanced_stages(&layer_shares, pp)
-            };
-            p2p_bytes_per_rank(
-                Layout::dp_pp(dp, pp),
-                &boundary_bytes(workload, &stages),
-                m_rep,
-            )
-        }
-        _ => 0.0,
-    };
+    let p2p_bytes = pipeline_p2p_bytes(summary, workload, shape, &layer_shares);
     Ok(Calibration {
         world,
         dp,
@@ -240,10 +127,191 @@ pub fn calibrate(
         link: *link,
         layer_shares,
         layer_shares_from,
-        measured_bytes_per_rank_step: measured_bytes,
+        measured_bytes_per_rank_step: steady.bytes_per_rank(world),
         modelled_bytes_per_rank_step: net.bytes_per_rank + p2p_bytes,
         notes,
     })
+}
+
+/// The calibration run's layout: data-parallel replicas, pipeline stages and micro-batches per
+/// replica (0 without a pipeline), refused for a tensor-parallel or inconsistent run.
+#[derive(Debug, Clone, Copy)]
+struct RunShape {
+    dp: usize,
+    pp: usize,
+    m_rep: usize,
+}
+
+impl RunShape {
+    fn of(summary: &Summary, world: usize) -> Result<RunShape, PlanError> {
+        let (dp, pp, m_rep) = match &summary.pipeline {
+            Some(p) => (p.dp.max(1), p.pp.max(1), p.microbatches_per_replica.max(1)),
+            None => (world, 1, 0),
+        };
+        if dp * pp != world && world.is_multiple_of(dp * pp) {
+            return Err(PlanError::Calibration(format!(
+                "the run is tensor-parallel (tp = {}); the plan calibrates from a run with \
+                 parallel.tp = 1 (the same config on 1 worker or data-parallel) and predicts tp \
+                 layouts from it",
+                world / (dp * pp)
+            )));
+        }
+        if dp * pp != world {
+            return Err(PlanError::Calibration(format!(
+                "summary.json says {world} workers but a layout of dp {dp} × pp {pp}"
+            )));
+        }
+        Ok(RunShape { dp, pp, m_rep })
+    }
+}
+
+/// The run's training records after its warm-up, by step.
+struct SteadySteps<'r> {
+    by_step: BTreeMap<u64, Vec<&'r StepRecord>>,
+    total: u64,
+    skip: u64,
+}
+
+impl<'r> SteadySteps<'r> {
+    fn of(records: &'r [StepRecord]) -> SteadySteps<'r> {
+        let total = records.iter().map(|r| r.step + 1).max().unwrap_or(0);
+        let skip = warmup_steps(total);
+        let mut by_step: BTreeMap<u64, Vec<&StepRecord>> = BTreeMap::new();
+        for r in records
+            .iter()
+            .filter(|r| r.step >= skip && r.eval.is_none())
+        {
+            by_step.entry(r.step).or_default().push(r);
+        }
+        SteadySteps {
+            by_step,
+            total,
+            skip,
+        }
+    }
+
+    /// Per step: (per-sample compute, sync, optimizer, overhead, step) of its critical rank,
+    /// `mb` samples per micro-batch.
+    fn rows(&self, shape: RunShape, mb: f64) -> Vec<[f64; 5]> {
+        let mut rows = Vec::new();
+        for recs in self.by_step.values() {
+            let step = recs.iter().map(|r| r.step_seconds).fold(0.0, f64::max);
+            let crit = *recs
+                .iter()
+                .max_by(|a, b| busy(a).total_cmp(&busy(b)))
+                .expect("a step has records");
+            let per_sample = if shape.pp == 1 {
+                if crit.samples == 0 {
+                    continue;
+                }
+                work(crit) / crit.samples as f64
+            } else {
+                // A replica's stages together compute each of its samples once.
+                let mut sums: BTreeMap<usize, f64> = BTreeMap::new();
+                for r in recs {
+                    *sums.entry(r.rank / shape.pp).or_default() += work(r);
+                }
+                sums.values().copied().fold(0.0, f64::max) / (shape.m_rep as f64 * mb)
+            };
+            let sync = crit.seconds.communication + crit.seconds.waiting;
+            let other = (step - busy(crit) - sync - crit.seconds.optimizer).max(0.0);
+            rows.push([per_sample, sync, crit.seconds.optimizer, other, step]);
+        }
+        rows
+    }
+
+    /// Bytes sent per rank per steady step: each rank's median, averaged over the `world` ranks.
+    fn bytes_per_rank(&self, world: usize) -> f64 {
+        let mut per_rank: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+        for recs in self.by_step.values() {
+            for r in recs {
+                per_rank
+                    .entry(r.rank)
+                    .or_default()
+                    .push(r.bytes_sent as f64);
+            }
+        }
+        per_rank.into_values().map(median).sum::<f64>() / world as f64
+    }
+}
+
+/// A rank's per-micro-batch work. Device copies (gradients off and parameters onto the model's
+/// device, host copies on the CPU) are per micro-batch work like the forward and backward they
+/// were taken out of.
+fn work(r: &StepRecord) -> f64 {
+    r.seconds.data + r.seconds.forward + r.seconds.backward + r.seconds.device_copy
+}
+
+/// A rank's busy time in a step: its work, or its pipeline schedule's.
+fn busy(r: &StepRecord) -> f64 {
+    match &r.pipeline {
+        Some(p) => r.seconds.data + p.schedule_seconds,
+        None => work(r),
+    }
+}
+
+/// Share of the compute per layer: the run's measured layer costs, else an even split; and
+/// where the shares came from.
+fn layer_shares(summary: &Summary, workload: &Workload) -> (Vec<f64>, String) {
+    match &summary.pipeline {
+        Some(p)
+            if p.layer_seconds.len() == workload.layers.len()
+                && p.layer_seconds.iter().sum::<f64>() > 0.0 =>
+        {
+            let s: f64 = p.layer_seconds.iter().sum();
+            (
+                p.layer_seconds.iter().map(|x| x / s).collect(),
+                "measured layer costs (summary.json pipeline.layer_seconds)".to_string(),
+            )
+        }
+        _ => (
+            even(workload.layers.len()),
+            "even split over layers (no measured layer costs in the run)".to_string(),
+        ),
+    }
+}
+
+/// `workload` with the gradient sum the run did: ranks on several hosts use the collectives even
+/// where the transport would share memory on one (the calibration cluster is one node of
+/// `link`s).
+fn summed_as_run(summary: &Summary, workload: &Workload) -> Workload {
+    Workload {
+        shared_memory: match summary.gradient_sum {
+            Some(GradientSum::SharedWindows) => true,
+            Some(GradientSum::Collectives | GradientSum::Local) => false,
+            None => workload.shared_memory,
+        },
+        ..workload.clone()
+    }
+}
+
+/// A pipeline run's activations and gradients sent between stages per rank and step, cut where
+/// the run cut (0 without a pipeline).
+fn pipeline_p2p_bytes(
+    summary: &Summary,
+    workload: &Workload,
+    shape: RunShape,
+    layer_shares: &[f64],
+) -> f64 {
+    match &summary.pipeline {
+        Some(p) if shape.pp > 1 => {
+            let valid = p.stage_layers.len() == shape.pp
+                && p.stage_layers
+                    .iter()
+                    .all(|&(a, b)| a < b && b <= workload.layers.len());
+            let stages = if valid {
+                p.stage_layers.clone()
+            } else {
+                balanced_stages(layer_shares, shape.pp)
+            };
+            p2p_bytes_per_rank(
+                Layout::dp_pp(shape.dp, shape.pp),
+                &boundary_bytes(workload, &stages),
+                shape.m_rep,
+            )
+        }
+        _ => 0.0,
+    }
 }
 
 #[cfg(test)]

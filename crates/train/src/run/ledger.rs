@@ -316,12 +316,11 @@ impl<'a> Ledger<'a> {
         if self.cfg.checkpoint.background {
             // One set in the background at a time: the previous one is settled first.
             self.settle_set(comm)?;
-        }
-        let (dir, id, faults) = (&self.ckpt_dir, &self.identity, self.faults);
-        if self.cfg.checkpoint.background {
+            let (dir, id, faults) = (&self.ckpt_dir, &self.identity, self.faults);
             self.pending_set = Some(start_set(comm, dir, step + 1, id, view, counts, faults)?);
             return Ok(());
         }
+        let (dir, id, faults) = (&self.ckpt_dir, &self.identity, self.faults);
         let staged = write_set(comm, dir, step + 1, id, view, counts, faults)?;
         if let Some(staged) = staged {
             self.writer.take_set(staged);
