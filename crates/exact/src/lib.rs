@@ -8,7 +8,12 @@
 //! `lockstep_comm::exact` forms the same sums across ranks (all-reduce, reduce-scatter, shared
 //! windows) with the same functions, so both give the same bits. Models (tensor-parallel pieces
 //! on one worker) use this crate without depending on any transport.
+//!
+//! [`binned::BinnedSum`] is a second exact sum, one that takes one part at a time in memory that
+//! does not grow with the number of parts (the arithmetic gradient accumulation in O(P) needs);
+//! its bits are not the shared-exponent sum's, and no training path uses it yet.
 
+pub mod binned;
 pub mod fixed_point;
 pub mod square_sum;
 

@@ -1,0 +1,448 @@
+//! [`BinnedSum`]: an exact, order-independent running sum of `f32` vectors that takes one part at
+//! a time, in memory that does not grow with the number of parts — the arithmetic that gradient
+//! accumulation in O(P) needs (each micro-batch's gradient folded in as soon as its backward
+//! ends), which the exact sum of [`crate::sum_local`] cannot give: its shared exponent is the
+//! largest over *all* parts, so it must hold every part until the last one is known.
+//!
+//! **Definition.** Magnitudes are cut into fixed bins of [`BIN_BITS`] = 32 bits: bin `b` holds
+//! `[2^(G₀+32b), 2^(G₀+32(b+1)))` with `G₀ = −160` (below the smallest subnormal), so bins `1..=8`
+//! cover every non-zero finite `f32`. For each position `i` of the vector, let `t` be the highest
+//! bin any part reached there and `L = t − 1`; the result at `i` is
+//!
+//! ```text
+//!     Σ_parts trunc(x / 2^(G₀+32L)) · 2^(G₀+32L)        (trunc rounds toward zero)
+//! ```
+//!
+//! rounded once to `f32`. It depends only on the multiset of parts — not on their order, their
+//! grouping into accumulators, or how many a rank holds — and keeps at least 32 bits below the
+//! largest part at that position (the truncation error is below `2^−32 ×` that part per part).
+//!
+//! **How it is kept.** Per position: the level `L` (an `i8`, −1 while every part was zero) and two
+//! `i64` bins, `hi` (units of `2^(G+32)`) and `lo` (units of `2^G`), `G = G₀ + 32L`. A part
+//! `x = ±m·2^k` (`m < 2^24`) with top bin ≤ `L + 1` has `|trunc(x/2^G)| < 2^64`; it adds that
+//! integer's high and low 32-bit halves (sign and magnitude) to `hi` and `lo`. When a part raises
+//! `L` by one, every earlier part's new integer is its old `hi` half exactly (truncations toward
+//! zero compose), and each fits 32 bits, so the bins move down (`lo ← hi`, `hi ← 0`); when it
+//! raises `L` by two or more, every earlier part truncates to zero. Merging two accumulators
+//! (another rank's, another group of parts) raises both to the higher level the same way and
+//! adds the bins. Bins stay exact up to 2³¹ parts.
+//!
+//! **Cost.** 17 bytes per position (against 4 per part for holding the parts); a fold is one
+//! pass over the part and the accumulator (integer operations only); a merge one pass over both.
+
+use crate::fixed_point::pow2;
+use crate::SumError;
+
+/// Bits per bin.
+pub const BIN_BITS: i32 = 32;
+
+/// `G₀`: the scale of bin 0's unit, below the smallest subnormal `f32` (`2^−149`).
+const BASE: i32 = -160;
+
+/// The level of a position every part of which was zero.
+const EMPTY: i8 = -1;
+
+/// An exact running sum of `f32` vectors of one length (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BinnedSum {
+    level: Vec<i8>,
+    hi: Vec<i64>,
+    lo: Vec<i64>,
+    /// The first position where a part held NaN or an infinity.
+    non_finite: Option<usize>,
+}
+
+/// A finite non-zero `f32` as sign, integer mantissa and exponent: `±m · 2^k`.
+#[derive(Clone, Copy, Debug)]
+struct Split {
+    negative: bool,
+    m: u64,
+    k: i32,
+}
+
+/// What one `f32` is to the sum.
+enum Value {
+    Zero,
+    NonFinite,
+    Finite(Split),
+}
+
+fn split(v: f32) -> Value {
+    let bits = v.to_bits();
+    let biased = ((bits >> 23) & 0xff) as i32;
+    let fraction = u64::from(bits & 0x7f_ffff);
+    let negative = bits >> 31 == 1;
+    match biased {
+        0xff => Value::NonFinite,
+        0 if fraction == 0 => Value::Zero,
+        0 => Value::Finite(Split {
+            negative,
+            m: fraction,
+            k: -149,
+        }),
+        b => Value::Finite(Split {
+            negative,
+            m: fraction | 1 << 23,
+            k: b - 150,
+        }),
+    }
+}
+
+impl Split {
+    /// The bin holding the value's leading bit.
+    fn top_bin(self) -> i8 {
+        // |x| < 2^(k + bit length of m).
+        let bound = self.k + (64 - self.m.leading_zeros() as i32);
+        ((bound - BASE - 1) / BIN_BITS) as i8
+    }
+
+    /// `trunc(x / 2^(G₀ + 32·level))` as its high and low 32-bit halves, each signed like `x`.
+    /// Requires `top_bin() ≤ level + 1`.
+    fn halves(self, level: i8) -> (i64, i64) {
+        let shift = self.k - (BASE + BIN_BITS * i32::from(level));
+        debug_assert!(shift <= 40, "a part above the level's two bins");
+        let magnitude = if shift >= 0 {
+            self.m << shift
+        } else if shift > -64 {
+            self.m >> -shift
+        } else {
+            0
+        };
+        let (hi, lo) = ((magnitude >> 32) as i64, (magnitude & 0xffff_ffff) as i64);
+        if self.negative {
+            (-hi, -lo)
+        } else {
+            (hi, lo)
+        }
+    }
+}
+
+impl BinnedSum {
+    /// An empty sum of vectors of `len` values.
+    pub fn new(len: usize) -> Self {
+        BinnedSum {
+            level: vec![EMPTY; len],
+            hi: vec![0; len],
+            lo: vec![0; len],
+            non_finite: None,
+        }
+    }
+
+    /// The number of values per vector.
+    pub fn len(&self) -> usize {
+        self.level.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.level.is_empty()
+    }
+
+    /// Bytes this accumulator holds (for memory reports).
+    pub fn bytes(&self) -> u64 {
+        (self.len() * (1 + 2 * std::mem::size_of::<i64>())) as u64
+    }
+
+    /// Back to the empty sum, keeping the memory.
+    pub fn clear(&mut self) {
+        self.level.fill(EMPTY);
+        self.hi.fill(0);
+        self.lo.fill(0);
+        self.non_finite = None;
+    }
+
+    /// Add the part `values` (which must have [`BinnedSum::len`] values).
+    pub fn fold(&mut self, values: &[f32]) {
+        assert_eq!(values.len(), self.len(), "a part of another length");
+        for (i, &v) in values.iter().enumerate() {
+            match split(v) {
+                Value::Zero => {}
+                Value::NonFinite => {
+                    self.non_finite = Some(self.non_finite.map_or(i, |f| f.min(i)));
+                }
+                Value::Finite(x) => {
+                    self.raise(i, x.top_bin() - 1);
+                    let (hi, lo) = x.halves(self.level[i]);
+                    self.hi[i] += hi;
+                    self.lo[i] += lo;
+                }
+            }
+        }
+    }
+
+    /// Add every part another accumulator of the same length holds.
+    pub fn merge(&mut self, other: &BinnedSum) {
+        assert_eq!(other.len(), self.len(), "a sum of another length");
+        for i in 0..self.len() {
+            if other.level[i] == EMPTY {
+                continue;
+            }
+            self.raise(i, other.level[i]);
+            let (hi, lo) = lifted(other.level[i], other.hi[i], other.lo[i], self.level[i]);
+            self.hi[i] += hi;
+            self.lo[i] += lo;
+        }
+        self.non_finite = match (self.non_finite, other.non_finite) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
+    /// Raise position `i` to at least `level`, moving what it holds with it.
+    fn raise(&mut self, i: usize, level: i8) {
+        if level > self.level[i] {
+            (self.hi[i], self.lo[i]) = lifted(self.level[i], self.hi[i], self.lo[i], level);
+            self.level[i] = level;
+        }
+    }
+
+    /// The sums as `f32`, or the first position where a part was not finite.
+    pub fn finish(&self, out: &mut [f32]) -> Result<(), SumError> {
+        assert_eq!(out.len(), self.len(), "an output of another length");
+        if let Some(i) = self.non_finite {
+            return Err(SumError::NonFinite {
+                start: i,
+                end: i + 1,
+            });
+        }
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = value(self.level[i], self.hi[i], self.lo[i]);
+        }
+        Ok(())
+    }
+}
+
+/// Bins `(hi, lo)` at `from` moved up to `to ≥ from` (see the module docs).
+fn lifted(from: i8, hi: i64, lo: i64, to: i8) -> (i64, i64) {
+    match to - from {
+        0 => (hi, lo),
+        1 => (0, hi),
+        _ => (0, 0),
+    }
+}
+
+/// `(hi · 2^32 + lo) · 2^(G₀ + 32·level)` rounded to `f32` through `f64` (deterministic): the
+/// integer rounded once to `f64`, scaled exactly, rounded to `f32`.
+fn value(level: i8, hi: i64, lo: i64) -> f32 {
+    if level == EMPTY {
+        return 0.0;
+    }
+    const EXACT: i64 = 1 << 53;
+    let units = if hi.abs() < EXACT && lo.abs() < EXACT {
+        // Both terms are exact in f64, so their one addition is the integer correctly rounded,
+        // as the i128 conversion below (fewer than 2^21 parts always take this path).
+        hi as f64 * 4_294_967_296.0 + lo as f64
+    } else {
+        ((i128::from(hi) << BIN_BITS) + i128::from(lo)) as f64
+    };
+    (units * pow2(BASE + BIN_BITS * i32::from(level))) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values across the whole range: zeros, subnormals, both signs, tiny to huge, and runs of
+    /// nearby magnitudes (where truncation and carries matter).
+    fn part(len: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..len)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let sign = if x & 1 == 0 { 1.0 } else { -1.0 };
+                match (i + seed as usize) % 6 {
+                    0 => 0.0,
+                    1 => f32::from_bits((x as u32) & 0x807f_ffff), // subnormal
+                    2 => f32::from_bits((x as u32) & 0xff7f_ffff | 0x0080_0000), // any normal
+                    _ => sign * ((x >> 40) as f32) * 2f32.powi((x % 40) as i32 - 20),
+                }
+            })
+            .map(|v: f32| if v.is_finite() { v } else { 1.0 })
+            .collect()
+    }
+
+    fn folded(parts: &[Vec<f32>]) -> BinnedSum {
+        let mut s = BinnedSum::new(parts[0].len());
+        for p in parts {
+            s.fold(p);
+        }
+        s
+    }
+
+    fn bits(s: &BinnedSum) -> Vec<u32> {
+        let mut out = vec![0f32; s.len()];
+        s.finish(&mut out).unwrap();
+        out.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The definition, computed per position from all parts at once in `i128`.
+    fn reference(parts: &[Vec<f32>], i: usize) -> (i8, i128) {
+        let splits: Vec<Split> = parts
+            .iter()
+            .filter_map(|p| match split(p[i]) {
+                Value::Finite(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        let Some(top) = splits.iter().map(|s| s.top_bin()).max() else {
+            return (EMPTY, 0);
+        };
+        let level = top - 1;
+        let grid = BASE + BIN_BITS * i32::from(level);
+        let total = splits
+            .iter()
+            .map(|s| {
+                let shift = s.k - grid;
+                let magnitude = if shift >= 0 {
+                    i128::from(s.m) << shift
+                } else if shift > -64 {
+                    i128::from(s.m >> -shift)
+                } else {
+                    0
+                };
+                if s.negative {
+                    -magnitude
+                } else {
+                    magnitude
+                }
+            })
+            .sum();
+        (level, total)
+    }
+
+    #[test]
+    fn the_sum_is_the_definition_whatever_the_order_and_grouping() {
+        let parts: Vec<Vec<f32>> = (0..7).map(|s| part(3000, s)).collect();
+        let forward = folded(&parts);
+        for i in 0..forward.len() {
+            let (level, total) = reference(&parts, i);
+            assert_eq!(forward.level[i], level, "level at {i}");
+            let held = (i128::from(forward.hi[i]) << 32) + i128::from(forward.lo[i]);
+            assert_eq!(held, total, "sum at {i}");
+        }
+        let reversed: Vec<Vec<f32>> = parts.iter().rev().cloned().collect();
+        assert_eq!(bits(&folded(&reversed)), bits(&forward));
+        // Grouped as three ranks would hold them, merged in two orders.
+        let (a, b, c) = (
+            folded(&parts[..1]),
+            folded(&parts[1..5]),
+            folded(&parts[5..]),
+        );
+        let mut abc = a.clone();
+        abc.merge(&b);
+        abc.merge(&c);
+        let mut cba = c.clone();
+        cba.merge(&b);
+        cba.merge(&a);
+        assert_eq!(bits(&abc), bits(&forward));
+        assert_eq!(bits(&cba), bits(&forward));
+    }
+
+    #[test]
+    fn small_parts_folded_before_a_large_one_count_as_truncated_at_its_level() {
+        // Position 0: 1 + 2^-20 and -3·2^-40 (level 4, grid 2^-32), then 2^33 raises the level by
+        // one (grid 1): the earlier parts count as trunc(1 + 2^-20) = 1 and trunc(-3·2^-40) = 0.
+        // Position 1: the same, then 2^70 raises it by two: they count as 0.
+        let first = [
+            vec![1.0f32 + 2f32.powi(-20); 2],
+            vec![-3.0 * 2f32.powi(-40); 2],
+        ];
+        let big = vec![2f32.powi(33), 2f32.powi(70)];
+        let small_first = [first[0].clone(), first[1].clone(), big.clone()];
+        let big_first = [big.clone(), first[1].clone(), first[0].clone()];
+        let (a, b) = (folded(&small_first), folded(&big_first));
+        assert_eq!(bits(&a), bits(&b));
+        assert_eq!(a, b);
+        for i in 0..2 {
+            let (level, total) = reference(&small_first, i);
+            assert_eq!(a.level[i], level);
+            assert_eq!((i128::from(a.hi[i]) << 32) + i128::from(a.lo[i]), total);
+        }
+        assert_eq!(
+            (a.level[0], a.hi[0], a.lo[0]),
+            (5, 2, 1),
+            "2^33 + 1 at grid 1"
+        );
+        assert_eq!(
+            (a.level[1], a.hi[1], a.lo[1]),
+            (6, 64, 0),
+            "2^70 at grid 2^32"
+        );
+        let mut out = [0f32; 2];
+        a.finish(&mut out).unwrap();
+        assert_eq!(out, [(2f64.powi(33) + 1.0) as f32, 2f32.powi(70)]);
+    }
+
+    #[test]
+    fn the_result_keeps_32_bits_below_the_largest_part() {
+        let parts: Vec<Vec<f32>> = (0..16).map(|s| part(2000, s + 100)).collect();
+        let s = folded(&parts);
+        let mut out = vec![0f32; s.len()];
+        s.finish(&mut out).unwrap();
+        for (i, &got) in out.iter().enumerate() {
+            let exact: f64 = parts.iter().map(|p| f64::from(p[i])).sum();
+            let largest = parts.iter().map(|p| p[i].abs()).fold(0f32, f32::max);
+            let bound = f64::from(largest) * 16.0 * 2f64.powi(-32) // truncations
+                + exact.abs() * 2f64.powi(-24) // the rounding to f32
+                + f64::from(f32::from_bits(1)); // ... and to subnormals
+            assert!(
+                (f64::from(got) - exact).abs() <= bound,
+                "at {i}: {got} against {exact}"
+            );
+        }
+    }
+
+    #[test]
+    fn bins_stay_exact_for_many_parts_at_the_top_of_their_range() {
+        let near_max = f32::MAX / 2.0;
+        let mut s = BinnedSum::new(2);
+        for _ in 0..1000 {
+            s.fold(&[near_max / 1024.0, -near_max / 1024.0]);
+        }
+        let mut out = [0f32; 2];
+        s.finish(&mut out).unwrap();
+        assert_eq!(
+            out,
+            [near_max / 1024.0 * 1000.0, -near_max / 1024.0 * 1000.0]
+        );
+    }
+
+    #[test]
+    fn the_two_conversions_of_the_bins_agree() {
+        for (hi, lo) in [
+            (3, -7),
+            (-(1 << 52) + 5, (1 << 40) + 3),
+            ((1 << 52) - 1, -(1 << 31) + 1),
+        ] {
+            let wide = ((i128::from(hi) << 32) + i128::from(lo)) as f64;
+            assert_eq!(
+                value(4, hi, lo),
+                (wide * pow2(BASE + 128)) as f32,
+                "{hi} {lo}"
+            );
+        }
+        // Beyond 2^53 in a bin: the wide path.
+        let (hi, lo) = (1i64 << 60, 12345);
+        assert_eq!(value(5, hi, lo), (((1i128 << 92) + 12345) as f64) as f32);
+    }
+
+    #[test]
+    fn a_non_finite_part_names_its_first_position() {
+        let mut s = BinnedSum::new(4);
+        s.fold(&[1.0, 2.0, f32::INFINITY, f32::NAN]);
+        let mut other = BinnedSum::new(4);
+        other.fold(&[1.0, f32::NAN, 0.0, 0.0]);
+        s.merge(&other);
+        let mut out = [0f32; 4];
+        assert_eq!(
+            s.finish(&mut out),
+            Err(SumError::NonFinite { start: 1, end: 2 })
+        );
+        s.clear();
+        s.fold(&[0.0, -0.0, 1.5, 0.0]);
+        s.finish(&mut out).unwrap();
+        assert_eq!(out, [0.0, 0.0, 1.5, 0.0]);
+        assert_eq!(s.bytes(), 4 * 17);
+    }
+}
