@@ -5,9 +5,10 @@
 //! largest over *all* parts, so it must hold every part until the last one is known.
 //!
 //! **Definition.** Magnitudes are cut into fixed bins of [`BIN_BITS`] = 32 bits: bin `b` holds
-//! `[2^(G₀+32b), 2^(G₀+32(b+1)))` with `G₀ = −160` (below the smallest subnormal), so bins `1..=8`
-//! cover every non-zero finite `f32`. For each position `i` of the vector, let `t` be the highest
-//! bin any part reached there and `L = t − 1`; the result at `i` is
+//! `[2^(G₀+32b), 2^(G₀+32(b+1)))` with `G₀ = −192`. A non-zero finite `f32` with exponent field
+//! `E` is below `2^e`, `e = max(E, 1) − 126` (subnormals are counted below `2^−126`), and its top
+//! bin is the bin of `2^(e−1)`: 2 to 9. For each position `i` of the vector, let `t` be the highest
+//! top bin of any part there and `L = t − 1`; the result at `i` is
 //!
 //! ```text
 //!     Σ_parts trunc(x / 2^(G₀+32L)) · 2^(G₀+32L)        (trunc rounds toward zero)
@@ -28,16 +29,20 @@
 //! adds the bins. Bins stay exact up to 2³¹ parts.
 //!
 //! **Cost.** 17 bytes per position (against 4 per part for holding the parts); a fold is one
-//! pass over the part and the accumulator (integer operations only); a merge one pass over both.
+//! pass over the part and the accumulator, a merge one pass over both: branch-free integer
+//! operations per value, compiled for AVX-512 / AVX2 / the portable target like
+//! [`crate::fixed_point`]'s loops (same bits in every copy).
 
-use crate::fixed_point::pow2;
+use crate::fixed_point::{dispatched, pow2, tier, Tier};
 use crate::SumError;
 
 /// Bits per bin.
 pub const BIN_BITS: i32 = 32;
 
-/// `G₀`: the scale of bin 0's unit, below the smallest subnormal `f32` (`2^−149`).
-const BASE: i32 = -160;
+/// `G₀`: the scale of bin 0's unit, far enough below the smallest subnormal `f32` (`2^−149`) that
+/// every non-zero value's top bin is at least 2 (so its level `top − 1` is a bin, never
+/// [`EMPTY`]).
+const BASE: i32 = -192;
 
 /// The level of a position every part of which was zero.
 const EMPTY: i8 = -1;
@@ -50,71 +55,127 @@ pub struct BinnedSum {
     lo: Vec<i64>,
     /// The first position where a part held NaN or an infinity.
     non_finite: Option<usize>,
+    /// Parts folded in (merges add theirs): below [`FAST_FINISH_PARTS`], every bin is below
+    /// 2^53 and [`BinnedSum::finish`] converts with two exact `f64`s per value.
+    parts: u64,
 }
 
-/// A finite non-zero `f32` as sign, integer mantissa and exponent: `±m · 2^k`.
-#[derive(Clone, Copy, Debug)]
-struct Split {
-    negative: bool,
-    m: u64,
-    k: i32,
-}
+/// Parts below which no bin can reach 2^53 (each part adds less than 2^32 to each bin).
+const FAST_FINISH_PARTS: u64 = 1 << 21;
 
-/// What one `f32` is to the sum.
-enum Value {
-    Zero,
-    NonFinite,
-    Finite(Split),
-}
-
-fn split(v: f32) -> Value {
+/// The level `v` asks for (its top bin − 1; [`EMPTY`] for zeros and non-finite values), and
+/// whether it is non-finite. Branch-free, as everything the vector loops call.
+#[inline(always)]
+fn wish(v: f32) -> (i32, bool) {
     let bits = v.to_bits();
     let biased = ((bits >> 23) & 0xff) as i32;
-    let fraction = u64::from(bits & 0x7f_ffff);
-    let negative = bits >> 31 == 1;
-    match biased {
-        0xff => Value::NonFinite,
-        0 if fraction == 0 => Value::Zero,
-        0 => Value::Finite(Split {
-            negative,
-            m: fraction,
-            k: -149,
-        }),
-        b => Value::Finite(Split {
-            negative,
-            m: fraction | 1 << 23,
-            k: b - 150,
-        }),
+    let non_finite = biased == 0xff;
+    let counts = bits & 0x7fff_ffff != 0 && !non_finite;
+    let top = (biased.max(1) - 126 - BASE - 1) / BIN_BITS;
+    (if counts { top - 1 } else { EMPTY as i32 }, non_finite)
+}
+
+/// `trunc(v / 2^(G₀ + 32·level))`'s high and low 32-bit halves, signed like `v` (0 for zeros and
+/// non-finite values); `level` must be at least [`wish`]'s.
+#[inline(always)]
+fn halves(v: f32, level: i32) -> (i64, i64) {
+    let bits = v.to_bits();
+    let biased = ((bits >> 23) & 0xff) as i32;
+    let finite = biased != 0xff;
+    let m = u64::from(bits & 0x7f_ffff) | if biased != 0 { 1 << 23 } else { 0 };
+    let m = if finite { m } else { 0 };
+    let shift = biased.max(1) - 150 - (BASE + BIN_BITS * level);
+    // A part at or below its level's two bins is below 2^64 in units of the grid, so a left
+    // shift loses nothing; zeros (m = 0) may meet any shift.
+    let magnitude = if shift >= 0 {
+        m << shift.min(63)
+    } else {
+        m >> (-shift).min(63)
+    };
+    let (hi, lo) = ((magnitude >> 32) as i64, (magnitude & 0xffff_ffff) as i64);
+    if bits >> 31 == 1 {
+        (-hi, -lo)
+    } else {
+        (hi, lo)
     }
 }
 
-impl Split {
-    /// The bin holding the value's leading bit.
-    fn top_bin(self) -> i8 {
-        // |x| < 2^(k + bit length of m).
-        let bound = self.k + (64 - self.m.leading_zeros() as i32);
-        ((bound - BASE - 1) / BIN_BITS) as i8
-    }
-
-    /// `trunc(x / 2^(G₀ + 32·level))` as its high and low 32-bit halves, each signed like `x`.
-    /// Requires `top_bin() ≤ level + 1`.
-    fn halves(self, level: i8) -> (i64, i64) {
-        let shift = self.k - (BASE + BIN_BITS * i32::from(level));
-        debug_assert!(shift <= 40, "a part above the level's two bins");
-        let magnitude = if shift >= 0 {
-            self.m << shift
-        } else if shift > -64 {
-            self.m >> -shift
+/// Bins `(hi, lo)` at `from` moved up to `to ≥ from` (see the module docs), branch-free.
+#[inline(always)]
+fn lifted(from: i32, hi: i64, lo: i64, to: i32) -> (i64, i64) {
+    let d = to - from;
+    (
+        if d == 0 { hi } else { 0 },
+        if d == 0 {
+            lo
+        } else if d == 1 {
+            hi
         } else {
             0
-        };
-        let (hi, lo) = ((magnitude >> 32) as i64, (magnitude & 0xffff_ffff) as i64);
-        if self.negative {
-            (-hi, -lo)
-        } else {
-            (hi, lo)
-        }
+        },
+    )
+}
+
+/// [`BinnedSum::fold`]'s loop; returns the first non-finite position (`usize::MAX`: none).
+#[inline(always)]
+fn fold_any(level: &mut [i8], hi: &mut [i64], lo: &mut [i64], values: &[f32]) -> usize {
+    let n = values.len();
+    let (level, hi, lo) = (&mut level[..n], &mut hi[..n], &mut lo[..n]);
+    let mut first_bad = usize::MAX;
+    for i in 0..n {
+        let v = values[i];
+        let (want, non_finite) = wish(v);
+        first_bad = first_bad.min(if non_finite { i } else { usize::MAX });
+        let old = i32::from(level[i]);
+        let new = old.max(want);
+        let (h, l) = lifted(old, hi[i], lo[i], new);
+        let (ph, pl) = halves(v, new);
+        hi[i] = h + ph;
+        lo[i] = l + pl;
+        level[i] = new as i8;
     }
+    first_bad
+}
+
+/// [`BinnedSum::merge`]'s loop.
+#[inline(always)]
+fn merge_any(level: &mut [i8], hi: &mut [i64], lo: &mut [i64], other: (&[i8], &[i64], &[i64])) {
+    let n = level.len();
+    let (o_level, o_hi, o_lo) = (&other.0[..n], &other.1[..n], &other.2[..n]);
+    let (hi, lo) = (&mut hi[..n], &mut lo[..n]);
+    for i in 0..n {
+        let (a, b) = (i32::from(level[i]), i32::from(o_level[i]));
+        let new = a.max(b);
+        let (h, l) = lifted(a, hi[i], lo[i], new);
+        // An empty side holds zeros, which any lift keeps zero.
+        let (oh, ol) = lifted(b, o_hi[i], o_lo[i], new);
+        hi[i] = h + oh;
+        lo[i] = l + ol;
+        level[i] = new as i8;
+    }
+}
+
+/// [`BinnedSum::finish`]'s loop for bins below 2^53: [`value`]'s fast path, branch-free.
+#[inline(always)]
+fn finish_any(level: &[i8], hi: &[i64], lo: &[i64], out: &mut [f32]) {
+    let n = out.len();
+    let (level, hi, lo) = (&level[..n], &hi[..n], &lo[..n]);
+    for i in 0..n {
+        let units = hi[i] as f64 * 4_294_967_296.0 + lo[i] as f64;
+        // 2^(G₀ + 32·level) from its bits; an empty position holds zeros, so any scale does.
+        let scale = f64::from_bits(((BASE + BIN_BITS * i32::from(level[i]) + 1023) as u64) << 52);
+        out[i] = (units * scale) as f32;
+    }
+}
+
+dispatched! {
+    fn finish_kernel(level: &[i8], hi: &[i64], lo: &[i64], out: &mut [f32]) = finish_any
+}
+dispatched! {
+    fn fold_kernel(level: &mut [i8], hi: &mut [i64], lo: &mut [i64], values: &[f32]) -> usize = fold_any
+}
+dispatched! {
+    fn merge_kernel(level: &mut [i8], hi: &mut [i64], lo: &mut [i64], other: (&[i8], &[i64], &[i64])) = merge_any
 }
 
 impl BinnedSum {
@@ -125,6 +186,7 @@ impl BinnedSum {
             hi: vec![0; len],
             lo: vec![0; len],
             non_finite: None,
+            parts: 0,
         }
     }
 
@@ -148,51 +210,31 @@ impl BinnedSum {
         self.hi.fill(0);
         self.lo.fill(0);
         self.non_finite = None;
+        self.parts = 0;
     }
 
     /// Add the part `values` (which must have [`BinnedSum::len`] values).
     pub fn fold(&mut self, values: &[f32]) {
         assert_eq!(values.len(), self.len(), "a part of another length");
-        for (i, &v) in values.iter().enumerate() {
-            match split(v) {
-                Value::Zero => {}
-                Value::NonFinite => {
-                    self.non_finite = Some(self.non_finite.map_or(i, |f| f.min(i)));
-                }
-                Value::Finite(x) => {
-                    self.raise(i, x.top_bin() - 1);
-                    let (hi, lo) = x.halves(self.level[i]);
-                    self.hi[i] += hi;
-                    self.lo[i] += lo;
-                }
-            }
-        }
+        let bad = fold_kernel(&mut self.level, &mut self.hi, &mut self.lo, values);
+        self.parts += 1;
+        self.note_non_finite((bad != usize::MAX).then_some(bad));
     }
 
     /// Add every part another accumulator of the same length holds.
     pub fn merge(&mut self, other: &BinnedSum) {
         assert_eq!(other.len(), self.len(), "a sum of another length");
-        for i in 0..self.len() {
-            if other.level[i] == EMPTY {
-                continue;
-            }
-            self.raise(i, other.level[i]);
-            let (hi, lo) = lifted(other.level[i], other.hi[i], other.lo[i], self.level[i]);
-            self.hi[i] += hi;
-            self.lo[i] += lo;
-        }
-        self.non_finite = match (self.non_finite, other.non_finite) {
+        let theirs = (&other.level[..], &other.hi[..], &other.lo[..]);
+        merge_kernel(&mut self.level, &mut self.hi, &mut self.lo, theirs);
+        self.parts += other.parts;
+        self.note_non_finite(other.non_finite);
+    }
+
+    fn note_non_finite(&mut self, at: Option<usize>) {
+        self.non_finite = match (self.non_finite, at) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-    }
-
-    /// Raise position `i` to at least `level`, moving what it holds with it.
-    fn raise(&mut self, i: usize, level: i8) {
-        if level > self.level[i] {
-            (self.hi[i], self.lo[i]) = lifted(self.level[i], self.hi[i], self.lo[i], level);
-            self.level[i] = level;
-        }
     }
 
     /// The sums as `f32`, or the first position where a part was not finite.
@@ -204,26 +246,21 @@ impl BinnedSum {
                 end: i + 1,
             });
         }
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = value(self.level[i], self.hi[i], self.lo[i]);
+        if self.parts < FAST_FINISH_PARTS {
+            finish_kernel(&self.level, &self.hi, &self.lo, out);
+        } else {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = value(i32::from(self.level[i]), self.hi[i], self.lo[i]);
+            }
         }
         Ok(())
     }
 }
 
-/// Bins `(hi, lo)` at `from` moved up to `to ≥ from` (see the module docs).
-fn lifted(from: i8, hi: i64, lo: i64, to: i8) -> (i64, i64) {
-    match to - from {
-        0 => (hi, lo),
-        1 => (0, hi),
-        _ => (0, 0),
-    }
-}
-
 /// `(hi · 2^32 + lo) · 2^(G₀ + 32·level)` rounded to `f32` through `f64` (deterministic): the
 /// integer rounded once to `f64`, scaled exactly, rounded to `f32`.
-fn value(level: i8, hi: i64, lo: i64) -> f32 {
-    if level == EMPTY {
+fn value(level: i32, hi: i64, lo: i64) -> f32 {
+    if level == i32::from(EMPTY) {
         return 0.0;
     }
     const EXACT: i64 = 1 << 53;
@@ -234,7 +271,7 @@ fn value(level: i8, hi: i64, lo: i64) -> f32 {
     } else {
         ((i128::from(hi) << BIN_BITS) + i128::from(lo)) as f64
     };
-    (units * pow2(BASE + BIN_BITS * i32::from(level))) as f32
+    (units * pow2(BASE + BIN_BITS * level)) as f32
 }
 
 #[cfg(test)]
@@ -276,39 +313,44 @@ mod tests {
         out.iter().map(|v| v.to_bits()).collect()
     }
 
-    /// The definition, computed per position from all parts at once in `i128`.
+    /// The definition, computed per position from all parts at once in `i128`, from the module
+    /// docs alone: (level, Σ trunc(x / 2^G)).
     fn reference(parts: &[Vec<f32>], i: usize) -> (i8, i128) {
-        let splits: Vec<Split> = parts
+        let finite: Vec<f32> = parts
             .iter()
-            .filter_map(|p| match split(p[i]) {
-                Value::Finite(s) => Some(s),
-                _ => None,
-            })
+            .map(|p| p[i])
+            .filter(|v| v.is_finite() && *v != 0.0)
             .collect();
-        let Some(top) = splits.iter().map(|s| s.top_bin()).max() else {
+        let field = |v: f32| ((v.to_bits() >> 23) & 0xff) as i32;
+        let Some(top) = finite
+            .iter()
+            .map(|&v| (field(v).max(1) - 126 - 1 - BASE).div_euclid(32))
+            .max()
+        else {
             return (EMPTY, 0);
         };
-        let level = top - 1;
-        let grid = BASE + BIN_BITS * i32::from(level);
-        let total = splits
+        let grid = BASE + 32 * (top - 1);
+        let total = finite
             .iter()
-            .map(|s| {
-                let shift = s.k - grid;
+            .map(|&v| {
+                // v = ±m · 2^k exactly.
+                let e = field(v);
+                let m = i128::from(v.to_bits() & 0x7f_ffff) | if e > 0 { 1 << 23 } else { 0 };
+                let k = e.max(1) - 150;
+                let shift = k - grid;
                 let magnitude = if shift >= 0 {
-                    i128::from(s.m) << shift
-                } else if shift > -64 {
-                    i128::from(s.m >> -shift)
+                    m << shift
                 } else {
-                    0
+                    m.checked_shr(shift.unsigned_abs()).unwrap_or(0)
                 };
-                if s.negative {
+                if v < 0.0 {
                     -magnitude
                 } else {
                     magnitude
                 }
             })
             .sum();
-        (level, total)
+        ((top - 1) as i8, total)
     }
 
     #[test]
@@ -340,8 +382,29 @@ mod tests {
     }
 
     #[test]
+    fn every_compiled_copy_gives_the_same_bins() {
+        let parts: Vec<Vec<f32>> = (0..5).map(|s| part(4001, s + 7)).collect();
+        let fast = folded(&parts);
+        let portable = crate::fixed_point::portable_only(|| folded(&parts));
+        assert_eq!(fast, portable);
+        let (mut a, b) = (folded(&parts[..2]), folded(&parts[2..]));
+        let mut c = a.clone();
+        a.merge(&b);
+        crate::fixed_point::portable_only(|| c.merge(&b));
+        assert_eq!(a, c);
+        assert_eq!(a, fast);
+        // The vector finish against the scalar one, on every position.
+        let mut out = vec![0f32; a.len()];
+        a.finish(&mut out).unwrap();
+        for (i, o) in out.iter().enumerate() {
+            let want = value(i32::from(a.level[i]), a.hi[i], a.lo[i]);
+            assert_eq!(o.to_bits(), want.to_bits(), "at {i}");
+        }
+    }
+
+    #[test]
     fn small_parts_folded_before_a_large_one_count_as_truncated_at_its_level() {
-        // Position 0: 1 + 2^-20 and -3·2^-40 (level 4, grid 2^-32), then 2^33 raises the level by
+        // Position 0: 1 + 2^-20 and -3·2^-40 (level 5, grid 2^-32), then 2^33 raises the level by
         // one (grid 1): the earlier parts count as trunc(1 + 2^-20) = 1 and trunc(-3·2^-40) = 0.
         // Position 1: the same, then 2^70 raises it by two: they count as 0.
         let first = [
@@ -361,12 +424,12 @@ mod tests {
         }
         assert_eq!(
             (a.level[0], a.hi[0], a.lo[0]),
-            (5, 2, 1),
+            (6, 2, 1),
             "2^33 + 1 at grid 1"
         );
         assert_eq!(
             (a.level[1], a.hi[1], a.lo[1]),
-            (6, 64, 0),
+            (7, 64, 0),
             "2^70 at grid 2^32"
         );
         let mut out = [0f32; 2];
@@ -424,7 +487,7 @@ mod tests {
         }
         // Beyond 2^53 in a bin: the wide path.
         let (hi, lo) = (1i64 << 60, 12345);
-        assert_eq!(value(5, hi, lo), (((1i128 << 92) + 12345) as f64) as f32);
+        assert_eq!(value(6, hi, lo), (((1i128 << 92) + 12345) as f64) as f32);
     }
 
     #[test]

@@ -108,6 +108,8 @@ macro_rules! dispatched {
     };
 }
 
+pub(crate) use dispatched;
+
 dispatched! {
     /// Max exponent bound of a slice, or `NON_FINITE` (see `max_exponent_any`).
     pub fn max_exponent(values: &[f32]) -> i32 = max_exponent_any
