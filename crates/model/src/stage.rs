@@ -111,6 +111,86 @@ pub(crate) fn start_backward(
     }
 }
 
+/// Forward graphs kept until their micro-batch's backward, by micro-batch id: what both stage
+/// kinds ([`Stage`], [`crate::TpStage`]) hold between the two passes.
+pub(crate) struct KeptGraphs<P>(HashMap<u64, P>);
+
+impl<P> KeptGraphs<P> {
+    pub(crate) fn new() -> Self {
+        KeptGraphs(HashMap::new())
+    }
+
+    /// How many micro-batches' graphs are kept.
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Refused unless no graphs are kept: `what` (replacing or releasing the parameters) would
+    /// leave the kept graphs referencing the old ones.
+    pub(crate) fn assert_none_for(&self, what: &str) {
+        assert!(
+            self.0.is_empty(),
+            "parameters {what} with {} forward graphs pending",
+            self.0.len()
+        );
+    }
+
+    /// Refuses a second forward of micro-batch `id` before its backward.
+    pub(crate) fn check_free(&self, id: u64) -> Result<(), E> {
+        if self.0.contains_key(&id) {
+            return Err(E::InvalidSpec(format!(
+                "micro-batch {id} already has a pending forward on this stage"
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn keep(&mut self, id: u64, graph: P) {
+        self.0.insert(id, graph);
+    }
+
+    /// The graph of micro-batch `id`'s forward, taken for its backward.
+    pub(crate) fn take(&mut self, id: u64) -> Result<P, E> {
+        self.0.remove(&id).ok_or_else(|| {
+            E::InvalidSpec(format!("backward of micro-batch {id} without its forward"))
+        })
+    }
+}
+
+/// A backward's parameter-gradient buffer must have the stage's `expected` length.
+pub(crate) fn check_grad_len(what: &'static str, expected: usize, got: usize) -> Result<(), E> {
+    if got != expected {
+        return Err(E::ParamLength {
+            what,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// The end of a training forward whose last layers produced `x`: on the last stage (`targets`
+/// given) the loss of `logits(x)` scaled by `scale`, elsewhere the activations `x`.
+pub(crate) fn end_forward(
+    x: Tensor<3>,
+    targets: Option<&[i64]>,
+    logits: impl FnOnce(Tensor<3>) -> Tensor<2>,
+    scale: f32,
+    n: usize,
+    device: &Device,
+) -> Result<(PendingOutput, StageOutput), E> {
+    match targets {
+        Some(targets) => scaled_loss(logits(x), targets, scale, n, device),
+        None => {
+            let values = params::f32_slice(&x.to_data()).to_vec();
+            Ok((
+                PendingOutput::Activations(x),
+                StageOutput::Activations(values),
+            ))
+        }
+    }
+}
+
 /// What an evaluation forward computed, before it is read out.
 pub(crate) enum EvalForward {
     Activations(Tensor<3>),
@@ -157,7 +237,7 @@ pub struct Stage {
     net: StageNet,
     layout: Vec<ParamInfo>,
     num_params: usize,
-    pending: HashMap<u64, Pending>,
+    pending: KeptGraphs<Pending>,
     /// The parameters' tensors were dropped ([`Stage::release_params`]); the next
     /// [`Stage::set_params_flat`] builds them again.
     released: bool,
@@ -205,7 +285,7 @@ impl Stage {
             net,
             layout,
             num_params,
-            pending: HashMap::new(),
+            pending: KeptGraphs::new(),
             released: false,
         })
     }
@@ -248,11 +328,7 @@ impl Stage {
                 got: p.len(),
             });
         }
-        assert!(
-            self.pending.is_empty(),
-            "parameters replaced with {} forward graphs pending",
-            self.pending.len()
-        );
+        self.pending.assert_none_for("replaced");
         let net = if self.released {
             StageNet::zeros(&self.spec, self.layers.clone(), &self.device)
         } else {
@@ -266,11 +342,7 @@ impl Stage {
     /// Drop the parameters' tensors until the next [`Stage::set_params_flat`] (ZeRO 3 keeps only
     /// its chunk of them between steps). Refused while graphs are pending (they use them).
     pub fn release_params(&mut self) {
-        assert!(
-            self.pending.is_empty(),
-            "parameters released with {} forward graphs pending",
-            self.pending.len()
-        );
+        self.pending.assert_none_for("released");
         self.net = StageNet::empty();
         self.released = true;
     }
@@ -286,24 +358,16 @@ impl Stage {
         targets: Option<&[i64]>,
         scale: f32,
     ) -> Result<StageOutput, E> {
-        if self.pending.contains_key(&id) {
-            return Err(E::InvalidSpec(format!(
-                "micro-batch {id} already has a pending forward on this stage"
-            )));
-        }
+        self.pending.check_free(id)?;
         let (input_leaf, x) = self.input_tensor(&self.net, input, n, true)?;
         let x = self.net.blocks(x, &self.spec);
-        let (output, result) = if self.is_last() {
-            let targets = self.check_targets(targets, n)?;
-            scaled_loss(self.net.logits(x), targets, scale, n, &self.device)?
-        } else {
-            let values = params::f32_slice(&x.to_data()).to_vec();
-            (
-                PendingOutput::Activations(x),
-                StageOutput::Activations(values),
-            )
+        let targets = match self.is_last() {
+            true => Some(self.check_targets(targets, n)?),
+            false => None,
         };
-        self.pending.insert(
+        let (output, result) =
+            end_forward(x, targets, |x| self.net.logits(x), scale, n, &self.device)?;
+        self.pending.keep(
             id,
             Pending {
                 input: input_leaf,
@@ -322,16 +386,8 @@ impl Stage {
         grad_output: Option<&[f32]>,
         grad_params: &mut [f32],
     ) -> Result<Option<Vec<f32>>, E> {
-        if grad_params.len() != self.num_params {
-            return Err(E::ParamLength {
-                what: "stage grad_params",
-                expected: self.num_params,
-                got: grad_params.len(),
-            });
-        }
-        let pending = self.pending.remove(&id).ok_or_else(|| {
-            E::InvalidSpec(format!("backward of micro-batch {id} without its forward"))
-        })?;
+        check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
+        let pending = self.pending.take(id)?;
         let grads = start_backward(pending.output, grad_output, &self.device)?;
         let input_grad = pending.input.map(|leaf| {
             leaf.grad(&grads)
@@ -533,18 +589,32 @@ pub(crate) mod chain {
         fn held(&self) -> usize;
     }
 
-    impl Link for Stage {
-        fn fwd(&mut self, input: StageInput<'_>, n: usize, y: Option<&[i64]>) -> StageOutput {
-            self.forward(9, input, n, y, 0.25).unwrap()
-        }
-        fn bwd(&mut self, g: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>) {
-            let mut gp = vec![0f32; self.num_params()];
-            (self.backward(9, g, &mut gp).unwrap(), gp)
-        }
-        fn held(&self) -> usize {
-            Stage::held(self)
-        }
+    /// [`Link`] for a stage type with the stage contract's methods (`forward`, `backward`,
+    /// `num_params`, `held`): one micro-batch (id 9) at scale 0.25.
+    macro_rules! link_by_contract {
+        ($stage:ty) => {
+            impl $crate::stage::chain::Link for $stage {
+                fn fwd(
+                    &mut self,
+                    input: StageInput<'_>,
+                    n: usize,
+                    y: Option<&[i64]>,
+                ) -> StageOutput {
+                    self.forward(9, input, n, y, 0.25).unwrap()
+                }
+                fn bwd(&mut self, g: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>) {
+                    let mut gp = vec![0f32; self.num_params()];
+                    (self.backward(9, g, &mut gp).unwrap(), gp)
+                }
+                fn held(&self) -> usize {
+                    <$stage>::held(self)
+                }
+            }
+        };
     }
+    pub(crate) use link_by_contract;
+
+    link_by_contract!(Stage);
 
     /// Tokens and targets of `n` sequences.
     pub(crate) fn batch(n: usize, s: &TransformerSpec) -> (Vec<i64>, Vec<i64>) {

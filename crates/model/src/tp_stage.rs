@@ -19,7 +19,6 @@
 //! gradient comes from one backward call. Replicated graphs see the same inputs on every rank of
 //! a tensor-parallel group and so produce the same bits there.
 
-use std::collections::HashMap;
 use std::ops::Range;
 
 use crate::gelu::gelu;
@@ -28,8 +27,8 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::params;
 use crate::stage::{
-    check_targets, input_tensor, scaled_loss, start_backward, EvalForward, PendingOutput,
-    StageEval, StageInput, StageOutput,
+    check_grad_len, check_targets, end_forward, input_tensor, start_backward, EvalForward,
+    KeptGraphs, PendingOutput, StageEval, StageInput, StageOutput,
 };
 use crate::tensor_parallel::{LayerSlots, PieceSum, TpLayout, TpSplit};
 use crate::transformer::{attend, embed_tokens, head_logits, linear3, TransformerSpec};
@@ -85,7 +84,7 @@ pub struct TpStage {
     /// One leaf per local tensor (vectors as `[1, n]`).
     params: Vec<Tensor<2>>,
     sum: Box<dyn PieceSum>,
-    pending: HashMap<u64, Pending>,
+    pending: KeptGraphs<Pending>,
 }
 
 impl std::fmt::Debug for TpStage {
@@ -133,7 +132,7 @@ impl TpStage {
             layout,
             params: Vec::new(),
             sum,
-            pending: HashMap::new(),
+            pending: KeptGraphs::new(),
         };
         stage.set_params_flat(&initial)?;
         Ok(stage)
@@ -170,11 +169,7 @@ impl TpStage {
     /// Drop the local parameters (ZeRO 3 between steps: the training loop keeps its chunks);
     /// [`TpStage::set_params_flat`] brings them back. Refused while graphs are pending.
     pub fn release_params(&mut self) {
-        assert!(
-            self.pending.is_empty(),
-            "parameters released with {} forward graphs pending",
-            self.pending.len()
-        );
+        self.pending.assert_none_for("released");
         self.params = Vec::new();
     }
 
@@ -187,11 +182,7 @@ impl TpStage {
                 got: p.len(),
             });
         }
-        assert!(
-            self.pending.is_empty(),
-            "parameters replaced with {} forward graphs pending",
-            self.pending.len()
-        );
+        self.pending.assert_none_for("replaced");
         self.params = self
             .layout
             .tensors
@@ -379,31 +370,23 @@ impl TpStage {
         targets: Option<&[i64]>,
         scale: f32,
     ) -> Result<StageOutput, E> {
-        if self.pending.contains_key(&id) {
-            return Err(E::InvalidSpec(format!(
-                "micro-batch {id} already has a pending forward on this stage"
-            )));
-        }
+        self.pending.check_free(id)?;
         let targets = if self.is_last() {
             Some(check_targets(&self.spec, targets, n)?.to_vec())
         } else {
             None
         };
         let (segments, pieces, last) = self.run(input, n, true)?;
-        let (end, out) = match targets {
-            Some(targets) => {
-                let logits = self.logits(last.x_out.clone());
-                scaled_loss(logits, &targets, scale, n, &self.device)?
-            }
-            None => {
-                let v = values(last.x_out.clone());
-                (
-                    PendingOutput::Activations(last.x_out.clone()),
-                    StageOutput::Activations(v),
-                )
-            }
-        };
-        self.pending.insert(
+        let x_out = last.x_out.clone();
+        let (end, out) = end_forward(
+            x_out,
+            targets.as_deref(),
+            |x| self.logits(x),
+            scale,
+            n,
+            &self.device,
+        )?;
+        self.pending.keep(
             id,
             Pending {
                 segments,
@@ -440,21 +423,14 @@ impl TpStage {
         grad_output: Option<&[f32]>,
         grad_params: &mut [f32],
     ) -> Result<Option<Vec<f32>>, E> {
-        if grad_params.len() != self.num_params() {
-            return Err(E::ParamLength {
-                what: "tensor-parallel stage grad_params",
-                expected: self.num_params(),
-                got: grad_params.len(),
-            });
-        }
+        let what = "tensor-parallel stage grad_params";
+        check_grad_len(what, self.num_params(), grad_params.len())?;
         let Pending {
             segments,
             mut pieces,
             last,
             end,
-        } = self.pending.remove(&id).ok_or_else(|| {
-            E::InvalidSpec(format!("backward of micro-batch {id} without its forward"))
-        })?;
+        } = self.pending.take(id)?;
         let dims = last.x_out.dims();
         grad_params.fill(0.0);
         let mut grads = start_backward(end, grad_output, &self.device)?;
@@ -535,7 +511,7 @@ impl TpStage {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stage::chain::{self, batch, Link};
+    use crate::stage::chain::{self, batch};
     use crate::tensor_parallel::{scatter_map, LocalPieceSum};
     use crate::Stage;
 
@@ -550,18 +526,7 @@ mod tests {
         }
     }
 
-    impl Link for TpStage {
-        fn fwd(&mut self, input: StageInput<'_>, n: usize, y: Option<&[i64]>) -> StageOutput {
-            self.forward(9, input, n, y, 0.25).unwrap()
-        }
-        fn bwd(&mut self, g: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>) {
-            let mut gp = vec![0f32; self.num_params()];
-            (self.backward(9, g, &mut gp).unwrap(), gp)
-        }
-        fn held(&self) -> usize {
-            TpStage::held(self)
-        }
-    }
+    chain::link_by_contract!(TpStage);
 
     /// `cuts` as a chain of stages of `pieces` on one rank, one micro-batch: the loss and the
     /// whole model's gradient in canonical order.
