@@ -87,6 +87,12 @@ pub struct Machine {
     /// use, single-threaded, on square products of `gemm_peak_n` (`lockstep_model::measure_gemm_peak`).
     pub gemm_peak_gflops_per_core: f64,
     pub gemm_peak_n: usize,
+    /// One core's vector units with no memory in the way, GFLOP/s
+    /// (`lockstep_model::measure_instruction_peaks`): AVX-512 f32 FMAs and AVX512-BF16 dot
+    /// products (`None` where the CPU lacks them), and whether CPUID reports AMX-BF16 tiles.
+    pub f32_fma_peak_gflops_per_core: Option<f64>,
+    pub bf16_dot_peak_gflops_per_core: Option<f64>,
+    pub amx_bf16: bool,
     /// Training FLOPs of one sample (forward and backward) of the config's model, by the usual
     /// count: 6 per dense parameter, plus the transformer's attention (`12·L·d·T²`); `None` where
     /// lockstep has no count (the CNN's convolutions, a user's job).
@@ -457,12 +463,16 @@ fn machine(cfg: &TrainConfig) -> Machine {
         .and_then(|s| s.split_whitespace().next()?.parse().ok());
     // Before any case runs, on this (otherwise idle) thread.
     let peak = lockstep_model::measure_gemm_peak(512, std::time::Duration::from_millis(300), 5);
+    let units = lockstep_model::measure_instruction_peaks(std::time::Duration::from_millis(100), 3);
     Machine {
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         cpu_model,
         load_average,
         gemm_peak_gflops_per_core: peak.gflops,
         gemm_peak_n: peak.n,
+        f32_fma_peak_gflops_per_core: units.f32_fma_gflops,
+        bf16_dot_peak_gflops_per_core: units.bf16_dot_gflops,
+        amx_bf16: units.amx_bf16,
         model_flops_per_sample: model_flops_per_sample(cfg),
     }
 }
@@ -487,6 +497,21 @@ fn model_flops_per_sample(cfg: &TrainConfig) -> Option<f64> {
     }
 }
 
+/// One core's vector units, as `lockstep bench` prints them.
+fn units_line(m: &Machine) -> String {
+    let rate = |r: Option<f64>| r.map_or("none".to_string(), |g| format!("{g:.1} GFLOP/s"));
+    format!(
+        "its vector units: f32 FMA {}, bf16 dot products (AVX512-BF16) {}, AMX-BF16 tiles {}\n",
+        rate(m.f32_fma_peak_gflops_per_core),
+        rate(m.bf16_dot_peak_gflops_per_core),
+        if m.amx_bf16 {
+            "reported"
+        } else {
+            "not reported"
+        }
+    )
+}
+
 /// The table `lockstep bench` prints.
 pub fn format_table(r: &BenchReport) -> String {
     let mut s = format!(
@@ -505,6 +530,7 @@ pub fn format_table(r: &BenchReport) -> String {
         "one core's f32 matrix-multiply peak: {:.1} GFLOP/s ({}³ products, single-threaded)\n",
         r.machine.gemm_peak_gflops_per_core, r.machine.gemm_peak_n
     );
+    s += &units_line(&r.machine);
     s += &format!(
         "{:<12} {:>7} {:>12} {:>17} {:>9} {:>17} {:>8} {:>9} {:>7}\n",
         "case",

@@ -60,6 +60,28 @@ fn all_four_cases_run_and_exact_equals_one_worker() {
     // the 6-per-parameter count (digits: 64-128-64-10 plus biases).
     let peak = j["machine"]["gemm_peak_gflops_per_core"].as_f64().unwrap();
     assert!(peak.is_finite() && peak > 0.0, "{peak}");
+    // The vector units: present exactly where the CPU has them, and never slower than the GEMM
+    // built on them (f32).
+    let m = &j["machine"];
+    assert!(m["amx_bf16"].is_boolean());
+    #[cfg(target_arch = "x86_64")]
+    {
+        let fma = &m["f32_fma_peak_gflops_per_core"];
+        assert_eq!(
+            fma.is_f64(),
+            std::arch::is_x86_feature_detected!("avx512f"),
+            "{m}"
+        );
+        if let Some(fma) = fma.as_f64() {
+            assert!(fma > 0.5 * peak, "FMA peak {fma} against the GEMM's {peak}");
+        }
+        let bf16 = &m["bf16_dot_peak_gflops_per_core"];
+        assert_eq!(
+            bf16.is_f64(),
+            std::arch::is_x86_feature_detected!("avx512bf16"),
+            "{m}"
+        );
+    }
     let params = 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10;
     assert_eq!(
         j["machine"]["model_flops_per_sample"].as_f64().unwrap(),

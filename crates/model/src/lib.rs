@@ -110,7 +110,7 @@ pub use model::{param_hash, Model, ParamHasher, TimedLoss};
 pub use net::{classifier_layers, ClassifierLayer, ConvBlock};
 pub use optim::{check_elementwise, Optimizer, OptimizerSpec, UpdateRule};
 pub use params::ParamInfo;
-pub use peak::{measure_gemm_peak, GemmPeak};
+pub use peak::{measure_gemm_peak, measure_instruction_peaks, GemmPeak, InstructionPeaks};
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
 pub use stage::{Stage, StageEval, StageInput, StageOutput};
