@@ -137,19 +137,27 @@ mod units {
     /// Iterations of the 24 chains per timed call.
     pub(super) const ITERATIONS: u64 = 20_000;
 
+    /// 24 chains `acc ← step(acc)`, `iterations` times, summed at the end (inlined into each
+    /// kernel, with its instruction set).
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn fma_chains(iterations: u64) -> f32 {
-        let (a, b) = (_mm512_set1_ps(1.0), _mm512_set1_ps(1e-30));
+    #[inline]
+    fn chains(iterations: u64, step: impl Fn(__m512) -> __m512) -> f32 {
         let mut acc = [_mm512_setzero_ps(); 24];
         for _ in 0..iterations {
             for x in acc.iter_mut() {
-                *x = _mm512_fmadd_ps(a, b, *x);
+                *x = step(*x);
             }
         }
-        _mm512_reduce_add_ps(
-            acc.iter()
-                .fold(_mm512_setzero_ps(), |s, &x| _mm512_add_ps(s, x)),
-        )
+        let sum = acc
+            .iter()
+            .fold(_mm512_setzero_ps(), |s, &x| _mm512_add_ps(s, x));
+        _mm512_reduce_add_ps(sum)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn fma_chains(iterations: u64) -> f32 {
+        let (a, b) = (_mm512_set1_ps(1.0), _mm512_set1_ps(1e-30));
+        chains(iterations, |x| _mm512_fmadd_ps(a, b, x))
     }
 
     #[target_feature(enable = "avx512f,avx512bf16")]
@@ -157,16 +165,7 @@ mod units {
         // bf16 1.0 and 2^-126 (the smallest normal): the sums stay tiny.
         let one: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x3f80)) };
         let tiny: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x0080)) };
-        let mut acc = [_mm512_setzero_ps(); 24];
-        for _ in 0..iterations {
-            for x in acc.iter_mut() {
-                *x = _mm512_dpbf16_ps(*x, one, tiny);
-            }
-        }
-        _mm512_reduce_add_ps(
-            acc.iter()
-                .fold(_mm512_setzero_ps(), |s, &x| _mm512_add_ps(s, x)),
-        )
+        chains(iterations, |x| _mm512_dpbf16_ps(x, one, tiny))
     }
 
     /// CPUID leaf 7: EDX bit 22 (AMX-BF16) and bit 24 (AMX-TILE).
