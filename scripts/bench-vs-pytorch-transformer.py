@@ -82,10 +82,10 @@ CONFIGS_2 = ["lockstep_1x2", "torch_1x2"]
 CONFIGS_DDP = ["lockstep_2x1", "torch_ddp_2x1"]
 
 
-
 def is_lockstep(cfg):
     """Whether a case runs a lockstep build (this one, or the --baseline-bin one)."""
     return cfg.startswith("lockstep") or cfg.startswith("baseline")
+
 
 def shakespeare_vocab():
     """Distinct bytes of train ∪ val, as crates/data/src/text.rs builds the vocabulary."""

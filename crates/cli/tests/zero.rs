@@ -237,7 +237,6 @@ fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_siz
     assert_eq!(hash(&dir), want);
 }
 
-/// A copy of run directory `from` at `to` (files and the checkpoints' set directories).
 /// A run whose rank was killed while writing its shard of step 4's set: the set was never
 /// published (its staging directory is named), and the run resumed from step 2's.
 fn assert_recovered_from_killed_write(o: &Output) {
@@ -249,6 +248,7 @@ fn assert_recovered_from_killed_write(o: &Output) {
     assert!(err.contains(".step-000000004.shards."), "{err}");
 }
 
+/// A copy of run directory `from` at `to` (files and the checkpoints' set directories).
 fn copy_run(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {

@@ -1,5 +1,5 @@
-//! Times lockstep's elementwise kernels (GELU, softmax, layer norm) on the Shakespeare
-//! transformer's shapes, against a copy of the same number of bytes: `cargo run --release -p
+//! Times lockstep's GELU and softmax kernels on the Shakespeare transformer's shapes, against a
+//! copy of the same number of bytes: `cargo run --release -p
 //! lockstep-model --example elementwise_probe`.
 use burn::tensor::{Device, Distribution, Tensor};
 use lockstep_model::ops::{gelu, softmax_last};

@@ -361,9 +361,10 @@ impl Stage {
         self.pending.check_free(id)?;
         let (input_leaf, x) = self.input_tensor(&self.net, input, n, true)?;
         let x = self.net.blocks(x, &self.spec);
-        let targets = match self.is_last() {
-            true => Some(self.check_targets(targets, n)?),
-            false => None,
+        let targets = if self.is_last() {
+            Some(self.check_targets(targets, n)?)
+        } else {
+            None
         };
         let (output, result) =
             end_forward(x, targets, |x| self.net.logits(x), scale, n, &self.device)?;
