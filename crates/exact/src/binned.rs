@@ -161,11 +161,17 @@ fn finish_any(level: &[i8], hi: &[i64], lo: &[i64], out: &mut [f32]) {
     let n = out.len();
     let (level, hi, lo) = (&level[..n], &hi[..n], &lo[..n]);
     for i in 0..n {
-        let units = hi[i] as f64 * 4_294_967_296.0 + lo[i] as f64;
-        // 2^(G₀ + 32·level) from its bits; an empty position holds zeros, so any scale does.
-        let scale = f64::from_bits(((BASE + BIN_BITS * i32::from(level[i]) + 1023) as u64) << 52);
-        out[i] = (units * scale) as f32;
+        out[i] = small_value(i32::from(level[i]), hi[i], lo[i]);
     }
+}
+
+/// [`value`] for bins below 2^53 in magnitude: both terms are exact in `f64`, so their one
+/// addition is the integer correctly rounded, as `value`'s `i128` conversion. (An empty position
+/// holds zeros, so its scale does not matter.)
+#[inline(always)]
+fn small_value(level: i32, hi: i64, lo: i64) -> f32 {
+    let units = hi as f64 * 4_294_967_296.0 + lo as f64;
+    (units * pow2(BASE + BIN_BITS * level)) as f32
 }
 
 dispatched! {
@@ -258,19 +264,12 @@ impl BinnedSum {
 }
 
 /// `(hi · 2^32 + lo) · 2^(G₀ + 32·level)` rounded to `f32` through `f64` (deterministic): the
-/// integer rounded once to `f64`, scaled exactly, rounded to `f32`.
+/// integer rounded once to `f64`, scaled exactly, rounded to `f32`. For any bins.
 fn value(level: i32, hi: i64, lo: i64) -> f32 {
     if level == i32::from(EMPTY) {
         return 0.0;
     }
-    const EXACT: i64 = 1 << 53;
-    let units = if hi.abs() < EXACT && lo.abs() < EXACT {
-        // Both terms are exact in f64, so their one addition is the integer correctly rounded,
-        // as the i128 conversion below (fewer than 2^21 parts always take this path).
-        hi as f64 * 4_294_967_296.0 + lo as f64
-    } else {
-        ((i128::from(hi) << BIN_BITS) + i128::from(lo)) as f64
-    };
+    let units = ((i128::from(hi) << BIN_BITS) + i128::from(lo)) as f64;
     (units * pow2(BASE + BIN_BITS * level)) as f32
 }
 
@@ -480,12 +479,12 @@ mod tests {
         ] {
             let wide = ((i128::from(hi) << 32) + i128::from(lo)) as f64;
             assert_eq!(
-                value(4, hi, lo),
+                small_value(4, hi, lo),
                 (wide * pow2(BASE + 128)) as f32,
                 "{hi} {lo}"
             );
         }
-        // Beyond 2^53 in a bin: the wide path.
+        // Beyond 2^53 in a bin: the wide conversion.
         let (hi, lo) = (1i64 << 60, 12345);
         assert_eq!(value(6, hi, lo), (((1i128 << 92) + 12345) as f64) as f32);
     }

@@ -47,23 +47,26 @@ pub fn measure_gemm_peak(n: usize, trial: Duration, trials: usize) -> GemmPeak {
             )
         }
     };
-    run(); // warm-up: caches, page faults, the kernel's packing buffers
-    let flops = 2.0 * (n as f64).powi(3);
-    let best = (0..trials.max(1))
+    // The first run warms caches, page faults and the kernel's packing buffers.
+    let gflops = best_gflops(trial, trials, 2.0 * (n as f64).powi(3), &mut run);
+    std::hint::black_box(&c);
+    GemmPeak { gflops, n }
+}
+
+/// GFLOP/s of `run` (`flops` per call), the fastest of `trials` timed trials of at least `trial`
+/// each, after one untimed call.
+fn best_gflops(trial: Duration, trials: usize, flops: f64, mut run: impl FnMut()) -> f64 {
+    run();
+    (0..trials.max(1))
         .map(|_| {
             let (start, mut done) = (Instant::now(), 0u64);
             while start.elapsed() < trial || done == 0 {
                 run();
                 done += 1;
             }
-            done as f64 * flops / start.elapsed().as_secs_f64()
+            done as f64 * flops / start.elapsed().as_secs_f64() / 1e9
         })
-        .fold(0.0, f64::max);
-    std::hint::black_box(&c);
-    GemmPeak {
-        gflops: best / 1e9,
-        n,
-    }
+        .fold(0.0, f64::max)
 }
 
 /// One core's instruction throughput, GFLOP/s (see the module docs).
@@ -103,7 +106,8 @@ pub fn measure_instruction_peaks(trial: Duration, trials: usize) -> InstructionP
     }
 }
 
-/// GFLOP/s of `round` (`flops_per_iteration` × its [`units::ITERATIONS`]), best of `trials`.
+/// GFLOP/s of `round` (`flops_per_iteration` × [`units::ITERATIONS`] per call), through
+/// [`best_gflops`] (whose untimed call also wakes the vector units' power state).
 #[cfg(target_arch = "x86_64")]
 fn best_rate(
     trial: Duration,
@@ -113,19 +117,10 @@ fn best_rate(
 ) -> f64 {
     // The count goes through black_box on every call: a call with arguments the compiler can
     // see would be one it may hoist out of the timing loop (the kernels read no memory).
-    let round = |n: u64| round(std::hint::black_box(n));
-    round(units::ITERATIONS); // warm-up: the vector units' power state
     let flops = (flops_per_iteration * units::ITERATIONS) as f64;
-    (0..trials.max(1))
-        .map(|_| {
-            let (start, mut done) = (Instant::now(), 0u64);
-            while start.elapsed() < trial || done == 0 {
-                std::hint::black_box(round(units::ITERATIONS));
-                done += 1;
-            }
-            done as f64 * flops / start.elapsed().as_secs_f64() / 1e9
-        })
-        .fold(0.0, f64::max)
+    best_gflops(trial, trials, flops, || {
+        std::hint::black_box(round(std::hint::black_box(units::ITERATIONS)));
+    })
 }
 
 /// The vector kernels: 24 independent accumulator chains (more than latency × ports on any
