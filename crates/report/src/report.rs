@@ -233,16 +233,42 @@ pub fn render_with_failures(
 ) -> (String, String) {
     let s = summary;
     let evals = evaluations(s, records);
+    let straggler = match s.straggler {
+        Some(r) => format!("rank {r} is a straggler"),
+        None => "no straggler".to_string(),
+    };
+    let head = headline_table(s, recovery, &straggler);
+    let mut doc = Doc::default();
+    loss_section(&mut doc, records, &evals, failures);
+    evaluations_section(&mut doc, &evals);
+    throughput_section(&mut doc, s, records);
+    ranks_section(&mut doc, s, records, &straggler);
+    checkpoints_paragraph(&mut doc, s);
+    memory_section(&mut doc, s, records);
+    if let Some(p) = &s.pipeline {
+        pipeline_section(&mut doc, s, p);
+    }
+    failures_section(&mut doc, s, recovery, failures);
+
+    // A user's job names itself in the title (summaries of built-in runs say "lockstep").
+    let title = match s.job.as_str() {
+        "" | "lockstep" => "lockstep run report".to_string(),
+        job => format!("{job}: lockstep run report"),
+    };
+    doc.finish(
+        &title,
+        &head.md(),
+        &format!("<section id=\"headline\">{}</section>", head.html()),
+    )
+}
+
+/// The headline figures: one row per figure.
+fn headline_table(s: &Summary, recovery: &Recovery, straggler: &str) -> Table {
     let bandwidth = if s.wall_seconds > 0.0 {
         s.bytes_sent_total as f64 / s.wall_seconds / 1e9
     } else {
         0.0
     };
-    let straggler = match s.straggler {
-        Some(r) => format!("rank {r} is a straggler"),
-        None => "no straggler".to_string(),
-    };
-
     let mut head = Table::new(&["figure", "value"]);
     for (k, v) in [
         ("world size", s.world_size.to_string()),
@@ -261,7 +287,7 @@ pub fn render_with_failures(
             "imbalance (max/mean compute)",
             format!("{:.3}", s.imbalance),
         ),
-        ("straggler", straggler.clone()),
+        ("straggler", straggler.to_string()),
         (
             "communication share of step time",
             format!("{:.1}%", s.communication_fraction * 100.0),
@@ -281,8 +307,16 @@ pub fn render_with_failures(
     for (name, v) in &s.test_metrics {
         head.row(vec![format!("test {name}"), format!("{v:.4}")]);
     }
-    let mut doc = Doc::default();
+    head
+}
 
+/// Training loss and the job's test metrics over the steps, restarts marked.
+fn loss_section(
+    doc: &mut Doc,
+    records: &[StepRecord],
+    evals: &[(u64, Eval)],
+    failures: &[FailureMark],
+) {
     // Loss and accuracy, over every attempt.
     let loss = per_step(records, |r| r.loss);
     let restarts: Vec<(f64, String)> = failures
@@ -306,10 +340,7 @@ pub fn render_with_failures(
     doc.figure(loss_chart.render());
     // The job's metrics (by name, as its last evaluation reports them); accuracy first when the
     // job reports one.
-    let names: Vec<String> = evals
-        .last()
-        .map(|(_, e)| e.metrics.keys().cloned().collect())
-        .unwrap_or_default();
+    let names = metric_names(evals);
     let has_accuracy = evals.iter().any(|(_, e)| e.test_accuracy.is_finite());
     let mut metric_series = Vec::new();
     if has_accuracy {
@@ -333,7 +364,12 @@ pub fn render_with_failures(
         chart.x_marks = restarts.clone();
         doc.figure(chart.render());
     }
+}
 
+/// One row per evaluation: test loss, accuracy and the job's metrics.
+fn evaluations_section(doc: &mut Doc, evals: &[(u64, Eval)]) {
+    let names = metric_names(evals);
+    let has_accuracy = evals.iter().any(|(_, e)| e.test_accuracy.is_finite());
     doc.section("evals", "Evaluations");
     let mut columns = vec!["step".to_string(), "test loss".to_string()];
     if has_accuracy {
@@ -342,7 +378,7 @@ pub fn render_with_failures(
     columns.extend(names.iter().map(|n| format!("test {n}")));
     let column_refs: Vec<&str> = columns.iter().map(String::as_str).collect();
     let mut ev = Table::new(&column_refs);
-    for (step, e) in &evals {
+    for (step, e) in evals {
         let mut row = vec![step.to_string(), format!("{:.6}", e.test_loss)];
         if has_accuracy {
             row.push(format!("{:.4}", e.test_accuracy));
@@ -357,7 +393,9 @@ pub fn render_with_failures(
         ev.row(row);
     }
     doc.table(&ev);
+}
 
+fn throughput_section(doc: &mut Doc, s: &Summary, records: &[StepRecord]) {
     doc.section("throughput", "Throughput");
     let thr = per_step(records, |r| r.samples_per_sec);
     let mut sorted: Vec<f64> = thr.iter().map(|p| p.1).collect();
@@ -374,7 +412,10 @@ pub fn render_with_failures(
             .y_from_zero()
             .render(),
     );
+}
 
+/// Per-rank totals and time by phase.
+fn ranks_section(doc: &mut Doc, s: &Summary, records: &[StepRecord], straggler: &str) {
     doc.section("ranks", "Per rank");
     let mut ranks = Table::new(&[
         "rank",
@@ -451,7 +492,10 @@ pub fn render_with_failures(
         "Imbalance {:.3} (max / mean compute seconds; 1.000 = balanced); {straggler}.",
         s.imbalance
     ));
+}
 
+/// How checkpoints were written and what they stalled (nothing without checkpoints).
+fn checkpoints_paragraph(doc: &mut Doc, s: &Summary) {
     if let Some(c) = &s.checkpoints {
         doc.para(&format!(
             "Checkpoints: {} taken, written {}; each stalled training {:.3} s (median; at most \
@@ -469,25 +513,14 @@ pub fn render_with_failures(
                 .unwrap_or_default()
         ));
     }
+}
 
-    memory_section(&mut doc, s, records);
-
-    if let Some(p) = &s.pipeline {
-        pipeline_section(&mut doc, s, p);
-    }
-
-    failures_section(&mut doc, s, recovery, failures);
-
-    // A user's job names itself in the title (summaries of built-in runs say "lockstep").
-    let title = match s.job.as_str() {
-        "" | "lockstep" => "lockstep run report".to_string(),
-        job => format!("{job}: lockstep run report"),
-    };
-    doc.finish(
-        &title,
-        &head.md(),
-        &format!("<section id=\"headline\">{}</section>", head.html()),
-    )
+/// The job's metric names, as its last evaluation reports them.
+fn metric_names(evals: &[(u64, Eval)]) -> Vec<String> {
+    evals
+        .last()
+        .map(|(_, e)| e.metrics.keys().cloned().collect())
+        .unwrap_or_default()
 }
 
 /// Every rank's memory against its peak resident memory (nothing for a run recorded without

@@ -47,7 +47,6 @@ fn family(p: &ScalePoint) -> &'static str {
 pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
     let points = &report.points;
     let mut doc = Doc::default();
-    let base = points.first();
 
     doc.section("verdict", "Verdict");
     doc.para(&report.headline);
@@ -57,7 +56,18 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
          of the slowest rank's step; speedup = baseline step time / step time; efficiency = speedup × \
          baseline workers / workers.",
     );
+    speedup_section(&mut doc, points);
+    breakdown_section(&mut doc, points);
+    loss_section(&mut doc, points, runs);
+    final_section(&mut doc, points);
+    memory_section(&mut doc, points);
+    hashes_section(&mut doc, report);
+    doc.finish("lockstep scaling report", "", "")
+}
 
+/// Speedup and efficiency per layout: a table, the speedup per family against the ideal, and
+/// efficiency bars.
+fn speedup_section(doc: &mut Doc, points: &[ScalePoint]) {
     doc.section("speedup", "Speedup and efficiency");
     let mut t = Table::new(&[
         "run",
@@ -84,71 +94,82 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
         ]);
     }
     doc.table(&t);
-    if let Some(b) = base {
-        let mut worlds: Vec<usize> = points.iter().map(|p| p.world_size).collect();
-        worlds.sort_unstable();
-        worlds.dedup();
-        let ideal: Vec<(f64, f64)> = worlds
-            .iter()
-            .map(|&n| (n as f64, n as f64 / b.world_size as f64))
-            .collect();
-        let mut chart = LineChart::new("speedup against the ideal", "workers", "speedup (×)")
-            .series(Series::new("ideal (linear)", "#555555", ideal).dashed("6 4"));
-        for (i, fam) in [
-            "data parallel",
-            "pipeline",
-            "data × pipeline",
-            "tensor parallel",
-        ]
-        .iter()
-        .enumerate()
-        {
-            let mut mine: Vec<&ScalePoint> = points.iter().filter(|p| family(p) == *fam).collect();
-            if mine.is_empty() {
-                continue;
-            }
-            mine.sort_by_key(|p| p.world_size);
-            let mut xy: Vec<(f64, f64)> = mine
-                .iter()
-                .map(|p| (p.world_size as f64, p.speedup))
-                .collect();
-            let mut labels: Vec<String> = mine
-                .iter()
-                .map(|p| {
-                    format!(
-                        "{}: {:.2}× ({:.0}%)",
-                        p.label,
-                        p.speedup,
-                        p.efficiency * 100.0
-                    )
-                })
-                .collect();
-            // A single worker is every family's first point (1 replica of 1 stage): start each
-            // curve at a one-worker baseline so that a family with one run still shows a trend.
-            if (b.dp, b.tp, b.pp) == (1, 1, 1) && !mine.iter().any(|p| p.label == b.label) {
-                xy.insert(0, (1.0, 1.0));
-                labels.insert(0, String::new());
-            }
-            chart = chart.series(Series::new(*fam, PALETTE[i], xy).with_markers(labels));
-        }
-        doc.figure(chart.y_from_zero().x_integer().render());
-        doc.figure(
-            StackedBars {
-                title: "parallel efficiency (speedup per worker, relative to the baseline)".into(),
-                x_label: "efficiency (%)".into(),
-                segments: vec![("efficiency".into(), PALETTE[0].into())],
-                rows: points
-                    .iter()
-                    .map(|p| (who(p), vec![p.efficiency]))
-                    .collect(),
-                unit_scale: 100.0,
-                unit: "%".into(),
-                reference: Some((1.0, "ideal 100%".into())),
-            }
-            .render(),
-        );
+    if let Some(b) = points.first() {
+        doc.figure(speedup_chart(points, b));
+        doc.figure(efficiency_bars(points));
     }
+}
 
+/// Speedup per family of layouts against the linear ideal, from the baseline `b`.
+fn speedup_chart(points: &[ScalePoint], b: &ScalePoint) -> String {
+    let mut worlds: Vec<usize> = points.iter().map(|p| p.world_size).collect();
+    worlds.sort_unstable();
+    worlds.dedup();
+    let ideal: Vec<(f64, f64)> = worlds
+        .iter()
+        .map(|&n| (n as f64, n as f64 / b.world_size as f64))
+        .collect();
+    let mut chart = LineChart::new("speedup against the ideal", "workers", "speedup (×)")
+        .series(Series::new("ideal (linear)", "#555555", ideal).dashed("6 4"));
+    for (i, fam) in [
+        "data parallel",
+        "pipeline",
+        "data × pipeline",
+        "tensor parallel",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut mine: Vec<&ScalePoint> = points.iter().filter(|p| family(p) == *fam).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        mine.sort_by_key(|p| p.world_size);
+        let mut xy: Vec<(f64, f64)> = mine
+            .iter()
+            .map(|p| (p.world_size as f64, p.speedup))
+            .collect();
+        let mut labels: Vec<String> = mine
+            .iter()
+            .map(|p| {
+                format!(
+                    "{}: {:.2}× ({:.0}%)",
+                    p.label,
+                    p.speedup,
+                    p.efficiency * 100.0
+                )
+            })
+            .collect();
+        // A single worker is every family's first point (1 replica of 1 stage): start each
+        // curve at a one-worker baseline so that a family with one run still shows a trend.
+        if (b.dp, b.tp, b.pp) == (1, 1, 1) && !mine.iter().any(|p| p.label == b.label) {
+            xy.insert(0, (1.0, 1.0));
+            labels.insert(0, String::new());
+        }
+        chart = chart.series(Series::new(*fam, PALETTE[i], xy).with_markers(labels));
+    }
+    chart.y_from_zero().x_integer().render()
+}
+
+/// Parallel efficiency of every layout, against 100%.
+fn efficiency_bars(points: &[ScalePoint]) -> String {
+    StackedBars {
+        title: "parallel efficiency (speedup per worker, relative to the baseline)".into(),
+        x_label: "efficiency (%)".into(),
+        segments: vec![("efficiency".into(), PALETTE[0].into())],
+        rows: points
+            .iter()
+            .map(|p| (who(p), vec![p.efficiency]))
+            .collect(),
+        unit_scale: 100.0,
+        unit: "%".into(),
+        reference: Some((1.0, "ideal 100%".into())),
+    }
+    .render()
+}
+
+/// Median time per step by phase, per layout.
+fn breakdown_section(doc: &mut Doc, points: &[ScalePoint]) {
     doc.section("breakdown", "Time per step by phase");
     doc.para(
         "Medians over steady-state steps of the slowest rank, per phase (medians of the parts need \
@@ -199,7 +220,10 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
         }
         .render(),
     );
+}
 
+/// Every run's loss curve, and whether they are identical.
+fn loss_section(doc: &mut Doc, points: &[ScalePoint], runs: &[Run]) {
     doc.section("loss", "Loss curves");
     let curves: Vec<Vec<(f64, f64)>> = runs
         .iter()
@@ -237,7 +261,10 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
         );
     }
     doc.figure(chart.render());
+}
 
+/// Final loss, test figures and hash per layout.
+fn final_section(doc: &mut Doc, points: &[ScalePoint]) {
     doc.section("final", "Final metrics");
     let mut t = Table::new(&[
         "run",
@@ -268,11 +295,13 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
         ]);
     }
     doc.table(&t);
+}
 
-    memory_section(&mut doc, points);
-
+/// Whether every layout ended with the baseline's parameter hash.
+fn hashes_section(doc: &mut Doc, report: &ScaleReport) {
+    let points = &report.points;
     doc.section("hashes", "Reproducibility");
-    match base {
+    match points.first() {
         None => doc.para("No runs."),
         Some(b) if report.hashes_agree => doc.para(&format!(
             "Same result: all {} runs ended with the same parameter hash {} — bit-identical parameters.",
@@ -295,8 +324,6 @@ pub fn render(report: &ScaleReport, runs: &[Run]) -> (String, String) {
             ));
         }
     }
-
-    doc.finish("lockstep scaling report", "", "")
 }
 
 /// Every layout's ranks: held memory against peak resident memory (runs without memory figures

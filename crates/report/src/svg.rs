@@ -190,12 +190,11 @@ impl LineChart {
         let (px0, px1, py0, py1) = (L, WIDTH - R, H - B, T);
         let mut svg = open(WIDTH, H, &self.title);
         title(&mut svg, (px0 + px1) / 2.0, &self.title);
-        let finite = |p: &&(f64, f64)| p.0.is_finite() && p.1.is_finite();
         let pts: Vec<&(f64, f64)> = self
             .series
             .iter()
             .flat_map(|s| s.points.iter())
-            .filter(finite)
+            .filter(|p| finite(p))
             .collect();
         if pts.is_empty() {
             let _ = write!(
@@ -206,6 +205,50 @@ impl LineChart {
             );
             return svg;
         }
+        let (xt, yt) = self.ticks(&pts);
+        let frame = Frame {
+            px: (px0, px1),
+            py: (py0, py1),
+            x: (xt[0], *xt.last().expect("two ticks")),
+            y: (yt[0], *yt.last().expect("two ticks")),
+        };
+        frame.axes(&mut svg, &xt, &yt);
+        let _ = write!(
+            svg,
+            r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">{}</text>"#,
+            (px0 + px1) / 2.0,
+            H - 12.0,
+            esc(&self.x_label)
+        );
+        let _ = write!(
+            svg,
+            r#"<text x="16" y="{0:.1}" font-size="12" text-anchor="middle" transform="rotate(-90 16 {0:.1})">{1}</text>"#,
+            (py0 + py1) / 2.0,
+            esc(&self.y_label)
+        );
+        for (x, label) in &self.x_marks {
+            if !(frame.x.0..=frame.x.1).contains(x) {
+                continue;
+            }
+            let _ = write!(
+                svg,
+                r##"<line x1="{0:.1}" y1="{py0}" x2="{0:.1}" y2="{py1}" stroke="#c62828" stroke-dasharray="4 3"/><text x="{1:.1}" y="{2:.1}" font-size="10" fill="#c62828">{3}</text>"##,
+                frame.sx(*x),
+                frame.sx(*x) + 3.0,
+                py1 + 10.0,
+                esc(label)
+            );
+        }
+        // Point labels go on top of every line, so they are written last.
+        let mut labels = PointLabels::default();
+        for (i, s) in self.series.iter().enumerate() {
+            frame.series(&mut svg, &mut labels, s, i);
+        }
+        svg + &labels.svg + "</svg>"
+    }
+
+    /// The x and y ticks of the finite points `pts` (at least two each).
+    fn ticks(&self, pts: &[&(f64, f64)]) -> (Vec<f64>, Vec<f64>) {
         let fold = |f: fn(&(f64, f64)) -> f64| {
             pts.iter()
                 .map(|p| f(p))
@@ -221,15 +264,38 @@ impl LineChart {
             let (a, b) = (xt[0].floor() as i64, xt[xt.len() - 1].ceil() as i64);
             xt = (a..=b.max(a + 1)).map(|v| v as f64).collect();
         }
-        let yt = nice_ticks(y_lo, y_hi, 5);
-        let (x0, x1) = (xt[0], *xt.last().expect("two ticks"));
-        let (y0, y1) = (yt[0], *yt.last().expect("two ticks"));
-        let sx = |x: f64| px0 + (x - x0) / (x1 - x0) * (px1 - px0);
-        let sy = |y: f64| py0 - (y - y0) / (y1 - y0) * (py0 - py1);
-        let x_step = xt[1] - xt[0];
-        let y_step = yt[1] - yt[0];
-        for &v in &yt {
-            let y = sy(v);
+        (xt, nice_ticks(y_lo, y_hi, 5))
+    }
+}
+
+fn finite(p: &(f64, f64)) -> bool {
+    p.0.is_finite() && p.1.is_finite()
+}
+
+/// A line chart's plot area: pixel ranges `px` (left, right) and `py` (bottom, top) showing the
+/// data ranges `x` and `y`.
+struct Frame {
+    px: (f64, f64),
+    py: (f64, f64),
+    x: (f64, f64),
+    y: (f64, f64),
+}
+
+impl Frame {
+    fn sx(&self, x: f64) -> f64 {
+        self.px.0 + (x - self.x.0) / (self.x.1 - self.x.0) * (self.px.1 - self.px.0)
+    }
+
+    fn sy(&self, y: f64) -> f64 {
+        self.py.0 - (y - self.y.0) / (self.y.1 - self.y.0) * (self.py.0 - self.py.1)
+    }
+
+    /// Grid lines and labels at the ticks `xt` and `yt`, and the two axes.
+    fn axes(&self, svg: &mut String, xt: &[f64], yt: &[f64]) {
+        let ((px0, px1), (py0, py1)) = (self.px, self.py);
+        let (x_step, y_step) = (xt[1] - xt[0], yt[1] - yt[0]);
+        for &v in yt {
+            let y = self.sy(v);
             let _ = write!(
                 svg,
                 r##"<line x1="{px0}" y1="{y:.1}" x2="{px1}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{:.1}" y="{:.1}" font-size="11" text-anchor="end">{}</text>"##,
@@ -238,8 +304,8 @@ impl LineChart {
                 tick_label(v, y_step)
             );
         }
-        for &v in &xt {
-            let x = sx(v);
+        for &v in xt {
+            let x = self.sx(v);
             let _ = write!(
                 svg,
                 r##"<line x1="{x:.1}" y1="{py0}" x2="{x:.1}" y2="{:.1}" stroke="#444"/><text x="{x:.1}" y="{:.1}" font-size="11" text-anchor="middle">{}</text>"##,
@@ -252,105 +318,92 @@ impl LineChart {
             svg,
             r##"<line x1="{px0}" y1="{py0}" x2="{px1}" y2="{py0}" stroke="#444"/><line x1="{px0}" y1="{py0}" x2="{px0}" y2="{py1}" stroke="#444"/>"##
         );
-        let _ = write!(
-            svg,
-            r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">{}</text>"#,
-            (px0 + px1) / 2.0,
-            H - 12.0,
-            esc(&self.x_label)
-        );
-        let _ = write!(
-            svg,
-            r#"<text x="16" y="{0:.1}" font-size="12" text-anchor="middle" transform="rotate(-90 16 {0:.1})">{1}</text>"#,
-            (py0 + py1) / 2.0,
-            esc(&self.y_label)
-        );
-        for (x, label) in &self.x_marks {
-            if !(x0..=x1).contains(x) {
-                continue;
-            }
+    }
+
+    /// Series `s` (the `i`-th): its line, its markers (their labels into `labels`) and its
+    /// legend entry.
+    fn series(&self, svg: &mut String, labels: &mut PointLabels, s: &Series, i: usize) {
+        let path: Vec<String> = s
+            .points
+            .iter()
+            .filter(|p| finite(p))
+            .map(|p| format!("{:.1},{:.1}", self.sx(p.0), self.sy(p.1)))
+            .collect();
+        let dash = if s.dash.is_empty() {
+            String::new()
+        } else {
+            format!(r#" stroke-dasharray="{}""#, esc(&s.dash))
+        };
+        if path.len() > 1 {
             let _ = write!(
                 svg,
-                r##"<line x1="{0:.1}" y1="{py0}" x2="{0:.1}" y2="{py1}" stroke="#c62828" stroke-dasharray="4 3"/><text x="{1:.1}" y="{2:.1}" font-size="10" fill="#c62828">{3}</text>"##,
-                sx(*x),
-                sx(*x) + 3.0,
-                py1 + 10.0,
-                esc(label)
+                r#"<polyline fill="none" stroke="{}" stroke-width="2"{dash} points="{}"/>"#,
+                esc(&s.colour),
+                path.join(" ")
             );
         }
-        // Point labels go on top of every line, so they are written last.
-        let mut labels = String::new();
-        let mut placed: Vec<((f64, f64), f64)> = Vec::new();
-        for (i, s) in self.series.iter().enumerate() {
-            let path: Vec<String> = s
-                .points
-                .iter()
-                .filter(finite)
-                .map(|p| format!("{:.1},{:.1}", sx(p.0), sy(p.1)))
-                .collect();
-            let dash = if s.dash.is_empty() {
-                String::new()
-            } else {
-                format!(r#" stroke-dasharray="{}""#, esc(&s.dash))
-            };
-            if path.len() > 1 {
+        if s.markers || path.len() == 1 {
+            for (j, p) in s.points.iter().enumerate().filter(|(_, p)| finite(p)) {
+                let (x, y) = (self.sx(p.0), self.sy(p.1));
                 let _ = write!(
                     svg,
-                    r#"<polyline fill="none" stroke="{}" stroke-width="2"{dash} points="{}"/>"#,
-                    esc(&s.colour),
-                    path.join(" ")
+                    r#"<circle cx="{x:.1}" cy="{y:.1}" r="4" fill="{}"/>"#,
+                    esc(&s.colour)
                 );
-            }
-            if s.markers || path.len() == 1 {
-                for (j, p) in s.points.iter().enumerate().filter(|(_, p)| finite(p)) {
-                    let (x, y) = (sx(p.0), sy(p.1));
-                    let _ = write!(
-                        svg,
-                        r#"<circle cx="{x:.1}" cy="{y:.1}" r="4" fill="{}"/>"#,
-                        esc(&s.colour)
-                    );
-                    if let Some(label) = s.point_labels.get(j).filter(|l| !l.is_empty()) {
-                        // Below-right of the point, or below-left near the right edge; moved
-                        // further down while it would cover a label already placed.
-                        let w = text_width(label, 10.0);
-                        let (lx, anchor, left) = if x + w + 8.0 > px1 {
-                            (x - 7.0, "end", x - 7.0 - w)
-                        } else {
-                            (x + 7.0, "start", x + 7.0)
-                        };
-                        let overlaps = |ly: f64| {
-                            placed.iter().any(|&((a, b), py)| {
-                                left < b && a < left + w && (ly - py).abs() < 12.0
-                            })
-                        };
-                        let mut ly = y + 16.0;
-                        while overlaps(ly) {
-                            ly += 12.0;
-                        }
-                        placed.push(((left, left + w), ly));
-                        let _ = write!(
-                            labels,
-                            r##"<text x="{lx:.1}" y="{ly:.1}" font-size="10" text-anchor="{anchor}" fill="{}" stroke="#fff" stroke-width="3" paint-order="stroke">{}</text>"##,
-                            esc(&s.colour),
-                            esc(label)
-                        );
-                    }
+                if let Some(label) = s.point_labels.get(j).filter(|l| !l.is_empty()) {
+                    labels.place(label, (x, y), self.px.1, &s.colour);
                 }
             }
-            // Legend entry: a sample of the line, then the label.
-            let ly = py1 + 8.0 + 20.0 * i as f64;
-            let lx = px1 + 14.0;
-            let _ = write!(
-                svg,
-                r#"<line x1="{lx}" y1="{ly}" x2="{:.1}" y2="{ly}" stroke="{}" stroke-width="2"{dash}/><text x="{:.1}" y="{:.1}" font-size="11">{}</text>"#,
-                lx + 28.0,
-                esc(&s.colour),
-                lx + 34.0,
-                ly + 4.0,
-                esc(&s.label)
-            );
         }
-        svg + &labels + "</svg>"
+        // Legend entry: a sample of the line, then the label.
+        let ly = self.py.1 + 8.0 + 20.0 * i as f64;
+        let lx = self.px.1 + 14.0;
+        let _ = write!(
+            svg,
+            r#"<line x1="{lx}" y1="{ly}" x2="{:.1}" y2="{ly}" stroke="{}" stroke-width="2"{dash}/><text x="{:.1}" y="{:.1}" font-size="11">{}</text>"#,
+            lx + 28.0,
+            esc(&s.colour),
+            lx + 34.0,
+            ly + 4.0,
+            esc(&s.label)
+        );
+    }
+}
+
+/// Point labels written so far, and where (to keep new ones off them).
+#[derive(Default)]
+struct PointLabels {
+    svg: String,
+    /// Each label's horizontal extent and baseline.
+    placed: Vec<((f64, f64), f64)>,
+}
+
+impl PointLabels {
+    /// `label` for the point at `(x, y)`: below-right of it, or below-left near the plot's right
+    /// edge `right`; moved further down while it would cover a label already placed.
+    fn place(&mut self, label: &str, (x, y): (f64, f64), right: f64, colour: &str) {
+        let w = text_width(label, 10.0);
+        let (lx, anchor, left) = if x + w + 8.0 > right {
+            (x - 7.0, "end", x - 7.0 - w)
+        } else {
+            (x + 7.0, "start", x + 7.0)
+        };
+        let overlaps = |ly: f64| {
+            self.placed
+                .iter()
+                .any(|&((a, b), py)| left < b && a < left + w && (ly - py).abs() < 12.0)
+        };
+        let mut ly = y + 16.0;
+        while overlaps(ly) {
+            ly += 12.0;
+        }
+        self.placed.push(((left, left + w), ly));
+        let _ = write!(
+            self.svg,
+            r##"<text x="{lx:.1}" y="{ly:.1}" font-size="10" text-anchor="{anchor}" fill="{}" stroke="#fff" stroke-width="3" paint-order="stroke">{}</text>"##,
+            esc(colour),
+            esc(label)
+        );
     }
 }
 

@@ -72,7 +72,7 @@ mod segment;
 mod wait;
 mod write_path;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -223,38 +223,8 @@ impl ShmTransport {
         opts: &ShmOptions,
         key: Option<&JobSecret>,
     ) -> Result<ShmTransport> {
-        validate_job_id(job_id)?;
-        if world == 0 || world > MAX_WORLD || rank >= world {
-            return Err(CommError::invalid(
-                "shm establish",
-                format!(
-                    "rank {rank} of world {world}: need 1 ≤ world ≤ {MAX_WORLD} and rank < world"
-                ),
-            ));
-        }
+        check_settings(rank, world, job_id, opts)?;
         let ring_bytes = opts.ring_bytes;
-        if !ring_bytes.is_power_of_two() || !(MIN_RING_BYTES..=MAX_RING_BYTES).contains(&ring_bytes)
-        {
-            return Err(CommError::invalid(
-                "shm establish",
-                format!("ring_bytes {ring_bytes} must be a power of two between {MIN_RING_BYTES} and {MAX_RING_BYTES}"),
-            ));
-        }
-        if segment::layout(world, ring_bytes).is_none_or(|(_, len)| len > isize::MAX as usize) {
-            return Err(CommError::invalid(
-                "shm establish",
-                format!("world {world} × ring_bytes {ring_bytes} is too large to map"),
-            ));
-        }
-        if !opts.dir.is_dir() {
-            return Err(CommError::setup(
-                "shm establish",
-                format!(
-                    "segment directory {} does not exist or is not a directory",
-                    opts.dir.display()
-                ),
-            ));
-        }
         let started = Instant::now();
         let deadline = started + timeout;
         let nonce = random_nonce()?;
@@ -270,64 +240,15 @@ impl ShmTransport {
         loop {
             let mut waiting: Vec<String> = Vec::new();
             if !own_ready {
-                let h = own.header();
-                let rejected_by = h.rejected_by.load(Ordering::Acquire);
-                if rejected_by != 0 {
-                    return Err(CommError::Rendezvous(format!(
-                        "ranks disagree: rank {} found {} (rank {rank} of {world}, {ring_bytes} B rings) \
-                         incompatible with its own settings; see its error",
-                        rejected_by - 1,
-                        own.path.display()
-                    )));
-                }
-                let missing: Vec<usize> = (0..world)
-                    .filter(|&w| own.slot(w).writer_nonce.load(Ordering::Acquire) == 0)
-                    .collect();
-                if missing.is_empty() {
-                    // Set `ready` before unlinking: a writer that sees the name gone must be able to
-                    // tell "done" from "replaced".
-                    h.ready.store(1, Ordering::Release);
-                    own.unlink_name();
-                    own_ready = true;
-                } else {
-                    waiting.push(format!(
-                        "rank(s) {missing:?} have not attached to {}",
-                        own.path.display()
-                    ));
+                match own_segment_ready(&mut own, rank, world, ring_bytes)? {
+                    None => own_ready = true,
+                    Some(why) => waiting.push(why),
                 }
             }
             for q in 0..world {
                 if peer_ready[q] {
                     continue;
                 }
-                if let Some(seg) = &peers[q] {
-                    // Attached: done once the owner saw all its writers; if meanwhile the name was
-                    // replaced, we attached to a stale file and must start over.
-                    if seg.header().ready.load(Ordering::Acquire) == 1 {
-                        peer_ready[q] = true;
-                    } else if !seg.name_points_here()
-                        && seg.header().ready.load(Ordering::Acquire) != 1
-                    {
-                        waiting.push(format!(
-                            "{} was replaced after we attached; re-attaching",
-                            seg.path.display()
-                        ));
-                        peers[q] = None;
-                    } else if !seg.owner_holds_lock() {
-                        waiting.push(format!(
-                            "rank {q} (pid {}) exited during setup, leaving {}",
-                            seg.header().owner_pid,
-                            seg.path.display()
-                        ));
-                    } else {
-                        waiting.push(format!(
-                            "rank {q} has not seen all its writers attach to {}",
-                            seg.path.display()
-                        ));
-                    }
-                    continue;
-                }
-                let path = segment_path(&opts.dir, job_id, q, key);
                 let expect = Expect {
                     owner: q,
                     world,
@@ -335,12 +256,10 @@ impl ShmTransport {
                     my_rank: rank,
                     my_nonce: nonce,
                 };
-                match Segment::attach(&path, &expect)? {
-                    Attach::Attached(seg) => {
-                        peers[q] = Some(seg);
-                        waiting.push(format!("rank {q} just attached"));
-                    }
-                    Attach::NotYet(why) => waiting.push(why),
+                let path = segment_path(&opts.dir, job_id, q, key);
+                match peer_progress(&mut peers[q], &path, &expect)? {
+                    None => peer_ready[q] = true,
+                    Some(why) => waiting.push(why),
                 }
             }
             if waiting.is_empty() {
@@ -693,6 +612,120 @@ impl Drop for BusyGuard<'_> {
     fn drop(&mut self) {
         self.0.store(false, Ordering::Release);
     }
+}
+
+/// Refuses settings no segment can be made with: `world`, `rank`, the ring size, a directory that
+/// is not one.
+fn check_settings(rank: usize, world: usize, job_id: &str, opts: &ShmOptions) -> Result<()> {
+    validate_job_id(job_id)?;
+    if world == 0 || world > MAX_WORLD || rank >= world {
+        return Err(CommError::invalid(
+            "shm establish",
+            format!("rank {rank} of world {world}: need 1 ≤ world ≤ {MAX_WORLD} and rank < world"),
+        ));
+    }
+    let ring_bytes = opts.ring_bytes;
+    if !ring_bytes.is_power_of_two() || !(MIN_RING_BYTES..=MAX_RING_BYTES).contains(&ring_bytes) {
+        return Err(CommError::invalid(
+            "shm establish",
+            format!("ring_bytes {ring_bytes} must be a power of two between {MIN_RING_BYTES} and {MAX_RING_BYTES}"),
+        ));
+    }
+    if segment::layout(world, ring_bytes).is_none_or(|(_, len)| len > isize::MAX as usize) {
+        return Err(CommError::invalid(
+            "shm establish",
+            format!("world {world} × ring_bytes {ring_bytes} is too large to map"),
+        ));
+    }
+    if !opts.dir.is_dir() {
+        return Err(CommError::setup(
+            "shm establish",
+            format!(
+                "segment directory {} does not exist or is not a directory",
+                opts.dir.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether every rank has attached to `own` (the segment rank `rank` owns): then it is marked
+/// ready and its name removed (`None`); else what is missing. A rank that rejected the segment's
+/// settings ends the setup.
+fn own_segment_ready(
+    own: &mut Segment,
+    rank: usize,
+    world: usize,
+    ring_bytes: usize,
+) -> Result<Option<String>> {
+    let h = own.header();
+    let rejected_by = h.rejected_by.load(Ordering::Acquire);
+    if rejected_by != 0 {
+        return Err(CommError::Rendezvous(format!(
+            "ranks disagree: rank {} found {} (rank {rank} of {world}, {ring_bytes} B rings) \
+             incompatible with its own settings; see its error",
+            rejected_by - 1,
+            own.path.display()
+        )));
+    }
+    let missing: Vec<usize> = (0..world)
+        .filter(|&w| own.slot(w).writer_nonce.load(Ordering::Acquire) == 0)
+        .collect();
+    if !missing.is_empty() {
+        return Ok(Some(format!(
+            "rank(s) {missing:?} have not attached to {}",
+            own.path.display()
+        )));
+    }
+    // Set `ready` before unlinking: a writer that sees the name gone must be able to tell "done"
+    // from "replaced".
+    h.ready.store(1, Ordering::Release);
+    own.unlink_name();
+    Ok(None)
+}
+
+/// One attempt to attach to rank `expect.owner`'s segment at `path` (into `peer`) or, once
+/// attached, to see it ready: `None` when it is, else what is awaited.
+fn peer_progress(
+    peer: &mut Option<Segment>,
+    path: &Path,
+    expect: &Expect,
+) -> Result<Option<String>> {
+    let q = expect.owner;
+    let Some(seg) = peer else {
+        return Ok(Some(match Segment::attach(path, expect)? {
+            Attach::Attached(seg) => {
+                *peer = Some(seg);
+                format!("rank {q} just attached")
+            }
+            Attach::NotYet(why) => why,
+        }));
+    };
+    // Attached: done once the owner saw all its writers; if meanwhile the name was replaced, we
+    // attached to a stale file and must start over.
+    if seg.header().ready.load(Ordering::Acquire) == 1 {
+        return Ok(None);
+    }
+    let why = if !seg.name_points_here() && seg.header().ready.load(Ordering::Acquire) != 1 {
+        let why = format!(
+            "{} was replaced after we attached; re-attaching",
+            seg.path.display()
+        );
+        *peer = None;
+        why
+    } else if !seg.owner_holds_lock() {
+        format!(
+            "rank {q} (pid {}) exited during setup, leaving {}",
+            seg.header().owner_pid,
+            seg.path.display()
+        )
+    } else {
+        format!(
+            "rank {q} has not seen all its writers attach to {}",
+            seg.path.display()
+        )
+    };
+    Ok(Some(why))
 }
 
 impl Drop for ShmTransport {

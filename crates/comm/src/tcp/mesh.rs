@@ -67,6 +67,17 @@ enum Event {
     },
 }
 
+/// What [`Mesh::build`] has so far: a link per peer, and what it refused.
+struct Progress {
+    streams: Vec<Option<(TcpStream, String)>>,
+    /// Links to peers, dialed or accepted.
+    have: usize,
+    /// Links the dialer made (to lower ranks).
+    dialed: usize,
+    last_refusal: Option<String>,
+    log: RefusalLog,
+}
+
 impl Mesh<'_> {
     /// Returns `streams[peer] = (stream, peer address)` for every peer.
     pub(super) fn build(
@@ -75,29 +86,18 @@ impl Mesh<'_> {
         listener: TcpListener,
         prefix: &str,
     ) -> Result<Vec<Option<(TcpStream, String)>>> {
-        let mut streams: Vec<Option<(TcpStream, String)>> = (0..self.world).map(|_| None).collect();
-        let mut have = 0;
-        let mut dialed = 0;
-        let need = self.world - 1;
-        let mut last_refusal: Option<String> = None;
+        let mut progress = Progress {
+            streams: (0..self.world).map(|_| None).collect(),
+            have: 0,
+            dialed: 0,
+            last_refusal: None,
+            log: RefusalLog::new(REFUSAL_LOG_INTERVAL),
+        };
         listener.set_nonblocking(true).map_err(|e| {
             CommError::setup(format!("rank {}: configuring listener", self.rank), e)
         })?;
         let abort = AtomicBool::new(false);
         let (tx, rx) = mpsc::channel::<Event>();
-        let admission = Admission::new(AdmissionLimits::default());
-        let mut lobby = Lobby::new(
-            LobbyLimits::default(),
-            self.secret,
-            &self.context,
-            Service::Data,
-        );
-        let mut log = RefusalLog::new(REFUSAL_LOG_INTERVAL);
-        let emit = |line: Option<String>| {
-            if let Some(line) = line {
-                eprintln!("lockstep tcp rank {}: {line}", self.rank);
-            }
-        };
         let this = self;
         let result = std::thread::scope(|scope| {
             let dial_tx = tx.clone();
@@ -115,125 +115,180 @@ impl Mesh<'_> {
                     }
                 }
             });
-            let outcome = (|| {
-                while have < need {
-                    // Accept what is pending, a batch at a time; each handshake runs on its own
-                    // thread so a silent stranger cannot hold up the real peers.
-                    if self.rank + 1 < self.world {
-                        for _ in 0..ACCEPT_BATCH {
-                            match listener.accept() {
-                                Ok((s, from)) => {
-                                    match self.admit_new(s, from, &admission, &mut lobby, &tx) {
-                                        // Over budget: closed there, nothing read, no thread.
-                                        Err(category) => emit(log.record(
-                                            Instant::now(),
-                                            &category,
-                                            format!("{from}: {category}"),
-                                        )),
-                                        Ok(dropped) => {
-                                            for o in dropped {
-                                                self.lobby_outcome(o, &tx);
-                                            }
-                                        }
-                                    }
-                                }
-                                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                                Err(e) => {
-                                    eprintln!(
-                                        "lockstep tcp rank {}: accept failed: {e}",
-                                        self.rank
-                                    );
-                                    break;
-                                }
-                            }
-                        }
-                    }
-                    while let Ok(ev) = rx.try_recv() {
-                        match ev {
-                            Event::Dialed(peer, s, addr) => {
-                                streams[peer] = Some((s, addr));
-                                have += 1;
-                                dialed += 1;
-                            }
-                            Event::DialFailed(e) => return Err(e),
-                            Event::Refused {
-                                from,
-                                reason,
-                                category,
-                            } => {
-                                let detail = format!("{from}: {reason}");
-                                emit(log.record(Instant::now(), &category, detail.clone()));
-                                last_refusal = Some(detail);
-                            }
-                            Event::Claim {
-                                stream,
-                                from,
-                                rank,
-                                world,
-                            } => match self.admit(stream, from, rank, world, &streams) {
-                                Ok((peer, s)) => {
-                                    streams[peer] = Some((s, from.to_string()));
-                                    have += 1;
-                                }
-                                Err(reason) => {
-                                    // Authenticated peers that disagree: rare and worth a line each.
-                                    eprintln!(
-                                        "lockstep tcp rank {}: refused connection from {from}: {reason}",
-                                        self.rank
-                                    );
-                                    last_refusal = Some(format!("{from}: {reason}"));
-                                }
-                            },
-                        }
-                    }
-                    emit(log.tick(Instant::now()));
-                    if have == need {
-                        break;
-                    }
-                    let now = Instant::now();
-                    if now >= self.deadline {
-                        // The dialer shares our deadline and, if it is what failed, says more
-                        // precisely why (e.g. which address never got published): prefer that.
-                        let grace = now + Duration::from_secs(1);
-                        while dialed < self.rank {
-                            match rx.recv_timeout(grace.saturating_duration_since(Instant::now())) {
-                                Ok(Event::DialFailed(e)) => return Err(e),
-                                Ok(Event::Dialed(..)) => dialed += 1,
-                                Ok(_) => {}
-                                Err(_) => break,
-                            }
-                        }
-                        let missing: Vec<String> = (0..self.world)
-                            .filter(|&p| p != self.rank && streams[p].is_none())
-                            .map(|p| p.to_string())
-                            .collect();
-                        let refusal = last_refusal
-                            .as_ref()
-                            .map(|r| format!("; last refused connection: {r}"))
-                            .unwrap_or_default();
-                        return Err(CommError::Rendezvous(format!(
-                            "rank {}: timed out after {:.2}s building the TCP mesh of {} ranks; \
-                             no link yet to rank(s) [{}]{refusal}",
-                            self.rank,
-                            (now - self.started).as_secs_f64(),
-                            self.world,
-                            missing.join(", ")
-                        )));
-                    }
-                    // Proofs waiting in the lobby are judged before anything new is accepted.
-                    let wait = (self.deadline - now).min(Duration::from_millis(10));
-                    for o in lobby.wait(listener.as_raw_fd(), wait.max(Duration::from_millis(1))) {
-                        self.lobby_outcome(o, &tx);
-                    }
-                }
-                Ok(())
-            })();
+            let outcome = self.gather_links(&mut progress, &listener, &tx, &rx);
             abort.store(true, Ordering::SeqCst);
-            emit(log.flush(Instant::now()));
+            self.emit(progress.log.flush(Instant::now()));
             outcome
         });
-        result.map(|()| streams)
+        result.map(|()| progress.streams)
+    }
+
+    /// Accepts higher ranks and takes the dialer's links to lower ones until every peer has a
+    /// link, or the deadline has passed.
+    fn gather_links(
+        &self,
+        progress: &mut Progress,
+        listener: &TcpListener,
+        tx: &mpsc::Sender<Event>,
+        rx: &mpsc::Receiver<Event>,
+    ) -> Result<()> {
+        let need = self.world - 1;
+        let admission = Admission::new(AdmissionLimits::default());
+        let mut lobby = Lobby::new(
+            LobbyLimits::default(),
+            self.secret,
+            &self.context,
+            Service::Data,
+        );
+        while progress.have < need {
+            // Accept what is pending, a batch at a time; each handshake runs on its own thread so
+            // a silent stranger cannot hold up the real peers.
+            if self.rank + 1 < self.world {
+                self.accept_batch(progress, listener, &admission, &mut lobby, tx);
+            }
+            while let Ok(ev) = rx.try_recv() {
+                self.take_event(progress, ev)?;
+            }
+            self.emit(progress.log.tick(Instant::now()));
+            if progress.have == need {
+                break;
+            }
+            let now = Instant::now();
+            if now >= self.deadline {
+                return Err(self.timed_out(progress, rx, now));
+            }
+            // Proofs waiting in the lobby are judged before anything new is accepted.
+            let wait = (self.deadline - now).min(Duration::from_millis(10));
+            for o in lobby.wait(listener.as_raw_fd(), wait.max(Duration::from_millis(1))) {
+                self.lobby_outcome(o, tx);
+            }
+        }
+        Ok(())
+    }
+
+    /// Accepts up to [`ACCEPT_BATCH`] pending connections, each handed to a handshake thread (or
+    /// refused, or held in the lobby).
+    fn accept_batch(
+        &self,
+        progress: &mut Progress,
+        listener: &TcpListener,
+        admission: &Admission,
+        lobby: &mut Lobby,
+        tx: &mpsc::Sender<Event>,
+    ) {
+        for _ in 0..ACCEPT_BATCH {
+            match listener.accept() {
+                Ok((s, from)) => match self.admit_new(s, from, admission, lobby, tx) {
+                    // Over budget: closed there, nothing read, no thread.
+                    Err(category) => self.emit(progress.log.record(
+                        Instant::now(),
+                        &category,
+                        format!("{from}: {category}"),
+                    )),
+                    Ok(dropped) => {
+                        for o in dropped {
+                            self.lobby_outcome(o, tx);
+                        }
+                    }
+                },
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    eprintln!("lockstep tcp rank {}: accept failed: {e}", self.rank);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Records one event of the dialer or a handshake thread; a failed dial ends the build.
+    fn take_event(&self, progress: &mut Progress, ev: Event) -> Result<()> {
+        match ev {
+            Event::Dialed(peer, s, addr) => {
+                progress.streams[peer] = Some((s, addr));
+                progress.have += 1;
+                progress.dialed += 1;
+            }
+            Event::DialFailed(e) => return Err(e),
+            Event::Refused {
+                from,
+                reason,
+                category,
+            } => {
+                let detail = format!("{from}: {reason}");
+                self.emit(
+                    progress
+                        .log
+                        .record(Instant::now(), &category, detail.clone()),
+                );
+                progress.last_refusal = Some(detail);
+            }
+            Event::Claim {
+                stream,
+                from,
+                rank,
+                world,
+            } => match self.admit(stream, from, rank, world, &progress.streams) {
+                Ok((peer, s)) => {
+                    progress.streams[peer] = Some((s, from.to_string()));
+                    progress.have += 1;
+                }
+                Err(reason) => {
+                    // Authenticated peers that disagree: rare and worth a line each.
+                    eprintln!(
+                        "lockstep tcp rank {}: refused connection from {from}: {reason}",
+                        self.rank
+                    );
+                    progress.last_refusal = Some(format!("{from}: {reason}"));
+                }
+            },
+        }
+        Ok(())
+    }
+
+    /// The error for a mesh not complete at the deadline: naming the peers without a link.
+    fn timed_out(
+        &self,
+        progress: &Progress,
+        rx: &mpsc::Receiver<Event>,
+        now: Instant,
+    ) -> CommError {
+        // The dialer shares our deadline and, if it is what failed, says more precisely why (e.g.
+        // which address never got published): prefer that.
+        let grace = now + Duration::from_secs(1);
+        let mut dialed = progress.dialed;
+        while dialed < self.rank {
+            match rx.recv_timeout(grace.saturating_duration_since(Instant::now())) {
+                Ok(Event::DialFailed(e)) => return e,
+                Ok(Event::Dialed(..)) => dialed += 1,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let missing: Vec<String> = (0..self.world)
+            .filter(|&p| p != self.rank && progress.streams[p].is_none())
+            .map(|p| p.to_string())
+            .collect();
+        let refusal = progress
+            .last_refusal
+            .as_ref()
+            .map(|r| format!("; last refused connection: {r}"))
+            .unwrap_or_default();
+        CommError::Rendezvous(format!(
+            "rank {}: timed out after {:.2}s building the TCP mesh of {} ranks; \
+             no link yet to rank(s) [{}]{refusal}",
+            self.rank,
+            (now - self.started).as_secs_f64(),
+            self.world,
+            missing.join(", ")
+        ))
+    }
+
+    /// Prints a refusal log line, if there is one.
+    fn emit(&self, line: Option<String>) {
+        if let Some(line) = line {
+            eprintln!("lockstep tcp rank {}: {line}", self.rank);
+        }
     }
 
     /// Connect to `peer` (a lower rank) and prove who we are.
