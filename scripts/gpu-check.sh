@@ -9,8 +9,9 @@
 #       against lockstep's samples/s; model FLOP utilisation of both against the GPU's peak.
 # Writes $OUT/gpu-check.json and prints one line per figure.
 #
-# DEVICE: cuda (a binary built with `--features cuda`: burn's CUDA backend fetches an LLVM bundle
-# from GitHub at build time) or wgpu (`--features wgpu`: the GPU through NVIDIA's Vulkan driver);
+# DEVICE: cuda (a binary built with `--features cuda`: burn's CUDA backend, kernels compiled by the
+# machine's NVRTC; builds offline through vendor/cubecl-cuda) or wgpu (`--features wgpu`: the GPU
+# through NVIDIA's Vulkan driver);
 # default: cuda if the binary accepts it here, else wgpu. DRY=1 runs everything on the CPU, to
 # check the script itself on a machine without a GPU.
 # Usage: bash scripts/gpu-check.sh BIN_DIR [OUT_DIR]   (BIN_DIR: lockstep and own-pipeline)

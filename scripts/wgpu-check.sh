@@ -9,12 +9,14 @@
 # (4) the built-in classifiers (the default MLP on digits, and a CNN) with --device wgpu at 1
 #     worker, 2 workers (dp 2) and 2 stages (pp 2): one param_hash per model, not the CPU's;
 # (5) refused before any worker starts, exit 3, naming the setting: tensor parallelism and
-#     tensor-parallel pieces on wgpu, cuda on a machine without a GPU;
+#     tensor-parallel pieces on wgpu, cuda on a machine without a GPU (with CUDA_BUILT=1, the
+#     binaries have burn's CUDA backend and the refusal must name the missing driver, not the
+#     build);
 # (6) wgpu without any Vulkan adapter (no ICD) is refused, never trained on OpenGL instead;
 # and prints own-cnn's wgpu/cpu samples/s for the closing note.
 # Needs: Debian's mesa-vulkan-drivers and binaries built with `cargo build --release --features
-# wgpu` (.ci/run does both).
-# Usage: bash scripts/wgpu-check.sh target/release
+# wgpu` (.ci/run does both, with `--features wgpu,cuda` and CUDA_BUILT=1).
+# Usage: [CUDA_BUILT=1] bash scripts/wgpu-check.sh target/release
 set -euo pipefail
 bins="$(realpath "${1:?usage: $0 target/release}")"
 repo="$(realpath "$(dirname "$0")/..")"
@@ -110,8 +112,19 @@ refused "tensor parallelism on wgpu" 'parallel.tp' \
     "$bins/own-pipeline" train --device wgpu --nproc 2 --set parallel.pp=1 --set parallel.tp=2 --out "$work/no2"
 refused "cuda without a GPU" 'train.device = "cuda"' \
     "$bins/own-cnn" train --device cuda --nproc 1 --out "$work/no3"
+if [[ "${CUDA_BUILT:-0}" == 1 ]]; then
+    # Built with the CUDA backend: what is missing is the machine's driver, not the feature.
+    ! grep -q -- '--features cuda' "$work/log" || fail "a binary built with cuda says it was built without"
+    grep -qi 'cuda driver\|cuda gpu' "$work/log" || { cat "$work/log"; fail "the cuda refusal does not name the driver or GPU"; }
+    refused "cuda without a GPU (built-in transformer)" 'train.device = "cuda"' \
+        "$bins/lockstep" train --config "$repo/configs/shakespeare.toml" --set parallel.pp=1 --device cuda --nproc 1 --out "$work/no6"
+    # auto without a GPU (and with only a software Vulkan adapter) is the CPU.
+    run "auto without a GPU" "$bins/own-cnn" train --device auto --nproc 1 --out "$work/auto" "${cnn[@]}"
+    [[ "$(field "$work/auto/summary.json" "s['ranks'][0]['device']")" == flex* ]] \
+        || fail "auto without a GPU did not train on the cpu: $(field "$work/auto/summary.json" "s['ranks'][0]['device']")"
+fi
 # (6) no Vulkan at all: refused, not run on OpenGL.
 VK_ICD_FILENAMES=/nonexistent.json refused "wgpu without a Vulkan adapter" 'no vulkan adapter' \
     "$bins/own-cnn" train --device wgpu --nproc 1 --out "$work/no4"
-for d in no2 no3 no4 no5; do [[ ! -e "$work/$d" ]] || fail "a refused run wrote $d"; done
+for d in no2 no3 no4 no5 no6; do [[ ! -e "$work/$d" ]] || fail "a refused run wrote $d"; done
 echo "wgpu: all checks passed"

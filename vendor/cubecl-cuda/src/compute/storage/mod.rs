@@ -1,0 +1,2 @@
+pub mod cpu;
+pub mod gpu;
