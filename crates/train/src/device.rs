@@ -193,6 +193,15 @@ pub fn cpu_model() -> Option<String> {
         })
 }
 
+/// A failed dynamic load's message without the list of every library name tried (cudarc names
+/// about thirty), which would bury the one line that matters.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn library_search_dropped(message: &str) -> &str {
+    message
+        .split_once(" - searched for library names")
+        .map_or(message, |(first, _)| first)
+}
+
 #[cfg(feature = "wgpu")]
 mod wgpu_backend;
 
@@ -231,7 +240,11 @@ mod backends {
             Ok(Ok(n)) if n > 0 => return Ok(n as usize),
             Ok(Ok(_)) => "the machine has no CUDA GPU (CUDA_VISIBLE_DEVICES may hide them)".into(),
             Ok(Err(e)) => format!("the CUDA driver found no usable GPU: {e}"),
-            Err(panic) => format!("no CUDA driver on this machine ({panic})"),
+            Err(panic) => format!(
+                "no CUDA driver on this machine ({}; if the NVIDIA driver is installed, put the \
+                 directory of libcuda.so on LD_LIBRARY_PATH)",
+                super::library_search_dropped(&panic)
+            ),
         };
         Err(unavailable(DeviceKind::Cuda, why))
     }
@@ -278,6 +291,16 @@ mod tests {
         // auto without an accelerator in this build is the CPU.
         #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
         assert_eq!(Placement::open(DeviceKind::Auto, 0).unwrap().info, p.info);
+    }
+
+    #[test]
+    fn a_missing_library_is_named_without_every_name_tried() {
+        let cudarc = r#"Unable to dynamically load the "cuda" shared library - searched for library names: ["libcuda.so", "libcuda.so.1"]. Ensure that `LD_LIBRARY_PATH` has the correct path"#;
+        assert_eq!(
+            library_search_dropped(cudarc),
+            r#"Unable to dynamically load the "cuda" shared library"#
+        );
+        assert_eq!(library_search_dropped("no device"), "no device");
     }
 
     #[test]
