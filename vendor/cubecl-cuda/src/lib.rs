@@ -70,11 +70,8 @@ mod tests {
     pub use half::bf16;
     pub use half::f16;
 
-    // The complex types are the C++ backend's: the LLVM backend does not lower them, so it does
-    // not advertise them (see `restrict_features`) and the tests for them are not generated.
-    // `testgen_complex_validation` runs either way -- it asserts that an unadvertised complex
-    // operation is refused, which is what the LLVM backend must do and what the C++ backend
-    // never reaches.
+    // Every kernel here compiles through the C++ (NVRTC) backend, which lowers the complex types
+    // too (lockstep's vendor/README.md: the upstream LLVM backend is removed).
     cubecl_core::testgen_all!(f32: [f16, bf16, f32, f64], i32: [i8, i16, i32, i64], u32: [u8, u16, u32, u64]);
 
     cubecl_core::testgen_launch_dynamic_count!();

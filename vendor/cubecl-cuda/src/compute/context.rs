@@ -51,9 +51,6 @@ pub(crate) struct CudaContext {
     ptx_cache: Option<Store<KernelCacheKey, PtxCacheEntry>>,
     /// Cache mapping C++ code hashes to the key that first compiled them. We can skip the slow CUDA
     /// compiler if we already have a compiled artifact for the same code.
-    ///
-    /// C++ only: the LLVM backend emits PTX directly, so there is no intermediate source to
-    /// key a second line on.
     second_line_ptx_cache: Option<Store<StableHash, KernelCacheKey>>,
     pub profiler: EventProfiler,
     pub arch: CudaArchitecture,
@@ -88,10 +85,8 @@ pub struct PtxCacheEntry {
 
 /// The namespace a backend's compiled artifacts live under.
 ///
-/// Both backends emit PTX, so without the backend in the key a stale artifact from one would
-/// load and run happily under the other -- tests passing while measuring nothing. The LLVM
-/// backend's PTX version follows the driver, so it is in the key too: after a driver downgrade,
-/// PTX newer than the driver loads would otherwise be read back and refused.
+/// Upstream's namespace for the C++ (NVRTC) backend, the only one this copy has (lockstep's
+/// vendor/README.md): artifacts cached by an upstream build of the same backend stay usable.
 fn cache_namespace(fingerprint: &str, backend: CudaBackend) -> String {
     match backend {
         CudaBackend::Cpp => format!("{fingerprint}-cpp"),
