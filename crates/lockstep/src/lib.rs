@@ -82,6 +82,11 @@ pub use lockstep_train::job::{
 };
 pub use lockstep_train::metrics::Eval;
 pub use lockstep_train::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
+/// How the config has your layers take each product's operands (`train.precision`):
+/// `lockstep::products(cfg).operand(x)` is `x` for `"f32"` and `x` rounded to bf16 (its gradient
+/// too) for `"bf16"`; a job that does this for every product declares
+/// `const BF16_PRODUCTS: bool = true` (otherwise `"bf16"` is refused).
+pub use lockstep_train::precision::products;
 pub use lockstep_train::{ConfigError, ConfigLoad, Event, Progress, TrainConfig, TrainError};
 
 /// Tensor parallelism of your own [`LayeredJob`] (Megatron style): put these burn modules in your
@@ -100,7 +105,8 @@ pub mod tp {
 }
 
 /// lockstep's CPU kernels as burn operations for your own model: `dense_linear` (`x · W + b`),
-/// `layer_norm`, exact `gelu`, `softmax_last`, `causal_self_attention` (over a fused `[Q | K | V]`).
+/// `layer_norm`, exact `gelu`, `softmax_last`, `causal_self_attention` (over a fused `[Q | K | V]`),
+/// and `bf16_operand` / [`Products`](ops::Products) for `train.precision = "bf16"`.
 /// On the flex CPU backend they run lockstep's kernels, whose bits do not depend on
 /// `--threads-per-worker` (burn flex's own matrix product is single-threaded in lockstep's build);
 /// on any other device (`train.device`) they are the same functions of burn's operations.

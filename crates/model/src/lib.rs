@@ -29,6 +29,7 @@
 
 mod alloc;
 mod attention;
+mod bf16;
 mod dense;
 mod error;
 mod flex_values;
@@ -62,12 +63,14 @@ mod transformer;
 mod vector_math;
 
 pub use alloc::tune_allocator_for_training;
+pub use bf16::{round_to_bf16, Products};
 
 /// lockstep's CPU kernels as operations any burn model can call: on burn's flex backend (with or
 /// without autodiff) they are lockstep's own one-pass forward and backward, split between the
 /// worker's threads by outputs only, so their bits do not depend on `--threads-per-worker`; on
 /// any other device they are the same functions composed of burn's operations.
 pub mod ops {
+    pub use crate::bf16::{bf16_operand, Products};
     pub use crate::dense::dense_linear;
     pub use crate::gelu::gelu;
     pub use crate::layer_norm::layer_norm;
@@ -110,7 +113,9 @@ pub use model::{param_hash, Model, ParamHasher, TimedLoss};
 pub use net::{classifier_layers, ClassifierLayer, ConvBlock};
 pub use optim::{check_elementwise, Optimizer, OptimizerSpec, UpdateRule};
 pub use params::ParamInfo;
-pub use peak::{measure_gemm_peak, measure_instruction_peaks, GemmPeak, InstructionPeaks};
+pub use peak::{
+    amx_bf16_reported, measure_gemm_peak, measure_instruction_peaks, GemmPeak, InstructionPeaks,
+};
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
 pub use stage::{Stage, StageEval, StageInput, StageOutput};

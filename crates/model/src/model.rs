@@ -3,6 +3,7 @@
 //! The distribution layer sees only `Vec<f32>`/`&[f32]` in the canonical order described by
 //! [`Model::layout`]; burn types never leave this crate.
 
+use crate::bf16::Products;
 use crate::error::ModelError;
 use crate::net::{zero_layers, ClassifierLayer, NoTap, ParamTap};
 use crate::params::{self, ParamInfo};
@@ -258,9 +259,9 @@ impl Model {
 /// Logits `[n, classes]` of `x` `[n, input_len]` through every layer.
 fn forward(layers: &[ClassifierLayer], x: Tensor<2>, tap: &impl ParamTap) -> Tensor<2> {
     let mut index = 0;
-    layers
-        .iter()
-        .fold(x, |x, layer| layer.forward_tapped(x, tap, &mut index))
+    layers.iter().fold(x, |x, layer| {
+        layer.forward_tapped(x, tap, &mut index, Products::F32)
+    })
 }
 
 fn finite(loss: f32, n: usize) -> Result<f32, ModelError> {

@@ -16,6 +16,7 @@ use burn::module::{Module, Param};
 use burn::nn::conv::Conv2d;
 use burn::nn::{Linear, PaddingConfig2d};
 
+use crate::bf16::Products;
 use crate::dense::dense_linear;
 use burn::tensor::activation::relu;
 use burn::tensor::module::{conv2d, max_pool2d};
@@ -71,16 +72,23 @@ impl ParamTap for NoTap {
 impl ClassifierLayer {
     /// The layer's output `[n, features']` for `x` `[n, features]`.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.forward_tapped(x, &NoTap, &mut 0)
+        self.forward_in(x, Products::F32)
     }
 
-    /// [`ClassifierLayer::forward`] with `tap` applied to each parameter; `index` is the
+    /// [`ClassifierLayer::forward`] with its products' operands taken as `products` says
+    /// (`train.precision`).
+    pub fn forward_in(&self, x: Tensor<2>, products: Products) -> Tensor<2> {
+        self.forward_tapped(x, &NoTap, &mut 0, products)
+    }
+
+    /// [`ClassifierLayer::forward_in`] with `tap` applied to each parameter; `index` is the
     /// canonical index of the layer's first parameter, advanced past its parameters.
     pub(crate) fn forward_tapped(
         &self,
         x: Tensor<2>,
         tap: &impl ParamTap,
         index: &mut usize,
+        products: Products,
     ) -> Tensor<2> {
         let mut next = || {
             *index += 1;
@@ -98,6 +106,7 @@ impl ClassifierLayer {
                     .as_ref()
                     .map(|b| tap.tap(next(), b.val(), &img));
                 let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
+                let (img, weight) = (products.operand(img), products.operand(weight));
                 let img = relu(conv2d(img, weight, bias, options));
                 let img = max_pool2d(img, MaxPoolOptions::new([2, 2]).with_stride([2, 2]));
                 let [n, c, h, w] = img.dims();
@@ -107,7 +116,7 @@ impl ClassifierLayer {
                 let weight = tap.tap(next(), linear.weight.val(), &x);
                 let bias = linear.bias.as_ref().expect("classifier layers have biases");
                 let bias = tap.tap(next(), bias.val(), &x);
-                let y = dense_linear(x, weight, bias);
+                let y = dense_linear(products.operand(x), products.operand(weight), bias);
                 match self {
                     ClassifierLayer::Hidden(_) => relu(y),
                     _ => y,

@@ -80,6 +80,19 @@ pub struct InstructionPeaks {
     pub amx_bf16: bool,
 }
 
+/// Whether CPUID reports AMX tiles with bf16 (see [`InstructionPeaks::amx_bf16`]), without
+/// measuring anything.
+pub fn amx_bf16_reported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        units::amx_bf16()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Measure [`InstructionPeaks`] on this thread: each kernel run for at least `trial`, `trials`
 /// times, the fastest trial kept.
 pub fn measure_instruction_peaks(trial: Duration, trials: usize) -> InstructionPeaks {

@@ -366,8 +366,14 @@ impl Stage {
         } else {
             None
         };
-        let (output, result) =
-            end_forward(x, targets, |x| self.net.logits(x), scale, n, &self.device)?;
+        let (output, result) = end_forward(
+            x,
+            targets,
+            |x| self.net.logits(x, self.spec.products),
+            scale,
+            n,
+            &self.device,
+        )?;
         self.pending.keep(
             id,
             Pending {
@@ -424,7 +430,7 @@ impl Stage {
         let (_, x) = self.input_tensor(&net, input, n, false)?;
         let x = net.blocks(x, &self.spec);
         Ok(if self.is_last() {
-            EvalForward::Logits(net.logits(x))
+            EvalForward::Logits(net.logits(x, self.spec.products))
         } else {
             EvalForward::Activations(x)
         })
@@ -699,6 +705,7 @@ mod tests {
             heads: 2,
             blocks: 3,
             d_ff: 24,
+            products: Default::default(),
         }
     }
 

@@ -417,6 +417,7 @@ mod tests {
             heads: 4,
             blocks: 2,
             d_ff: 12,
+            products: Default::default(),
         }
     }
 

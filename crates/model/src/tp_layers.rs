@@ -42,6 +42,7 @@ use burn::backend::{backend_extension, tensor::FloatTensor, Backend, Dispatch, F
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
+use crate::bf16::Products;
 use crate::tensor_parallel::{LocalPieceSum, PieceSum};
 
 // ---------------------------------------------------------------------------------------------
@@ -693,10 +694,16 @@ pub struct ColumnParallelLinear {
 impl ColumnParallelLinear {
     /// `[.., d_input]` → `[.., local features]` (all `d_output` on one worker).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward_in(x, Products::F32)
+    }
+
+    /// [`ColumnParallelLinear::forward`] with the input and weight taken as `products` says
+    /// (`train.precision`: `lockstep::products(cfg)`).
+    pub fn forward_in<const D: usize>(&self, x: Tensor<D>, products: Products) -> Tensor<D> {
         on_rows(x, |x| {
             Tensor::from_dispatch(<Dispatch as TpOps>::tp_column(
-                x.into_dispatch(),
-                self.weight.val().into_dispatch(),
+                products.operand(x).into_dispatch(),
+                products.operand(self.weight.val()).into_dispatch(),
                 self.bias.val().into_dispatch(),
                 self.pieces,
                 self.d_output,
@@ -728,10 +735,16 @@ pub struct RowParallelLinear {
 impl RowParallelLinear {
     /// `[.., local features]` → `[.., d_output]`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward_in(x, Products::F32)
+    }
+
+    /// [`RowParallelLinear::forward`] with the input and weight taken as `products` says
+    /// (`train.precision`: `lockstep::products(cfg)`).
+    pub fn forward_in<const D: usize>(&self, x: Tensor<D>, products: Products) -> Tensor<D> {
         on_rows(x, |x| {
             let y = Tensor::<2>::from_dispatch(<Dispatch as TpOps>::tp_row(
-                x.into_dispatch(),
-                self.weight.val().into_dispatch(),
+                products.operand(x).into_dispatch(),
+                products.operand(self.weight.val()).into_dispatch(),
                 self.pieces,
                 self.d_input,
             ));

@@ -252,7 +252,7 @@ impl TpStage {
             unreachable!("sublayers are blocks")
         };
         let [n, t, _] = h.dims();
-        let d = self.spec.d_model;
+        let (d, p) = (self.spec.d_model, self.spec.products);
         let rows = |x: Tensor<3>| {
             let [_, _, w] = x.dims();
             x.reshape([n * t, w])
@@ -261,13 +261,14 @@ impl TpStage {
             Sub::Attn(_) => {
                 let [w, b, proj] = attn[k];
                 let heads = self.spec.heads / self.split.pieces;
-                let a = attend(linear3(h, self.mat(w), self.vec1(b)), heads);
-                rows(a).matmul(self.mat(proj)).reshape([n, t, d])
+                let qkv = p.operand(linear3(h, self.mat(w), self.vec1(b), p));
+                let a = p.operand(rows(attend(qkv, heads)));
+                a.matmul(p.operand(self.mat(proj))).reshape([n, t, d])
             }
             Sub::Mlp(_) => {
                 let [w1, b1, w2] = mlp[k];
-                let a = gelu(linear3(h, self.mat(w1), self.vec1(b1)));
-                rows(a).matmul(self.mat(w2)).reshape([n, t, d])
+                let a = p.operand(rows(gelu(linear3(h, self.mat(w1), self.vec1(b1), p))));
+                a.matmul(p.operand(self.mat(w2))).reshape([n, t, d])
             }
         }
     }
@@ -358,6 +359,7 @@ impl TpStage {
             self.vec1(ln[1]),
             self.mat(*out_w),
             self.vec1(*out_b),
+            self.spec.products,
         )
     }
 
@@ -523,6 +525,7 @@ mod tests {
             heads: 4,
             blocks: 2,
             d_ff: 24,
+            products: Default::default(),
         }
     }
 

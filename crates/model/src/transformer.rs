@@ -25,6 +25,7 @@ use burn::tensor::module::embedding;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 
+use crate::bf16::Products;
 use crate::error::ModelError;
 use crate::params::ParamInfo;
 use crate::rng::SplitMix64;
@@ -41,6 +42,11 @@ pub struct TransformerSpec {
     pub blocks: usize,
     /// Hidden width of each block's MLP.
     pub d_ff: usize,
+    /// How the products take their operands (`train.precision`): every linear layer's input and
+    /// weight, the attention's `[Q | K | V]` and the head's product. Not part of
+    /// [`TransformerSpec::structure_hash`] (the parameters are the same); part of a run's
+    /// identity through the config.
+    pub products: Products,
 }
 
 /// What a layer of the sequence is.
@@ -346,13 +352,13 @@ impl StageNet {
             return x;
         }
         for b in &self.blocks {
-            x = block_forward(b, x, spec.heads);
+            x = block_forward(b, x, spec);
         }
         x
     }
 
     /// Residual stream → logits `[n·t, vocab]` (last stage only).
-    pub(crate) fn logits(&self, x: Tensor<3>) -> Tensor<2> {
+    pub(crate) fn logits(&self, x: Tensor<3>, products: Products) -> Tensor<2> {
         let h = self
             .head
             .as_ref()
@@ -363,6 +369,7 @@ impl StageNet {
             h.ln_bias.val(),
             h.out_w.val(),
             h.out_b.val(),
+            products,
         )
     }
 }
@@ -382,10 +389,12 @@ pub(crate) fn head_logits(
     bias: Tensor<1>,
     out_w: Tensor<2>,
     out_b: Tensor<1>,
+    products: Products,
 ) -> Tensor<2> {
     let x = layer_norm(x, gain, bias);
     let [n, t, d] = x.dims();
-    x.reshape([n * t, d]).matmul(out_w) + out_b.unsqueeze()
+    let x = products.operand(x.reshape([n * t, d]));
+    x.matmul(products.operand(out_w)) + out_b.unsqueeze()
 }
 
 /// Additive mask `[1, 1, t, t]`: 0 where a position may attend (itself and earlier), −1e9 after.
@@ -399,11 +408,12 @@ pub(crate) fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
     Tensor::from_data(TensorData::new(m, [1, 1, t, t]), device)
 }
 
-/// `x W + b` over the last dimension of `[n, t, d_in]`.
-pub(crate) fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>) -> Tensor<3> {
+/// `x W + b` over the last dimension of `[n, t, d_in]`, the operands taken as `products` says.
+pub(crate) fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>, products: Products) -> Tensor<3> {
     let [n, t, d] = x.dims();
     let out = w.dims()[1];
-    dense_linear(x.reshape([n * t, d]), w, b).reshape([n, t, out])
+    let (x, w) = (products.operand(x.reshape([n * t, d])), products.operand(w));
+    dense_linear(x, w, b).reshape([n, t, out])
 }
 
 /// Causal self-attention of `heads` heads over `qkv = [Q | K | V]` (`[n, t, 3·w]`, each of the
@@ -440,15 +450,18 @@ pub(crate) fn attend_composed(qkv: Tensor<3>, heads: usize, mask: &Tensor<4>) ->
         .reshape([n, t, w])
 }
 
-fn block_forward(b: &Block, x: Tensor<3>, heads: usize) -> Tensor<3> {
+fn block_forward(b: &Block, x: Tensor<3>, spec: &TransformerSpec) -> Tensor<3> {
+    let p = spec.products;
     let h = layer_norm(x.clone(), b.ln1_gain.val(), b.ln1_bias.val());
-    let attended = attend(linear3(h, b.qkv_w.val(), b.qkv_b.val()), heads);
-    let x = x + linear3(attended, b.proj_w.val(), b.proj_b.val());
+    let qkv = p.operand(linear3(h, b.qkv_w.val(), b.qkv_b.val(), p));
+    let attended = attend(qkv, spec.heads);
+    let x = x + linear3(attended, b.proj_w.val(), b.proj_b.val(), p);
     let h = layer_norm(x.clone(), b.ln2_gain.val(), b.ln2_bias.val());
     let m = linear3(
-        gelu(linear3(h, b.fc1_w.val(), b.fc1_b.val())),
+        gelu(linear3(h, b.fc1_w.val(), b.fc1_b.val(), p)),
         b.fc2_w.val(),
         b.fc2_b.val(),
+        p,
     );
     x + m
 }
@@ -465,6 +478,7 @@ mod tests {
             heads: 2,
             blocks: 3,
             d_ff: 32,
+            products: Default::default(),
         }
     }
 

@@ -118,6 +118,23 @@ fn is_no_recompute(r: &Recompute) -> bool {
 }
 
 config_enum! {
+    /// `train.precision`: the operands of the model's products (matrix products, convolutions,
+    /// attention).
+    Precision {
+        /// `f32` operands.
+        F32 => "f32",
+        /// Operands rounded to bfloat16, each product summed in `f32`; the gradients of those
+        /// operands rounded to bf16 too. Master weights, optimizer state and the exact gradient
+        /// sum stay `f32` / fixed point.
+        Bf16 => "bf16",
+    }
+}
+
+fn is_f32(p: &Precision) -> bool {
+    *p == Precision::F32
+}
+
+config_enum! {
     /// `optimizer.kind`.
     OptimizerKind {
         Sgd => "sgd",
@@ -363,6 +380,10 @@ pub struct TrainSection {
     /// a run's identity, and not written when `"none"`.
     #[serde(skip_serializing_if = "is_no_recompute")]
     pub recompute: Recompute,
+    /// `"f32"` (the default) or `"bf16"` products: part of the run's identity (bf16 changes the
+    /// bits), not written when `"f32"`, so the identity of runs without it is as before.
+    #[serde(skip_serializing_if = "is_f32")]
+    pub precision: Precision,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -454,6 +475,7 @@ impl Default for TrainSection {
             device: DeviceKind::Cpu,
             init_from: String::new(),
             recompute: Recompute::None,
+            precision: Precision::F32,
         }
     }
 }

@@ -25,6 +25,8 @@ pub enum ModelShape {
         /// How this job would become layered, for refusals ("implement lockstep::LayeredJob
         /// …").
         to_layer: String,
+        /// Its products honour `train.precision = "bf16"` (see [`ModelShape::bf16_products`]).
+        bf16_products: bool,
     },
     /// A sequence of layers (a user's `LayeredJob`, the built-in transformer): pipelines, ZeRO
     /// 3 layer by layer, tensor parallelism over its fixed pieces. `None`: not known until the
@@ -39,7 +41,22 @@ pub enum ModelShape {
         /// a `LayeredJob` or `StagedJob` (the built-in classifiers included), not the built-in
         /// transformer, which keeps its own activations.
         recomputes: bool,
+        /// Its products honour `train.precision = "bf16"` (see [`ModelShape::bf16_products`]).
+        bf16_products: bool,
     },
+}
+
+impl ModelShape {
+    /// Whether the model rounds its products' operands to bf16 when the config asks for it: the
+    /// built-in models do; a user's job declares it (`const BF16_PRODUCTS: bool = true`) once
+    /// its layers take their operands through `lockstep::ops::Products`.
+    pub fn bf16_products(&self) -> bool {
+        match self {
+            ModelShape::Flat { bf16_products, .. } | ModelShape::Layered { bf16_products, .. } => {
+                *bf16_products
+            }
+        }
+    }
 }
 
 /// The plan a run follows (see the module doc).
@@ -65,6 +82,9 @@ pub struct ParallelPlan {
     pub overlap: bool,
     /// The gradient sum: exact (fixed point, the same bits for every layout) or plain `f32`.
     pub exact_sum: bool,
+    /// The products take bf16 operands (`train.precision = "bf16"`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub bf16_products: bool,
 }
 
 fn invalid(field: &'static str, message: String) -> ConfigError {
@@ -91,6 +111,7 @@ impl ParallelPlan {
             tp_pieces,
             overlap: cfg.dist.overlap,
             exact_sum: cfg.dist.reproducible,
+            bf16_products: cfg.train.precision == crate::config::Precision::Bf16,
         })
     }
 
@@ -147,6 +168,7 @@ impl ParallelPlan {
             ));
         }
         Self::check_recompute(cfg, shape)?;
+        Self::check_precision(cfg, shape)?;
         match shape {
             ModelShape::Flat {
                 streams_gradients,
@@ -285,6 +307,37 @@ impl ParallelPlan {
         Ok(())
     }
 
+    /// `train.precision = "bf16"`: a model whose products take it (the built-in models, or a
+    /// job that declares it), on the CPU, where its rounding and products were checked bit for
+    /// bit.
+    fn check_precision(cfg: &TrainConfig, shape: &ModelShape) -> Result<(), ConfigError> {
+        if cfg.train.precision == crate::config::Precision::F32 {
+            return Ok(());
+        }
+        if !shape.bf16_products() {
+            return Err(invalid(
+                "train.precision",
+                "\"bf16\" needs a model whose products take bf16 operands, and this job does not \
+                 declare it: take each product's operands through lockstep::ops::Products \
+                 (`lockstep::products(cfg).operand(x)`) and set `const BF16_PRODUCTS: bool = \
+                 true` in the job; or set train.precision = \"f32\""
+                    .into(),
+            ));
+        }
+        if cfg.train.device != DeviceKind::Cpu {
+            return Err(invalid(
+                "train.precision",
+                format!(
+                    "\"bf16\" runs on the CPU (train.device = \"cpu\") in this version; asked: \
+                     \"{}\", where lockstep's bf16 rounding would be burn's cast, not checked \
+                     on a device yet",
+                    cfg.train.device
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// ZeRO 2 reduce-scatters the gradient after backward: nothing to overlap it with.
     fn check_overlap(cfg: &TrainConfig) -> Result<(), ConfigError> {
         if cfg.parallel.zero >= 2 && cfg.dist.overlap {
@@ -323,6 +376,9 @@ impl ParallelPlan {
         if self.overlap {
             s += ", overlapped";
         }
+        if self.bf16_products {
+            s += ", bf16 products";
+        }
         s + if self.exact_sum {
             ", exact sum"
         } else {
@@ -350,6 +406,7 @@ impl TrainConfig {
                 format!("model `{}` has no tensor-parallel layers", self.model.kind)
             },
             recomputes: !transformer,
+            bf16_products: true,
         }
     }
 
@@ -388,6 +445,7 @@ mod tests {
         ModelShape::Flat {
             streams_gradients: streams,
             to_layer: "implement lockstep::LayeredJob".into(),
+            bf16_products: false,
         }
     }
 
@@ -397,6 +455,7 @@ mod tests {
             tp_pieces: Some(pieces),
             pieces_from: format!("model.tp_pieces = {pieces}"),
             recomputes: true,
+            bf16_products: true,
         }
     }
 
@@ -441,6 +500,16 @@ mod tests {
                 vec!["train.recompute=\"layers\""],
                 flat(true),
                 "train.recompute",
+            ),
+            (
+                vec!["train.precision=\"bf16\""],
+                flat(true),
+                "train.precision",
+            ),
+            (
+                vec!["train.precision=\"bf16\"", "train.device=\"wgpu\""],
+                layered(4, 1),
+                "train.precision",
             ),
             (
                 vec!["train.recompute=\"layers\"", "parallel.tp=2"],
@@ -544,6 +613,7 @@ mod tests {
             tp_pieces: None,
             pieces_from: String::new(),
             recomputes: true,
+            bf16_products: true,
         };
         assert!(ParallelPlan::check_shape(&cfg(&["parallel.pp=9"]), &unknown).is_ok());
         // A world the layout does not fit.

@@ -348,6 +348,12 @@ pub struct ComputeSummary {
     /// same bits. 0 in summaries written before it was recorded.
     #[serde(default)]
     pub threads: usize,
+    /// How `train.precision = "bf16"` products were computed (absent for `f32`): always on the
+    /// `f32` kernels above, on bf16-rounded operands (each product exact, the sums `f32`), and
+    /// why — lockstep has no bf16 matrix kernel yet, and this CPU's bf16 units (AVX512-BF16 dot
+    /// products, AMX tiles where CPUID reports them) are named so a reader knows what was left.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16_products: Option<String>,
 }
 
 impl Default for ComputeSummary {
@@ -355,6 +361,7 @@ impl Default for ComputeSummary {
         ComputeSummary {
             kernels: "unknown".into(),
             threads: 0,
+            bf16_products: None,
         }
     }
 }

@@ -404,3 +404,45 @@ fn recomputing_layers_keeps_the_bits_and_holds_only_the_layers_inputs() {
     // Stage 0 (the hidden layer) kept its [n, 16] outputs; recomputing, its [n, 8] inputs.
     assert_eq!(activations("pp2") * 2, activations("pp2-kept"));
 }
+
+/// `train.precision = "bf16"` in a user's `LayeredJob` that takes its products' operands through
+/// `lockstep::products(cfg)` (and declares `BF16_PRODUCTS`): one worker, a pipeline and two
+/// replicas end with one hash, not the `f32` one, and the summary says how the products ran.
+#[test]
+fn bf16_products_of_a_user_layered_job_have_one_hash_for_every_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |n: &str| tmp.path().join(n);
+    let bf16 = ["--set", "train.precision=\"bf16\""];
+    let runs: [(&str, &str, Vec<&str>); 4] = [
+        ("f32", "1", vec![]),
+        ("one", "1", bf16.to_vec()),
+        (
+            "pp2",
+            "2",
+            [&bf16[..], &["--set", "parallel.pp=2"]].concat(),
+        ),
+        ("dp2", "2", bf16.to_vec()),
+    ];
+    for (name, nproc, extra) in &runs {
+        let o = layered(&dir(name), nproc, extra);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+    assert_ne!(
+        hash(&dir("one")),
+        hash(&dir("f32")),
+        "bf16 products changed nothing"
+    );
+    assert_eq!(hash(&dir("pp2")), hash(&dir("one")));
+    assert_eq!(hash(&dir("dp2")), hash(&dir("one")));
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir("dp2").join("summary.json")).unwrap()).unwrap();
+    assert_eq!(s["plan"]["bf16_products"], true);
+    let how = s["compute"]["bf16_products"].as_str().unwrap_or_default();
+    assert!(
+        how.starts_with("f32 kernels on bf16-rounded operands"),
+        "{how}"
+    );
+    let f32_run: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir("f32").join("summary.json")).unwrap()).unwrap();
+    assert!(f32_run["compute"].get("bf16_products").is_none());
+}

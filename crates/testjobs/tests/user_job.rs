@@ -640,3 +640,19 @@ fn a_jobs_own_update_rule_gives_one_hash_for_every_layout() {
     }
     assert!(!bad.exists(), "refused before anything was written");
 }
+
+/// A `Job` that does not declare `BF16_PRODUCTS` (its products are burn's, untouched by
+/// lockstep) is refused `train.precision = "bf16"` before any worker starts, naming the setting
+/// and what to do; nothing is written.
+#[test]
+fn bf16_is_refused_for_a_job_whose_products_do_not_take_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let o = train(&out, "2", &["--set", "train.precision=\"bf16\""]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    for needle in ["train.precision", "BF16_PRODUCTS", "lockstep::products"] {
+        assert!(err.contains(needle), "missing {needle:?}: {err}");
+    }
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+}

@@ -11,11 +11,13 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use lockstep_data::Dataset;
 use lockstep_model::{
     classifier_layers, cross_entropy_sum, flat, sum_ce_and_correct, ClassifierLayer, ModelSpec,
+    Products,
 };
 
 use crate::config::{ConfigError, ConfigSections, ModelKind, TrainConfig};
 use crate::device::Placement;
 use crate::job::{BoxError, BurnLayered, JobSpec, LayeredJob, LossReduction, Trainable};
+use crate::precision::products;
 use crate::ConfigLoad;
 use crate::TrainError;
 use lockstep_run::ModelShape;
@@ -58,6 +60,7 @@ impl JobSpec for BuiltinJob {
         let (train, test) = crate::datasets::load(&cfg.data, cfg.train.seed)?;
         let job = ClassifierJob {
             spec: model_spec(cfg, &train),
+            products: products(cfg),
             train: Arc::new(train),
             test: Arc::new(test),
         };
@@ -73,6 +76,8 @@ impl JobSpec for BuiltinJob {
 /// devices reach it through the one layered path.
 struct ClassifierJob {
     spec: ModelSpec,
+    /// `train.precision`.
+    products: Products,
     train: Arc<Dataset>,
     test: Arc<Dataset>,
 }
@@ -164,7 +169,7 @@ impl LayeredJob for ClassifierJob {
     }
 
     fn forward(&self, layer: &ClassifierLayer, x: Tensor<2>) -> Tensor<2> {
-        layer.forward(x)
+        layer.forward_in(x, self.products)
     }
 
     fn loss(&self, output: Tensor<2>, batch: &ClassBatch) -> Tensor<1> {

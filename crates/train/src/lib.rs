@@ -27,6 +27,7 @@ pub mod limits;
 pub mod memory;
 pub mod outcome;
 pub mod pipeline;
+pub mod precision;
 pub mod replica;
 mod run;
 pub mod trainer;

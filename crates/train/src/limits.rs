@@ -316,6 +316,7 @@ fn transformer_spec(cfg: &TrainConfig) -> TransformerSpec {
         heads: m.heads,
         blocks: m.blocks,
         d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
+        products: Default::default(),
     }
 }
 

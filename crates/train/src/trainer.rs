@@ -43,11 +43,17 @@ pub fn train<'a>(
                     ..
                 }
             ),
+            bf16_products: declared.bf16_products(),
         },
         Trainable::Replica(replica) => match declared {
-            ModelShape::Flat { to_layer, .. } => ModelShape::Flat {
+            ModelShape::Flat {
+                to_layer,
+                bf16_products,
+                ..
+            } => ModelShape::Flat {
                 streams_gradients: replica.streams_gradients(),
                 to_layer,
+                bf16_products,
             },
             layered => layered,
         },

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use crate::config::{invalid, ConfigError, TrainConfig};
 use crate::job::JobSpec;
-use lockstep_run::ParallelPlan;
+use lockstep_run::{ModelShape, ParallelPlan};
 
 /// Loading a [`TrainConfig`] for a job with every check (import it to call these on
 /// `TrainConfig`).
@@ -40,7 +40,7 @@ pub trait ConfigLoad: Sized {
     /// A user job trained whole: lockstep's own sections (train, optimizer, dist, checkpoint,
     /// parallel) and what its model can do ([`ParallelPlan::check_shape`]). The `[model]` and
     /// `[data]` sections belong to the built-in jobs and are ignored.
-    fn validate_common(&self) -> Result<(), ConfigError>;
+    fn validate_common(&self, shape: &ModelShape) -> Result<(), ConfigError>;
     /// A user's layered job ([`crate::job::LayeredJob`]): like [`ConfigLoad::validate_common`],
     /// with pipelines allowed (the stages are checked against the model's layers once the job
     /// has built it).
@@ -127,8 +127,8 @@ impl ConfigLoad for TrainConfig {
         crate::limits::check(self, crate::limits::host_memory_bytes())
     }
 
-    fn validate_common(&self) -> Result<(), ConfigError> {
-        ParallelPlan::check_shape(self, &crate::job::flat_job_shape())?;
+    fn validate_common(&self, shape: &ModelShape) -> Result<(), ConfigError> {
+        ParallelPlan::check_shape(self, shape)?;
         self.validate_common_layered()
     }
 

@@ -9,6 +9,7 @@ use burn::module::Module;
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::activation::relu;
+use burn::tensor::module::linear;
 use burn::tensor::{Device, Tensor};
 use common::{Item, Settings, INPUTS};
 use lockstep::{BoxError, TrainConfig};
@@ -19,6 +20,9 @@ struct Layer {
     dropout: Dropout,
     #[module(skip)]
     relu: bool,
+    /// `train.precision`: the product's operands as `lockstep::products(cfg)` takes them.
+    #[module(skip)]
+    products: lockstep::ops::Products,
 }
 
 struct LayeredTestJob;
@@ -42,16 +46,19 @@ impl lockstep::LayeredJob for LayeredTestJob {
 
     fn layers(&self, cfg: &TrainConfig, device: &Device) -> Vec<Layer> {
         let s: Settings = cfg.job_section().expect("validated");
+        let products = lockstep::products(cfg);
         vec![
             Layer {
                 linear: LinearConfig::new(INPUTS, s.hidden).init(device),
                 dropout: DropoutConfig::new(s.dropout).init(),
                 relu: true,
+                products,
             },
             Layer {
                 linear: LinearConfig::new(s.hidden, 1).init(device),
                 dropout: DropoutConfig::new(0.0).init(),
                 relu: false,
+                products,
             },
         ]
     }
@@ -73,7 +80,10 @@ impl lockstep::LayeredJob for LayeredTestJob {
     }
 
     fn forward(&self, layer: &Layer, x: Tensor<2>) -> Tensor<2> {
-        let y = layer.linear.forward(x);
+        // burn's `Linear::forward`, its operands taken as the config says.
+        let p = layer.products;
+        let (weight, bias) = (layer.linear.weight.val(), layer.linear.bias.as_ref());
+        let y = linear(p.operand(x), p.operand(weight), bias.map(|b| b.val()));
         if layer.relu {
             layer.dropout.forward(relu(y))
         } else {
@@ -86,6 +96,7 @@ impl lockstep::LayeredJob for LayeredTestJob {
     }
 
     const TRAIN_METRICS: &'static [&'static str] = &["mae"];
+    const BF16_PRODUCTS: bool = true;
 
     fn update_rule(&self, _cfg: &TrainConfig) -> Option<Box<dyn lockstep::UpdateRule>> {
         Some(common::update_rule())

@@ -113,6 +113,11 @@ pub trait Job: Send + Sync + 'static {
     /// Names of the training metrics [`Job::loss_and_metrics`] returns, in its order (default:
     /// none). The same on every rank: the driver learns them before any batch is computed.
     const TRAIN_METRICS: &'static [&'static str] = &[];
+    /// The model takes `train.precision` (default: no, and `"bf16"` is refused): each product's
+    /// operands go through `lockstep::products(cfg).operand(…)` (lockstep's `dense_linear` and
+    /// burn's `matmul`, `conv2d`, … alike), so with `"bf16"` they are rounded to bf16 and their
+    /// gradients too.
+    const BF16_PRODUCTS: bool = false;
     /// The training loss with metrics from the same forward: the loss as [`Job::loss`] gives it,
     /// and one sum over the batch's samples per name in [`Job::TRAIN_METRICS`] (e.g. the number
     /// of correct predictions). lockstep sums them over the global batch exactly, in an order
@@ -163,8 +168,12 @@ impl<J: Job> JobSpec for J {
         Job::config(self).to_string()
     }
 
+    fn shape(&self, _cfg: &TrainConfig) -> lockstep_run::ModelShape {
+        crate::job::flat_job_shape(J::BF16_PRODUCTS)
+    }
+
     fn validate(&self, cfg: &TrainConfig) -> Result<(), ConfigError> {
-        cfg.validate_common()?;
+        cfg.validate_common(&self.shape(cfg))?;
         check_job_items(
             cfg,
             Job::name(self),

@@ -108,6 +108,8 @@ pub trait LayeredJob: Send + Sync + 'static {
     /// Names of the training metrics [`LayeredJob::loss_and_metrics`] returns, in its order
     /// (default: none).
     const TRAIN_METRICS: &'static [&'static str] = &[];
+    /// The layers take `train.precision`, as [`crate::Job::BF16_PRODUCTS`] (default: no).
+    const BF16_PRODUCTS: bool = false;
     /// The training loss with metrics from the same output: the loss as
     /// [`LayeredJob::loss`] gives it, and one sum over the batch's samples per name in
     /// [`LayeredJob::TRAIN_METRICS`]. Summed exactly over the global batch and logged every step
@@ -163,6 +165,7 @@ impl<J: StagedJob> JobSpec for Pipelined<J> {
             tp_pieces: None,
             pieces_from: String::new(),
             recomputes: true,
+            bf16_products: J::BF16_PRODUCTS,
         }
     }
 
@@ -205,6 +208,7 @@ impl<J: StagedJob> JobSpec for Pipelined<J> {
                 tp_pieces: Some(pieces),
                 pieces_from: format!("job `{}`'s tensor-parallel layers", self.0.name()),
                 recomputes: true,
+                bf16_products: J::BF16_PRODUCTS,
             };
             ParallelPlan::check_shape(cfg, &shape)?;
         }

@@ -56,7 +56,7 @@ pub trait JobSpec: Send + Sync {
     /// (the parallel plan refuses what it cannot do). Default: a model trained whole that does
     /// not stream gradients, as a user's `Job`.
     fn shape(&self, _cfg: &TrainConfig) -> ModelShape {
-        flat_job_shape()
+        flat_job_shape(false)
     }
     /// How the binary presents itself on its command line (`--help`, `--version`); `None`: as
     /// lockstep (the built-in jobs). A user's `Job` or `LayeredJob` presents itself by its name,
@@ -105,10 +105,12 @@ pub struct BinaryAbout {
     pub version: String,
 }
 
-/// The shape of a user's `Job` (trained whole, no streamed gradients), with how to lay it out.
-pub fn flat_job_shape() -> ModelShape {
+/// The shape of a user's `Job` (trained whole, no streamed gradients), with how to lay it out,
+/// and whether its products take `train.precision`.
+pub fn flat_job_shape(bf16_products: bool) -> ModelShape {
     ModelShape::Flat {
         streams_gradients: false,
+        bf16_products,
         to_layer: "implement lockstep::LayeredJob (a model written as a sequence of layers) and \
                    run lockstep::main(lockstep::Pipelined(job))"
             .into(),

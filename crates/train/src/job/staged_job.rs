@@ -132,6 +132,8 @@ pub trait StagedJob: Send + Sync + 'static {
     }
     /// Names of the training metrics [`StagedJob::loss_and_metrics`] returns, in its order.
     const TRAIN_METRICS: &'static [&'static str] = &[];
+    /// The layers take `train.precision`, as [`crate::Job::BF16_PRODUCTS`] (default: no).
+    const BF16_PRODUCTS: bool = false;
     /// The training loss with metrics from the same output, as
     /// [`crate::job::Job::loss_and_metrics`].
     fn loss_and_metrics(
@@ -149,6 +151,7 @@ impl<J: LayeredJob> StagedJob for J {
     type Batch = J::Batch;
     type Activation = Tensor<2>;
     const TRAIN_METRICS: &'static [&'static str] = J::TRAIN_METRICS;
+    const BF16_PRODUCTS: bool = <J as LayeredJob>::BF16_PRODUCTS;
     const SETTINGS: JobSettings = <J as LayeredJob>::SETTINGS;
     const LOSS_REDUCTION: LossReduction = <J as LayeredJob>::LOSS_REDUCTION;
 

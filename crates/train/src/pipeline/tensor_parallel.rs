@@ -274,6 +274,7 @@ mod tests {
             heads: 4,
             blocks: 2,
             d_ff: 32,
+            products: Default::default(),
         }
     }
 

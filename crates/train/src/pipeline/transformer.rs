@@ -33,6 +33,7 @@ pub fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
         heads: m.heads,
         blocks: m.blocks,
         d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
+        products: crate::precision::products(cfg),
     }
 }
 

@@ -159,6 +159,7 @@ pub(crate) fn build_summary(
         compute: ComputeSummary {
             kernels: lockstep_model::Kernels::detect().name().to_string(),
             threads: lockstep_model::compute_threads(),
+            bf16_products: end.plan.bf16_products.then(bf16_products_statement),
         },
         gradient_sum: end.gradient_sum,
         plan: Some(end.plan),
@@ -168,4 +169,21 @@ pub(crate) fn build_summary(
             cfg.checkpoint.sharded,
         ),
     }
+}
+
+/// summary.json's statement of how bf16 products ran (see `ComputeSummary::bf16_products`).
+fn bf16_products_statement() -> String {
+    #[cfg(target_arch = "x86_64")]
+    let avx512_bf16 = std::arch::is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx512_bf16 = false;
+    let units = match (lockstep_model::amx_bf16_reported(), avx512_bf16) {
+        (true, _) => "this CPU reports AMX-BF16 tiles, which lockstep has no kernel for yet",
+        (false, true) => {
+            "this CPU has AVX512-BF16 dot products (no AMX), slower than its f32 FMAs (see \
+             `lockstep bench`'s machine peaks)"
+        }
+        (false, false) => "this CPU has no bf16 units",
+    };
+    format!("f32 kernels on bf16-rounded operands (exact products, f32 sums): {units}")
 }
