@@ -83,6 +83,12 @@ impl lockstep::LayeredJob for LayeredTestJob {
         // burn's `Linear::forward`, its operands taken as the config says.
         let p = layer.products;
         let (weight, bias) = (layer.linear.weight.val(), layer.linear.bias.as_ref());
+        // `Linear::forward`'s own check, so a batch of the wrong width is named as it names it.
+        let (d_input, width) = (weight.dims()[0], x.dims()[1]);
+        assert!(
+            width == d_input,
+            "input features: expected {d_input}, got {width}"
+        );
         let y = linear(p.operand(x), p.operand(weight), bias.map(|b| b.val()));
         if layer.relu {
             layer.dropout.forward(relu(y))
