@@ -270,6 +270,11 @@ fn headline_table(s: &Summary, recovery: &Recovery, straggler: &str) -> Table {
         0.0
     };
     let mut head = Table::new(&["figure", "value"]);
+    if let Some(plan) = &s.plan {
+        // The layout, sum and precision the run followed ("dp 2 × tp 1 × pp 1, exact sum, bf16
+        // products"); summaries written before the plan was recorded have none.
+        head.row(vec!["plan".to_string(), plan.describe()]);
+    }
     for (k, v) in [
         ("world size", s.world_size.to_string()),
         ("transport", s.transport.clone()),
@@ -871,6 +876,36 @@ mod tests {
                 ordinary_step_seconds_median: Some(0.01),
             }),
         }
+    }
+
+    #[test]
+    fn the_headline_shows_the_plan_the_run_followed() {
+        let mut summary = summary();
+        let (without, _) =
+            render_with_failures(&summary, &records(2, 10), &Recovery::default(), &[]);
+        assert!(
+            !without.contains("| plan |"),
+            "a summary without a plan shows none"
+        );
+        summary.plan = Some(lockstep_run::ParallelPlan {
+            world: 2,
+            dp: 2,
+            tp: 1,
+            pp: 1,
+            zero: 3,
+            microbatches: 4,
+            microbatches_per_replica: 2,
+            schedule: None,
+            tp_pieces: 1,
+            overlap: false,
+            exact_sum: true,
+            bf16_products: true,
+        });
+        let (md, _) = render_with_failures(&summary, &records(2, 10), &Recovery::default(), &[]);
+        assert!(
+            md.contains("| plan | dp 2 × tp 1 × pp 1, ZeRO 3, exact sum, bf16 products |"),
+            "{md}"
+        );
     }
 
     #[test]

@@ -376,14 +376,15 @@ impl ParallelPlan {
         if self.overlap {
             s += ", overlapped";
         }
-        if self.bf16_products {
-            s += ", bf16 products";
-        }
-        s + if self.exact_sum {
+        s += if self.exact_sum {
             ", exact sum"
         } else {
             ", plain sum"
+        };
+        if self.bf16_products {
+            s += ", bf16 products";
         }
+        s
     }
 }
 
