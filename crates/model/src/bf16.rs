@@ -54,7 +54,8 @@ impl Products {
 }
 
 /// `x` rounded to the nearest bfloat16 (ties to even; NaN stays NaN, values beyond bf16's range
-/// become infinities), kept as `f32`; its backward rounds the incoming gradient the same way.
+/// become infinities), kept as `f32`: the function [`bf16_operand`] applies to every value (and,
+/// in backward, to every gradient value).
 pub fn round_to_bf16(x: f32) -> f32 {
     let bits = x.to_bits();
     if x.is_nan() {
@@ -185,8 +186,9 @@ mod tests {
         assert_eq!(round_to_bf16(f32::NEG_INFINITY), f32::NEG_INFINITY);
         assert!(round_to_bf16(f32::NAN).is_nan());
         assert!(round_to_bf16(f32::from_bits(0x7F80_0001)).is_nan()); // payload below bit 16
-        assert_eq!(round_to_bf16(f32::MAX), f32::INFINITY); // beyond bf16's largest value
-                                                            // The same bits as burn's own cast to bf16 and back (the path off the flex backend).
+                                                                      // Beyond bf16's largest value.
+        assert_eq!(round_to_bf16(f32::MAX), f32::INFINITY);
+        // The same bits as burn's own cast to bf16 and back (the path off the flex backend).
         let xs: Vec<f32> = (0..4096).map(|i| (i as f32 - 2048.0) * 0.377_31).collect();
         let via_burn: Vec<f32> =
             Tensor::<1>::from_data(TensorData::new(xs.clone(), [4096]), &Device::flex())
