@@ -50,6 +50,82 @@ pub enum StageEval {
     },
 }
 
+/// The one contract of a transformer stage, whether it computes its layers whole ([`Stage`]) or
+/// as this rank's tensor-parallel pieces of the canonical split ([`crate::TpStage`]): forward and
+/// backward split apart, each forward's graph kept under its micro-batch id until the matching
+/// backward, plain `f32` activations and gradients in and out, parameters as one flat vector.
+/// The training crate drives every transformer stage through this trait alone.
+pub trait StageContract {
+    fn spec(&self) -> &TransformerSpec;
+    /// The layers of the whole model this stage computes.
+    fn layers(&self) -> Range<usize>;
+    fn is_first(&self) -> bool {
+        self.layers().start == 0
+    }
+    fn is_last(&self) -> bool {
+        self.layers().end == self.spec().num_layers()
+    }
+    /// Values of [`StageContract::params_flat`].
+    fn num_params(&self) -> usize;
+    /// Micro-batches whose forward graphs are held, waiting for their backward.
+    fn held(&self) -> usize;
+    /// The parameters this stage holds, flat. Panics after [`StageContract::release_params`].
+    fn params_flat(&self) -> Vec<f32>;
+    fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E>;
+    /// Drop the parameters' tensors until the next [`StageContract::set_params_flat`] (ZeRO 3
+    /// keeps only its chunk of them between steps). Refused while graphs are pending.
+    fn release_params(&mut self);
+    /// Forward of micro-batch `id` (`n` sequences), keeping its graph for
+    /// [`StageContract::backward`]. The last stage needs `targets` (`n · context` ids) and
+    /// returns the loss `scale · Σ cross-entropy`; other stages return their output activations.
+    fn forward(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+    ) -> Result<StageOutput, E>;
+    /// Backward of micro-batch `id`: writes d(loss)/d(this stage's parameters) into
+    /// `grad_params` and returns d(loss)/d(input activations) for the previous stage (`None` on
+    /// the first stage). `grad_output` is the next stage's input gradient (`None` on the last).
+    fn backward(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad_params: &mut [f32],
+    ) -> Result<Option<Vec<f32>>, E>;
+    /// Forward without keeping anything, for evaluation. The last stage needs `targets`.
+    fn evaluate(
+        &mut self,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+    ) -> Result<StageEval, E>;
+    /// Ranges of the stage's canonical flat vector whose concatenation is
+    /// [`StageContract::params_flat`]: all of it, unless the stage holds only some pieces.
+    fn index_map(&self) -> Vec<Range<usize>> {
+        std::iter::once(0..self.num_params()).collect()
+    }
+    /// Buckets of the flat gradient for the exact data-parallel sum when the stage needs its
+    /// own (pieces never straddled); `None`: the caller's layer buckets.
+    fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
+        let _ = bucket_elems;
+        None
+    }
+}
+
+/// `layers` must be a non-empty range of `spec`'s layers (every stage's constructor).
+pub(crate) fn check_stage_layers(spec: &TransformerSpec, layers: &Range<usize>) -> Result<(), E> {
+    if layers.is_empty() || layers.end > spec.num_layers() {
+        return Err(E::InvalidSpec(format!(
+            "stage layers {layers:?} must be a non-empty range within 0..{}",
+            spec.num_layers()
+        )));
+    }
+    Ok(())
+}
+
 /// A graph kept from forward to backward.
 struct Pending {
     /// The input leaf (non-first stages), whose gradient goes back to the previous stage.
@@ -268,12 +344,7 @@ impl Stage {
         device: Device,
     ) -> Result<Stage, E> {
         spec.validate()?;
-        if layers.is_empty() || layers.end > spec.num_layers() {
-            return Err(E::InvalidSpec(format!(
-                "stage layers {layers:?} must be a non-empty range within 0..{}",
-                spec.num_layers()
-            )));
-        }
+        check_stage_layers(spec, &layers)?;
         let net = StageNet::zeros(spec, layers.clone(), &device);
         let layout = spec.layout(layers.clone());
         let num_params = layout.iter().map(|p| p.len).sum();
@@ -290,136 +361,10 @@ impl Stage {
         })
     }
 
-    pub fn spec(&self) -> &TransformerSpec {
-        &self.spec
-    }
-    pub fn layers(&self) -> Range<usize> {
-        self.layers.clone()
-    }
-    pub fn is_first(&self) -> bool {
-        self.layers.start == 0
-    }
-    pub fn is_last(&self) -> bool {
-        self.layers.end == self.spec.num_layers()
-    }
-    pub fn num_params(&self) -> usize {
-        self.num_params
-    }
     /// Global names, shapes and stage-relative offsets of this stage's parameters.
     pub fn layout(&self) -> &[ParamInfo] {
         &self.layout
     }
-    /// Micro-batches whose forward graphs are held, waiting for their backward.
-    pub fn held(&self) -> usize {
-        self.pending.len()
-    }
-
-    pub fn params_flat(&self) -> Vec<f32> {
-        assert!(!self.released, "the stage's parameters were released");
-        params::read(&self.net, self.num_params)
-    }
-
-    /// Replace the parameters. Refused while graphs are pending (they reference the old ones).
-    pub fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E> {
-        if p.len() != self.num_params {
-            return Err(E::ParamLength {
-                what: "stage set_params_flat",
-                expected: self.num_params,
-                got: p.len(),
-            });
-        }
-        self.pending.assert_none_for("replaced");
-        let net = if self.released {
-            StageNet::zeros(&self.spec, self.layers.clone(), &self.device)
-        } else {
-            std::mem::replace(&mut self.net, StageNet::empty())
-        };
-        self.net = params::write(net, p, &self.device);
-        self.released = false;
-        Ok(())
-    }
-
-    /// Drop the parameters' tensors until the next [`Stage::set_params_flat`] (ZeRO 3 keeps only
-    /// its chunk of them between steps). Refused while graphs are pending (they use them).
-    pub fn release_params(&mut self) {
-        self.pending.assert_none_for("released");
-        self.net = StageNet::empty();
-        self.released = true;
-    }
-
-    /// Forward of micro-batch `id` (`n` sequences), keeping its graph for [`Stage::backward`].
-    /// The last stage needs `targets` (`n · context` ids) and returns the loss
-    /// `scale · Σ cross-entropy`; other stages return their output activations.
-    pub fn forward(
-        &mut self,
-        id: u64,
-        input: StageInput<'_>,
-        n: usize,
-        targets: Option<&[i64]>,
-        scale: f32,
-    ) -> Result<StageOutput, E> {
-        self.pending.check_free(id)?;
-        let (input_leaf, x) = self.input_tensor(&self.net, input, n, true)?;
-        let x = self.net.blocks(x, &self.spec);
-        let targets = if self.is_last() {
-            Some(self.check_targets(targets, n)?)
-        } else {
-            None
-        };
-        let (output, result) = end_forward(
-            x,
-            targets,
-            |x| self.net.logits(x, self.spec.products),
-            scale,
-            n,
-            &self.device,
-        )?;
-        self.pending.keep(
-            id,
-            Pending {
-                input: input_leaf,
-                output,
-            },
-        );
-        Ok(result)
-    }
-
-    /// Backward of micro-batch `id`: writes d(loss)/d(this stage's parameters) into `grad_params`
-    /// and returns d(loss)/d(input activations) for the previous stage (`None` on the first
-    /// stage). `grad_output` is the next stage's input gradient (`None` on the last stage).
-    pub fn backward(
-        &mut self,
-        id: u64,
-        grad_output: Option<&[f32]>,
-        grad_params: &mut [f32],
-    ) -> Result<Option<Vec<f32>>, E> {
-        check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
-        let pending = self.pending.take(id)?;
-        let grads = start_backward(pending.output, grad_output, &self.device)?;
-        let input_grad = pending.input.map(|leaf| {
-            leaf.grad(&grads)
-                .map(|g| params::f32_slice(&g.into_data()).to_vec())
-                .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
-        });
-        params::read_grads(&self.net, grads, grad_params);
-        Ok(input_grad)
-    }
-
-    /// Forward without keeping anything, for evaluation. The last stage needs `targets`.
-    pub fn evaluate(
-        &self,
-        input: StageInput<'_>,
-        n: usize,
-        targets: Option<&[i64]>,
-    ) -> Result<StageEval, E> {
-        let out = self.eval_forward(input, n)?;
-        let targets = match out {
-            EvalForward::Logits(_) => Some(self.check_targets(targets, n)?),
-            EvalForward::Activations(_) => None,
-        };
-        Ok(out.read_out(targets, self.spec.vocab))
-    }
-
     /// The evaluation forward on burn's plain backend: the layers as `Module::valid` copies
     /// (no autodiff, no gradient required) on the inner device, so no operation is recorded in
     /// an autodiff graph. Recorded operations of a forward that never runs backward are what a
@@ -500,6 +445,117 @@ impl Stage {
 
     fn check_targets<'t>(&self, targets: Option<&'t [i64]>, n: usize) -> Result<&'t [i64], E> {
         check_targets(&self.spec, targets, n)
+    }
+}
+
+impl StageContract for Stage {
+    fn spec(&self) -> &TransformerSpec {
+        &self.spec
+    }
+    fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+    fn num_params(&self) -> usize {
+        self.num_params
+    }
+    fn held(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn params_flat(&self) -> Vec<f32> {
+        assert!(!self.released, "the stage's parameters were released");
+        params::read(&self.net, self.num_params)
+    }
+
+    fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E> {
+        if p.len() != self.num_params {
+            return Err(E::ParamLength {
+                what: "stage set_params_flat",
+                expected: self.num_params,
+                got: p.len(),
+            });
+        }
+        self.pending.assert_none_for("replaced");
+        let net = if self.released {
+            StageNet::zeros(&self.spec, self.layers.clone(), &self.device)
+        } else {
+            std::mem::replace(&mut self.net, StageNet::empty())
+        };
+        self.net = params::write(net, p, &self.device);
+        self.released = false;
+        Ok(())
+    }
+
+    fn release_params(&mut self) {
+        self.pending.assert_none_for("released");
+        self.net = StageNet::empty();
+        self.released = true;
+    }
+
+    fn forward(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+    ) -> Result<StageOutput, E> {
+        self.pending.check_free(id)?;
+        let (input_leaf, x) = self.input_tensor(&self.net, input, n, true)?;
+        let x = self.net.blocks(x, &self.spec);
+        let targets = if self.is_last() {
+            Some(self.check_targets(targets, n)?)
+        } else {
+            None
+        };
+        let (output, result) = end_forward(
+            x,
+            targets,
+            |x| self.net.logits(x, self.spec.products),
+            scale,
+            n,
+            &self.device,
+        )?;
+        self.pending.keep(
+            id,
+            Pending {
+                input: input_leaf,
+                output,
+            },
+        );
+        Ok(result)
+    }
+
+    fn backward(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad_params: &mut [f32],
+    ) -> Result<Option<Vec<f32>>, E> {
+        check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
+        let pending = self.pending.take(id)?;
+        let grads = start_backward(pending.output, grad_output, &self.device)?;
+        let input_grad = pending.input.map(|leaf| {
+            leaf.grad(&grads)
+                .map(|g| params::f32_slice(&g.into_data()).to_vec())
+                .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
+        });
+        params::read_grads(&self.net, grads, grad_params);
+        Ok(input_grad)
+    }
+
+    fn evaluate(
+        &mut self,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+    ) -> Result<StageEval, E> {
+        let out = self.eval_forward(input, n)?;
+        let targets = match out {
+            EvalForward::Logits(_) => Some(self.check_targets(targets, n)?),
+            EvalForward::Activations(_) => None,
+        };
+        Ok(out.read_out(targets, self.spec.vocab))
     }
 }
 
@@ -589,39 +645,21 @@ pub(crate) fn check_targets<'t>(
 pub(crate) mod chain {
     use super::*;
 
-    /// What a chained stage does.
-    pub(crate) trait Link {
-        fn fwd(&mut self, input: StageInput<'_>, n: usize, y: Option<&[i64]>) -> StageOutput;
-        fn bwd(&mut self, grad_output: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>);
-        fn held(&self) -> usize;
+    /// Forward of one micro-batch (id 9, scale 0.25) through `stage`.
+    fn fwd<S: StageContract>(
+        stage: &mut S,
+        input: StageInput<'_>,
+        n: usize,
+        y: Option<&[i64]>,
+    ) -> StageOutput {
+        stage.forward(9, input, n, y, 0.25).unwrap()
     }
 
-    /// [`Link`] for a stage type with the stage contract's methods (`forward`, `backward`,
-    /// `num_params`, `held`): one micro-batch (id 9) at scale 0.25.
-    macro_rules! link_by_contract {
-        ($stage:ty) => {
-            impl $crate::stage::chain::Link for $stage {
-                fn fwd(
-                    &mut self,
-                    input: StageInput<'_>,
-                    n: usize,
-                    y: Option<&[i64]>,
-                ) -> StageOutput {
-                    self.forward(9, input, n, y, 0.25).unwrap()
-                }
-                fn bwd(&mut self, g: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>) {
-                    let mut gp = vec![0f32; self.num_params()];
-                    (self.backward(9, g, &mut gp).unwrap(), gp)
-                }
-                fn held(&self) -> usize {
-                    <$stage>::held(self)
-                }
-            }
-        };
+    /// Its backward: the input gradient and the parameter gradients.
+    fn bwd<S: StageContract>(stage: &mut S, g: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>) {
+        let mut gp = vec![0f32; stage.num_params()];
+        (stage.backward(9, g, &mut gp).unwrap(), gp)
     }
-    pub(crate) use link_by_contract;
-
-    link_by_contract!(Stage);
 
     /// Tokens and targets of `n` sequences.
     pub(crate) fn batch(n: usize, s: &TransformerSpec) -> (Vec<i64>, Vec<i64>) {
@@ -636,7 +674,7 @@ pub(crate) mod chain {
 
     /// The stages `make` builds for the layers between `cuts`, through one micro-batch of 2
     /// sequences: the loss, each stage's parameter gradients, the stages.
-    pub(crate) fn run<S: Link>(
+    pub(crate) fn run<S: StageContract>(
         cuts: &[usize],
         s: &TransformerSpec,
         make: impl Fn(Range<usize>) -> S,
@@ -657,7 +695,7 @@ pub(crate) mod chain {
             } else {
                 StageInput::Activations(&act)
             };
-            match st.fwd(input, n, (i == last).then_some(&y[..])) {
+            match fwd(st, input, n, (i == last).then_some(&y[..])) {
                 StageOutput::Activations(a) => act = a,
                 StageOutput::Loss(l) => loss = l,
             }
@@ -665,7 +703,7 @@ pub(crate) mod chain {
         let mut grads: Vec<Vec<f32>> = Vec::new();
         let mut g: Option<Vec<f32>> = None;
         for st in stages.iter_mut().rev() {
-            let (input_grad, gp) = st.bwd(g.as_deref());
+            let (input_grad, gp) = bwd(st, g.as_deref());
             g = input_grad;
             grads.push(gp);
             assert_eq!(st.held(), 0);

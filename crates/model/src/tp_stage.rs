@@ -27,8 +27,8 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::params;
 use crate::stage::{
-    check_grad_len, check_targets, end_forward, input_tensor, start_backward, EvalForward,
-    KeptGraphs, PendingOutput, StageEval, StageInput, StageOutput,
+    check_grad_len, check_stage_layers, check_targets, end_forward, input_tensor, start_backward,
+    EvalForward, KeptGraphs, PendingOutput, StageContract, StageEval, StageInput, StageOutput,
 };
 use crate::tensor_parallel::{LayerSlots, PieceSum, TpLayout, TpSplit};
 use crate::transformer::{attend, embed_tokens, head_logits, linear3, TransformerSpec};
@@ -113,12 +113,7 @@ impl TpStage {
     ) -> Result<TpStage, E> {
         spec.validate()?;
         let split = TpSplit::new(spec, split.pieces, split.tp, split.tp_rank)?;
-        if layers.is_empty() || layers.end > spec.num_layers() {
-            return Err(E::InvalidSpec(format!(
-                "stage layers {layers:?} must be a non-empty range within 0..{}",
-                spec.num_layers()
-            )));
-        }
+        check_stage_layers(spec, &layers)?;
         let layout = TpLayout::new(spec, layers.clone(), split);
         let initial = crate::tensor_parallel::gather_map(
             &spec.initial_params(layers.clone(), seed),
@@ -138,62 +133,8 @@ impl TpStage {
         Ok(stage)
     }
 
-    pub fn spec(&self) -> &TransformerSpec {
-        &self.spec
-    }
     pub fn layout(&self) -> &TpLayout {
         &self.layout
-    }
-    pub fn is_first(&self) -> bool {
-        self.layers.start == 0
-    }
-    pub fn is_last(&self) -> bool {
-        self.layers.end == self.spec.num_layers()
-    }
-    pub fn num_params(&self) -> usize {
-        self.layout.num_params()
-    }
-    /// Micro-batches whose graphs are held.
-    pub fn held(&self) -> usize {
-        self.pending.len()
-    }
-
-    pub fn params_flat(&self) -> Vec<f32> {
-        assert!(
-            self.params.len() == self.layout.tensors.len(),
-            "the stage's parameters were released"
-        );
-        self.params.iter().flat_map(|p| values(p.clone())).collect()
-    }
-
-    /// Drop the local parameters (ZeRO 3 between steps: the training loop keeps its chunks);
-    /// [`TpStage::set_params_flat`] brings them back. Refused while graphs are pending.
-    pub fn release_params(&mut self) {
-        self.pending.assert_none_for("released");
-        self.params = Vec::new();
-    }
-
-    /// Replace the local parameters. Refused while graphs are pending.
-    pub fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E> {
-        if p.len() != self.num_params() {
-            return Err(E::ParamLength {
-                what: "tensor-parallel stage set_params_flat",
-                expected: self.num_params(),
-                got: p.len(),
-            });
-        }
-        self.pending.assert_none_for("replaced");
-        self.params = self
-            .layout
-            .tensors
-            .iter()
-            .map(|t| {
-                let data =
-                    TensorData::new(p[t.offset..t.offset + t.len()].to_vec(), [t.rows, t.cols]);
-                Tensor::<2>::from_data(data, &self.device).require_grad()
-            })
-            .collect();
-        Ok(())
     }
 
     fn vec1(&self, i: usize) -> Tensor<1> {
@@ -363,8 +304,101 @@ impl TpStage {
         )
     }
 
-    /// Forward of micro-batch `id`, kept for [`TpStage::backward`]; as [`crate::Stage::forward`].
-    pub fn forward(
+    /// Copy the gradients of every local parameter in `grads` into `out`.
+    fn take_param_grads(&self, grads: &mut burn::tensor::Gradients, out: &mut [f32]) {
+        for (p, t) in self.params.iter().zip(&self.layout.tensors) {
+            if let Some(g) = p.grad_remove(grads) {
+                out[t.offset..t.offset + t.len()]
+                    .copy_from_slice(params::f32_slice(&g.into_data()));
+            }
+        }
+    }
+
+    fn grad_of(t: &Option<Tensor<3>>, grads: &mut burn::tensor::Gradients) -> Option<Vec<f32>> {
+        t.as_ref().map(|leaf| {
+            leaf.grad_remove(grads)
+                .map(|g| params::f32_slice(&g.into_data()).to_vec())
+                .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
+        })
+    }
+
+    /// The evaluation forward on burn's plain backend, from input to output (the head
+    /// included): the parameters moved off autodiff (same storage) and every leaf made on the
+    /// inner device. Detached copies on the autodiff device are not enough, and neither is a
+    /// head computed from the tracked parameters: either keeps operations that no backward
+    /// ever frees, so resident memory would grow with every validation chunk (on the 22 M-parameter
+    /// config at tp = 2, to many times the model state over one validation pass).
+    fn eval_forward(&mut self, input: StageInput<'_>, n: usize) -> Result<EvalForward, E> {
+        let plain = self.params.iter().map(|p| p.clone().inner()).collect();
+        let tracked = std::mem::replace(&mut self.params, plain);
+        let inner = self.device.clone().without_autodiff();
+        let autodiff = std::mem::replace(&mut self.device, inner);
+        let ran = self.run(input, n, false).map(|(_, _, last)| {
+            if self.is_last() {
+                EvalForward::Logits(self.logits(last.x_out))
+            } else {
+                EvalForward::Activations(last.x_out)
+            }
+        });
+        self.params = tracked;
+        self.device = autodiff;
+        ran
+    }
+}
+
+impl StageContract for TpStage {
+    fn spec(&self) -> &TransformerSpec {
+        &self.spec
+    }
+    fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+    fn num_params(&self) -> usize {
+        self.layout.num_params()
+    }
+    /// Micro-batches whose graphs are held.
+    fn held(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn params_flat(&self) -> Vec<f32> {
+        assert!(
+            self.params.len() == self.layout.tensors.len(),
+            "the stage's parameters were released"
+        );
+        self.params.iter().flat_map(|p| values(p.clone())).collect()
+    }
+
+    /// Drop the local parameters (ZeRO 3 between steps: the training loop keeps its chunks);
+    /// [`StageContract::set_params_flat`] brings them back. Refused while graphs are pending.
+    fn release_params(&mut self) {
+        self.pending.assert_none_for("released");
+        self.params = Vec::new();
+    }
+
+    /// Replace the local parameters. Refused while graphs are pending.
+    fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E> {
+        if p.len() != self.num_params() {
+            return Err(E::ParamLength {
+                what: "tensor-parallel stage set_params_flat",
+                expected: self.num_params(),
+                got: p.len(),
+            });
+        }
+        self.pending.assert_none_for("replaced");
+        self.params = self
+            .layout
+            .tensors
+            .iter()
+            .map(|t| {
+                let data =
+                    TensorData::new(p[t.offset..t.offset + t.len()].to_vec(), [t.rows, t.cols]);
+                Tensor::<2>::from_data(data, &self.device).require_grad()
+            })
+            .collect();
+        Ok(())
+    }
+    fn forward(
         &mut self,
         id: u64,
         input: StageInput<'_>,
@@ -399,27 +433,7 @@ impl TpStage {
         );
         Ok(out)
     }
-
-    /// Copy the gradients of every local parameter in `grads` into `out`.
-    fn take_param_grads(&self, grads: &mut burn::tensor::Gradients, out: &mut [f32]) {
-        for (p, t) in self.params.iter().zip(&self.layout.tensors) {
-            if let Some(g) = p.grad_remove(grads) {
-                out[t.offset..t.offset + t.len()]
-                    .copy_from_slice(params::f32_slice(&g.into_data()));
-            }
-        }
-    }
-
-    fn grad_of(t: &Option<Tensor<3>>, grads: &mut burn::tensor::Gradients) -> Option<Vec<f32>> {
-        t.as_ref().map(|leaf| {
-            leaf.grad_remove(grads)
-                .map(|g| params::f32_slice(&g.into_data()).to_vec())
-                .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
-        })
-    }
-
-    /// Backward of micro-batch `id`; as [`crate::Stage::backward`] over the local parameters.
-    pub fn backward(
+    fn backward(
         &mut self,
         id: u64,
         grad_output: Option<&[f32]>,
@@ -469,8 +483,7 @@ impl TpStage {
         Ok(dx)
     }
 
-    /// Forward without keeping anything, for evaluation; as [`crate::Stage::evaluate`].
-    pub fn evaluate(
+    fn evaluate(
         &mut self,
         input: StageInput<'_>,
         n: usize,
@@ -485,28 +498,11 @@ impl TpStage {
             .eval_forward(input, n)?
             .read_out(targets, self.spec.vocab))
     }
-
-    /// The evaluation forward on burn's plain backend, from input to output (the head
-    /// included): the parameters moved off autodiff (same storage) and every leaf made on the
-    /// inner device. Detached copies on the autodiff device are not enough, and neither is a
-    /// head computed from the tracked parameters: either keeps operations that no backward
-    /// ever frees, so resident memory would grow with every validation chunk (on the 22 M-parameter
-    /// config at tp = 2, to many times the model state over one validation pass).
-    fn eval_forward(&mut self, input: StageInput<'_>, n: usize) -> Result<EvalForward, E> {
-        let plain = self.params.iter().map(|p| p.clone().inner()).collect();
-        let tracked = std::mem::replace(&mut self.params, plain);
-        let inner = self.device.clone().without_autodiff();
-        let autodiff = std::mem::replace(&mut self.device, inner);
-        let ran = self.run(input, n, false).map(|(_, _, last)| {
-            if self.is_last() {
-                EvalForward::Logits(self.logits(last.x_out))
-            } else {
-                EvalForward::Activations(last.x_out)
-            }
-        });
-        self.params = tracked;
-        self.device = autodiff;
-        ran
+    fn index_map(&self) -> Vec<Range<usize>> {
+        self.layout.index_map()
+    }
+    fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
+        Some(self.layout.grad_buckets(bucket_elems))
     }
 }
 
@@ -528,8 +524,6 @@ mod tests {
             products: Default::default(),
         }
     }
-
-    chain::link_by_contract!(TpStage);
 
     /// `cuts` as a chain of stages of `pieces` on one rank, one micro-batch: the loss and the
     /// whole model's gradient in canonical order.
@@ -614,7 +608,7 @@ mod tests {
     fn evaluation_scores_the_whole_layer_and_misuse_is_refused() {
         let s = spec();
         let (x, y) = batch(3, &s);
-        let plain = Stage::new(&s, 0..s.num_layers(), 3).unwrap();
+        let mut plain = Stage::new(&s, 0..s.num_layers(), 3).unwrap();
         let want = plain.evaluate(StageInput::Tokens(&x), 3, Some(&y)).unwrap();
         let split = TpSplit::whole(4);
         let sum = Box::new(LocalPieceSum);

@@ -184,8 +184,8 @@ mod tests {
 
     use lockstep_comm::inproc::in_process_group;
     use lockstep_model::{
-        gather_map, scatter_map, LocalPieceSum, StageInput, StageOutput, TpLayout, TpSplit,
-        TpStage, TransformerSpec,
+        gather_map, scatter_map, LocalPieceSum, StageContract, StageInput, StageOutput, TpLayout,
+        TpSplit, TpStage, TransformerSpec,
     };
 
     use super::*;

@@ -11,8 +11,8 @@ use std::time::Instant;
 use burn::tensor::Device;
 use lockstep_data::text::{CharCorpus, Split};
 use lockstep_model::{
-    LayerKind, LocalPieceSum, PieceSum, Stage, StageEval, StageInput, StageOutput, TpSplit,
-    TpStage, TransformerSpec,
+    LayerKind, LocalPieceSum, PieceSum, Stage, StageContract, StageEval, StageInput, StageOutput,
+    TpSplit, TpStage, TransformerSpec,
 };
 
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
@@ -156,17 +156,8 @@ impl Layered for Transformer {
             // The canonical split on one rank: all pieces, summed locally.
             return self.tp_stage(layers, seed, 1, 0, Box::new(LocalPieceSum));
         }
-        Ok(Box::new(TransformerStage {
-            stage: Inner::Whole(Box::new(Stage::new_on(
-                &self.spec,
-                layers,
-                seed,
-                self.device.clone(),
-            )?)),
-            corpus: &self.corpus,
-            x: Vec::new(),
-            y: Vec::new(),
-        }))
+        let stage = Stage::new_on(&self.spec, layers, seed, self.device.clone())?;
+        Ok(self.reading(Box::new(stage)))
     }
 
     fn tp_pieces(&self) -> usize {
@@ -186,51 +177,30 @@ impl Layered for Transformer {
         sum: Box<dyn PieceSum>,
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
         let split = TpSplit::new(&self.spec, self.tp_pieces, tp, tp_rank)?;
-        Ok(Box::new(TransformerStage {
-            stage: Inner::Pieces(Box::new(TpStage::new(
-                &self.spec, layers, seed, split, sum,
-            )?)),
+        let stage = TpStage::new(&self.spec, layers, seed, split, sum)?;
+        Ok(self.reading(Box::new(stage)))
+    }
+}
+
+impl Transformer {
+    /// `stage` with this transformer's corpus to read its tokens and targets from.
+    fn reading(&self, stage: Box<dyn StageContract>) -> Box<dyn LayerStage + '_> {
+        Box::new(TransformerStage {
+            stage,
             corpus: &self.corpus,
             x: Vec::new(),
             y: Vec::new(),
-        }))
+        })
     }
 }
 
-/// The layers of a stage: computed whole, or as pieces of the canonical split.
-enum Inner {
-    Whole(Box<Stage>),
-    Pieces(Box<TpStage>),
-}
-
-/// Some layers of the transformer and the corpus they read tokens and targets from.
+/// Some layers of the transformer (computed whole, or as pieces of the canonical split: one
+/// contract either way) and the corpus they read tokens and targets from.
 struct TransformerStage<'a> {
-    stage: Inner,
+    stage: Box<dyn StageContract>,
     corpus: &'a CharCorpus,
     x: Vec<i64>,
     y: Vec<i64>,
-}
-
-/// The same call on either kind of stage.
-macro_rules! on_stage {
-    ($inner:expr, $s:ident => $call:expr) => {
-        match $inner {
-            Inner::Whole($s) => $call,
-            Inner::Pieces($s) => $call,
-        }
-    };
-}
-
-impl Inner {
-    fn spec(&self) -> &TransformerSpec {
-        on_stage!(self, s => s.spec())
-    }
-    fn is_first(&self) -> bool {
-        on_stage!(self, s => s.is_first())
-    }
-    fn is_last(&self) -> bool {
-        on_stage!(self, s => s.is_last())
-    }
 }
 
 impl TransformerStage<'_> {
@@ -254,23 +224,23 @@ impl LayerStage for TransformerStage<'_> {
     }
 
     fn num_params(&self) -> usize {
-        on_stage!(&self.stage, s => s.num_params())
+        self.stage.num_params()
     }
 
     fn params_flat(&self) -> Vec<f32> {
-        on_stage!(&self.stage, s => s.params_flat())
+        self.stage.params_flat()
     }
 
     fn set_params_flat(&mut self, params: &[f32]) -> Result<(), ReplicaError> {
-        Ok(on_stage!(&mut self.stage, s => s.set_params_flat(params))?)
+        Ok(self.stage.set_params_flat(params)?)
     }
 
     fn release_params(&mut self) {
-        on_stage!(&mut self.stage, s => s.release_params())
+        self.stage.release_params()
     }
 
     fn held(&self) -> usize {
-        on_stage!(&self.stage, s => s.held())
+        self.stage.held()
     }
 
     fn input_len(&self, n: usize) -> usize {
@@ -305,8 +275,7 @@ impl LayerStage for TransformerStage<'_> {
         };
         let targets = self.stage.is_last().then_some(&self.y[..]);
         let n = samples.len();
-        let out = match on_stage!(&mut self.stage, s => s.forward(id, stage_input, n, targets, scale))?
-        {
+        let out = match self.stage.forward(id, stage_input, n, targets, scale)? {
             StageOutput::Activations(a) => Forwarded::Activations(a),
             StageOutput::Loss(l) => Forwarded::Loss(l),
         };
@@ -319,7 +288,7 @@ impl LayerStage for TransformerStage<'_> {
         grad_output: Option<&[f32]>,
         grad: &mut [f32],
     ) -> Result<Option<Vec<f32>>, ReplicaError> {
-        Ok(on_stage!(&mut self.stage, s => s.backward(id, grad_output, grad))?)
+        Ok(self.stage.backward(id, grad_output, grad)?)
     }
 
     fn evaluate(
@@ -334,8 +303,7 @@ impl LayerStage for TransformerStage<'_> {
         };
         let targets = self.stage.is_last().then_some(&self.y[..]);
         Ok(
-            match on_stage!(&mut self.stage, s => s.evaluate(stage_input, samples.len(), targets))?
-            {
+            match self.stage.evaluate(stage_input, samples.len(), targets)? {
                 StageEval::Activations(a) => Evaluated::Activations(a),
                 StageEval::Scores { loss_sum, correct } => Evaluated::Sums(EvalSums {
                     loss: loss_sum,
@@ -346,16 +314,10 @@ impl LayerStage for TransformerStage<'_> {
     }
 
     fn index_map(&self) -> Vec<Range<usize>> {
-        match &self.stage {
-            Inner::Whole(s) => std::iter::once(0..s.num_params()).collect(),
-            Inner::Pieces(s) => s.layout().index_map(),
-        }
+        self.stage.index_map()
     }
 
     fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
-        match &self.stage {
-            Inner::Whole(_) => None,
-            Inner::Pieces(s) => Some(s.layout().grad_buckets(bucket_elems)),
-        }
+        self.stage.grad_buckets(bucket_elems)
     }
 }
