@@ -661,6 +661,39 @@ pub(crate) mod chain {
         (stage.backward(9, g, &mut gp).unwrap(), gp)
     }
 
+    /// A small transformer for the stage tests.
+    pub(crate) fn small_spec(heads: usize, blocks: usize) -> TransformerSpec {
+        TransformerSpec {
+            vocab: 13,
+            context: 8,
+            d_model: 16,
+            heads,
+            blocks,
+            d_ff: 24,
+            products: Default::default(),
+        }
+    }
+
+    /// The contract's misuse, refused: a second forward of a pending id, a backward of an id
+    /// with no forward (`stage` holds every layer; `x`, `y` a batch of `n`).
+    pub(crate) fn assert_misuse_refused<S: StageContract>(
+        stage: &mut S,
+        x: &[i64],
+        y: &[i64],
+        n: usize,
+    ) {
+        stage
+            .forward(0, StageInput::Tokens(x), n, Some(y), 1.0)
+            .unwrap();
+        assert!(stage
+            .forward(0, StageInput::Tokens(x), n, Some(y), 1.0)
+            .is_err());
+        let mut g = vec![0f32; stage.num_params()];
+        stage.backward(0, None, &mut g).unwrap();
+        assert!(stage.backward(0, None, &mut g).is_err());
+        assert_eq!(stage.held(), 0);
+    }
+
     /// Tokens and targets of `n` sequences.
     pub(crate) fn batch(n: usize, s: &TransformerSpec) -> (Vec<i64>, Vec<i64>) {
         let x: Vec<i64> = (0..n * s.context)
@@ -736,15 +769,7 @@ mod tests {
     use super::*;
 
     fn spec() -> TransformerSpec {
-        TransformerSpec {
-            vocab: 13,
-            context: 8,
-            d_model: 16,
-            heads: 2,
-            blocks: 3,
-            d_ff: 24,
-            products: Default::default(),
-        }
+        chain::small_spec(2, 3)
     }
 
     /// Run `cuts` as a chain of stages on one micro-batch; return (loss, whole-model gradient).
@@ -785,12 +810,9 @@ mod tests {
         // Initial loss near ln(vocab) per character (unit-variance logits add about ½ nat).
         let per_char = loss_sum / (2 * s.context) as f64;
         assert!((per_char - (s.vocab as f64).ln()).abs() < 1.0, "{per_char}");
-        assert!(st
-            .forward(0, StageInput::Tokens(&x), 2, Some(&y), 1.0)
-            .is_err());
         let mut g = vec![0f32; st.num_params()];
         st.backward(0, None, &mut g).unwrap();
-        assert!(st.backward(0, None, &mut g).is_err());
+        chain::assert_misuse_refused(&mut st, &x, &y, 2);
         let mut mid = Stage::new(&s, 1..2, 3).unwrap();
         assert!(mid
             .forward(1, StageInput::Tokens(&x), 2, None, 1.0)

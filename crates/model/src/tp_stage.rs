@@ -514,15 +514,7 @@ mod tests {
     use crate::Stage;
 
     fn spec() -> TransformerSpec {
-        TransformerSpec {
-            vocab: 13,
-            context: 8,
-            d_model: 16,
-            heads: 4,
-            blocks: 2,
-            d_ff: 24,
-            products: Default::default(),
-        }
+        chain::small_spec(4, 2)
     }
 
     /// `cuts` as a chain of stages of `pieces` on one rank, one micro-batch: the loss and the
@@ -629,14 +621,7 @@ mod tests {
         };
         assert!((a - b).abs() < 1e-5 * b && ca == cb, "{a} {ca} vs {b} {cb}");
         // A second forward of a pending id, a backward without its forward, a bad split.
-        st.forward(0, StageInput::Tokens(&x), 3, Some(&y), 1.0)
-            .unwrap();
-        assert!(st
-            .forward(0, StageInput::Tokens(&x), 3, Some(&y), 1.0)
-            .is_err());
-        let mut g = vec![0f32; st.num_params()];
-        st.backward(0, None, &mut g).unwrap();
-        assert!(st.backward(0, None, &mut g).is_err());
+        chain::assert_misuse_refused(&mut st, &x, &y, 3);
         let bad = TpStage::new(&s, 0..2, 3, TpSplit::whole(3), Box::new(LocalPieceSum));
         assert!(bad.unwrap_err().to_string().contains("tp_pieces = 3"));
     }
