@@ -94,13 +94,15 @@ pub use lockstep_train::{ConfigError, ConfigLoad, Event, Progress, TrainConfig, 
 /// for bit. A [`ColumnParallelLinear`](tp::ColumnParallelLinear) (output features in `pieces`
 /// fixed pieces; on a tp rank its output is its pieces) feeds a
 /// [`RowParallelLinear`](tp::RowParallelLinear) (input features in the same pieces; output
-/// summed exactly over all pieces), with elementwise functions (ReLU, GELU) between them. All
-/// tensor-parallel layers of a model have the same `pieces`, which `parallel.tp` must divide.
+/// summed exactly over all pieces), with elementwise functions (ReLU, GELU) between them; a
+/// [`ParallelSelfAttention`](tp::ParallelSelfAttention) is causal multi-head self-attention with
+/// its heads in those pieces (the built-in transformer's split). All tensor-parallel layers of a
+/// model have the same `pieces`, which `parallel.tp` must divide.
 /// See docs/src/your-own-model.md, "Tensor parallelism of your own model".
 pub mod tp {
     pub use lockstep_model::{
-        ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear,
-        RowParallelLinearConfig,
+        ColumnParallelLinear, ColumnParallelLinearConfig, ParallelSelfAttention,
+        ParallelSelfAttentionConfig, RowParallelLinear, RowParallelLinearConfig,
     };
 }
 

@@ -57,6 +57,7 @@ mod spec;
 mod stage;
 mod streaming;
 mod tensor_parallel;
+mod tp_attention;
 mod tp_layers;
 mod tp_stage;
 mod transformer;
@@ -122,6 +123,7 @@ pub use stage::{Stage, StageContract, StageEval, StageInput, StageOutput};
 pub use tensor_parallel::{
     gather_map, scatter_map, split_params, LocalPieceSum, LocalTensor, PieceSum, TpLayout, TpSplit,
 };
+pub use tp_attention::{ParallelSelfAttention, ParallelSelfAttentionConfig};
 pub use tp_layers::{
     in_tp_scope, narrow_to_pieces, tp_param, tp_params_of, ColumnParallelLinear,
     ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig, TpParam, TpParamKind,

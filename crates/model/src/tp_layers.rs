@@ -758,13 +758,76 @@ impl RowParallelLinear {
     }
 }
 
+/// Simulated tensor-parallel groups on threads, for the tests of the tp layers.
+#[cfg(test)]
+pub(crate) mod test_group {
+    use std::sync::{Arc, Barrier, Mutex};
+
+    use super::{in_tp_scope, PieceSum};
+
+    /// A [`PieceSum`] over `tp` threads: every rank's pieces meet, in rank order, in one
+    /// `sum_local` (what the communicator's one-bucket exact reduction computes).
+    struct Exchange {
+        rank: usize,
+        slots: Arc<Mutex<Vec<Vec<Vec<f32>>>>>,
+        barrier: Arc<Barrier>,
+    }
+
+    impl PieceSum for Exchange {
+        fn sum_pieces(
+            &mut self,
+            local: &[&[f32]],
+            total: usize,
+            out: &mut [f32],
+        ) -> Result<(), String> {
+            self.slots.lock().unwrap()[self.rank] = local.iter().map(|p| p.to_vec()).collect();
+            self.barrier.wait();
+            {
+                let slots = self.slots.lock().unwrap();
+                let all: Vec<&[f32]> = slots.iter().flatten().map(|p| p.as_slice()).collect();
+                lockstep_exact::sum_local(&all, total, out).map_err(|e| e.to_string())?;
+            }
+            self.barrier.wait();
+            Ok(())
+        }
+    }
+
+    /// `tp` ranks on threads, each running what `make(rank)` returns inside its tp scope over a
+    /// shared [`Exchange`]; their results in rank order. Panics if a piece sum failed.
+    pub(crate) fn run_ranks<F, R>(tp: usize, make: impl Fn(usize) -> F) -> Vec<R>
+    where
+        F: FnOnce() -> R + Send,
+        R: Send,
+    {
+        let slots = Arc::new(Mutex::new(vec![Vec::new(); tp]));
+        let barrier = Arc::new(Barrier::new(tp));
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..tp)
+                .map(|rank| {
+                    let f = make(rank);
+                    let (slots, barrier) = (slots.clone(), barrier.clone());
+                    sc.spawn(move || {
+                        let mut sum: Box<dyn PieceSum> = Box::new(Exchange {
+                            rank,
+                            slots,
+                            barrier,
+                        });
+                        let (r, failure) = in_tp_scope(tp, rank, &mut sum, f);
+                        assert_eq!(failure, None);
+                        r
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! The layers against the single-worker piecewise computation (and against plain dense
     //! algebra, approximately, for the hand-written backward), and 2 or 4 simulated tp ranks on
     //! threads against one worker, bit for bit.
-
-    use std::sync::{Arc, Barrier};
 
     use super::*;
 
@@ -946,59 +1009,15 @@ mod tests {
         assert_eq!(bits(z), bits(trained));
     }
 
-    /// A [`PieceSum`] over `tp` threads: every rank's pieces meet, in rank order, in one
-    /// `sum_local` (what the communicator's one-bucket exact reduction computes).
-    struct Exchange {
-        rank: usize,
-        slots: Arc<Mutex<Vec<Vec<Vec<f32>>>>>,
-        barrier: Arc<Barrier>,
-    }
-
-    impl PieceSum for Exchange {
-        fn sum_pieces(
-            &mut self,
-            local: &[&[f32]],
-            total: usize,
-            out: &mut [f32],
-        ) -> Result<(), String> {
-            self.slots.lock().unwrap()[self.rank] = local.iter().map(|p| p.to_vec()).collect();
-            self.barrier.wait();
-            {
-                let slots = self.slots.lock().unwrap();
-                let all: Vec<&[f32]> = slots.iter().flatten().map(|p| p.as_slice()).collect();
-                lockstep_exact::sum_local(&all, total, out).map_err(|e| e.to_string())?;
-            }
-            self.barrier.wait();
-            Ok(())
-        }
-    }
-
     #[test]
     fn tensor_parallel_ranks_reproduce_one_worker() {
         let (col, row) = layers();
         let one = run(&col, &row);
         for tp in [2, 4] {
-            let slots = Arc::new(Mutex::new(vec![Vec::new(); tp]));
-            let barrier = Arc::new(Barrier::new(tp));
-            let ranks: Vec<Run> = std::thread::scope(|sc| {
-                let handles: Vec<_> = (0..tp)
-                    .map(|rank| {
-                        let col = narrow_to_pieces(col.clone(), tp, rank, &ad());
-                        let row = narrow_to_pieces(row.clone(), tp, rank, &ad());
-                        let (slots, barrier) = (slots.clone(), barrier.clone());
-                        sc.spawn(move || {
-                            let mut sum: Box<dyn PieceSum> = Box::new(Exchange {
-                                rank,
-                                slots,
-                                barrier,
-                            });
-                            let (r, failure) = in_tp_scope(tp, rank, &mut sum, || run(&col, &row));
-                            assert_eq!(failure, None);
-                            r
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let ranks = test_group::run_ranks(tp, |rank| {
+                let col = narrow_to_pieces(col.clone(), tp, rank, &ad());
+                let row = narrow_to_pieces(row.clone(), tp, rank, &ad());
+                move || run(&col, &row)
             });
             let share = |whole: &[f32], rank: usize| {
                 let per = whole.len() / tp;
