@@ -128,25 +128,13 @@ mod tests {
 
     use super::*;
     use crate::tp_layers::narrow_to_pieces;
-    use crate::tp_layers::test_group::run_ranks;
+    use crate::tp_layers::test_group::{ad, bits, run_ranks, vals};
 
     const N: usize = 3;
     const T_LEN: usize = 5;
     const D: usize = 16;
     const HEADS: usize = 4;
     const PIECES: usize = 4;
-
-    fn ad() -> Device {
-        Device::flex().autodiff()
-    }
-
-    fn vals<const R: usize>(t: Tensor<R>) -> Vec<f32> {
-        crate::params::f32_slice(&t.into_data()).to_vec()
-    }
-
-    fn bits<const R: usize>(t: Tensor<R>) -> Vec<u32> {
-        vals(t).iter().map(|v| v.to_bits()).collect()
-    }
 
     fn input(device: &Device) -> Tensor<3> {
         let v: Vec<f32> = (0..N * T_LEN * D)

@@ -763,6 +763,8 @@ impl RowParallelLinear {
 pub(crate) mod test_group {
     use std::sync::{Arc, Barrier, Mutex};
 
+    use burn::tensor::{Device, Tensor};
+
     use super::{in_tp_scope, PieceSum};
 
     /// A [`PieceSum`] over `tp` threads: every rank's pieces meet, in rank order, in one
@@ -790,6 +792,21 @@ pub(crate) mod test_group {
             self.barrier.wait();
             Ok(())
         }
+    }
+
+    /// The values of `t`.
+    pub(crate) fn vals<const R: usize>(t: Tensor<R>) -> Vec<f32> {
+        crate::params::f32_slice(&t.into_data()).to_vec()
+    }
+
+    /// The bits of `t`'s values.
+    pub(crate) fn bits<const R: usize>(t: Tensor<R>) -> Vec<u32> {
+        vals(t).iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The autodiff device the tests train on.
+    pub(crate) fn ad() -> Device {
+        Device::flex().autodiff()
     }
 
     /// `tp` ranks on threads, each running what `make(rank)` returns inside its tp scope over a
@@ -829,6 +846,7 @@ mod tests {
     //! algebra, approximately, for the hand-written backward), and 2 or 4 simulated tp ranks on
     //! threads against one worker, bit for bit.
 
+    use super::test_group::{ad, bits, vals};
     use super::*;
 
     const N: usize = 5;
@@ -836,21 +854,6 @@ mod tests {
     const HIDDEN: usize = 16;
     const D_OUT: usize = 6;
     const T: usize = 4;
-
-    fn ad() -> Device {
-        Device::flex().autodiff()
-    }
-
-    fn bits(t: Tensor<2>) -> Vec<u32> {
-        crate::params::f32_slice(&t.into_data())
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
-    }
-
-    fn vals<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-        crate::params::f32_slice(&t.into_data()).to_vec()
-    }
 
     fn input(device: &Device) -> Tensor<2> {
         let v: Vec<f32> = (0..N * D_IN).map(|i| (i as f32 * 0.37).sin()).collect();
