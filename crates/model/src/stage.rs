@@ -18,7 +18,7 @@ use burn::tensor::{Device, Gradients, Int, Tensor, TensorData};
 
 use crate::loss;
 use crate::params::{self, ParamInfo};
-use crate::transformer::{StageNet, TransformerSpec};
+use crate::transformer::{LayerKind, StageNet, TransformerSpec};
 use crate::ModelError as E;
 
 /// What a stage consumes.
@@ -102,6 +102,37 @@ pub trait StageContract {
         n: usize,
         targets: Option<&[i64]>,
     ) -> Result<StageEval, E>;
+    /// [`StageContract::forward`] of a micro-batch whose backward will stream layer by layer
+    /// ([`StageContract::backward_streaming`]): a stage that can keeps each layer's graph apart
+    /// (cut like pipeline stages, so the bits are the uncut ones). Default: the plain forward.
+    fn forward_streamed(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+    ) -> Result<StageOutput, E> {
+        self.forward(id, input, n, targets, scale)
+    }
+    /// [`StageContract::backward`] of micro-batch `id` handing each layer's parameter gradient
+    /// (`layers[k]`, the stage's flat range of its layer `k`) to `on_layer(k, values)` as soon as
+    /// it exists, the last layer first: bitwise what `backward` writes. Default: one backward,
+    /// then every layer handed out.
+    fn backward_streaming(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        layers: &[Range<usize>],
+        on_layer: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Option<Vec<f32>>, E> {
+        let mut grad = vec![0f32; self.num_params()];
+        let input_grad = self.backward(id, grad_output, &mut grad)?;
+        for (k, range) in layers.iter().enumerate().rev() {
+            on_layer(k, &grad[range.clone()]);
+        }
+        Ok(input_grad)
+    }
     /// Ranges of the stage's canonical flat vector whose concatenation is
     /// [`StageContract::params_flat`]: all of it, unless the stage holds only some pieces.
     fn index_map(&self) -> Vec<Range<usize>> {
@@ -126,13 +157,20 @@ pub(crate) fn check_stage_layers(spec: &TransformerSpec, layers: &Range<usize>) 
     Ok(())
 }
 
-/// A graph kept from forward to backward.
-struct Pending {
-    /// The input leaf (non-first stages), whose gradient goes back to the previous stage.
+/// One autodiff graph kept from forward to backward: the whole stage, or (a streamed forward)
+/// one of its layers.
+struct Graph {
+    /// The input leaf: the stage's (non-first stages) or the cut before this layer; its gradient
+    /// goes back to the previous stage or graph.
     input: Option<Tensor<3>>,
-    /// Activations out (non-last stages) or the loss (last stage).
+    /// Activations out (to the next stage or graph) or the loss (the last stage's last graph).
     output: PendingOutput,
+    /// The stage's layers it computes (indices within the stage).
+    layers: Range<usize>,
 }
+
+/// A micro-batch's graphs, in forward order.
+type Pending = Vec<Graph>;
 
 pub(crate) enum PendingOutput {
     Activations(Tensor<3>),
@@ -446,6 +484,95 @@ impl Stage {
     fn check_targets<'t>(&self, targets: Option<&'t [i64]>, n: usize) -> Result<&'t [i64], E> {
         check_targets(&self.spec, targets, n)
     }
+
+    /// Each of the stage's layers' range of its flat vector.
+    fn layer_ranges(&self) -> Vec<Range<usize>> {
+        let offsets = self.spec.layer_offsets();
+        let base = offsets[self.layers.start];
+        self.layers
+            .clone()
+            .map(|l| offsets[l] - base..offsets[l + 1] - base)
+            .collect()
+    }
+
+    /// A training forward kept as one graph, or with `cut` as one graph per layer: each
+    /// layer's output values enter the next layer as a fresh leaf, exactly as between pipeline
+    /// stages, so the backward's bits are the same either way.
+    fn forward_graphs(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+        cut: bool,
+    ) -> Result<StageOutput, E> {
+        self.pending.check_free(id)?;
+        let (mut leaf, mut x) = self.input_tensor(&self.net, input, n, true)?;
+        let targets = if self.is_last() {
+            Some(self.check_targets(targets, n)?)
+        } else {
+            None
+        };
+        let count = self.layers.len();
+        let (mut graphs, mut from, mut block) = (Vec::new(), 0, 0);
+        for (k, layer) in self.layers.clone().enumerate() {
+            // The embedding is the input's (`input_tensor`), the head the loss's (`end_forward`).
+            if let LayerKind::Block(_) = self.spec.layer_kind(layer) {
+                x = self.net.block(block, x, &self.spec);
+                block += 1;
+            }
+            if cut && k + 1 < count {
+                let (values, dims) = (params::f32_slice(&x.to_data()).to_vec(), x.dims());
+                graphs.push(Graph {
+                    input: leaf.take(),
+                    output: PendingOutput::Activations(x),
+                    layers: from..k + 1,
+                });
+                let next = Tensor::<3>::from_data(TensorData::new(values, dims), &self.device)
+                    .require_grad();
+                (leaf, x, from) = (Some(next.clone()), next, k + 1);
+            }
+        }
+        let (output, result) = end_forward(
+            x,
+            targets,
+            |x| self.net.logits(x, self.spec.products),
+            scale,
+            n,
+            &self.device,
+        )?;
+        graphs.push(Graph {
+            input: leaf,
+            output,
+            layers: from..count,
+        });
+        self.pending.keep(id, graphs);
+        Ok(result)
+    }
+
+    /// The backward of micro-batch `id`'s graphs, the last first: each graph's parameter
+    /// gradients go to `take(net, its layers, gradients)`, its input gradient to the graph
+    /// before it; returns the stage's input gradient (`None` on the first stage).
+    fn backward_graphs(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        mut take: impl FnMut(&StageNet, Range<usize>, Gradients),
+    ) -> Result<Option<Vec<f32>>, E> {
+        let graphs = self.pending.take(id)?;
+        let mut grad = grad_output.map(<[f32]>::to_vec);
+        for graph in graphs.into_iter().rev() {
+            let grads = start_backward(graph.output, grad.as_deref(), &self.device)?;
+            grad = graph.input.map(|leaf| {
+                leaf.grad(&grads)
+                    .map(|g| params::f32_slice(&g.into_data()).to_vec())
+                    .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
+            });
+            take(&self.net, graph.layers, grads);
+        }
+        Ok(grad)
+    }
 }
 
 impl StageContract for Stage {
@@ -500,30 +627,18 @@ impl StageContract for Stage {
         targets: Option<&[i64]>,
         scale: f32,
     ) -> Result<StageOutput, E> {
-        self.pending.check_free(id)?;
-        let (input_leaf, x) = self.input_tensor(&self.net, input, n, true)?;
-        let x = self.net.blocks(x, &self.spec);
-        let targets = if self.is_last() {
-            Some(self.check_targets(targets, n)?)
-        } else {
-            None
-        };
-        let (output, result) = end_forward(
-            x,
-            targets,
-            |x| self.net.logits(x, self.spec.products),
-            scale,
-            n,
-            &self.device,
-        )?;
-        self.pending.keep(
-            id,
-            Pending {
-                input: input_leaf,
-                output,
-            },
-        );
-        Ok(result)
+        self.forward_graphs(id, input, n, targets, scale, false)
+    }
+
+    fn forward_streamed(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+    ) -> Result<StageOutput, E> {
+        self.forward_graphs(id, input, n, targets, scale, true)
     }
 
     fn backward(
@@ -533,15 +648,43 @@ impl StageContract for Stage {
         grad_params: &mut [f32],
     ) -> Result<Option<Vec<f32>>, E> {
         check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
-        let pending = self.pending.take(id)?;
-        let grads = start_backward(pending.output, grad_output, &self.device)?;
-        let input_grad = pending.input.map(|leaf| {
-            leaf.grad(&grads)
-                .map(|g| params::f32_slice(&g.into_data()).to_vec())
-                .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
-        });
-        params::read_grads(&self.net, grads, grad_params);
-        Ok(input_grad)
+        let ranges = self.layer_ranges();
+        self.backward_graphs(id, grad_output, |net, layers, grads| {
+            if layers.len() == ranges.len() {
+                params::read_grads(net, grads, grad_params);
+            } else {
+                let k = layers.start;
+                net.read_layer_grads(k, grads, &mut grad_params[ranges[k].clone()]);
+            }
+        })
+    }
+
+    fn backward_streaming(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        layers: &[Range<usize>],
+        on_layer: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Option<Vec<f32>>, E> {
+        let ranges = self.layer_ranges();
+        if layers != ranges.as_slice() {
+            return Err(E::InvalidSpec(format!(
+                "streamed backward: layer ranges {layers:?}, but the stage's are {ranges:?}"
+            )));
+        }
+        self.backward_graphs(id, grad_output, |net, graph_layers, grads| {
+            let mut grad = vec![0f32; ranges[graph_layers.clone()].iter().map(|r| r.len()).sum()];
+            let base = ranges[graph_layers.start].start;
+            if graph_layers.len() == 1 {
+                net.read_layer_grads(graph_layers.start, grads, &mut grad);
+            } else {
+                params::read_grads(net, grads, &mut grad);
+            }
+            for k in graph_layers.rev() {
+                let r = &ranges[k];
+                on_layer(k, &grad[r.start - base..r.end - base]);
+            }
+        })
     }
 
     fn evaluate(
@@ -843,6 +986,54 @@ mod tests {
             let eval_autodiff = st.eval_forward(input, 2).unwrap().is_autodiff();
             assert!(!eval_autodiff, "evaluation of layers {layers:?} is tracked");
             assert_eq!(st.held(), 0);
+        }
+    }
+
+    #[test]
+    fn a_streamed_backward_hands_out_the_plain_gradients_layer_by_layer() {
+        let s = spec();
+        let (x, y) = batch(2, &s);
+        let acts: Vec<f32> = (0..s.activation_len(2))
+            .map(|i| (i as f32 * 0.7).cos())
+            .collect();
+        let g_next: Vec<f32> = (0..s.activation_len(2))
+            .map(|i| (i as f32 * 0.3).sin() * 0.01)
+            .collect();
+        let last = s.num_layers();
+        for layers in [0..last, 1..4, 0..2, 3..last, 2..3] {
+            let mut plain = Stage::new(&s, layers.clone(), 3).unwrap();
+            let mut streamed = Stage::new(&s, layers.clone(), 3).unwrap();
+            let input = if plain.is_first() {
+                StageInput::Tokens(&x)
+            } else {
+                StageInput::Activations(&acts)
+            };
+            let targets = plain.is_last().then_some(&y[..]);
+            let a = plain.forward(1, input, 2, targets, 0.5).unwrap();
+            let b = streamed
+                .forward_streamed(1, input, 2, targets, 0.5)
+                .unwrap();
+            assert_eq!(a, b, "{layers:?}: forward");
+            let g_out = (!plain.is_last()).then_some(&g_next[..]);
+            let mut want = vec![0f32; plain.num_params()];
+            let want_input = plain.backward(1, g_out, &mut want).unwrap();
+            let ranges = streamed.layer_ranges();
+            let (mut got, mut order) = (vec![f32::NAN; want.len()], Vec::new());
+            let got_input = streamed
+                .backward_streaming(1, g_out, &ranges, &mut |k, v| {
+                    got[ranges[k].clone()].copy_from_slice(v);
+                    order.push(k);
+                })
+                .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|g| g.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{layers:?}: parameter gradients");
+            assert_eq!(
+                got_input.as_deref().map(bits),
+                want_input.as_deref().map(bits),
+                "{layers:?}: input gradient"
+            );
+            assert_eq!(order, (0..layers.len()).rev().collect::<Vec<_>>());
+            assert_eq!(streamed.held(), 0);
         }
     }
 

@@ -22,12 +22,12 @@ use crate::layer_norm::layer_norm;
 use crate::softmax::softmax_last;
 use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Gradients, Int, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 
 use crate::bf16::Products;
 use crate::error::ModelError;
-use crate::params::ParamInfo;
+use crate::params::{self, ParamInfo};
 use crate::rng::SplitMix64;
 
 /// Shape of the transformer.
@@ -355,6 +355,29 @@ impl StageNet {
             x = block_forward(b, x, spec);
         }
         x
+    }
+
+    /// Block `i` of the stage (its `i`-th, not the model's) on the residual stream.
+    pub(crate) fn block(&self, i: usize, x: Tensor<3>, spec: &TransformerSpec) -> Tensor<3> {
+        block_forward(&self.blocks[i], x, spec)
+    }
+
+    /// Move the parameter gradients of the stage's layer `k` (its layers in order: the
+    /// embedding when it has it, its blocks, the head when it has it) out of `grads` into `out`,
+    /// that layer's slice of the stage's flat vector.
+    pub(crate) fn read_layer_grads(&self, k: usize, grads: Gradients, out: &mut [f32]) {
+        let k = match &self.embed {
+            Some(embed) if k == 0 => return params::read_grads(embed, grads, out),
+            Some(_) => k - 1,
+            None => k,
+        };
+        match self.blocks.get(k) {
+            Some(block) => params::read_grads(block, grads, out),
+            None => {
+                let head = self.head.as_ref().expect("a layer index within the stage");
+                params::read_grads(head, grads, out)
+            }
+        }
     }
 
     /// Residual stream → logits `[n·t, vocab]` (last stage only).

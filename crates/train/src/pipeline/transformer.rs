@@ -204,6 +204,38 @@ struct TransformerStage<'a> {
 }
 
 impl TransformerStage<'_> {
+    /// A training forward of micro-batch `id`, its graph kept whole or (`streamed`, for a
+    /// backward that hands out each layer's gradient as it goes) cut between layers.
+    fn forward_kept(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+        streamed: bool,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        let t0 = Instant::now();
+        self.gather(Split::Train, samples);
+        let data_seconds = t0.elapsed().as_secs_f64();
+        let stage_input = match input {
+            Some(a) => StageInput::Activations(a),
+            None => StageInput::Tokens(&self.x),
+        };
+        let targets = self.stage.is_last().then_some(&self.y[..]);
+        let n = samples.len();
+        let kept = if streamed {
+            self.stage
+                .forward_streamed(id, stage_input, n, targets, scale)?
+        } else {
+            self.stage.forward(id, stage_input, n, targets, scale)?
+        };
+        let out = match kept {
+            StageOutput::Activations(a) => Forwarded::Activations(a),
+            StageOutput::Loss(l) => Forwarded::Loss(l),
+        };
+        Ok((out, data_seconds))
+    }
+
     /// Tokens and targets of `samples` (first and last stages only).
     fn gather(&mut self, split: Split, samples: &[u32]) {
         if self.stage.is_first() || self.stage.is_last() {
@@ -266,20 +298,28 @@ impl LayerStage for TransformerStage<'_> {
         input: Option<&[f32]>,
         scale: f32,
     ) -> Result<(Forwarded, f64), ReplicaError> {
-        let t0 = Instant::now();
-        self.gather(Split::Train, samples);
-        let data_seconds = t0.elapsed().as_secs_f64();
-        let stage_input = match input {
-            Some(a) => StageInput::Activations(a),
-            None => StageInput::Tokens(&self.x),
-        };
-        let targets = self.stage.is_last().then_some(&self.y[..]);
-        let n = samples.len();
-        let out = match self.stage.forward(id, stage_input, n, targets, scale)? {
-            StageOutput::Activations(a) => Forwarded::Activations(a),
-            StageOutput::Loss(l) => Forwarded::Loss(l),
-        };
-        Ok((out, data_seconds))
+        self.forward_kept(id, samples, input, scale, false)
+    }
+
+    fn forward_streamed(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        self.forward_kept(id, samples, input, scale, true)
+    }
+
+    fn backward_streaming(
+        &mut self,
+        id: u64,
+        layers: &[Range<usize>],
+        on_layer: &(dyn Fn(usize, &[f32]) + Sync),
+    ) -> Result<(), ReplicaError> {
+        self.stage
+            .backward_streaming(id, None, layers, &mut |k, values| on_layer(k, values))?;
+        Ok(())
     }
 
     fn backward(
