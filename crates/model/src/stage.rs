@@ -169,8 +169,45 @@ struct Graph {
     layers: Range<usize>,
 }
 
-/// A micro-batch's graphs, in forward order.
-type Pending = Vec<Graph>;
+/// What a training forward keeps until its micro-batch's backward.
+enum Pending {
+    /// Its graphs, in forward order: one for the stage, or one per layer (streamed).
+    Graphs(Vec<Graph>),
+    /// Only each layer's input (`train.recompute = "layers"`): the backward runs each layer's
+    /// forward again, last layer first.
+    Inputs(KeptInputs),
+}
+
+/// A recomputed micro-batch's inputs: the stage's, then each later layer's values.
+struct KeptInputs {
+    first: KeptInput,
+    /// Layer `k`'s input (`[n, context, d_model]`) at index `k − 1`.
+    later: Vec<Vec<f32>>,
+    n: usize,
+    targets: Option<Vec<i64>>,
+    scale: f32,
+}
+
+enum KeptInput {
+    Tokens(Vec<i64>),
+    Activations(Vec<f32>),
+}
+
+impl KeptInput {
+    fn of(input: StageInput<'_>) -> KeptInput {
+        match input {
+            StageInput::Tokens(t) => KeptInput::Tokens(t.to_vec()),
+            StageInput::Activations(a) => KeptInput::Activations(a.to_vec()),
+        }
+    }
+
+    fn as_input(&self) -> StageInput<'_> {
+        match self {
+            KeptInput::Tokens(t) => StageInput::Tokens(t),
+            KeptInput::Activations(a) => StageInput::Activations(a),
+        }
+    }
+}
 
 pub(crate) enum PendingOutput {
     Activations(Tensor<3>),
@@ -352,9 +389,11 @@ pub struct Stage {
     layout: Vec<ParamInfo>,
     num_params: usize,
     pending: KeptGraphs<Pending>,
-    /// The parameters' tensors were dropped ([`Stage::release_params`]); the next
-    /// [`Stage::set_params_flat`] builds them again.
+    /// The parameters' tensors were dropped ([`StageContract::release_params`]); the next
+    /// [`StageContract::set_params_flat`] builds them again.
     released: bool,
+    /// `train.recompute = "layers"`: a training forward keeps only each layer's input.
+    recompute: bool,
 }
 
 impl std::fmt::Debug for Stage {
@@ -396,7 +435,16 @@ impl Stage {
             num_params,
             pending: KeptGraphs::new(),
             released: false,
+            recompute: false,
         })
+    }
+
+    /// With `on`, a training forward keeps only each layer's input and the backward runs each
+    /// layer's forward again (`train.recompute = "layers"`): the bits of a kept graph, with one
+    /// layer's graph alive at a time.
+    pub fn with_recompute(mut self, on: bool) -> Stage {
+        self.recompute = on;
+        self
     }
 
     /// Global names, shapes and stage-relative offsets of this stage's parameters.
@@ -515,12 +563,11 @@ impl Stage {
             None
         };
         let count = self.layers.len();
-        let (mut graphs, mut from, mut block) = (Vec::new(), 0, 0);
-        for (k, layer) in self.layers.clone().enumerate() {
+        let (mut graphs, mut from) = (Vec::new(), 0);
+        for k in 0..count {
             // The embedding is the input's (`input_tensor`), the head the loss's (`end_forward`).
-            if let LayerKind::Block(_) = self.spec.layer_kind(layer) {
-                x = self.net.block(block, x, &self.spec);
-                block += 1;
+            if let Some(b) = self.block_index(k) {
+                x = self.net.block(b, x, &self.spec);
             }
             if cut && k + 1 < count {
                 let (values, dims) = (params::f32_slice(&x.to_data()).to_vec(), x.dims());
@@ -547,31 +594,146 @@ impl Stage {
             output,
             layers: from..count,
         });
-        self.pending.keep(id, graphs);
+        self.pending.keep(id, Pending::Graphs(graphs));
         Ok(result)
     }
 
-    /// The backward of micro-batch `id`'s graphs, the last first: each graph's parameter
-    /// gradients go to `take(net, its layers, gradients)`, its input gradient to the graph
-    /// before it; returns the stage's input gradient (`None` on the first stage).
+    /// The backward of micro-batch `id`'s graphs, the last first (a recomputed micro-batch's
+    /// built again one layer at a time): each graph's parameter gradients go to
+    /// `take(net, its layers, gradients)`, its input gradient to the graph before it; returns
+    /// the stage's input gradient (`None` on the first stage).
     fn backward_graphs(
         &mut self,
         id: u64,
         grad_output: Option<&[f32]>,
         mut take: impl FnMut(&StageNet, Range<usize>, Gradients),
     ) -> Result<Option<Vec<f32>>, E> {
-        let graphs = self.pending.take(id)?;
         let mut grad = grad_output.map(<[f32]>::to_vec);
-        for graph in graphs.into_iter().rev() {
-            let grads = start_backward(graph.output, grad.as_deref(), &self.device)?;
-            grad = graph.input.map(|leaf| {
-                leaf.grad(&grads)
-                    .map(|g| params::f32_slice(&g.into_data()).to_vec())
-                    .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
-            });
-            take(&self.net, graph.layers, grads);
+        match self.pending.take(id)? {
+            Pending::Graphs(graphs) => {
+                for graph in graphs.into_iter().rev() {
+                    grad = self.backward_graph(graph, grad, &mut take)?;
+                }
+            }
+            Pending::Inputs(kept) => {
+                for k in (0..self.layers.len()).rev() {
+                    let graph = self.recompute_layer(&kept, k)?;
+                    grad = self.backward_graph(graph, grad, &mut take)?;
+                }
+            }
         }
         Ok(grad)
+    }
+
+    /// One graph's backward from `grad` (its output's gradient; `None` for the loss).
+    fn backward_graph(
+        &self,
+        graph: Graph,
+        grad: Option<Vec<f32>>,
+        take: &mut impl FnMut(&StageNet, Range<usize>, Gradients),
+    ) -> Result<Option<Vec<f32>>, E> {
+        let grads = start_backward(graph.output, grad.as_deref(), &self.device)?;
+        let input_grad = graph.input.map(|leaf| {
+            leaf.grad(&grads)
+                .map(|g| params::f32_slice(&g.into_data()).to_vec())
+                .unwrap_or_else(|| vec![0.0; leaf.dims().iter().product()])
+        });
+        take(&self.net, graph.layers, grads);
+        Ok(input_grad)
+    }
+
+    /// The stage's layer `k` as `Some(index)` among its blocks, `None` for the embedding or the
+    /// head.
+    fn block_index(&self, k: usize) -> Option<usize> {
+        match self.spec.layer_kind(self.layers.start + k) {
+            LayerKind::Block(_) => Some(k - usize::from(self.layers.start == 0)),
+            LayerKind::Embedding | LayerKind::Head => None,
+        }
+    }
+
+    /// A training forward that keeps only each layer's input: the layers run with parameters
+    /// that track no gradient, so autodiff records nothing and nothing is kept alive.
+    fn forward_recomputed(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+    ) -> Result<StageOutput, E> {
+        self.pending.check_free(id)?;
+        let targets = if self.is_last() {
+            Some(self.check_targets(targets, n)?)
+        } else {
+            None
+        };
+        let frozen = self.net.clone().no_grad();
+        let first = self.is_first();
+        let (_, mut x) = input_tensor(&self.spec, first, input, n, false, &self.device, |t| {
+            frozen.embed(t)
+        })?;
+        let mut later = Vec::with_capacity(self.layers.len().saturating_sub(1));
+        for k in 0..self.layers.len() {
+            if k > 0 {
+                later.push(params::f32_slice(&x.to_data()).to_vec());
+            }
+            if let Some(b) = self.block_index(k) {
+                x = frozen.block(b, x, &self.spec);
+            }
+        }
+        let products = self.spec.products;
+        let (_, result) = end_forward(
+            x,
+            targets,
+            |x| frozen.logits(x, products),
+            scale,
+            n,
+            &self.device,
+        )?;
+        let kept = KeptInputs {
+            first: KeptInput::of(input),
+            later,
+            n,
+            targets: targets.map(<[i64]>::to_vec),
+            scale,
+        };
+        self.pending.keep(id, Pending::Inputs(kept));
+        Ok(result)
+    }
+
+    /// Layer `k`'s graph of a recomputed micro-batch, from its kept input: the graph a
+    /// streamed forward cuts there (so its backward gives that forward's bits).
+    fn recompute_layer(&self, kept: &KeptInputs, k: usize) -> Result<Graph, E> {
+        let (input, mut x) = if k == 0 {
+            self.input_tensor(&self.net, kept.first.as_input(), kept.n, true)?
+        } else {
+            let dims = [kept.n, self.spec.context, self.spec.d_model];
+            let values = TensorData::new(kept.later[k - 1].clone(), dims);
+            let leaf = Tensor::<3>::from_data(values, &self.device).require_grad();
+            (Some(leaf.clone()), leaf)
+        };
+        if let Some(b) = self.block_index(k) {
+            x = self.net.block(b, x, &self.spec);
+        }
+        let output = if k + 1 == self.layers.len() {
+            let products = self.spec.products;
+            let (output, _) = end_forward(
+                x,
+                kept.targets.as_deref(),
+                |x| self.net.logits(x, products),
+                kept.scale,
+                kept.n,
+                &self.device,
+            )?;
+            output
+        } else {
+            PendingOutput::Activations(x)
+        };
+        Ok(Graph {
+            input,
+            output,
+            layers: k..k + 1,
+        })
     }
 }
 
@@ -627,6 +789,9 @@ impl StageContract for Stage {
         targets: Option<&[i64]>,
         scale: f32,
     ) -> Result<StageOutput, E> {
+        if self.recompute {
+            return self.forward_recomputed(id, input, n, targets, scale);
+        }
         self.forward_graphs(id, input, n, targets, scale, false)
     }
 
@@ -1034,6 +1199,53 @@ mod tests {
             );
             assert_eq!(order, (0..layers.len()).rev().collect::<Vec<_>>());
             assert_eq!(streamed.held(), 0);
+        }
+    }
+
+    #[test]
+    fn a_recomputed_forward_keeps_inputs_only_and_gives_the_kept_graphs_bits() {
+        let s = spec();
+        let (x, y) = batch(2, &s);
+        let acts: Vec<f32> = (0..s.activation_len(2))
+            .map(|i| (i as f32 * 0.7).cos())
+            .collect();
+        let g_next: Vec<f32> = (0..s.activation_len(2))
+            .map(|i| (i as f32 * 0.3).sin() * 0.01)
+            .collect();
+        let last = s.num_layers();
+        let bits = |v: &[f32]| v.iter().map(|g| g.to_bits()).collect::<Vec<_>>();
+        for layers in [0..last, 1..4, 0..2, 3..last, 2..3] {
+            let mut plain = Stage::new(&s, layers.clone(), 3).unwrap();
+            let mut again = Stage::new(&s, layers.clone(), 3)
+                .unwrap()
+                .with_recompute(true);
+            let input = if plain.is_first() {
+                StageInput::Tokens(&x)
+            } else {
+                StageInput::Activations(&acts)
+            };
+            let targets = plain.is_last().then_some(&y[..]);
+            // Two micro-batches in flight, their backwards in reverse order.
+            for id in [1, 2] {
+                let a = plain.forward(id, input, 2, targets, 0.5).unwrap();
+                let b = again.forward(id, input, 2, targets, 0.5).unwrap();
+                assert_eq!(a, b, "{layers:?}: forward");
+            }
+            assert_eq!(again.held(), 2);
+            let g_out = (!plain.is_last()).then_some(&g_next[..]);
+            for id in [2, 1] {
+                let mut want = vec![0f32; plain.num_params()];
+                let want_input = plain.backward(id, g_out, &mut want).unwrap();
+                let mut got = vec![f32::NAN; want.len()];
+                let got_input = again.backward(id, g_out, &mut got).unwrap();
+                assert_eq!(bits(&got), bits(&want), "{layers:?}: parameter gradients");
+                assert_eq!(
+                    got_input.as_deref().map(bits),
+                    want_input.as_deref().map(bits),
+                    "{layers:?}: input gradient"
+                );
+            }
+            assert_eq!(again.held(), 0);
         }
     }
 

@@ -38,8 +38,8 @@ pub enum ModelShape {
         /// tensor-parallel layers").
         pieces_from: String,
         /// Its layers can run their forward again in backward (`train.recompute = "layers"`):
-        /// a `LayeredJob` or `StagedJob` (the built-in classifiers included), not the built-in
-        /// transformer, which keeps its own activations.
+        /// a `LayeredJob` or `StagedJob` (the built-in classifiers included) and the built-in
+        /// transformer without tensor-parallel pieces.
         recomputes: bool,
         /// Its products honour `train.precision = "bf16"` (see [`ModelShape::bf16_products`]).
         bf16_products: bool,
@@ -139,9 +139,9 @@ impl ParallelPlan {
             ModelShape::Layered {
                 recomputes: true, ..
             } => return Ok(()),
-            _ => "recomputes the layers of a LayeredJob or StagedJob (the built-in MLP and CNN \
-                  are one), and this model is not one (the built-in transformer keeps its own \
-                  activations)"
+            _ => "recomputes whole layers: a LayeredJob's or StagedJob's (the built-in MLP and \
+                  CNN are one) or the built-in transformer's without tensor-parallel pieces \
+                  (model.tp_pieces = 1), and this model is neither"
                 .to_string(),
         };
         Err(invalid(
@@ -406,7 +406,8 @@ impl TrainConfig {
             } else {
                 format!("model `{}` has no tensor-parallel layers", self.model.kind)
             },
-            recomputes: !transformer,
+            // The transformer recomputes whole layers, not tensor-parallel pieces.
+            recomputes: !transformer || self.model.tp_pieces <= 1,
             bf16_products: true,
         }
     }
@@ -529,12 +530,19 @@ mod tests {
         }
         let (_, m) = refused(&cfg(&["parallel.zero=3"]), 2, &flat(true));
         assert!(m.contains("implement lockstep::LayeredJob"), "{m}");
-        // The built-in transformer keeps its own activations; a layered job's layers (the
-        // built-in classifiers' too) recompute.
+        // The built-in transformer recomputes whole layers, not tensor-parallel pieces; a
+        // layered job's layers (the built-in classifiers' too) recompute.
         let recompute = cfg(&["train.recompute=\"layers\""]);
         let transformer = cfg(&["train.recompute=\"layers\"", "model.kind=transformer"]);
-        let (field, m) = refused(&transformer, 2, &transformer.builtin_shape(4));
+        assert!(ParallelPlan::new(&transformer, 2, &transformer.builtin_shape(4)).is_ok());
+        let pieces = cfg(&[
+            "train.recompute=\"layers\"",
+            "model.kind=transformer",
+            "model.tp_pieces=2",
+        ]);
+        let (field, m) = refused(&pieces, 2, &pieces.builtin_shape(4));
         assert_eq!(field, "train.recompute", "{m}");
+        assert!(m.contains("model.tp_pieces = 1"), "{m}");
         assert!(ParallelPlan::new(&recompute, 2, &layered(4, 1)).is_ok());
         for kind in ["mlp", "cnn"] {
             let c = cfg(&["train.recompute=\"layers\"", &format!("model.kind={kind}")]);

@@ -16,7 +16,7 @@ use lockstep_model::{
 };
 
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
-use crate::config::TrainConfig;
+use crate::config::{Recompute, TrainConfig};
 use crate::error::TrainError;
 use crate::outcome::{EvalSums, ReplicaError};
 
@@ -57,6 +57,8 @@ pub struct Transformer {
     /// The autodiff device its stages compute on (`train.device`; the tensor-parallel pieces
     /// run on the CPU only, which the plan ensures).
     device: Device,
+    /// `train.recompute = "layers"` (whole layers only: the plan refuses it with pieces).
+    recompute: bool,
 }
 
 impl Transformer {
@@ -78,6 +80,7 @@ impl Transformer {
             corpus,
             tp_pieces: cfg.model.tp_pieces,
             device,
+            recompute: cfg.train.recompute == Recompute::Layers,
         })
     }
 }
@@ -136,7 +139,20 @@ impl Layered for Transformer {
     }
 
     fn held_activation_floats(&self, layers: Range<usize>) -> usize {
-        crate::memory::transformer_held_floats(&self.spec, layers)
+        if !self.recompute {
+            return crate::memory::transformer_held_floats(&self.spec, layers);
+        }
+        // Each layer's input: the token ids (two words each) or the residual stream.
+        let stream = self.spec.context * self.spec.d_model;
+        layers
+            .map(|l| {
+                if l == 0 {
+                    2 * self.spec.context
+                } else {
+                    stream
+                }
+            })
+            .sum()
     }
 
     fn layer_name(&self, layer: usize) -> String {
@@ -156,7 +172,8 @@ impl Layered for Transformer {
             // The canonical split on one rank: all pieces, summed locally.
             return self.tp_stage(layers, seed, 1, 0, Box::new(LocalPieceSum));
         }
-        let stage = Stage::new_on(&self.spec, layers, seed, self.device.clone())?;
+        let stage = Stage::new_on(&self.spec, layers, seed, self.device.clone())?
+            .with_recompute(self.recompute);
         Ok(self.reading(Box::new(stage)))
     }
 
