@@ -1154,32 +1154,67 @@ mod tests {
         }
     }
 
+    /// A stage's inputs for the comparisons below: token ids or activations, the targets on
+    /// the last stage, the next stage's gradient elsewhere.
+    struct Feed {
+        x: Vec<i64>,
+        y: Vec<i64>,
+        acts: Vec<f32>,
+        g_next: Vec<f32>,
+    }
+
+    impl Feed {
+        fn new(s: &TransformerSpec) -> Feed {
+            let (x, y) = batch(2, s);
+            let len = s.activation_len(2);
+            Feed {
+                x,
+                y,
+                acts: (0..len).map(|i| (i as f32 * 0.7).cos()).collect(),
+                g_next: (0..len).map(|i| (i as f32 * 0.3).sin() * 0.01).collect(),
+            }
+        }
+
+        fn input(&self, st: &Stage) -> StageInput<'_> {
+            match st.is_first() {
+                true => StageInput::Tokens(&self.x),
+                false => StageInput::Activations(&self.acts),
+            }
+        }
+
+        fn targets(&self, st: &Stage) -> Option<&[i64]> {
+            st.is_last().then_some(&self.y[..])
+        }
+
+        fn grad_output(&self, st: &Stage) -> Option<&[f32]> {
+            (!st.is_last()).then_some(&self.g_next[..])
+        }
+    }
+
+    /// Stages covering the whole model, its first, a middle, its last and a single layer.
+    fn stage_shapes(s: &TransformerSpec) -> [Range<usize>; 5] {
+        let last = s.num_layers();
+        [0..last, 1..4, 0..2, 3..last, 2..3]
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|g| g.to_bits()).collect()
+    }
+
     #[test]
     fn a_streamed_backward_hands_out_the_plain_gradients_layer_by_layer() {
         let s = spec();
-        let (x, y) = batch(2, &s);
-        let acts: Vec<f32> = (0..s.activation_len(2))
-            .map(|i| (i as f32 * 0.7).cos())
-            .collect();
-        let g_next: Vec<f32> = (0..s.activation_len(2))
-            .map(|i| (i as f32 * 0.3).sin() * 0.01)
-            .collect();
-        let last = s.num_layers();
-        for layers in [0..last, 1..4, 0..2, 3..last, 2..3] {
+        let feed = Feed::new(&s);
+        for layers in stage_shapes(&s) {
             let mut plain = Stage::new(&s, layers.clone(), 3).unwrap();
             let mut streamed = Stage::new(&s, layers.clone(), 3).unwrap();
-            let input = if plain.is_first() {
-                StageInput::Tokens(&x)
-            } else {
-                StageInput::Activations(&acts)
-            };
-            let targets = plain.is_last().then_some(&y[..]);
+            let (input, targets) = (feed.input(&plain), feed.targets(&plain));
             let a = plain.forward(1, input, 2, targets, 0.5).unwrap();
             let b = streamed
                 .forward_streamed(1, input, 2, targets, 0.5)
                 .unwrap();
             assert_eq!(a, b, "{layers:?}: forward");
-            let g_out = (!plain.is_last()).then_some(&g_next[..]);
+            let g_out = feed.grad_output(&plain);
             let mut want = vec![0f32; plain.num_params()];
             let want_input = plain.backward(1, g_out, &mut want).unwrap();
             let ranges = streamed.layer_ranges();
@@ -1190,7 +1225,6 @@ mod tests {
                     order.push(k);
                 })
                 .unwrap();
-            let bits = |v: &[f32]| v.iter().map(|g| g.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "{layers:?}: parameter gradients");
             assert_eq!(
                 got_input.as_deref().map(bits),
@@ -1205,26 +1239,13 @@ mod tests {
     #[test]
     fn a_recomputed_forward_keeps_inputs_only_and_gives_the_kept_graphs_bits() {
         let s = spec();
-        let (x, y) = batch(2, &s);
-        let acts: Vec<f32> = (0..s.activation_len(2))
-            .map(|i| (i as f32 * 0.7).cos())
-            .collect();
-        let g_next: Vec<f32> = (0..s.activation_len(2))
-            .map(|i| (i as f32 * 0.3).sin() * 0.01)
-            .collect();
-        let last = s.num_layers();
-        let bits = |v: &[f32]| v.iter().map(|g| g.to_bits()).collect::<Vec<_>>();
-        for layers in [0..last, 1..4, 0..2, 3..last, 2..3] {
+        let feed = Feed::new(&s);
+        for layers in stage_shapes(&s) {
             let mut plain = Stage::new(&s, layers.clone(), 3).unwrap();
             let mut again = Stage::new(&s, layers.clone(), 3)
                 .unwrap()
                 .with_recompute(true);
-            let input = if plain.is_first() {
-                StageInput::Tokens(&x)
-            } else {
-                StageInput::Activations(&acts)
-            };
-            let targets = plain.is_last().then_some(&y[..]);
+            let (input, targets) = (feed.input(&plain), feed.targets(&plain));
             // Two micro-batches in flight, their backwards in reverse order.
             for id in [1, 2] {
                 let a = plain.forward(id, input, 2, targets, 0.5).unwrap();
@@ -1232,7 +1253,7 @@ mod tests {
                 assert_eq!(a, b, "{layers:?}: forward");
             }
             assert_eq!(again.held(), 2);
-            let g_out = (!plain.is_last()).then_some(&g_next[..]);
+            let g_out = feed.grad_output(&plain);
             for id in [2, 1] {
                 let mut want = vec![0f32; plain.num_params()];
                 let want_input = plain.backward(id, g_out, &mut want).unwrap();
