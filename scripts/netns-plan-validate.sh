@@ -16,9 +16,10 @@
 #   4. the run on the shaped link; its median step (slowest rank, warm-up skipped) is compared
 #      with the prediction. Exits 1 if a data-parallel case's |error| > 20% (the issue's check);
 #      the pipeline case is reported, not gated (noisier: few long steps on 2 shared cores).
-# A data-parallel case that misses is measured twice more (steps 1–4 afresh) and judged by the
-# median of its three errors: one attempt disturbed by other work on a shared machine does not
-# decide, a model that is wrong still fails. Every attempt is printed.
+# A data-parallel case that misses is measured again (steps 1–4 afresh), up to seven attempts, and
+# judged by the median of its errors over the attempts whose runs kept their CPU (the hypervisor
+# stole at most 10% of it): attempts disturbed by other guests on a shared machine do not decide,
+# a model that is wrong still fails. Every attempt is printed with its steal, so a miss can be read.
 # Needs root. About 40 s with the release build. PLAN_VALIDATE_KEEP=DIR keeps the runs. Usage:
 #   scripts/netns-plan-validate.sh [path/to/lockstep] [rate_gbit] [latency_us]
 # Traffic stays between these two namespaces; nothing else is addressed.
@@ -61,6 +62,16 @@ unshape() {
 
 secret="$("$bin" secret)"
 port=$((20000 + $$ % 20000))
+# cpu_times: the machine's "steal total" CPU ticks so far (/proc/stat); steal_since BEFORE: the
+# percentage of CPU time since BEFORE that the hypervisor gave to other guests. A run that lost
+# much of its CPU is slower than any model of its links says: the table shows it per attempt.
+cpu_times() { awk '/^cpu /{print $9, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat; }
+steal_since() {
+    local s0 t0 s1 t1
+    read -r s0 t0 <<<"$1"
+    read -r s1 t1 < <(cpu_times)
+    echo $(( 100 * (s1 - s0) / (t1 - t0 + 1) ))
+}
 # run_job NAME WORKERS_PER_HOST LATENCY_US CONFIG [--set ...]: one job over both hosts; the run
 # directory is $work/NAME.
 run_job() {
@@ -76,9 +87,11 @@ run_job() {
     LOCKSTEP_TEST_LATENCY_US="$lat" LOCKSTEP_SECRET="$secret" ip netns exec "$B" "$bin" train \
         --nproc "$npn" --nnodes 2 --node-rank 1 --rdzv "10.78.0.1:$port" --out "$work/$name-b" \
         "${sets[@]}" >"$work/$name.b.log" 2>&1 &
-    local pb=$! status=0
+    local pb=$! status=0 before
+    before="$(cpu_times)"
     wait "$pa" || status=$?
     wait "$pb" || status=$?
+    steal_since "$before" >"$work/$name.steal"
     if [[ $status -ne 0 ]]; then
         echo "netns-plan: run $name failed"; cat "$work/$name.a.log" "$work/$name.b.log"; exit 1
     fi
@@ -123,7 +136,7 @@ case_() {
         --json "$work/plan-$name.json" >"$work/plan-$name.txt" 2>&1 || { cat "$work/plan-$name.txt"; exit 1; }
     # The shaped run's own median step, measured the same way (the calibration block of a plan).
     "$bin" plan --from "$work/shaped-$name" "${cluster[@]}" --json "$work/measured-$name.json" >/dev/null 2>&1
-    rows+=("$case $attempt $npn $rate $work/plan-$name.json $work/measured-$name.json")
+    rows+=("$case $attempt $npn $rate $work/plan-$name.json $work/measured-$name.json $(cat "$work/calib-$name.steal")/$(cat "$work/shaped-$name.steal")")
     sed 's/^/    /' "$work/plan-$name.txt"
 }
 
@@ -140,42 +153,57 @@ data_parallel dp4 1
 case_ pp2 1 1x2 1 "$pipe_gbit" "$root/configs/shakespeare.toml" --set train.steps=20 \
     --set model.blocks=2 --set parallel.pp=2 --set parallel.dp=1 --set parallel.microbatches=4
 
-# judge MODE: MODE "missed" prints the gated cases whose only attempt missed; MODE "table" prints
-# every attempt and exits 1 if a gated case's median error over its attempts exceeds the limit.
+# judge MODE: MODE "missed" prints CASE:ATTEMPTS for each gated case that needs another attempt;
+# MODE "table" prints every attempt and exits 1 if a gated case's median error exceeds the limit.
+# An attempt counts when the hypervisor stole at most STEAL_LIMIT % of the CPU during both of its
+# runs (a run that lost a fifth of its CPU is slower than any model of its links says: one such
+# CI attempt measured dp 4 at -26%); a case is judged by the median over its counted attempts,
+# or over all of them when none counted after MAX_ATTEMPTS.
 judge() {
     python3 - "$1" "$limit" "$lat_us" "${rows[@]}" <<'PY'
 import json, statistics, sys
 mode, limit, lat = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-attempts = {}
+MAX_ATTEMPTS, STEAL_LIMIT = 7, 10
+attempts, counted = {}, {}
 lines = []
 for row in sys.argv[4:]:
-    case, attempt, npn, rate, plan_path, meas_path = row.split()
+    case, attempt, npn, rate, plan_path, meas_path, steal = row.split()
     p, m = json.load(open(plan_path)), json.load(open(meas_path))
     pred = p["predictions"][0]
     meas = m["calibration"]["measured_step_s"]
     err = 100.0 * (pred["step_s"] / meas - 1.0)
+    clean = max(int(x) for x in steal.split("/")) <= STEAL_LIMIT
     attempts.setdefault(case, []).append(err)
+    counted.setdefault(case, [])
+    if clean:
+        counted[case].append(err)
     comm = pred["sync_cpu_s"] + pred["network_s"] + pred["p2p_s"]
     layout = f"{pred['layout']['dp']}x{pred['layout']['pp']}"
     link = f"{float(rate):g}G/{lat}us"
     lines.append(f"{layout:<10} {attempt:>7} {npn:>8} {link:>13} "
                  f"{p['calibration']['measured_step_s']*1e3:>9.2f} {pred['step_s']*1e3:>8.2f} "
                  f"{pred['compute_s']*1e3:>8.2f} {comm*1e3:>7.2f} {pred['bubble_s']*1e3:>7.2f} "
-                 f"{meas*1e3:>8.2f} {err:>+6.1f}%"
+                 f"{meas*1e3:>8.2f} {err:>+6.1f}% {steal + '%':>9}"
                  # The data-parallel cases are the check; the pipeline case (fewer, longer steps
                  # on a slow link, noisier on 2 shared cores) is reported alongside.
-                 + ("" if case.startswith("dp") else "  (reported, not gated)"))
-gated = {c: abs(statistics.median(e)) for c, e in attempts.items() if c.startswith("dp")}
+                 + ("" if case.startswith("dp") else "  (reported, not gated)")
+                 + ("" if clean else f"  (not counted: over {STEAL_LIMIT}% stolen)"))
+judged = {c: counted[c] or attempts[c] for c in attempts if c.startswith("dp")}
+medians = {c: statistics.median(e) for c, e in judged.items()}
 if mode == "missed":
-    print(" ".join(c for c, e in gated.items() if e > limit and len(attempts[c]) == 1))
+    print(" ".join(f"{c}:{len(attempts[c])}" for c in judged
+                   if (not counted[c] or abs(medians[c]) > limit)
+                   and len(attempts[c]) < MAX_ATTEMPTS))
     sys.exit(0)
 print(f"{'layout':<10} {'attempt':>7} {'per host':>8} {'link':>13} {'calib_ms':>9} {'pred_ms':>8} "
-      f"{'compute':>8} {'comm':>7} {'bubble':>7} {'meas_ms':>8} {'error':>7}")
+      f"{'compute':>8} {'comm':>7} {'bubble':>7} {'meas_ms':>8} {'error':>7} {'stolen':>9}")
+print("(stolen: CPU time the hypervisor gave to other guests during the calibration/shaped runs)")
 print("\n".join(lines))
-worst = max(gated.values())
-for c, e in attempts.items():
-    if c in gated and len(e) > 1:
-        print(f"netns-plan: {c}: median error over {len(e)} attempts {statistics.median(e):+.1f}%")
+for c, e in judged.items():
+    if len(attempts[c]) > 1:
+        what = "counted" if counted[c] else "(none counted: every one)"
+        print(f"netns-plan: {c}: median error over {len(e)} {what} attempt(s) {medians[c]:+.1f}%")
+worst = max(abs(m) for m in medians.values())
 if worst > limit:
     print(f"netns-plan: FAILED: a data-parallel error of {worst:.1f}% exceeds {limit:.0f}%")
     sys.exit(1)
@@ -183,9 +211,11 @@ print(f"netns-plan: ok: predicted data-parallel steps within {limit:.0f}% of mea
 PY
 }
 
-for c in $(judge missed); do
-    echo "netns-plan: $c missed by more than ${limit}%: measuring it twice more"
-    data_parallel "$c" 2
-    data_parallel "$c" 3
+while missed="$(judge missed)" && [[ -n "$missed" ]]; do
+    for c in $missed; do
+        n="${c#*:}" c="${c%:*}"
+        echo "netns-plan: $c: after $n attempt(s), no counted one or their median misses ${limit}%: measuring it again"
+        data_parallel "$c" $((n + 1))
+    done
 done
 judge table

@@ -241,10 +241,36 @@ impl TcpTransport {
 
     fn emulate_latency(&self, deadline: Instant) {
         if let Some(d) = self.latency {
-            std::thread::sleep(d.min(deadline.saturating_duration_since(Instant::now())));
+            let now = Instant::now();
+            delay_until((now + d).min(deadline.max(now)));
         }
     }
 }
+
+/// Waits until `until` to within a few microseconds, as a link's delay would: a plain sleep
+/// overshoots by the timer slack (50 µs by default) plus the wake-up latency of a busy machine,
+/// and a step of a hundred messages then meets several milliseconds of delay that no link has.
+/// So this thread's timer slack is set to 1 ns, and the sleep stops short of `until` by
+/// [`SPIN_MARGIN`], which is passed yielding the core.
+fn delay_until(until: Instant) {
+    thread_local!(static PRECISE_TIMERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+    PRECISE_TIMERS.with(|set| {
+        if !set.replace(true) {
+            // SAFETY: PR_SET_TIMERSLACK takes an unsigned long by value and touches no memory.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
+        }
+    });
+    let left = until.saturating_duration_since(Instant::now());
+    if left > SPIN_MARGIN {
+        std::thread::sleep(left - SPIN_MARGIN);
+    }
+    while Instant::now() < until {
+        std::thread::yield_now();
+    }
+}
+
+/// How much of an emulated delay is passed yielding rather than asleep: about one wake-up.
+const SPIN_MARGIN: Duration = Duration::from_micros(60);
 
 fn configure_data_socket(stream: &TcpStream, buffer: usize) -> std::io::Result<()> {
     stream.set_read_timeout(None)?;
@@ -490,5 +516,26 @@ impl Transport for TcpTransport {
 
     fn bytes_sent(&self) -> u64 {
         self.bytes_sent.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod delay_tests {
+    use super::*;
+
+    #[test]
+    fn an_emulated_delay_never_ends_early_and_a_past_deadline_returns_at_once() {
+        for us in [0, 30, 200, 700] {
+            let start = Instant::now();
+            delay_until(start + Duration::from_micros(us));
+            assert!(
+                start.elapsed() >= Duration::from_micros(us),
+                "{us} µs ended early"
+            );
+        }
+        let past = Instant::now() - Duration::from_millis(5);
+        let start = Instant::now();
+        delay_until(past);
+        assert!(start.elapsed() < Duration::from_secs(1));
     }
 }
