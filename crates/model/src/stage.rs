@@ -565,10 +565,7 @@ impl Stage {
         let count = self.layers.len();
         let (mut graphs, mut from) = (Vec::new(), 0);
         for k in 0..count {
-            // The embedding is the input's (`input_tensor`), the head the loss's (`end_forward`).
-            if let Some(b) = self.block_index(k) {
-                x = self.net.block(b, x, &self.spec);
-            }
+            x = self.run_layer(&self.net, k, x);
             if cut && k + 1 < count {
                 let (values, dims) = (params::f32_slice(&x.to_data()).to_vec(), x.dims());
                 graphs.push(Graph {
@@ -581,14 +578,7 @@ impl Stage {
                 (leaf, x, from) = (Some(next.clone()), next, k + 1);
             }
         }
-        let (output, result) = end_forward(
-            x,
-            targets,
-            |x| self.net.logits(x, self.spec.products),
-            scale,
-            n,
-            &self.device,
-        )?;
+        let (output, result) = self.end_forward(&self.net, x, targets, scale, n)?;
         graphs.push(Graph {
             input: leaf,
             output,
@@ -642,13 +632,37 @@ impl Stage {
         Ok(input_grad)
     }
 
-    /// The stage's layer `k` as `Some(index)` among its blocks, `None` for the embedding or the
-    /// head.
-    fn block_index(&self, k: usize) -> Option<usize> {
+    /// The stage's layer `k` of `net` on `x`: a block runs, the embedding and the head pass `x`
+    /// through (the embedding is the input's, [`Self::input_tensor`]; the head the loss's,
+    /// [`Self::end_forward`]). Every training forward (kept, cut, recomputed) runs layers here.
+    fn run_layer(&self, net: &StageNet, k: usize, x: Tensor<3>) -> Tensor<3> {
         match self.spec.layer_kind(self.layers.start + k) {
-            LayerKind::Block(_) => Some(k - usize::from(self.layers.start == 0)),
-            LayerKind::Embedding | LayerKind::Head => None,
+            LayerKind::Block(_) => {
+                net.block(k - usize::from(self.layers.start == 0), x, &self.spec)
+            }
+            LayerKind::Embedding | LayerKind::Head => x,
         }
+    }
+
+    /// The stage's output after its last layer: activations, or (last stage) the scaled loss
+    /// of `net`'s logits.
+    fn end_forward(
+        &self,
+        net: &StageNet,
+        x: Tensor<3>,
+        targets: Option<&[i64]>,
+        scale: f32,
+        n: usize,
+    ) -> Result<(PendingOutput, StageOutput), E> {
+        let products = self.spec.products;
+        end_forward(
+            x,
+            targets,
+            |x| net.logits(x, products),
+            scale,
+            n,
+            &self.device,
+        )
     }
 
     /// A training forward that keeps only each layer's input: the layers run with parameters
@@ -677,19 +691,9 @@ impl Stage {
             if k > 0 {
                 later.push(params::f32_slice(&x.to_data()).to_vec());
             }
-            if let Some(b) = self.block_index(k) {
-                x = frozen.block(b, x, &self.spec);
-            }
+            x = self.run_layer(&frozen, k, x);
         }
-        let products = self.spec.products;
-        let (_, result) = end_forward(
-            x,
-            targets,
-            |x| frozen.logits(x, products),
-            scale,
-            n,
-            &self.device,
-        )?;
+        let (_, result) = self.end_forward(&frozen, x, targets, scale, n)?;
         let kept = KeptInputs {
             first: KeptInput::of(input),
             later,
@@ -712,20 +716,11 @@ impl Stage {
             let leaf = Tensor::<3>::from_data(values, &self.device).require_grad();
             (Some(leaf.clone()), leaf)
         };
-        if let Some(b) = self.block_index(k) {
-            x = self.net.block(b, x, &self.spec);
-        }
+        x = self.run_layer(&self.net, k, x);
         let output = if k + 1 == self.layers.len() {
-            let products = self.spec.products;
-            let (output, _) = end_forward(
-                x,
-                kept.targets.as_deref(),
-                |x| self.net.logits(x, products),
-                kept.scale,
-                kept.n,
-                &self.device,
-            )?;
-            output
+            let targets = kept.targets.as_deref();
+            self.end_forward(&self.net, x, targets, kept.scale, kept.n)?
+                .0
         } else {
             PendingOutput::Activations(x)
         };
@@ -815,12 +810,8 @@ impl StageContract for Stage {
         check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
         let ranges = self.layer_ranges();
         self.backward_graphs(id, grad_output, |net, layers, grads| {
-            if layers.len() == ranges.len() {
-                params::read_grads(net, grads, grad_params);
-            } else {
-                let k = layers.start;
-                net.read_layer_grads(k, grads, &mut grad_params[ranges[k].clone()]);
-            }
+            let part = ranges[layers.start].start..ranges[layers.end - 1].end;
+            read_graph_grads(net, layers, grads, &mut grad_params[part]);
         })
     }
 
@@ -838,13 +829,9 @@ impl StageContract for Stage {
             )));
         }
         self.backward_graphs(id, grad_output, |net, graph_layers, grads| {
-            let mut grad = vec![0f32; ranges[graph_layers.clone()].iter().map(|r| r.len()).sum()];
             let base = ranges[graph_layers.start].start;
-            if graph_layers.len() == 1 {
-                net.read_layer_grads(graph_layers.start, grads, &mut grad);
-            } else {
-                params::read_grads(net, grads, &mut grad);
-            }
+            let mut grad = vec![0f32; ranges[graph_layers.end - 1].end - base];
+            read_graph_grads(net, graph_layers.clone(), grads, &mut grad);
             for k in graph_layers.rev() {
                 let r = &ranges[k];
                 on_layer(k, &grad[r.start - base..r.end - base]);
@@ -864,6 +851,17 @@ impl StageContract for Stage {
             EvalForward::Activations(_) => None,
         };
         Ok(out.read_out(targets, self.spec.vocab))
+    }
+}
+
+/// The parameter gradients of one kept graph, which computes either one layer of the stage
+/// (`layers`, indices within it: a cut or recomputed graph) or all of them, into `out` (those
+/// layers' part of the stage's flat vector).
+fn read_graph_grads(net: &StageNet, layers: Range<usize>, grads: Gradients, out: &mut [f32]) {
+    if layers.len() == 1 {
+        net.read_layer_grads(layers.start, grads, out);
+    } else {
+        params::read_grads(net, grads, out);
     }
 }
 
