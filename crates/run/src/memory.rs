@@ -118,11 +118,16 @@ pub struct StateShape {
     /// Most micro-batches held at once (1 without a pipeline; GPipe: all local ones; 1F1B:
     /// at most the stages from this one to the last).
     pub peak_held: usize,
+    /// The last local micro-batch's gradient goes to the sum layer by layer as its backward
+    /// hands it out (ZeRO 3 on one stage of a layered model without tensor parallelism or
+    /// recomputation): one layer's values instead of a gradient vector.
+    pub streamed_last: bool,
 }
 
 /// The [`RankMemory`] a rank of `shape` would report (`peak_rss_bytes` = 0: not predicted here).
 ///
-/// `params = P / (dp if zero = 3)`, `grads = m·P + P / (dp if zero ≥ 2)` plus `8·P` bytes of
+/// `params = P / (dp if zero = 3)`, `grads = m·P + P / (dp if zero ≥ 2)` (`(m − 1)·P` and
+/// the largest layer when the last micro-batch streams, [`StateShape::streamed_last`]) plus `8·P` bytes of
 /// fixed-point accumulator in reproducible mode (`8·` the largest layer at ZeRO 3; an upper
 /// bound, see `lockstep_train::memory::ModelState::exact_scratch`), `optimizer = k·P / (dp if
 /// zero ≥ 1)`, activations = `peak_held ×` one micro-batch's. A shard is the ceiling of `P / dp`.
@@ -145,9 +150,14 @@ pub fn predict(shape: &StateShape) -> RankMemory {
     } else {
         0
     };
+    let m = shape.local_microbatches as u64;
+    let vectors = match shape.streamed_last && m > 0 {
+        true => (m - 1) * p + (shape.largest_layer as u64).min(p),
+        false => m * p,
+    };
     RankMemory {
         params_bytes: shard(3) * F32,
-        grads_bytes: (shape.local_microbatches as u64 * p + shard(2)) * F32 + fixed,
+        grads_bytes: (vectors + shard(2)) * F32 + fixed,
         optimizer_bytes: shape.optimizer_vectors as u64 * shard(1) * F32,
         activation_peak_bytes: shape.activation_bytes_per_microbatch
             * shape.peak_held.max(1) as u64,
@@ -204,6 +214,7 @@ mod tests {
             zero,
             activation_bytes_per_microbatch: 10,
             peak_held: 1,
+            streamed_last: false,
         };
         let z0 = predict(&shape(0));
         assert_eq!(
@@ -230,6 +241,12 @@ mod tests {
             ..shape(3)
         });
         assert_eq!(exact3.grads_bytes, z3.grads_bytes + 8 * 400);
+        // A streamed last micro-batch holds one layer (400 values), not a vector (1001).
+        let streamed = predict(&StateShape {
+            streamed_last: true,
+            ..shape(3)
+        });
+        assert_eq!(streamed.grads_bytes, z3.grads_bytes - (1001 - 400) * 4);
     }
 
     #[test]

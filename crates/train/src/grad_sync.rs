@@ -548,6 +548,32 @@ impl GradSync {
         }
     }
 
+    /// One segment of a [`GradSync::reduce`] from ZeRO level 2 on ([`Zero::reduce_segment`]):
+    /// `seg_parts` are every local part's values of segment `i`, `out` the rank's reduced chunks
+    /// (all segments'). What a streamed backward calls as each layer's gradient appears.
+    pub fn reduce_segment(
+        &mut self,
+        comm: &mut Communicator,
+        zero: &Zero,
+        i: usize,
+        seg_parts: &[&[f32]],
+        total_microbatches: usize,
+        out: &mut [f32],
+    ) -> Result<(), ExactError> {
+        self.set_buckets(zero.len());
+        let (reducer, buckets) = (&mut self.reducer, &self.buckets);
+        zero.reduce_segment(
+            reducer,
+            comm,
+            i,
+            seg_parts,
+            total_microbatches,
+            buckets,
+            self.reproducible,
+            out,
+        )
+    }
+
     /// The whole sum of `parts` into `out`: exact by the cheapest path, or plain per bucket.
     fn reduce_parts(
         &mut self,

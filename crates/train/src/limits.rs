@@ -361,6 +361,7 @@ pub fn memory_estimate(cfg: &TrainConfig) -> u128 {
         zero: 0,
         activation_bytes_per_microbatch: 0,
         peak_held: 1,
+        streamed_last: false,
     })
     .model_state_bytes() as u128;
     params * (per_param + 4 * (microbatches + BURN_COPIES)) + activation_bytes(cfg)

@@ -44,6 +44,13 @@ impl ModelState {
         self
     }
 
+    /// Add a gradient buffer of `len` values that the loop does not hold itself (the layer a
+    /// streamed backward hands out).
+    pub fn grad_buffer(mut self, len: usize) -> Self {
+        self.grads_bytes += len as u64 * F32;
+        self
+    }
+
     /// Add the exact reducer's accumulator for a gradient of `len` values: one `i64` per value
     /// in reproducible mode, none in plain mode. An upper bound: the schedule that all-reduces
     /// the sums (vectors below the small-message threshold) keeps this whole accumulator between

@@ -197,32 +197,62 @@ impl Zero {
             dp.all_reduce(grad, ReduceOp::Sum)?;
             return Ok(());
         }
-        let mut at = 0;
-        for (seg, chunk) in self.segments.iter().zip(&self.chunks) {
-            let out = &mut grad[at..at + chunk.len()];
-            at += chunk.len();
+        for (i, seg) in self.segments.iter().enumerate() {
             let seg_parts: Vec<&[f32]> = parts.iter().map(|p| &p[seg.clone()]).collect();
-            if reproducible {
-                let seg_buckets: Vec<Range<usize>> = buckets
-                    .iter()
-                    .filter(|b| b.start >= seg.start && b.end <= seg.end)
-                    .map(|b| b.start - seg.start..b.end - seg.start)
-                    .collect();
-                reducer.reduce_scatter_with_buckets(
-                    dp,
-                    &seg_parts,
-                    total_parts,
-                    out,
-                    &seg_buckets,
-                )?;
-            } else {
-                let mut sum = vec![0f32; seg.len()];
-                local_sum(&seg_parts, &mut sum);
-                let mine = dp.reduce_scatter(&mut sum, ReduceOp::Sum)?;
-                out.copy_from_slice(&sum[mine]);
-            }
+            let grad = &mut *grad;
+            self.reduce_segment(
+                reducer,
+                dp,
+                i,
+                &seg_parts,
+                total_parts,
+                buckets,
+                reproducible,
+                grad,
+            )?;
         }
         Ok(())
+    }
+
+    /// Level 2 and up: segment `i`'s part of [`Zero::reduce_gradients`], from `seg_parts` (each
+    /// part's values of that segment alone): this rank's chunk of the segment's sum, written at
+    /// its place in `grad` (the chunks, segment after segment). Segments are independent (each
+    /// its own exponents and reduce-scatter), so they may be reduced in any order that every rank
+    /// of `dp` follows — the last layer first, as a streamed backward hands them out.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_segment(
+        &self,
+        reducer: &mut ExactReducer,
+        dp: &mut Communicator,
+        i: usize,
+        seg_parts: &[&[f32]],
+        total_parts: usize,
+        buckets: &[Range<usize>],
+        reproducible: bool,
+        grad: &mut [f32],
+    ) -> Result<(), ExactError> {
+        let (seg, chunk) = (&self.segments[i], &self.chunks[i]);
+        let at: usize = self.chunks[..i].iter().map(|c| c.len()).sum();
+        let out = &mut grad[at..at + chunk.len()];
+        if reproducible {
+            let seg_buckets: Vec<Range<usize>> = buckets
+                .iter()
+                .filter(|b| b.start >= seg.start && b.end <= seg.end)
+                .map(|b| b.start - seg.start..b.end - seg.start)
+                .collect();
+            reducer.reduce_scatter_with_buckets(dp, seg_parts, total_parts, out, &seg_buckets)?;
+        } else {
+            let mut sum = vec![0f32; seg.len()];
+            local_sum(seg_parts, &mut sum);
+            let mine = dp.reduce_scatter(&mut sum, ReduceOp::Sum)?;
+            out.copy_from_slice(&sum[mine]);
+        }
+        Ok(())
+    }
+
+    /// The segments the vector is reduced in from level 2 on (ZeRO 3: the stage's layers).
+    pub fn segments(&self) -> &[Range<usize>] {
+        &self.segments
     }
 
     /// One optimizer step with `grad` as [`Zero::reduce_gradients`] left it: on the whole

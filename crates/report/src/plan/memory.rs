@@ -49,6 +49,12 @@ pub(super) fn fullest_rank(w: &Workload, layout: Layout, stages: &[(usize, usize
                 zero: w.zero,
                 activation_bytes_per_microbatch: (held_per_sample * w.microbatch) as u64,
                 peak_held,
+                // As the trainer decides (`streamed_zero_gradients`).
+                streamed_last: w.zero >= 3
+                    && layout.pp == 1
+                    && layout.tp == 1
+                    && layered
+                    && !w.recompute,
             });
             r.peak_rss_bytes = predicted_peak_bytes(&r, stage_params);
             r
@@ -110,5 +116,20 @@ mod tests {
             &stages,
         );
         assert_eq!(gpipe.activation_peak_bytes, 8 * 4 * 20);
+        // ZeRO 3 on one stage (dp 2: 4 local micro-batches): the last one streams, holding one
+        // layer (1000 values) instead of the stage's 4000; with recomputation it does not.
+        let z3 = Workload {
+            zero: 3,
+            ..p.clone()
+        };
+        let streamed = fullest_rank(&z3, Layout::dp_pp(2, 1), &[(0, 4)]);
+        let fixed = 8 * 1000;
+        assert_eq!(streamed.grads_bytes, (3 * 4000 + 1000 + 2000) * 4 + fixed);
+        let recomputed = Workload {
+            recompute: true,
+            ..z3.clone()
+        };
+        let whole = fullest_rank(&recomputed, Layout::dp_pp(2, 1), &[(0, 4)]);
+        assert_eq!(whole.grads_bytes, (4 * 4000 + 2000) * 4 + fixed);
     }
 }

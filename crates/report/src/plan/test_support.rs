@@ -38,6 +38,7 @@ pub(super) fn workload(params: usize) -> Workload {
         schedule: lockstep_run::config::ScheduleKind::OneFOneB,
         tp_pieces: 1,
         shared_memory: false,
+        recompute: false,
     }
 }
 

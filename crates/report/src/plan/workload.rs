@@ -69,6 +69,9 @@ pub struct Workload {
     /// (`lockstep_comm::shared_parts`) instead of the rings.
     #[serde(default)]
     pub shared_memory: bool,
+    /// `train.recompute = "layers"`: training forwards keep each layer's input only.
+    #[serde(default)]
+    pub recompute: bool,
 }
 
 fn one() -> usize {
@@ -97,6 +100,7 @@ impl Workload {
             schedule: cfg.parallel.schedule,
             tp_pieces: cfg.model.tp_pieces.max(1),
             shared_memory: matches!(cfg.dist.transport, TransportKind::Auto | TransportKind::Shm),
+            recompute: cfg.train.recompute == lockstep_run::config::Recompute::Layers,
         }
     }
 

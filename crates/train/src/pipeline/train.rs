@@ -319,6 +319,9 @@ struct StageRank<'m> {
     /// The flat ranges the gradient streams in with `dist.overlap`: a model trained whole's
     /// parameter tensors, a one-stage layered model's layers.
     tensors: Vec<Range<usize>>,
+    /// ZeRO 3 on one stage: the last micro-batch's backward streams its layers into the sum
+    /// (`streamed_zero_gradients`) instead of filling a gradient vector.
+    streams_last: bool,
     slowdown: f64,
     /// `optimizer.clip_grad_norm` (None: off).
     clip: Option<Clip>,
@@ -394,7 +397,18 @@ impl<'m> StageRank<'m> {
         // host and the exact sum takes every part at once (ZeRO below 2, no overlap), else in its
         // own vectors (`grad_parts`); the bits are the same either way.
         let try_shared = cfg.dist.reproducible && zero.level() < 2 && !plan.overlap;
-        let grads = GradParts::new(&mut dp_comm, my_micro.len(), params.len(), try_shared)?;
+        let trained_whole = stage.whole().is_some();
+        let base = offsets[my_layers.start];
+        // The stage's layers' local ranges: what a streamed backward hands out.
+        let layer_ranges: Vec<Range<usize>> = my_layers
+            .clone()
+            .map(|l| offsets[l] - base..offsets[l + 1] - base)
+            .collect();
+        let streams_last = !trained_whole
+            && !my_micro.is_empty()
+            && streams_last_layers(cfg, dims, &zero, &layer_ranges);
+        let slots = my_micro.len() - usize::from(streams_last);
+        let grads = GradParts::new(&mut dp_comm, slots, params.len(), try_shared)?;
         ledger.set_gradient_sum(match (&grads, dp_comm.size()) {
             (_, 1) => GradientSum::Local,
             (GradParts::Shared(_), _) => GradientSum::SharedWindows,
@@ -406,20 +420,15 @@ impl<'m> StageRank<'m> {
         } else {
             zero.grad_len()
         };
-        let trained_whole = stage.whole().is_some();
         // With `dist.overlap` the gradient streams by parameter tensor (a model trained
         // whole) or by layer (a layered model on one stage).
-        let base = offsets[my_layers.start];
         let tensors: Vec<Range<usize>> = match stage.whole() {
             Some(replica) => replica
                 .layout()
                 .iter()
                 .map(|p| p.offset..p.offset + p.len)
                 .collect(),
-            None => my_layers
-                .clone()
-                .map(|l| offsets[l] - base..offsets[l + 1] - base)
-                .collect(),
+            None => layer_ranges,
         };
         let mut r = StageRank {
             model,
@@ -444,13 +453,15 @@ impl<'m> StageRank<'m> {
             total_grad: vec![0f32; sum_len],
             // The one reducer, in buckets that never straddle a layer (or a tp piece).
             sync: GradSync::new(cfg.dist.reproducible, cfg.dist.bucket_elems).with_buckets(buckets),
-            // With overlap on a layered model the last micro-batch runs outside the schedule.
+            // With overlap on a layered model, or streamed into ZeRO 3's sum, the last
+            // micro-batch runs outside the schedule.
             ops: schedule(
                 cfg.parallel.schedule,
                 dims.pp,
                 me.stage,
-                my_micro.len() - usize::from(plan.overlap && !trained_whole),
+                my_micro.len() - usize::from(plan.overlap && !trained_whole || streams_last),
             ),
+            streams_last,
             my_micro,
             scale: model.loss_scale(cfg.train.global_batch),
             tensors,
@@ -719,6 +730,9 @@ impl<'m> StageRank<'m> {
         if self.plan.overlap {
             return self.overlapped_gradients(&pieces[self.my_micro.clone()], step, sec);
         }
+        if self.streams_last {
+            return self.streamed_zero_gradients(comm, &pieces[self.my_micro.clone()], step, sec);
+        }
         let (losses, pipeline) = self.run_schedule(&pieces[self.my_micro.clone()], step, sec)?;
         // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
         let t0 = Instant::now();
@@ -780,7 +794,7 @@ impl<'m> StageRank<'m> {
         let timing = run_schedule(&self.ops, self.me.stage, &mut work, &mut self.pp_comm)?;
         let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
         let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
-        if self.zero.level() >= 3 {
+        if self.zero.level() >= 3 && !self.streams_last {
             // Freed after use: the last backward of the step is done.
             self.stage.release_params();
         }
@@ -807,31 +821,8 @@ impl<'m> StageRank<'m> {
     ) -> Result<(f64, Option<PipelineStep>), TrainError> {
         let last = mine.len() - 1;
         let (mut losses, pipeline) = self.run_schedule(&mine[..last], step, sec)?;
-        let job_error = |cause: ReplicaError| TrainError::Job {
-            job: self.job.clone(),
-            step,
-            microbatch: self.my_micro.start + last,
-            samples: (self.my_micro.start + last) * self.cfg.train.microbatch
-                ..(self.my_micro.start + last + 1) * self.cfg.train.microbatch,
-            cause,
-        };
-        let t0 = Instant::now();
-        self.stage.begin_microbatch(Draws::new(
-            self.cfg.train.seed,
-            step,
-            self.my_micro.start + last,
-        ));
-        let (forwarded, data_seconds) = self
-            .stage
-            .forward_streamed(last as u64, mine[last], None, self.scale)
-            .map_err(job_error)?;
-        let Forwarded::Loss(loss) = forwarded else {
-            return Err(job_error(ReplicaError::Other(
-                "a one-stage model's forward gave activations, not a loss".into(),
-            )));
-        };
-        sec.data += data_seconds;
-        sec.forward += (t0.elapsed().as_secs_f64() - data_seconds).max(0.0);
+        let job_error = self.microbatch_error(step, last);
+        let loss = self.forward_last_streamed(mine, step, sec)?;
         let GradParts::Private(parts) = &mut self.grads else {
             unreachable!("an overlapped sum keeps its parts private (GradParts::new)")
         };
@@ -866,6 +857,112 @@ impl<'m> StageRank<'m> {
         sec.communication += o.timing.communication;
         sec.overlapped_communication = o.timing.overlapped_communication;
         Ok((o.loss, Some(pipeline)))
+    }
+
+    /// How a failure of this replica's micro-batch `index` (of `my_micro`) at `step` reads.
+    fn microbatch_error(&self, step: u64, index: usize) -> impl Fn(ReplicaError) -> TrainError {
+        let (job, microbatch) = (self.job.clone(), self.my_micro.start + index);
+        let size = self.cfg.train.microbatch;
+        move |cause| TrainError::Job {
+            job: job.clone(),
+            step,
+            microbatch,
+            samples: microbatch * size..(microbatch + 1) * size,
+            cause,
+        }
+    }
+
+    /// The forward of this replica's last micro-batch of `mine`, kept for a streamed backward
+    /// (`LayerStage::forward_streamed`) on a one-stage model; returns its scaled loss.
+    fn forward_last_streamed(
+        &mut self,
+        mine: &[&[u32]],
+        step: u64,
+        sec: &mut PhaseSeconds,
+    ) -> Result<f32, TrainError> {
+        let last = mine.len() - 1;
+        let job_error = self.microbatch_error(step, last);
+        let t0 = Instant::now();
+        let draws = Draws::new(self.cfg.train.seed, step, self.my_micro.start + last);
+        self.stage.begin_microbatch(draws);
+        let (forwarded, data_seconds) = self
+            .stage
+            .forward_streamed(last as u64, mine[last], None, self.scale)
+            .map_err(&job_error)?;
+        let Forwarded::Loss(loss) = forwarded else {
+            return Err(job_error(ReplicaError::Other(
+                "a one-stage model's forward gave activations, not a loss".into(),
+            )));
+        };
+        sec.data += data_seconds;
+        sec.forward += (t0.elapsed().as_secs_f64() - data_seconds).max(0.0);
+        Ok(loss)
+    }
+
+    /// [`StageRank::gradients`] at ZeRO 3 on one stage without tensor parallelism: the earlier
+    /// micro-batches by the schedule, then the last one's backward streamed layer by layer, each
+    /// layer's segment reduce-scattered (`GradSync::reduce_segment`, with the earlier parts'
+    /// values of that segment) as soon as its gradient exists. The last micro-batch never has a
+    /// whole gradient vector — one layer's at a time — and the bits are those of the sum after
+    /// backward: the same segments, parts and exponents, only reduced in another order.
+    fn streamed_zero_gradients(
+        &mut self,
+        comm: &mut Communicator,
+        mine: &[&[u32]],
+        step: u64,
+        sec: &mut PhaseSeconds,
+    ) -> Result<(f64, Option<PipelineStep>), TrainError> {
+        let last = mine.len() - 1;
+        let (mut losses, pipeline) = self.run_schedule(&mine[..last], step, sec)?;
+        losses.push(self.forward_last_streamed(mine, step, sec)?);
+        let m_total = self.cfg.microbatches_per_step();
+        let t0 = Instant::now();
+        let earlier = self.grads.parts();
+        let sum = std::sync::Mutex::new(SegmentSum {
+            comm: &mut self.dp_comm,
+            sync: &mut self.sync,
+            out: &mut self.total_grad,
+            failed: None,
+            seconds: 0.0,
+        });
+        let zero = &self.zero;
+        let on_layer = |l: usize, values: &[f32]| {
+            let mut s = sum.lock().unwrap_or_else(|e| e.into_inner());
+            if s.failed.is_some() {
+                return;
+            }
+            let seg = zero.segments()[l].clone();
+            let mut parts: Vec<&[f32]> = earlier.iter().map(|p| &p[seg.clone()]).collect();
+            parts.push(values);
+            let t = Instant::now();
+            let s = &mut *s;
+            let reduced = s
+                .sync
+                .reduce_segment(s.comm, zero, l, &parts, m_total, s.out);
+            s.seconds += t.elapsed().as_secs_f64();
+            s.failed = reduced.err();
+        };
+        let streamed = self
+            .stage
+            .backward_streaming(last as u64, &self.tensors, &on_layer);
+        let SegmentSum {
+            failed, seconds, ..
+        } = sum.into_inner().unwrap_or_else(|e| e.into_inner());
+        streamed.map_err(self.microbatch_error(step, last))?;
+        if let Some(e) = failed {
+            return Err(sync_error(e, step));
+        }
+        // Freed after use: the last backward of the step is done.
+        self.stage.release_params();
+        sec.backward += (t0.elapsed().as_secs_f64() - seconds).max(0.0);
+        sec.communication += seconds;
+        let t1 = Instant::now();
+        let loss = self
+            .sync
+            .exchange_loss(comm, &losses, m_total)
+            .map_err(|e| sync_error(e, step))?;
+        sec.waiting = t1.elapsed().as_secs_f64();
+        Ok((loss, Some(pipeline)))
     }
 
     /// The evaluation after `step`, through each replica's pipeline (ZeRO 3: the stage
@@ -971,6 +1068,11 @@ impl<'m> StageRank<'m> {
         let t = &self.cfg.train;
         let held = ModelState::new(&self.params, &self.optimizer)
             .grads(self.grads.held().into_iter().chain([&self.total_grad[..]]))
+            // A streamed last micro-batch's gradient: one layer's values at a time.
+            .grad_buffer(match self.streams_last {
+                true => self.tensors.iter().map(|r| r.len()).max().unwrap_or(0),
+                false => 0,
+            })
             .exact_scratch(self.cfg.dist.reproducible, self.zero.scratch_len())
             .activations_per_microbatch(
                 4 * (self.model.held_activation_floats(self.my_layers.clone()) * t.microbatch)
@@ -1006,6 +1108,17 @@ impl<'m> StageRank<'m> {
         comm.broadcast(&mut hash_bytes, 0)?;
         Ok((String::from_utf8_lossy(&hash_bytes).into_owned(), held))
     }
+}
+
+/// What a streamed ZeRO 3 backward's layers reduce with (`streamed_zero_gradients`), behind one
+/// lock: the backward hands layers out through a shared callback.
+struct SegmentSum<'a> {
+    comm: &'a mut Communicator,
+    sync: &'a mut GradSync,
+    out: &'a mut [f32],
+    /// The first reduction that failed; the layers after it are not reduced.
+    failed: Option<ExactError>,
+    seconds: f64,
 }
 
 /// The streamed last micro-batch of an overlapped step on a one-stage layered model.
@@ -1052,6 +1165,24 @@ fn straggle(slowdown: f64, sec: &mut PhaseSeconds) {
         std::thread::sleep(std::time::Duration::from_secs_f64(extra));
         sec.backward += extra;
     }
+}
+
+/// Whether the last micro-batch's backward of a stage of `layers` (local ranges) streams into
+/// the sum: at ZeRO 3 on one stage of whole layers each layer is reduced as the backward hands it
+/// out, so that micro-batch needs no gradient vector of its own. Not with recomputation (a
+/// streamed forward keeps every layer's graph). The plan's memory prediction follows this rule
+/// (`lockstep_report`'s `fullest_rank`).
+fn streams_last_layers(
+    cfg: &TrainConfig,
+    dims: ParallelDims,
+    zero: &Zero,
+    layers: &[Range<usize>],
+) -> bool {
+    zero.level() >= 3
+        && cfg.train.recompute == crate::config::Recompute::None
+        && dims.pp == 1
+        && dims.tp == 1
+        && zero.segments() == layers
 }
 
 /// ZeRO for the stage of `layers` holding `len` local values: the stage's optimizer state (and
