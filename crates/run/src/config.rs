@@ -935,7 +935,10 @@ impl TrainConfig {
 
     fn validate_transformer(&self) -> Result<(), ConfigError> {
         let m = &self.model;
-        if m.d_model == 0 || m.heads == 0 || !m.d_model.is_multiple_of(m.heads) {
+        if m.d_model == 0 {
+            return Err(invalid("model.d_model", "0 must be ≥ 1"));
+        }
+        if m.heads == 0 || !m.d_model.is_multiple_of(m.heads) {
             return Err(invalid(
                 "model.heads",
                 format!(

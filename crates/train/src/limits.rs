@@ -450,6 +450,24 @@ mod tests {
     }
 
     #[test]
+    fn a_transformers_shape_errors_name_their_own_field() {
+        for (set, field) in [
+            // A zero width is its own field's error, not the heads'.
+            ("model.d_model=0", "model.d_model"),
+            ("model.heads=3", "model.heads"),
+            ("model.context=1", "model.context"),
+        ] {
+            let sets = [
+                "model.kind=\"transformer\"",
+                "data.dataset=\"shakespeare\"",
+                set,
+            ];
+            let e = with(&sets).expect_err(set);
+            assert_eq!(field_of(e), field, "{set}");
+        }
+    }
+
+    #[test]
     fn shipped_sizes_fit_and_the_estimate_grows_with_the_model() {
         let small = with(&[]).unwrap();
         let big = with(&["model.hidden=[4096, 4096]"]).unwrap();
