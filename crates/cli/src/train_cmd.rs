@@ -67,6 +67,8 @@ impl Request {
         }
         flags::count("--max-restarts", a.max_restarts, 0, flags::MAX_RESTARTS)?;
         let env = environment();
+        // The transport's knobs that workers read from the environment: checked here once.
+        crate::tcp_options(&env).map_err(|e| request::BadRequest(format!("{e:#}")))?;
         let (config_path, out) = match &a.resume {
             Some(dir) => (Some(dir.join("config.toml")), dir.clone()),
             None => (

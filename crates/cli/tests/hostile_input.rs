@@ -125,6 +125,21 @@ fn timeouts_threads_and_faults_out_of_range_are_refused_before_the_run_directory
         &["train", "--out", o, "--max-restarts=-1"],
         &["--max-restarts"],
     );
+    // The transport's knobs from the environment: refused by the launcher, not by every worker
+    // (whose failures it would restart).
+    for (var, value) in [
+        ("LOCKSTEP_TEST_LATENCY_US", "abc"),
+        ("LOCKSTEP_TCP_RECV_LOW_WATER", "-1"),
+    ] {
+        let o = lockstep(&["train", "--out", o, "--nproc", "1"])
+            .env(var, value)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(3), "{var}={value}:\n{err}");
+        assert!(err.contains(&format!("{var}={value}")), "{err}");
+        assert!(!err.contains("[rank ") && !err.contains("restart"), "{err}");
+    }
     assert!(!out.exists(), "a refused request created the run directory");
 }
 
