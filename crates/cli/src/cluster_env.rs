@@ -60,8 +60,14 @@ pub struct WorkerEnv {
     pub attempt: u64,
 }
 
-/// Detect the engine from `env`; `None` when the process was started by none of them.
+/// Detect the engine from `env`; `None` when the process was started by none of them. A
+/// malformed or incomplete engine environment is bad input ([`crate::request::BadRequest`]:
+/// exit status 3, never restarted).
 pub fn detect(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
+    detect_engine(env).map_err(|e| crate::request::BadRequest(format!("{e:#}")).into())
+}
+
+fn detect_engine(env: &HashMap<String, String>) -> Result<Option<WorkerEnv>> {
     let get = |k: &str| {
         env.get(k)
             .map(|s| s.trim().to_string())

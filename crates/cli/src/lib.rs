@@ -719,6 +719,20 @@ struct JobStore {
     server: Option<StoreServer>,
 }
 
+/// The secret every node of a multi-node job shares (`LOCKSTEP_SECRET`); its absence or a
+/// malformed one is bad input, said before anything is written.
+fn multi_node_secret(env: &HashMap<String, String>) -> Result<JobSecret> {
+    let hex = env.get("LOCKSTEP_SECRET").ok_or_else(|| {
+        request::BadRequest(
+            "--nnodes > 1 needs the same LOCKSTEP_SECRET on every node: run `lockstep secret` \
+             once and export it everywhere"
+                .into(),
+        )
+    })?;
+    JobSecret::from_hex(hex)
+        .map_err(|e| request::BadRequest(format!("LOCKSTEP_SECRET: {e}")).into())
+}
+
 /// The rendezvous store of a job: on an ephemeral loopback port for one node (fresh per attempt,
 /// with a fresh secret), on the --rdzv address for several (one for the job's whole life, served
 /// by node 0's agent).
@@ -730,10 +744,7 @@ fn job_store(nodes: &NodeArgs, env: &HashMap<String, String>) -> Result<JobStore
             "--nnodes > 1 needs --rdzv HOST:PORT (node 0 serves the store there) or --rdzv-backend etcd --rdzv etcd://HOST:PORT,...",
         )?;
         nodes.check_rendezvous()?;
-        let hex = env.get("LOCKSTEP_SECRET").context(
-            "--nnodes > 1 needs the same LOCKSTEP_SECRET on every node: run `lockstep secret` once and export it everywhere",
-        )?;
-        let secret = JobSecret::from_hex(hex).context("LOCKSTEP_SECRET")?;
+        let secret = multi_node_secret(env)?;
         let job = env
             .get("LOCKSTEP_JOB_ID")
             .cloned()

@@ -94,6 +94,10 @@ impl Request {
         let world = engine
             .as_ref()
             .map_or(max_world * max_nodes, |w| w.world_size);
+        if engine.is_none() && a.nodes.several()? {
+            // Every node needs the job's secret: checked before anything is written.
+            crate::multi_node_secret(&env)?;
+        }
         if engine.is_none() {
             request::check_world(&cfg, max_world, max_nodes)?;
             check_node_range(&cfg, max_world, (min_nodes, max_nodes))?;

@@ -125,19 +125,52 @@ fn timeouts_threads_and_faults_out_of_range_are_refused_before_the_run_directory
         &["train", "--out", o, "--max-restarts=-1"],
         &["--max-restarts"],
     );
-    // The transport's knobs from the environment: refused by the launcher, not by every worker
-    // (whose failures it would restart).
-    for (var, value) in [
-        ("LOCKSTEP_TEST_LATENCY_US", "abc"),
-        ("LOCKSTEP_TCP_RECV_LOW_WATER", "-1"),
+    // The environment is input too: the transport's knobs (refused by the launcher, not by
+    // every worker, whose failures it would restart), an engine's malformed variables, a
+    // multi-node job's missing or malformed secret.
+    let multi = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--rdzv",
+        "127.0.0.1:29999",
+    ];
+    for (vars, flags, want) in [
+        (
+            &[("LOCKSTEP_TEST_LATENCY_US", "abc")][..],
+            &[][..],
+            "LOCKSTEP_TEST_LATENCY_US=abc",
+        ),
+        (
+            &[("LOCKSTEP_TCP_RECV_LOW_WATER", "-1")],
+            &[],
+            "LOCKSTEP_TCP_RECV_LOW_WATER=-1",
+        ),
+        (&[("RANK", "abc"), ("WORLD_SIZE", "2")], &[], "RANK=abc"),
+        (
+            &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "x")],
+            &[],
+            "SLURM_NTASKS=x",
+        ),
+        (
+            &[("LOCKSTEP_SECRET", "")],
+            &multi,
+            "needs the same LOCKSTEP_SECRET",
+        ),
+        (&[("LOCKSTEP_SECRET", "xyz")], &multi, "LOCKSTEP_SECRET"),
     ] {
-        let o = lockstep(&["train", "--out", o, "--nproc", "1"])
-            .env(var, value)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(3), "{var}={value}:\n{err}");
-        assert!(err.contains(&format!("{var}={value}")), "{err}");
+        let mut args = vec!["train", "--out", o, "--nproc", "1"];
+        args.extend_from_slice(flags);
+        let mut cmd = lockstep(&args);
+        cmd.env_remove("LOCKSTEP_SECRET");
+        for (k, v) in vars.iter().filter(|(_, v)| !v.is_empty()) {
+            cmd.env(k, v);
+        }
+        let r = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(3), "{vars:?}:\n{err}");
+        assert!(err.contains(want), "{vars:?}: {want:?} missing from\n{err}");
         assert!(!err.contains("[rank ") && !err.contains("restart"), "{err}");
     }
     assert!(!out.exists(), "a refused request created the run directory");
