@@ -124,6 +124,21 @@ pub struct StateShape {
     pub streamed_last: bool,
 }
 
+/// Whether a rank's last local micro-batch streams its gradient into the sum layer by layer
+/// ([`StateShape::streamed_last`]): at ZeRO 3 on one pipeline stage of a layered model, without
+/// tensor parallelism (a rank's layers would not be whole) or recomputation (a streamed forward
+/// keeps every layer's graph, which recomputation exists to avoid). The trainer decides by it
+/// and `lockstep plan` predicts by it.
+pub fn streams_last_microbatch(
+    zero: u8,
+    pp: usize,
+    tp: usize,
+    layered: bool,
+    recompute: bool,
+) -> bool {
+    zero >= 3 && pp == 1 && tp == 1 && layered && !recompute
+}
+
 /// The [`RankMemory`] a rank of `shape` would report (`peak_rss_bytes` = 0: not predicted here).
 ///
 /// `params = P / (dp if zero = 3)`, `grads = m·P + P / (dp if zero ≥ 2)` (`(m − 1)·P` and

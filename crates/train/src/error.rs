@@ -94,6 +94,23 @@ pub enum TrainError {
 }
 
 impl TrainError {
+    /// Micro-batch `k` of `step` (micro-batches of `size` samples) failed in the user's job.
+    pub(crate) fn microbatch(
+        job: impl Into<String>,
+        step: u64,
+        k: usize,
+        size: usize,
+        cause: ReplicaError,
+    ) -> Self {
+        TrainError::Job {
+            job: job.into(),
+            step,
+            microbatch: k,
+            samples: k * size..(k + 1) * size,
+            cause,
+        }
+    }
+
     /// Failures that a restart cannot cure: the input is wrong (config, data, model, a checkpoint
     /// of another run) or the disk is full. The launcher ends the job instead of retrying.
     pub fn is_permanent(&self) -> bool {

@@ -199,7 +199,6 @@ impl Zero {
         }
         for (i, seg) in self.segments.iter().enumerate() {
             let seg_parts: Vec<&[f32]> = parts.iter().map(|p| &p[seg.clone()]).collect();
-            let grad = &mut *grad;
             self.reduce_segment(
                 reducer,
                 dp,

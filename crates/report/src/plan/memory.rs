@@ -9,7 +9,9 @@
 //! them (a tp rank keeps the replicated segments and its pieces' inputs).
 
 use lockstep_run::config::ScheduleKind;
-use lockstep_run::memory::{predict, predicted_peak_bytes, RankMemory, StateShape};
+use lockstep_run::memory::{
+    predict, predicted_peak_bytes, streams_last_microbatch, RankMemory, StateShape,
+};
 
 use super::stages::rank_params;
 use super::{Layout, Workload};
@@ -49,12 +51,13 @@ pub(super) fn fullest_rank(w: &Workload, layout: Layout, stages: &[(usize, usize
                 zero: w.zero,
                 activation_bytes_per_microbatch: (held_per_sample * w.microbatch) as u64,
                 peak_held,
-                // As the trainer decides (`streamed_zero_gradients`).
-                streamed_last: w.zero >= 3
-                    && layout.pp == 1
-                    && layout.tp == 1
-                    && layered
-                    && !w.recompute,
+                streamed_last: streams_last_microbatch(
+                    w.zero,
+                    layout.pp,
+                    layout.tp,
+                    layered,
+                    w.recompute,
+                ),
             });
             r.peak_rss_bytes = predicted_peak_bytes(&r, stage_params);
             r

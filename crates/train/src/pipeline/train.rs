@@ -125,13 +125,7 @@ impl Work<'_> {
             return TrainError::Comm(c);
         }
         let k = self.first_microbatch + mb;
-        TrainError::Job {
-            job: self.job.to_string(),
-            step: self.step,
-            microbatch: k,
-            samples: k * self.microbatch..(k + 1) * self.microbatch,
-            cause,
-        }
+        TrainError::microbatch(self.job, self.step, k, self.microbatch, cause)
     }
 }
 
@@ -404,9 +398,8 @@ impl<'m> StageRank<'m> {
             .clone()
             .map(|l| offsets[l] - base..offsets[l + 1] - base)
             .collect();
-        let streams_last = !trained_whole
-            && !my_micro.is_empty()
-            && streams_last_layers(cfg, dims, &zero, &layer_ranges);
+        let streams_last =
+            !my_micro.is_empty() && streams_last(cfg, dims, &zero, !trained_whole, &layer_ranges);
         let slots = my_micro.len() - usize::from(streams_last);
         let grads = GradParts::new(&mut dp_comm, slots, params.len(), try_shared)?;
         ledger.set_gradient_sum(match (&grads, dp_comm.size()) {
@@ -861,15 +854,9 @@ impl<'m> StageRank<'m> {
 
     /// How a failure of this replica's micro-batch `index` (of `my_micro`) at `step` reads.
     fn microbatch_error(&self, step: u64, index: usize) -> impl Fn(ReplicaError) -> TrainError {
-        let (job, microbatch) = (self.job.clone(), self.my_micro.start + index);
+        let (job, k) = (self.job.clone(), self.my_micro.start + index);
         let size = self.cfg.train.microbatch;
-        move |cause| TrainError::Job {
-            job: job.clone(),
-            step,
-            microbatch,
-            samples: microbatch * size..(microbatch + 1) * size,
-            cause,
-        }
+        move |cause| TrainError::microbatch(job.as_str(), step, k, size, cause)
     }
 
     /// The forward of this replica's last micro-batch of `mine`, kept for a streamed backward
@@ -1167,21 +1154,18 @@ fn straggle(slowdown: f64, sec: &mut PhaseSeconds) {
     }
 }
 
-/// Whether the last micro-batch's backward of a stage of `layers` (local ranges) streams into
-/// the sum: at ZeRO 3 on one stage of whole layers each layer is reduced as the backward hands it
-/// out, so that micro-batch needs no gradient vector of its own. Not with recomputation (a
-/// streamed forward keeps every layer's graph). The plan's memory prediction follows this rule
-/// (`lockstep_report`'s `fullest_rank`).
-fn streams_last_layers(
+/// Whether this stage's last micro-batch streams its gradient into the sum, by the rule the plan
+/// predicts with ([`crate::memory::streams_last_microbatch`]); its layers (local ranges) must
+/// also be ZeRO 3's segments, as they are without tensor parallelism.
+fn streams_last(
     cfg: &TrainConfig,
     dims: ParallelDims,
     zero: &Zero,
+    layered: bool,
     layers: &[Range<usize>],
 ) -> bool {
-    zero.level() >= 3
-        && cfg.train.recompute == crate::config::Recompute::None
-        && dims.pp == 1
-        && dims.tp == 1
+    let recompute = cfg.train.recompute == crate::config::Recompute::Layers;
+    crate::memory::streams_last_microbatch(zero.level(), dims.pp, dims.tp, layered, recompute)
         && zero.segments() == layers
 }
 

@@ -55,12 +55,8 @@ pub(crate) fn step(
 ) -> Result<(f64, PhaseSeconds), TrainError> {
     let (step, pieces) = (plan.step, plan.pieces);
     let mut sec = PhaseSeconds::default();
-    let job_error = |k: usize, cause: ReplicaError| TrainError::Job {
-        job: plan.job.to_string(),
-        step,
-        microbatch: k,
-        samples: k * plan.microbatch..(k + 1) * plan.microbatch,
-        cause,
+    let job_error = |k: usize, cause: ReplicaError| {
+        TrainError::microbatch(plan.job, step, k, plan.microbatch, cause)
     };
     let mine = plan.mine.clone();
     // With overlap, the last local micro-batch is computed inside the synchronisation (its
