@@ -559,13 +559,16 @@ fn sharding_shrinks_what_each_rank_holds() {
 
 /// Issue 30's bar, as run: configs/shakespeare.toml at dp 2 with its defaults (2 micro-batches
 /// per replica). ZeRO 3 streams the last micro-batch's layers into the sum, so a rank holds one
-/// gradient vector and one layer instead of two vectors: its model state is at most 52% of ZeRO
-/// 0's, with the same bits, and `lockstep plan` predicts the figures the run reports.
+/// gradient vector and one layer instead of two vectors, and steps the optimizer on each layer's
+/// chunk of the sum as it is reduced, so it holds no shard of reduced gradient: its model state
+/// is at most 52% of ZeRO 0's, with the same bits, and `lockstep plan` predicts the figures the
+/// run reports. With gradient clipping (whose norm needs the whole sum) the shard is held, and
+/// the bits are again those of ZeRO 0.
 #[test]
 fn zero3_streams_the_last_microbatch_into_the_sum_and_holds_at_most_52_percent() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = |zero: &str| {
-        let dir = tmp.path().join(format!("zero{zero}"));
+    let run = |zero: &str, clip: &str| {
+        let dir = tmp.path().join(format!("zero{zero}-clip{clip}"));
         let sets = [
             "parallel.pp=1",
             "parallel.dp=2",
@@ -573,11 +576,12 @@ fn zero3_streams_the_last_microbatch_into_the_sum_and_holds_at_most_52_percent()
             "train.eval_every=0",
             "checkpoint.every=0",
             &format!("parallel.zero={zero}"),
+            &format!("optimizer.clip_grad_norm={clip}"),
         ];
         ok(run("shakespeare.toml", &[], &dir, "2", &sets, &[]));
         dir
     };
-    let (z0, z3) = (run("0"), run("3"));
+    let (z0, z3) = (run("0", "0"), run("3", "0"));
     assert_eq!(hash(&z0), hash(&z3));
     let state = |d: &Path| {
         ["params_bytes", "grads_bytes", "optimizer_bytes"]
@@ -587,22 +591,29 @@ fn zero3_streams_the_last_microbatch_into_the_sum_and_holds_at_most_52_percent()
     };
     let (s0, s3) = (state(&z0), state(&z3));
     assert!(s3 * 100 <= s0 * 52, "ZeRO 3 holds {s3} bytes, ZeRO 0 {s0}");
-    let json = tmp.path().join("plan.json");
-    let args = ["--workers-per-node", "2", "--layouts", "dp2xpp1", "--json"];
-    let mut args: Vec<&str> = args.to_vec();
-    args.push(json.to_str().unwrap());
-    let mut plan = vec!["plan", "--from", z3.to_str().unwrap()];
-    plan.extend(args);
-    assert_ok(&lockstep(&plan).output().unwrap());
-    let p: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let predicted = &p["predictions"][0]["memory"];
-    for f in ["params_bytes", "grads_bytes", "optimizer_bytes"] {
-        assert_eq!(
-            predicted[f].as_u64(),
-            Some(held(&z3, f)),
-            "{f}: plan {predicted}"
-        );
+    let (c0, c3) = (run("0", "0.5"), run("3", "0.5"));
+    assert_eq!(hash(&c0), hash(&c3), "clipped");
+    assert_ne!(hash(&c0), hash(&z0), "the clipping must bite");
+    // Clipped, the rank holds its shard of the reduced gradient: more than a layer's chunk.
+    assert!(held(&c3, "grads_bytes") > held(&z3, "grads_bytes"));
+    for run in [&z3, &c3] {
+        let json = tmp.path().join("plan.json");
+        let args = ["--workers-per-node", "2", "--layouts", "dp2xpp1", "--json"];
+        let mut args: Vec<&str> = args.to_vec();
+        args.push(json.to_str().unwrap());
+        let mut plan = vec!["plan", "--from", run.to_str().unwrap()];
+        plan.extend(args);
+        assert_ok(&lockstep(&plan).output().unwrap());
+        let p: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let predicted = &p["predictions"][0]["memory"];
+        for f in ["params_bytes", "grads_bytes", "optimizer_bytes"] {
+            assert_eq!(
+                predicted[f].as_u64(),
+                Some(held(run, f)),
+                "{f} of {run:?}: plan {predicted}"
+            );
+        }
     }
 }
 

@@ -122,6 +122,10 @@ pub struct StateShape {
     /// hands it out (ZeRO 3 on one stage of a layered model without tensor parallelism or
     /// recomputation): one layer's values instead of a gradient vector.
     pub streamed_last: bool,
+    /// The streamed sum also steps the optimizer, each layer's chunk as soon as it is reduced
+    /// ([`steps_in_backward`]): one layer's chunk of reduced gradient is held instead of the
+    /// rank's whole shard.
+    pub steps_in_backward: bool,
 }
 
 /// Whether a rank's last local micro-batch streams its gradient into the sum layer by layer
@@ -139,10 +143,20 @@ pub fn streams_last_microbatch(
     zero >= 3 && pp == 1 && tp == 1 && layered && !recompute
 }
 
+/// Whether a streamed last micro-batch ([`streams_last_microbatch`]) also steps the optimizer,
+/// layer by layer, as each layer's chunk of the sum is final (the optimizer is elementwise:
+/// the same bits as one step after the whole sum): not with gradient clipping
+/// (`clipped`: `optimizer.clip_grad_norm` > 0), whose norm needs every chunk before any update.
+pub fn steps_in_backward(streams_last: bool, clipped: bool) -> bool {
+    streams_last && !clipped
+}
+
 /// The [`RankMemory`] a rank of `shape` would report (`peak_rss_bytes` = 0: not predicted here).
 ///
 /// `params = P / (dp if zero = 3)`, `grads = m·P + P / (dp if zero ≥ 2)` (`(m − 1)·P` and
-/// the largest layer when the last micro-batch streams, [`StateShape::streamed_last`]) plus `8·P` bytes of
+/// the largest layer when the last micro-batch streams, [`StateShape::streamed_last`]; the
+/// largest layer's chunk instead of `P / dp` when it also steps the optimizer,
+/// [`StateShape::steps_in_backward`]) plus `8·P` bytes of
 /// fixed-point accumulator in reproducible mode (`8·` the largest layer at ZeRO 3; an upper
 /// bound, see `lockstep_train::memory::ModelState::exact_scratch`), `optimizer = k·P / (dp if
 /// zero ≥ 1)`, activations = `peak_held ×` one micro-batch's. A shard is the ceiling of `P / dp`.
@@ -170,9 +184,13 @@ pub fn predict(shape: &StateShape) -> RankMemory {
         true => (m - 1) * p + (shape.largest_layer as u64).min(p),
         false => m * p,
     };
+    let reduced = match shape.steps_in_backward {
+        true => (shape.largest_layer as u64).min(p).div_ceil(dp),
+        false => shard(2),
+    };
     RankMemory {
         params_bytes: shard(3) * F32,
-        grads_bytes: (vectors + shard(2)) * F32 + fixed,
+        grads_bytes: (vectors + reduced) * F32 + fixed,
         optimizer_bytes: shape.optimizer_vectors as u64 * shard(1) * F32,
         activation_peak_bytes: shape.activation_bytes_per_microbatch
             * shape.peak_held.max(1) as u64,
@@ -230,6 +248,7 @@ mod tests {
             activation_bytes_per_microbatch: 10,
             peak_held: 1,
             streamed_last: false,
+            steps_in_backward: false,
         };
         let z0 = predict(&shape(0));
         assert_eq!(
@@ -262,6 +281,14 @@ mod tests {
             ..shape(3)
         });
         assert_eq!(streamed.grads_bytes, z3.grads_bytes - (1001 - 400) * 4);
+        // Stepping the optimizer layer by layer: one layer's chunk (200 values), not the shard
+        // (501).
+        let stepping = predict(&StateShape {
+            streamed_last: true,
+            steps_in_backward: true,
+            ..shape(3)
+        });
+        assert_eq!(stepping.grads_bytes, streamed.grads_bytes - (501 - 200) * 4);
     }
 
     #[test]

@@ -549,8 +549,8 @@ impl GradSync {
     }
 
     /// One segment of a [`GradSync::reduce`] from ZeRO level 2 on ([`Zero::reduce_segment`]):
-    /// `seg_parts` are every local part's values of segment `i`, `out` the rank's reduced chunks
-    /// (all segments'). What a streamed backward calls as each layer's gradient appears.
+    /// `seg_parts` are every local part's values of segment `i`, `out` the rank's reduced chunk
+    /// of that segment. What a streamed backward calls as each layer's gradient appears.
     pub fn reduce_segment(
         &mut self,
         comm: &mut Communicator,

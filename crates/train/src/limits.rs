@@ -362,6 +362,7 @@ pub fn memory_estimate(cfg: &TrainConfig) -> u128 {
         activation_bytes_per_microbatch: 0,
         peak_held: 1,
         streamed_last: false,
+        steps_in_backward: false,
     })
     .model_state_bytes() as u128;
     params * (per_param + 4 * (microbatches + BURN_COPIES)) + activation_bytes(cfg)

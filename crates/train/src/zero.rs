@@ -199,6 +199,8 @@ impl Zero {
         }
         for (i, seg) in self.segments.iter().enumerate() {
             let seg_parts: Vec<&[f32]> = parts.iter().map(|p| &p[seg.clone()]).collect();
+            let at = self.chunk_offset(i);
+            let out = &mut grad[at..at + self.chunks[i].len()];
             self.reduce_segment(
                 reducer,
                 dp,
@@ -207,17 +209,30 @@ impl Zero {
                 total_parts,
                 buckets,
                 reproducible,
-                grad,
+                out,
             )?;
         }
         Ok(())
     }
 
+    /// Where segment `i`'s chunk starts in this rank's owned values (its chunks, segment after
+    /// segment): in the reduced gradient from level 2, in the optimizer state from level 1, in
+    /// the parameters kept between steps at level 3.
+    pub fn chunk_offset(&self, i: usize) -> usize {
+        self.chunks[..i].iter().map(|c| c.len()).sum()
+    }
+
+    /// Values of this rank's largest chunk of one segment (a streamed ZeRO 3 sum that steps the
+    /// optimizer segment by segment holds one such chunk of reduced gradient at a time).
+    pub fn largest_chunk(&self) -> usize {
+        self.chunks.iter().map(|c| c.len()).max().unwrap_or(0)
+    }
+
     /// Level 2 and up: segment `i`'s part of [`Zero::reduce_gradients`], from `seg_parts` (each
-    /// part's values of that segment alone): this rank's chunk of the segment's sum, written at
-    /// its place in `grad` (the chunks, segment after segment). Segments are independent (each
-    /// its own exponents and reduce-scatter), so they may be reduced in any order that every rank
-    /// of `dp` follows — the last layer first, as a streamed backward hands them out.
+    /// part's values of that segment alone): this rank's chunk of the segment's sum, written to
+    /// `out` (that chunk's length). Segments are independent (each its own exponents and
+    /// reduce-scatter), so they may be reduced in any order that every rank of `dp` follows —
+    /// the last layer first, as a streamed backward hands them out.
     #[allow(clippy::too_many_arguments)]
     pub fn reduce_segment(
         &self,
@@ -228,11 +243,9 @@ impl Zero {
         total_parts: usize,
         buckets: &[Range<usize>],
         reproducible: bool,
-        grad: &mut [f32],
+        out: &mut [f32],
     ) -> Result<(), ExactError> {
-        let (seg, chunk) = (&self.segments[i], &self.chunks[i]);
-        let at: usize = self.chunks[..i].iter().map(|c| c.len()).sum();
-        let out = &mut grad[at..at + chunk.len()];
+        let seg = &self.segments[i];
         if reproducible {
             let seg_buckets: Vec<Range<usize>> = buckets
                 .iter()

@@ -10,7 +10,8 @@
 
 use lockstep_run::config::ScheduleKind;
 use lockstep_run::memory::{
-    predict, predicted_peak_bytes, streams_last_microbatch, RankMemory, StateShape,
+    predict, predicted_peak_bytes, steps_in_backward, streams_last_microbatch, RankMemory,
+    StateShape,
 };
 
 use super::stages::rank_params;
@@ -37,6 +38,8 @@ pub(super) fn fullest_rank(w: &Workload, layout: Layout, stages: &[(usize, usize
                 (true, ScheduleKind::GPipe) => m,
                 (true, ScheduleKind::OneFOneB) => m.min(layout.pp - s),
             };
+            let streamed_last =
+                streams_last_microbatch(w.zero, layout.pp, layout.tp, layered, w.recompute);
             let mut r = predict(&StateShape {
                 stage_params,
                 local_microbatches: m,
@@ -51,13 +54,8 @@ pub(super) fn fullest_rank(w: &Workload, layout: Layout, stages: &[(usize, usize
                 zero: w.zero,
                 activation_bytes_per_microbatch: (held_per_sample * w.microbatch) as u64,
                 peak_held,
-                streamed_last: streams_last_microbatch(
-                    w.zero,
-                    layout.pp,
-                    layout.tp,
-                    layered,
-                    w.recompute,
-                ),
+                streamed_last,
+                steps_in_backward: steps_in_backward(streamed_last, w.clipped),
             });
             r.peak_rss_bytes = predicted_peak_bytes(&r, stage_params);
             r
@@ -127,7 +125,15 @@ mod tests {
         };
         let streamed = fullest_rank(&z3, Layout::dp_pp(2, 1), &[(0, 4)]);
         let fixed = 8 * 1000;
-        assert_eq!(streamed.grads_bytes, (3 * 4000 + 1000 + 2000) * 4 + fixed);
+        // It steps the optimizer layer by layer too: one layer's chunk (500) of reduced gradient
+        // instead of the shard (2000) — unless clipping needs the whole gradient's norm first.
+        assert_eq!(streamed.grads_bytes, (3 * 4000 + 1000 + 500) * 4 + fixed);
+        let clipped = Workload {
+            clipped: true,
+            ..z3.clone()
+        };
+        let clipped = fullest_rank(&clipped, Layout::dp_pp(2, 1), &[(0, 4)]);
+        assert_eq!(clipped.grads_bytes, (3 * 4000 + 1000 + 2000) * 4 + fixed);
         let recomputed = Workload {
             recompute: true,
             ..z3.clone()

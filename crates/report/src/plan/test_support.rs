@@ -39,6 +39,7 @@ pub(super) fn workload(params: usize) -> Workload {
         tp_pieces: 1,
         shared_memory: false,
         recompute: false,
+        clipped: false,
     }
 }
 

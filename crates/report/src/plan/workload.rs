@@ -72,6 +72,10 @@ pub struct Workload {
     /// `train.recompute = "layers"`: training forwards keep each layer's input only.
     #[serde(default)]
     pub recompute: bool,
+    /// `optimizer.clip_grad_norm` > 0: the optimizer waits for the whole gradient's norm (a
+    /// streamed ZeRO 3 sum cannot step it layer by layer).
+    #[serde(default)]
+    pub clipped: bool,
 }
 
 fn one() -> usize {
@@ -101,6 +105,7 @@ impl Workload {
             tp_pieces: cfg.model.tp_pieces.max(1),
             shared_memory: matches!(cfg.dist.transport, TransportKind::Auto | TransportKind::Shm),
             recompute: cfg.train.recompute == lockstep_run::config::Recompute::Layers,
+            clipped: cfg.optimizer.clip_grad_norm > 0.0,
         }
     }
 

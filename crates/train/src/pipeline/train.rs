@@ -316,6 +316,9 @@ struct StageRank<'m> {
     /// ZeRO 3 on one stage: the last micro-batch's backward streams its layers into the sum
     /// (`streamed_zero_gradients`) instead of filling a gradient vector.
     streams_last: bool,
+    /// ... and steps the optimizer on each layer's chunk as soon as it is reduced (not with
+    /// clipping): `total_grad` then holds one chunk, not the rank's shard.
+    steps_in_backward: bool,
     slowdown: f64,
     /// `optimizer.clip_grad_norm` (None: off).
     clip: Option<Clip>,
@@ -407,11 +410,13 @@ impl<'m> StageRank<'m> {
             (GradParts::Shared(_), _) => GradientSum::SharedWindows,
             (GradParts::Private(_), _) => GradientSum::Collectives,
         });
+        let clip = Clip::new(cfg.optimizer.clip_grad_norm);
+        let steps_in_backward = crate::memory::steps_in_backward(streams_last, clip.is_some());
         // With shared windows the sum lands in this rank's window (`GradParts::sum`).
-        let sum_len = if grads.sum().is_some() {
-            0
-        } else {
-            zero.grad_len()
+        let sum_len = match (grads.sum(), steps_in_backward) {
+            (Some(_), _) => 0,
+            (None, true) => zero.largest_chunk(),
+            (None, false) => zero.grad_len(),
         };
         // With `dist.overlap` the gradient streams by parameter tensor (a model trained
         // whole) or by layer (a layered model on one stage).
@@ -455,11 +460,12 @@ impl<'m> StageRank<'m> {
                 my_micro.len() - usize::from(plan.overlap && !trained_whole || streams_last),
             ),
             streams_last,
+            steps_in_backward,
             my_micro,
             scale: model.loss_scale(cfg.train.global_batch),
             tensors,
             slowdown: faults::slowdown(ledger.faults, rank),
-            clip: Clip::new(cfg.optimizer.clip_grad_norm),
+            clip,
             metric_names: Vec::new(),
         };
         r.metric_names = r.stage.train_metric_names();
@@ -571,39 +577,15 @@ impl<'m> StageRank<'m> {
         }
         let batch = sampler.global_batch(step);
         let pieces = microbatches(&batch, self.cfg.train.microbatch);
-        let (loss, pipeline) = self.gradients(comm, &pieces, step, &mut sec)?;
+        let lr = ledger.lr(step);
+        let (loss, pipeline) = self.gradients(comm, &pieces, step, lr, &mut sec)?;
         move_copies(&mut sec, |s| &mut s.backward);
         let train_metrics = self.train_metrics(comm, step, &mut sec)?;
-
-        let t0 = Instant::now();
-        let lr = ledger.lr(step);
-        let grad = self.grads.sum().unwrap_or(&self.total_grad);
-        let (grad, grad_norm) = match self.clip.as_mut() {
-            Some(clip) => {
-                let counted = if self.zero.level() >= 2 {
-                    0..grad.len()
-                } else {
-                    even_share(grad.len(), self.dp_comm.size(), self.dp_comm.rank())
-                };
-                let c = clip.apply(grad, counted, comm)?;
-                (c.grad, Some(c.norm))
-            }
-            None => (grad, None),
+        // (Stepped already, layer by layer, inside a streamed backward.)
+        let grad_norm = match self.steps_in_backward {
+            true => None,
+            false => self.optimizer_step(comm, lr, &mut sec)?,
         };
-        let gather_seconds = self.zero.step(
-            &mut self.optimizer,
-            &mut self.params,
-            grad,
-            lr,
-            &mut self.dp_comm,
-        )?;
-        if self.zero.level() < 3 {
-            let set = self.stage.set_params_flat(&self.params);
-            set.map_err(|e| self.setup_error(e))?;
-        }
-        sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
-        sec.communication += gather_seconds;
-        move_copies(&mut sec, |s| &mut s.optimizer);
 
         let eval = if ledger.eval_due(step) {
             Some(self.evaluate(comm, step)?)
@@ -642,6 +624,46 @@ impl<'m> StageRank<'m> {
         ledger.record_step(comm, record, checkpoint_now)?;
         ledger.release_checkpoint()?;
         ledger.step_done(step)
+    }
+
+    /// The optimizer's step on the summed gradient (clipped first with
+    /// `optimizer.clip_grad_norm`, whose global norm it returns), then the stage's parameters
+    /// set from the result (below ZeRO 3; at 3 the rank keeps its updated chunks).
+    fn optimizer_step(
+        &mut self,
+        comm: &mut Communicator,
+        lr: f32,
+        sec: &mut PhaseSeconds,
+    ) -> Result<Option<f64>, TrainError> {
+        let t0 = Instant::now();
+        let grad = self.grads.sum().unwrap_or(&self.total_grad);
+        let (grad, grad_norm) = match self.clip.as_mut() {
+            Some(clip) => {
+                let counted = if self.zero.level() >= 2 {
+                    0..grad.len()
+                } else {
+                    even_share(grad.len(), self.dp_comm.size(), self.dp_comm.rank())
+                };
+                let c = clip.apply(grad, counted, comm)?;
+                (c.grad, Some(c.norm))
+            }
+            None => (grad, None),
+        };
+        let gather_seconds = self.zero.step(
+            &mut self.optimizer,
+            &mut self.params,
+            grad,
+            lr,
+            &mut self.dp_comm,
+        )?;
+        if self.zero.level() < 3 {
+            let set = self.stage.set_params_flat(&self.params);
+            set.map_err(|e| self.setup_error(e))?;
+        }
+        sec.optimizer = t0.elapsed().as_secs_f64() - gather_seconds;
+        sec.communication += gather_seconds;
+        move_copies(sec, |s| &mut s.optimizer);
+        Ok(grad_norm)
     }
 
     /// The job's training metrics of this step: the rows of the micro-batches whose loss this
@@ -688,6 +710,7 @@ impl<'m> StageRank<'m> {
         comm: &mut Communicator,
         pieces: &[&[u32]],
         step: u64,
+        lr: f32,
         sec: &mut PhaseSeconds,
     ) -> Result<(f64, Option<PipelineStep>), TrainError> {
         let m_total = self.cfg.microbatches_per_step();
@@ -724,7 +747,8 @@ impl<'m> StageRank<'m> {
             return self.overlapped_gradients(&pieces[self.my_micro.clone()], step, sec);
         }
         if self.streams_last {
-            return self.streamed_zero_gradients(comm, &pieces[self.my_micro.clone()], step, sec);
+            let mine = &pieces[self.my_micro.clone()];
+            return self.streamed_zero_gradients(comm, mine, step, lr, sec);
         }
         let (losses, pipeline) = self.run_schedule(&pieces[self.my_micro.clone()], step, sec)?;
         // The loss: the last stages' micro-batch losses, summed exactly over all ranks.
@@ -891,12 +915,16 @@ impl<'m> StageRank<'m> {
     /// layer's segment reduce-scattered (`GradSync::reduce_segment`, with the earlier parts'
     /// values of that segment) as soon as its gradient exists. The last micro-batch never has a
     /// whole gradient vector — one layer's at a time — and the bits are those of the sum after
-    /// backward: the same segments, parts and exponents, only reduced in another order.
+    /// backward: the same segments, parts and exponents, only reduced in another order. With
+    /// `steps_in_backward`, each layer's chunk of the sum updates the rank's chunk of the
+    /// parameters (at `lr`) as soon as it is reduced, so no shard of reduced gradient is kept:
+    /// the optimizer is elementwise, so these are the bits of one step after the whole sum.
     fn streamed_zero_gradients(
         &mut self,
         comm: &mut Communicator,
         mine: &[&[u32]],
         step: u64,
+        lr: f32,
         sec: &mut PhaseSeconds,
     ) -> Result<(f64, Option<PipelineStep>), TrainError> {
         let last = mine.len() - 1;
@@ -909,40 +937,47 @@ impl<'m> StageRank<'m> {
             comm: &mut self.dp_comm,
             sync: &mut self.sync,
             out: &mut self.total_grad,
+            update: self.steps_in_backward.then_some(LayerUpdate {
+                optimizer: &mut self.optimizer,
+                params: &mut self.params,
+                lr,
+                seconds: 0.0,
+            }),
             failed: None,
             seconds: 0.0,
         });
         let zero = &self.zero;
         let on_layer = |l: usize, values: &[f32]| {
             let mut s = sum.lock().unwrap_or_else(|e| e.into_inner());
-            if s.failed.is_some() {
-                return;
+            if s.failed.is_none() {
+                let seg = zero.segments()[l].clone();
+                let mut parts: Vec<&[f32]> = earlier.iter().map(|p| &p[seg.clone()]).collect();
+                parts.push(values);
+                s.reduce_layer(zero, l, &parts, m_total);
             }
-            let seg = zero.segments()[l].clone();
-            let mut parts: Vec<&[f32]> = earlier.iter().map(|p| &p[seg.clone()]).collect();
-            parts.push(values);
-            let t = Instant::now();
-            let s = &mut *s;
-            let reduced = s
-                .sync
-                .reduce_segment(s.comm, zero, l, &parts, m_total, s.out);
-            s.seconds += t.elapsed().as_secs_f64();
-            s.failed = reduced.err();
         };
         let streamed = self
             .stage
             .backward_streaming(last as u64, &self.tensors, &on_layer);
         let SegmentSum {
-            failed, seconds, ..
+            failed,
+            seconds,
+            update,
+            ..
         } = sum.into_inner().unwrap_or_else(|e| e.into_inner());
+        let stepped = update.map_or(0.0, |u| u.seconds);
         streamed.map_err(self.microbatch_error(step, last))?;
         if let Some(e) = failed {
             return Err(sync_error(e, step));
         }
+        if self.steps_in_backward {
+            self.optimizer.finish_step();
+        }
         // Freed after use: the last backward of the step is done.
         self.stage.release_params();
-        sec.backward += (t0.elapsed().as_secs_f64() - seconds).max(0.0);
+        sec.backward += (t0.elapsed().as_secs_f64() - seconds - stepped).max(0.0);
         sec.communication += seconds;
+        sec.optimizer = stepped;
         let t1 = Instant::now();
         let loss = self
             .sync
@@ -1102,10 +1137,50 @@ impl<'m> StageRank<'m> {
 struct SegmentSum<'a> {
     comm: &'a mut Communicator,
     sync: &'a mut GradSync,
+    /// The rank's reduced chunks (all segments'), or with `update` one segment's chunk.
     out: &'a mut [f32],
+    /// The optimizer step each reduced chunk makes at once (`steps_in_backward`).
+    update: Option<LayerUpdate<'a>>,
     /// The first reduction that failed; the layers after it are not reduced.
     failed: Option<ExactError>,
     seconds: f64,
+}
+
+/// The optimizer, the rank's chunks of the parameters and the step's learning rate, for a
+/// streamed sum that steps each layer's chunk as soon as it is reduced.
+struct LayerUpdate<'a> {
+    optimizer: &'a mut Optimizer,
+    params: &'a mut [f32],
+    lr: f32,
+    seconds: f64,
+}
+
+impl SegmentSum<'_> {
+    /// Layer `l`'s segment of the sum, from every local part's values of it (`parts`): this
+    /// rank's chunk reduced, then (with `update`) stepped at its place among the rank's chunks
+    /// of the parameters and optimizer state.
+    fn reduce_layer(&mut self, zero: &Zero, l: usize, parts: &[&[f32]], total: usize) {
+        let (at, len) = (zero.chunk_offset(l), zero.chunks()[l].len());
+        let out = match self.update {
+            Some(_) => &mut self.out[..len],
+            None => &mut self.out[at..at + len],
+        };
+        let t = Instant::now();
+        let reduced = self
+            .sync
+            .reduce_segment(self.comm, zero, l, parts, total, out);
+        self.seconds += t.elapsed().as_secs_f64();
+        if let Err(e) = reduced {
+            self.failed = Some(e);
+            return;
+        }
+        if let Some(u) = &mut self.update {
+            let t = Instant::now();
+            u.optimizer
+                .step_range(at, &mut u.params[at..at + len], out, u.lr);
+            u.seconds += t.elapsed().as_secs_f64();
+        }
+    }
 }
 
 /// The streamed last micro-batch of an overlapped step on a one-stage layered model.
