@@ -533,6 +533,21 @@ impl Stage {
         check_targets(&self.spec, targets, n)
     }
 
+    /// The checks every training forward of micro-batch `id` starts with: `id` is not in flight,
+    /// and the last stage has `n` sequences' targets. Returns the targets (on the last stage).
+    fn begin_forward<'t>(
+        &self,
+        id: u64,
+        targets: Option<&'t [i64]>,
+        n: usize,
+    ) -> Result<Option<&'t [i64]>, E> {
+        self.pending.check_free(id)?;
+        match self.is_last() {
+            true => self.check_targets(targets, n).map(Some),
+            false => Ok(None),
+        }
+    }
+
     /// Each of the stage's layers' range of its flat vector.
     fn layer_ranges(&self) -> Vec<Range<usize>> {
         let offsets = self.spec.layer_offsets();
@@ -555,13 +570,8 @@ impl Stage {
         scale: f32,
         cut: bool,
     ) -> Result<StageOutput, E> {
-        self.pending.check_free(id)?;
+        let targets = self.begin_forward(id, targets, n)?;
         let (mut leaf, mut x) = self.input_tensor(&self.net, input, n, true)?;
-        let targets = if self.is_last() {
-            Some(self.check_targets(targets, n)?)
-        } else {
-            None
-        };
         let count = self.layers.len();
         let (mut graphs, mut from) = (Vec::new(), 0);
         for k in 0..count {
@@ -675,12 +685,7 @@ impl Stage {
         targets: Option<&[i64]>,
         scale: f32,
     ) -> Result<StageOutput, E> {
-        self.pending.check_free(id)?;
-        let targets = if self.is_last() {
-            Some(self.check_targets(targets, n)?)
-        } else {
-            None
-        };
+        let targets = self.begin_forward(id, targets, n)?;
         let frozen = self.net.clone().no_grad();
         let first = self.is_first();
         let (_, mut x) = input_tensor(&self.spec, first, input, n, false, &self.device, |t| {
