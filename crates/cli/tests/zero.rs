@@ -508,6 +508,8 @@ fn held(dir: &Path, field: &str) -> u64 {
         .unwrap()
 }
 
+/// What each level shards, with the gradient summed after backward (recomputed layers: no
+/// micro-batch streams into the sum, which the test below measures).
 #[test]
 fn sharding_shrinks_what_each_rank_holds() {
     let tmp = tempfile::tempdir().unwrap();
@@ -516,7 +518,7 @@ fn sharding_shrinks_what_each_rank_holds() {
         ok(transformer(
             &dir,
             "2",
-            &[&format!("parallel.zero={zero}")],
+            &[&format!("parallel.zero={zero}"), "train.recompute=layers"],
             &[],
         ));
         dir
@@ -563,7 +565,7 @@ fn sharding_shrinks_what_each_rank_holds() {
 /// chunk of the sum as it is reduced, so it holds no shard of reduced gradient: its model state
 /// is at most 52% of ZeRO 0's, with the same bits, and `lockstep plan` predicts the figures the
 /// run reports. With gradient clipping (whose norm needs the whole sum) the shard is held, and
-/// the bits are again those of ZeRO 0.
+/// the bits are again those of ZeRO 0. ZeRO 2 streams and steps the same way.
 #[test]
 fn zero3_streams_the_last_microbatch_into_the_sum_and_holds_at_most_52_percent() {
     let tmp = tempfile::tempdir().unwrap();
@@ -596,7 +598,20 @@ fn zero3_streams_the_last_microbatch_into_the_sum_and_holds_at_most_52_percent()
     assert_ne!(hash(&c0), hash(&z0), "the clipping must bite");
     // Clipped, the rank holds its shard of the reduced gradient: more than a layer's chunk.
     assert!(held(&c3, "grads_bytes") > held(&z3, "grads_bytes"));
-    for run in [&z3, &c3] {
+    // ZeRO 2 streams and steps the same way (its parameters stay whole): the same bits, and
+    // gradient bytes a layer's worth above ZeRO 3's at most (its accumulator, layer and chunk
+    // are the same), against ZeRO 0's several vectors.
+    let (z2, c2) = (run("2", "0"), run("2", "0.5"));
+    assert_eq!(hash(&z2), hash(&z0));
+    assert_eq!(hash(&c2), hash(&c0), "clipped");
+    assert_eq!(held(&z2, "grads_bytes"), held(&z3, "grads_bytes"));
+    assert_eq!(held(&c2, "grads_bytes"), held(&c3, "grads_bytes"));
+    assert!(
+        state(&z2) * 100 <= state(&z0) * 60,
+        "ZeRO 2 holds {}",
+        state(&z2)
+    );
+    for run in [&z3, &c3, &z2, &c2] {
         let json = tmp.path().join("plan.json");
         let args = ["--workers-per-node", "2", "--layouts", "dp2xpp1", "--json"];
         let mut args: Vec<&str> = args.to_vec();

@@ -129,10 +129,11 @@ pub struct StateShape {
 }
 
 /// Whether a rank's last local micro-batch streams its gradient into the sum layer by layer
-/// ([`StateShape::streamed_last`]): at ZeRO 3 on one pipeline stage of a layered model, without
-/// tensor parallelism (a rank's layers would not be whole) or recomputation (a streamed forward
-/// keeps every layer's graph, which recomputation exists to avoid). The trainer decides by it
-/// and `lockstep plan` predicts by it.
+/// ([`StateShape::streamed_last`]): at ZeRO 2 and 3 (the sum is reduce-scattered, a layer's
+/// segment at a time) on one pipeline stage of a layered model, without tensor parallelism (a
+/// rank's layers would not be whole) or recomputation (a streamed forward keeps every layer's
+/// graph, which recomputation exists to avoid). The trainer decides by it and `lockstep plan`
+/// predicts by it.
 pub fn streams_last_microbatch(
     zero: u8,
     pp: usize,
@@ -140,7 +141,7 @@ pub fn streams_last_microbatch(
     layered: bool,
     recompute: bool,
 ) -> bool {
-    zero >= 3 && pp == 1 && tp == 1 && layered && !recompute
+    zero >= 2 && pp == 1 && tp == 1 && layered && !recompute
 }
 
 /// Whether a streamed last micro-batch ([`streams_last_microbatch`]) also steps the optimizer,
@@ -157,7 +158,7 @@ pub fn steps_in_backward(streams_last: bool, clipped: bool) -> bool {
 /// the largest layer when the last micro-batch streams, [`StateShape::streamed_last`]; the
 /// largest layer's chunk instead of `P / dp` when it also steps the optimizer,
 /// [`StateShape::steps_in_backward`]) plus `8·P` bytes of
-/// fixed-point accumulator in reproducible mode (`8·` the largest layer at ZeRO 3; an upper
+/// fixed-point accumulator in reproducible mode (`8·` the largest layer at ZeRO 3 and in a streamed sum; an upper
 /// bound, see `lockstep_train::memory::ModelState::exact_scratch`), `optimizer = k·P / (dp if
 /// zero ≥ 1)`, activations = `peak_held ×` one micro-batch's. A shard is the ceiling of `P / dp`.
 pub fn predict(shape: &StateShape) -> RankMemory {
@@ -170,8 +171,10 @@ pub fn predict(shape: &StateShape) -> RankMemory {
             p
         }
     };
+    // ZeRO 3, and a streamed sum at ZeRO 2, reduce-scatter one layer's segment at a time.
+    let by_layer = shape.zero >= 3 || shape.streamed_last;
     let accumulated = match shape.largest_layer as u64 {
-        layer if shape.zero >= 3 && layer > 0 => layer.min(p),
+        layer if by_layer && layer > 0 => layer.min(p),
         _ => p,
     };
     let fixed = if shape.reproducible {

@@ -27,7 +27,10 @@
 //! stage's parameters are gathered layer by layer ([`Zero::gather`]) before a step's compute and
 //! released after its last backward, so between steps a rank holds its chunks only. burn's
 //! autodiff graphs keep a layer's weights from a micro-batch's forward to its backward, so within
-//! a step the stage's parameters are whole.
+//! a step the stage's parameters are whole. Level 2 chunks by layers too where the stage streams
+//! its last micro-batch's gradient into the sum layer by layer (one stage, no tensor
+//! parallelism, no recomputation: `lockstep_run::memory::streams_last_microbatch`); elsewhere
+//! levels 1 and 2 chunk the whole vector as one segment.
 
 use std::ops::Range;
 
@@ -56,7 +59,8 @@ impl Zero {
     }
 
     /// Sharding of a vector made of `segments` (consecutive ranges from 0, e.g. a stage's layers)
-    /// over `dp`, each segment chunked on its own (ZeRO 3: layers are gathered one by one).
+    /// over `dp`, each segment chunked on its own (ZeRO 3: layers are gathered one by one; a
+    /// streamed sum reduces them one by one).
     pub fn by_segments(level: u8, segments: Vec<Range<usize>>, dp: &Communicator) -> Zero {
         Zero::for_rank(level, segments, dp.size(), dp.rank())
     }
@@ -268,10 +272,10 @@ impl Zero {
     }
 
     /// One optimizer step with `grad` as [`Zero::reduce_gradients`] left it: on the whole
-    /// `params` at level 0; at levels 1 and 2 on this rank's chunk, after which the chunks are
-    /// all-gathered so every replica holds the whole updated `params` again; at level 3 `params`
-    /// are this rank's chunks and stay so. Returns the seconds spent in the all-gather
-    /// (communication, not optimizer work).
+    /// `params` at level 0; at levels 1 and 2 on this rank's chunk of each segment, after which
+    /// the chunks are all-gathered so every replica holds the whole updated `params` again; at
+    /// level 3 `params` are this rank's chunks and stay so. Returns the seconds spent in the
+    /// all-gather (communication, not optimizer work).
     pub fn step(
         &self,
         optimizer: &mut Optimizer,
@@ -284,17 +288,44 @@ impl Zero {
             optimizer.step(params, grad, lr);
             return Ok(0.0);
         }
-        // Levels 1 and 2: one segment, one chunk.
-        let chunk = self.chunks[0].clone();
-        let grad = if self.level >= 2 {
-            grad
-        } else {
-            &grad[chunk.clone()]
-        };
-        optimizer.step(&mut params[chunk], grad, lr);
+        // Levels 1 and 2: the optimizer state holds the chunks, segment after segment.
+        for (i, chunk) in self.chunks.iter().enumerate() {
+            let at = self.chunk_offset(i);
+            let grad = match self.level {
+                1 => &grad[chunk.clone()],
+                _ => &grad[at..at + chunk.len()],
+            };
+            optimizer.step_range(at, &mut params[chunk.clone()], grad, lr);
+        }
+        optimizer.finish_step();
         let t0 = std::time::Instant::now();
-        dp.all_gather_chunks(params)?;
+        self.gather_in_place(params, dp)?;
         Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// Collective over the group, below level 3: the whole `params` on every rank from each
+    /// rank's updated chunks (written in place), one all-gather per segment.
+    pub fn gather_in_place(
+        &self,
+        params: &mut [f32],
+        dp: &mut Communicator,
+    ) -> Result<(), CommError> {
+        for s in &self.segments {
+            dp.all_gather_chunks(&mut params[s.clone()])?;
+        }
+        Ok(())
+    }
+
+    /// Where segment `i`'s chunk lies in the parameters this rank keeps ([`Zero::params_len`]):
+    /// among its own chunks at level 3, at its place in the whole vector below.
+    pub fn params_range(&self, i: usize) -> Range<usize> {
+        match self.level {
+            3.. => {
+                let at = self.chunk_offset(i);
+                at..at + self.chunks[i].len()
+            }
+            _ => self.chunks[i].clone(),
+        }
     }
 
     /// Collective over the group: the whole optimizer state vectors (for a checkpoint).

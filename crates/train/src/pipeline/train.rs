@@ -313,7 +313,7 @@ struct StageRank<'m> {
     /// The flat ranges the gradient streams in with `dist.overlap`: a model trained whole's
     /// parameter tensors, a one-stage layered model's layers.
     tensors: Vec<Range<usize>>,
-    /// ZeRO 3 on one stage: the last micro-batch's backward streams its layers into the sum
+    /// ZeRO 2 or 3 on one stage: the last micro-batch's backward streams its layers into the sum
     /// (`streamed_zero_gradients`) instead of filling a gradient vector.
     streams_last: bool,
     /// ... and steps the optimizer on each layer's chunk as soon as it is reduced (not with
@@ -360,23 +360,8 @@ impl<'m> StageRank<'m> {
             .iter()
             .map(|r| offsets[r.end] - offsets[r.start])
             .collect();
-        let tp_link = Rc::new(TpLink::default());
-        let seed = cfg.train.seed;
-        let mut stage = match sum_comm {
-            Some(sums) => {
-                let sum = Box::new(GroupPieceSum::new(sums, tp_link.clone()));
-                model.tp_stage(my_layers.clone(), seed, dims.tp, me.tp_rank, sum)?
-            }
-            None => model.stage(my_layers.clone(), seed)?,
-        };
-        if pieces > 1 {
-            ledger.notice(format!(
-                "tensor parallelism: tensor-parallel layers computed as {pieces} fixed pieces, \
-                 {} per rank over {} tensor-parallel ranks per stage",
-                pieces / dims.tp,
-                dims.tp
-            ));
-        }
+        let (mut stage, tp_link) =
+            build_stage(model, cfg, dims, me.tp_rank, &my_layers, sum_comm, ledger)?;
         let buckets = stage
             .grad_buckets(cfg.dist.bucket_elems)
             .unwrap_or_else(|| layer_buckets(&offsets, my_layers.clone(), cfg.dist.bucket_elems));
@@ -386,7 +371,16 @@ impl<'m> StageRank<'m> {
             None => vec![my_map.clone()],
         };
         let params = stage.params_flat();
-        let zero = zero_for(model, cfg, dims, &my_layers, params.len(), &dp_comm)?;
+        let trained_whole = stage.whole().is_some();
+        let zero = zero_for(
+            model,
+            cfg,
+            dims,
+            &my_layers,
+            params.len(),
+            &dp_comm,
+            !trained_whole,
+        )?;
         let optimizer = ledger.optimizer(zero.optimizer_len());
         let m_total = cfg.microbatches_per_step();
         let my_micro = assign(m_total, dims.dp, me.replica);
@@ -394,7 +388,6 @@ impl<'m> StageRank<'m> {
         // host and the exact sum takes every part at once (ZeRO below 2, no overlap), else in its
         // own vectors (`grad_parts`); the bits are the same either way.
         let try_shared = cfg.dist.reproducible && zero.level() < 2 && !plan.overlap;
-        let trained_whole = stage.whole().is_some();
         let base = offsets[my_layers.start];
         // The stage's layers' local ranges: what a streamed backward hands out.
         let layer_ranges: Vec<Range<usize>> = my_layers
@@ -910,7 +903,7 @@ impl<'m> StageRank<'m> {
         Ok(loss)
     }
 
-    /// [`StageRank::gradients`] at ZeRO 3 on one stage without tensor parallelism: the earlier
+    /// [`StageRank::gradients`] at ZeRO 2 or 3 on one stage without tensor parallelism: the earlier
     /// micro-batches by the schedule, then the last one's backward streamed layer by layer, each
     /// layer's segment reduce-scattered (`GradSync::reduce_segment`, with the earlier parts'
     /// values of that segment) as soon as its gradient exists. The last micro-batch never has a
@@ -970,13 +963,16 @@ impl<'m> StageRank<'m> {
         if let Some(e) = failed {
             return Err(sync_error(e, step));
         }
-        if self.steps_in_backward {
-            self.optimizer.finish_step();
+        let gathered = match self.steps_in_backward {
+            true => self.finish_step_in_backward()?,
+            false => 0.0,
+        };
+        if self.zero.level() >= 3 {
+            // Freed after use: the last backward of the step is done.
+            self.stage.release_params();
         }
-        // Freed after use: the last backward of the step is done.
-        self.stage.release_params();
-        sec.backward += (t0.elapsed().as_secs_f64() - seconds - stepped).max(0.0);
-        sec.communication += seconds;
+        sec.backward += (t0.elapsed().as_secs_f64() - seconds - stepped - gathered).max(0.0);
+        sec.communication += seconds + gathered;
         sec.optimizer = stepped;
         let t1 = Instant::now();
         let loss = self
@@ -985,6 +981,23 @@ impl<'m> StageRank<'m> {
             .map_err(|e| sync_error(e, step))?;
         sec.waiting = t1.elapsed().as_secs_f64();
         Ok((loss, Some(pipeline)))
+    }
+
+    /// The end of an optimizer step taken layer by layer inside a streamed backward: the step
+    /// counted, and below ZeRO 3 every replica's updated chunks all-gathered into the whole
+    /// parameters, which the stage then takes. Returns the seconds of the all-gather.
+    fn finish_step_in_backward(&mut self) -> Result<f64, TrainError> {
+        self.optimizer.finish_step();
+        if self.zero.level() >= 3 {
+            return Ok(0.0);
+        }
+        let t0 = Instant::now();
+        self.zero
+            .gather_in_place(&mut self.params, &mut self.dp_comm)?;
+        let gathered = t0.elapsed().as_secs_f64();
+        let set = self.stage.set_params_flat(&self.params);
+        set.map_err(|e| self.setup_error(e))?;
+        Ok(gathered)
     }
 
     /// The evaluation after `step`, through each replica's pipeline (ZeRO 3: the stage
@@ -1146,8 +1159,9 @@ struct SegmentSum<'a> {
     seconds: f64,
 }
 
-/// The optimizer, the rank's chunks of the parameters and the step's learning rate, for a
-/// streamed sum that steps each layer's chunk as soon as it is reduced.
+/// The optimizer, the rank's parameters (its chunks at ZeRO 3, the whole vector at 2) and the
+/// step's learning rate, for a streamed sum that steps each layer's chunk as soon as it is
+/// reduced.
 struct LayerUpdate<'a> {
     optimizer: &'a mut Optimizer,
     params: &'a mut [f32],
@@ -1161,6 +1175,7 @@ impl SegmentSum<'_> {
     /// of the parameters and optimizer state.
     fn reduce_layer(&mut self, zero: &Zero, l: usize, parts: &[&[f32]], total: usize) {
         let (at, len) = (zero.chunk_offset(l), zero.chunks()[l].len());
+        let mine = zero.params_range(l);
         let out = match self.update {
             Some(_) => &mut self.out[..len],
             None => &mut self.out[at..at + len],
@@ -1176,8 +1191,7 @@ impl SegmentSum<'_> {
         }
         if let Some(u) = &mut self.update {
             let t = Instant::now();
-            u.optimizer
-                .step_range(at, &mut u.params[at..at + len], out, u.lr);
+            u.optimizer.step_range(at, &mut u.params[mine], out, u.lr);
             u.seconds += t.elapsed().as_secs_f64();
         }
     }
@@ -1244,10 +1258,43 @@ fn streams_last(
         && zero.segments() == layers
 }
 
+/// The rank's stage of `layers`: its tensor-parallel pieces summed over `sums` (the stage's tp
+/// group), or the whole layers; and the link the pieces' sums report their time through.
+fn build_stage<'m>(
+    model: &'m dyn Layered,
+    cfg: &TrainConfig,
+    dims: ParallelDims,
+    tp_rank: usize,
+    layers: &Range<usize>,
+    sums: Option<Communicator>,
+    ledger: &mut Ledger<'_>,
+) -> Result<(Box<dyn LayerStage + 'm>, Rc<TpLink>), TrainError> {
+    let tp_link = Rc::new(TpLink::default());
+    let seed = cfg.train.seed;
+    let stage = match sums {
+        Some(sums) => {
+            let sum = Box::new(GroupPieceSum::new(sums, tp_link.clone()));
+            model.tp_stage(layers.clone(), seed, dims.tp, tp_rank, sum)?
+        }
+        None => model.stage(layers.clone(), seed)?,
+    };
+    let pieces = model.tp_pieces();
+    if pieces > 1 {
+        ledger.notice(format!(
+            "tensor parallelism: tensor-parallel layers computed as {pieces} fixed pieces, {} \
+             per rank over {} tensor-parallel ranks per stage",
+            pieces / dims.tp,
+            dims.tp
+        ));
+    }
+    Ok((stage, tp_link))
+}
+
 /// ZeRO for the stage of `layers` holding `len` local values: the stage's optimizer state (and
 /// from level 2 its reduced gradient) sharded over its data-parallel group (of the rank's local
 /// vector, with tensor parallelism). At level 3 every layer is chunked on its own, so a layer is
-/// gathered by one all-gather; with tensor parallelism a layer's segment of the local vector is
+/// gathered by one all-gather (at level 2 too where the last micro-batch streams into the sum
+/// layer by layer); with tensor parallelism a layer's segment of the local vector is
 /// its replicated parameters and this rank's share of the split ones (a tp layout keeps layers
 /// contiguous).
 fn zero_for(
@@ -1257,9 +1304,15 @@ fn zero_for(
     layers: &Range<usize>,
     len: usize,
     dp_comm: &Communicator,
+    layered: bool,
 ) -> Result<Zero, TrainError> {
-    if cfg.parallel.zero < 3 {
-        return Ok(Zero::new(cfg.parallel.zero, len, dp_comm));
+    let level = cfg.parallel.zero;
+    // At level 2, by layers where the last micro-batch will stream into the sum layer by layer.
+    let recompute = cfg.train.recompute == crate::config::Recompute::Layers;
+    let streams =
+        crate::memory::streams_last_microbatch(level, dims.pp, dims.tp, layered, recompute);
+    if level < 2 || level == 2 && !streams {
+        return Ok(Zero::new(level, len, dp_comm));
     }
     let offsets = model.layer_offsets();
     let mut start = 0;
@@ -1280,12 +1333,12 @@ fn zero_for(
         return Err(TrainError::JobSetup {
             job: model.name(),
             message: format!(
-                "ZeRO 3: the stage's layers add up to {start} local parameters, the stage \
-                 holds {len}"
+                "ZeRO {level}: the stage's layers add up to {start} local parameters, the \
+                 stage holds {len}"
             ),
         });
     }
-    Ok(Zero::by_segments(3, segments, dp_comm))
+    Ok(Zero::by_segments(level, segments, dp_comm))
 }
 
 fn sync_error(e: ExactError, step: u64) -> TrainError {
