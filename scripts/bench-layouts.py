@@ -21,6 +21,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import cpu_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "bench", "layouts.json")
@@ -84,6 +88,8 @@ def main():
         # Other work on the machine slows every layout alike only roughly: say how busy it was.
         "load_average_at_end": os.getloadavg(),
         "cores": os.cpu_count(),
+        "cpu": cpu_model(),
+        "date": time.strftime("%Y-%m-%d"),
         "layouts": {},
     }
     hashes = {r["param_hash"] for n, rs in results.items() if n.startswith("dp2") for r in rs}
