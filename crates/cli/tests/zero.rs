@@ -324,6 +324,32 @@ fn sharded_checkpoints_in_the_background_are_the_sets_written_in_the_step() {
     assert_eq!(hash(&killed), hash(&reference));
 }
 
+/// A streamed ZeRO 2 run chunks each layer on its own; its sharded sets resume where the
+/// chunks are cut otherwise (ZeRO 3 on 3 workers, one unsharded worker) with the same bits.
+#[test]
+fn a_layer_chunked_zero2_set_resumes_on_other_chunkings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference");
+    ok(transformer(&reference, "1", &[], &[]));
+    for (name, nproc, zero) in [("as-dp3-zero3", "3", "3"), ("as-one", "1", "0")] {
+        let dir = tmp.path().join(name);
+        let sets = ["parallel.zero=2", "checkpoint.sharded=true"];
+        let o = transformer(
+            &dir,
+            "2",
+            &sets,
+            &["--inject", "kill:rank=1,step=5", "--max-restarts", "0"],
+        );
+        assert!(!o.status.success(), "{name}: the kill must stop the run");
+        let zero = format!("parallel.zero={zero}");
+        let args = ["train", "--resume", dir.to_str().unwrap(), "--nproc", nproc];
+        let mut args: Vec<&str> = args.to_vec();
+        args.extend(["--set", &zero]);
+        ok(lockstep(&args).output().unwrap());
+        assert_eq!(hash(&dir), hash(&reference), "{name}");
+    }
+}
+
 #[test]
 fn sharded_checkpoints_resume_on_any_layout_with_the_same_bits() {
     let tmp = tempfile::tempdir().unwrap();
