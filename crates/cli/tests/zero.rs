@@ -301,7 +301,17 @@ fn sharded_checkpoints_in_the_background_are_the_sets_written_in_the_step() {
         assert_eq!(names(&a.join(&set)), names(&b.join(&set)), "{set}");
         for file in names(&a.join(&set)) {
             let read = |d: &Path| std::fs::read(d.join(&set).join(&file)).unwrap();
-            assert!(read(&a) == read(&b), "{set}/{file} differs");
+            // A manifest that differs is shown whole (which shard, which field).
+            let text = |d: &Path| match file.ends_with(".json") {
+                true => String::from_utf8_lossy(&read(d)).into_owned(),
+                false => String::new(),
+            };
+            assert!(
+                read(&a) == read(&b),
+                "{set}/{file} differs:\n{}\n{}",
+                text(&a),
+                text(&b)
+            );
         }
     }
     assert_eq!(summary(&background)["checkpoints"]["sharded"], true);
