@@ -119,8 +119,9 @@ pub struct StateShape {
     /// at most the stages from this one to the last).
     pub peak_held: usize,
     /// The last local micro-batch's gradient goes to the sum layer by layer as its backward
-    /// hands it out (ZeRO 3 on one stage of a layered model without tensor parallelism or
-    /// recomputation): one layer's values instead of a gradient vector.
+    /// hands it out (ZeRO 2 or 3 on one stage of a layered model without tensor parallelism or
+    /// recomputation, [`streams_last_microbatch`]): one layer's values instead of a gradient
+    /// vector.
     pub streamed_last: bool,
     /// The streamed sum also steps the optimizer, each layer's chunk as soon as it is reduced
     /// ([`steps_in_backward`]): one layer's chunk of reduced gradient is held instead of the
@@ -157,9 +158,9 @@ pub fn steps_in_backward(streams_last: bool, clipped: bool) -> bool {
 /// `params = P / (dp if zero = 3)`, `grads = m·P + P / (dp if zero ≥ 2)` (`(m − 1)·P` and
 /// the largest layer when the last micro-batch streams, [`StateShape::streamed_last`]; the
 /// largest layer's chunk instead of `P / dp` when it also steps the optimizer,
-/// [`StateShape::steps_in_backward`]) plus `8·P` bytes of
-/// fixed-point accumulator in reproducible mode (`8·` the largest layer at ZeRO 3 and in a streamed sum; an upper
-/// bound, see `lockstep_train::memory::ModelState::exact_scratch`), `optimizer = k·P / (dp if
+/// [`StateShape::steps_in_backward`]) plus `8·P` bytes of fixed-point accumulator in
+/// reproducible mode (`8·` the largest layer at ZeRO 3 and in a streamed sum; an upper bound,
+/// see `lockstep_train::memory::ModelState::exact_scratch`), `optimizer = k·P / (dp if
 /// zero ≥ 1)`, activations = `peak_held ×` one micro-batch's. A shard is the ceiling of `P / dp`.
 pub fn predict(shape: &StateShape) -> RankMemory {
     let p = shape.stage_params as u64;

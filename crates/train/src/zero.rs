@@ -172,9 +172,7 @@ impl Zero {
             whole[c.clone()].copy_from_slice(&owned[at..at + c.len()]);
             at += c.len();
         }
-        for s in &self.segments {
-            dp.all_gather_chunks(&mut whole[s.clone()])?;
-        }
+        self.gather_in_place(&mut whole, dp)?;
         Ok(whole)
     }
 
@@ -303,8 +301,9 @@ impl Zero {
         Ok(t0.elapsed().as_secs_f64())
     }
 
-    /// Collective over the group, below level 3: the whole `params` on every rank from each
-    /// rank's updated chunks (written in place), one all-gather per segment.
+    /// Collective over the group: the whole vector `params` on every rank from each rank's
+    /// chunks, written in place (this rank's at their places already), one all-gather per
+    /// segment.
     pub fn gather_in_place(
         &self,
         params: &mut [f32],

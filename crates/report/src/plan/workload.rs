@@ -73,7 +73,7 @@ pub struct Workload {
     #[serde(default)]
     pub recompute: bool,
     /// `optimizer.clip_grad_norm` > 0: the optimizer waits for the whole gradient's norm (a
-    /// streamed ZeRO 3 sum cannot step it layer by layer).
+    /// streamed ZeRO 2 or 3 sum cannot step it layer by layer).
     #[serde(default)]
     pub clipped: bool,
 }

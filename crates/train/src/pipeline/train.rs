@@ -372,6 +372,8 @@ impl<'m> StageRank<'m> {
         };
         let params = stage.params_flat();
         let trained_whole = stage.whole().is_some();
+        // Decided once: the stage's layers are ZeRO's segments (at level 2 too) where it streams.
+        let streams = streams_last(cfg, dims, !trained_whole);
         let zero = zero_for(
             model,
             cfg,
@@ -379,7 +381,7 @@ impl<'m> StageRank<'m> {
             &my_layers,
             params.len(),
             &dp_comm,
-            !trained_whole,
+            streams,
         )?;
         let optimizer = ledger.optimizer(zero.optimizer_len());
         let m_total = cfg.microbatches_per_step();
@@ -394,8 +396,7 @@ impl<'m> StageRank<'m> {
             .clone()
             .map(|l| offsets[l] - base..offsets[l + 1] - base)
             .collect();
-        let streams_last =
-            !my_micro.is_empty() && streams_last(cfg, dims, &zero, !trained_whole, &layer_ranges);
+        let streams_last = streams && !my_micro.is_empty() && zero.segments() == layer_ranges;
         let slots = my_micro.len() - usize::from(streams_last);
         let grads = GradParts::new(&mut dp_comm, slots, params.len(), try_shared)?;
         ledger.set_gradient_sum(match (&grads, dp_comm.size()) {
@@ -1244,18 +1245,12 @@ fn straggle(slowdown: f64, sec: &mut PhaseSeconds) {
 }
 
 /// Whether this stage's last micro-batch streams its gradient into the sum, by the rule the plan
-/// predicts with ([`crate::memory::streams_last_microbatch`]); its layers (local ranges) must
-/// also be ZeRO 3's segments, as they are without tensor parallelism.
-fn streams_last(
-    cfg: &TrainConfig,
-    dims: ParallelDims,
-    zero: &Zero,
-    layered: bool,
-    layers: &[Range<usize>],
-) -> bool {
+/// predicts with ([`crate::memory::streams_last_microbatch`]); the caller also needs its layers
+/// (local ranges) to be ZeRO's segments, as [`zero_for`] cuts them for such a stage.
+fn streams_last(cfg: &TrainConfig, dims: ParallelDims, layered: bool) -> bool {
     let recompute = cfg.train.recompute == crate::config::Recompute::Layers;
-    crate::memory::streams_last_microbatch(zero.level(), dims.pp, dims.tp, layered, recompute)
-        && zero.segments() == layers
+    let zero = cfg.parallel.zero;
+    crate::memory::streams_last_microbatch(zero, dims.pp, dims.tp, layered, recompute)
 }
 
 /// The rank's stage of `layers`: its tensor-parallel pieces summed over `sums` (the stage's tp
@@ -1293,8 +1288,8 @@ fn build_stage<'m>(
 /// ZeRO for the stage of `layers` holding `len` local values: the stage's optimizer state (and
 /// from level 2 its reduced gradient) sharded over its data-parallel group (of the rank's local
 /// vector, with tensor parallelism). At level 3 every layer is chunked on its own, so a layer is
-/// gathered by one all-gather (at level 2 too where the last micro-batch streams into the sum
-/// layer by layer); with tensor parallelism a layer's segment of the local vector is
+/// gathered by one all-gather (at level 2 too when the stage `streams` its last micro-batch into the
+/// sum layer by layer); with tensor parallelism a layer's segment of the local vector is
 /// its replicated parameters and this rank's share of the split ones (a tp layout keeps layers
 /// contiguous).
 fn zero_for(
@@ -1304,13 +1299,10 @@ fn zero_for(
     layers: &Range<usize>,
     len: usize,
     dp_comm: &Communicator,
-    layered: bool,
+    streams: bool,
 ) -> Result<Zero, TrainError> {
     let level = cfg.parallel.zero;
-    // At level 2, by layers where the last micro-batch will stream into the sum layer by layer.
-    let recompute = cfg.train.recompute == crate::config::Recompute::Layers;
-    let streams =
-        crate::memory::streams_last_microbatch(level, dims.pp, dims.tp, layered, recompute);
+    // At level 2, by layers where the last micro-batch streams into the sum (`streams`).
     if level < 2 || level == 2 && !streams {
         return Ok(Zero::new(level, len, dp_comm));
     }
