@@ -15,21 +15,25 @@
 //! `linear_weight_backward`, argument for argument, and the bias is added by the same single
 //! IEEE addition per element: bit for bit burn's. The bias gradient is burn's
 //! `linear_bias_backward` itself. The input gradient keeps the bits of this op's previous version,
-//! `(W · contiguous(dyᵀ))ᵀ` with burn ops, in one of two forms:
+//! `(W · contiguous(dyᵀ))ᵀ` with burn ops, in one of three forms:
 //! - in place, `dxᵀ = W · dyᵀ` in one gemm call reading `W` and `dy` where they lie and writing
 //!   `dxᵀ` column-major, which is `dx` row-major: no copy, but gemm then packs `W` as its left
 //!   operand row by row, slow for long rows. Used when `out` ≤ 128 and `W` has at most twice as
 //!   many elements as `dy` and `dx` together (`examples/gemm_probe.rs` times both forms by shape:
 //!   in place wins by far for a narrow head such as 10 classes, and loses by far for a wide
 //!   square weight such as 2048 × 2048);
+//! - weight transposed, where `W` is smaller than `dy` and `dx` together (the transformer's
+//!   widening layers): `dx = dy · contiguous(Wᵀ)` in one gemm call on row-major operands, `dx`
+//!   written row-major — one copy of the weight instead of two of the activations;
 //! - transposed, otherwise: the previous version's own gemm call on `contiguous(dyᵀ)`, then `dxᵀ`
 //!   transposed to `dx`, minus the zero-filled buffer; on several threads, both transposes are
 //!   split between them.
 //!
 //! gemm's result does not depend on where its operands lie in memory as long as it runs its
 //! micro-kernel (each output is one fused multiply-add chain over the sum in order, cut into
-//! blocks by a depth that only depends on the sizes), which is why both forms agree; the in-place
-//! form is only used where neither form falls to gemm's gemv, gevv or small dot-product paths.
+//! blocks by a depth that only depends on the sizes), which is why the forms agree; the in-place
+//! and weight-transposed forms are only used where no form falls to gemm's gemv, gevv or small
+//! dot-product paths.
 //! The unit tests check all of this bit for bit on the benchmark models' shapes and on odd,
 //! one-row and strided ones.
 //!
@@ -170,10 +174,11 @@ fn input_grad_burn(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
 }
 
 /// `dy · Wᵀ` (`dy` `[n, out]`, `W` `[in, out]`) with [`input_grad_burn`]'s bits, in whichever of
-/// two forms is faster for the shape (see the module documentation):
+/// three forms is faster for the shape (see the module documentation):
 /// - in place: `dxᵀ = W · dyᵀ` in one gemm call that reads `W` and `dy` where they lie (`dyᵀ` a
 ///   strided view) and writes `dxᵀ` column-major, which is `dx` row-major: no copy at all, but gemm
 ///   then packs `W` as its left operand row by row, which is slow for long rows (wide `out`);
+/// - weight transposed: `dy · contiguous(Wᵀ)`, where the weight is the smaller copy;
 /// - transposed: `input_grad_burn`'s own gemm call (`W · contiguous(dyᵀ)`, then `dxᵀ` transposed
 ///   to `dx`), minus the zero-filling of `dxᵀ`'s buffer.
 fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
@@ -183,7 +188,7 @@ fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
     let (w, d) = (Operand::of(&weight), Operand::of(&dy));
     let (rows, inp, out) = (d.rows(), w.rows(), w.cols());
     assert_eq!(d.cols(), out, "dense_linear: gradient width");
-    // The two forms lay gemm's operands out differently. gemm's result does not depend on the
+    // The forms lay gemm's operands out differently. gemm's result does not depend on the
     // layout when both run its micro-kernel, which they do when no side of the product is 1
     // (gemv), the sums are longer than 2 (gevv) and there are more than 16 × 16 outputs (below
     // that, gemm sums a row-major left operand times a column-major right one, which the in-place
@@ -210,6 +215,14 @@ fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
         };
         return f32_tensor(gemm_new(w, d.t(), Dst::ColMajor), [rows, inp]);
     }
+    // A weight smaller than the two activation copies (the transformer's `[Q | K | V]` and MLP
+    // widening layers at 512 rows: 49 or 65 thousand values against 262 or 327 thousand) is
+    // transposed instead: `dx = dy · contiguous(Wᵀ)`, row-major operands, `dx` written in place.
+    // Each output is the same multiply-add chain over `out` (gemm's depth blocks depend on the
+    // sum's length only, and `same_path` keeps both forms on its micro-kernel).
+    if same_path && inp * out <= rows * (inp + out) {
+        return weight_transposed(&weight, dy, [rows, inp, out]);
+    }
     if crate::compute_threads() == 1 {
         let dy_t = dy.transpose(0, 1).to_contiguous();
         let dx_t = gemm_new(Operand::of(&weight), Operand::of(&dy_t), Dst::RowMajor);
@@ -227,6 +240,34 @@ fn input_grad(weight: FlexTensor, dy: FlexTensor) -> FlexTensor {
     let dy_t = Operand::rows_of(&dy_t, 0, out, rows, rows as isize);
     let dx_t = gemm_new(Operand::of(&weight), dy_t, Dst::RowMajor);
     f32_tensor(transposed(&dx_t, inp, rows), [rows, inp])
+}
+
+/// [`input_grad`]'s third form: `dy · contiguous(Wᵀ)` into `dx` row-major, `[rows, inp, out]`
+/// the product's sizes.
+fn weight_transposed(
+    weight: &FlexTensor,
+    dy: FlexTensor,
+    [rows, inp, out]: [usize; 3],
+) -> FlexTensor {
+    // On one thread flex's tiled copy, on several the split one (as for the activations below).
+    let flex_copy;
+    let w_t = match crate::compute_threads() {
+        1 => {
+            flex_copy = weight.clone().transpose(0, 1).to_contiguous();
+            values(&flex_copy)
+        }
+        _ => std::borrow::Cow::Owned(transposed(&values(weight), inp, out)),
+    };
+    let w_t = Operand::rows_of(&w_t, 0, out, inp, inp as isize);
+    let d_plain;
+    let d = match Operand::of(&dy) {
+        d if d.is_plain() => d,
+        _ => {
+            d_plain = dy.to_contiguous();
+            Operand::of(&d_plain)
+        }
+    };
+    f32_tensor(gemm_new(d, w_t, Dst::RowMajor), [rows, inp])
 }
 
 /// Output rows per piece of a transpose, and the side of the square tiles it copies.
@@ -510,10 +551,10 @@ mod tests {
 
     /// Operands that are views: a transposed weight, a column-major gradient, row-narrowed and
     /// column-narrowed inputs, a strided bias. Same bits as burn's ops on the same views, for an
-    /// input gradient computed in each of `input_grad`'s two forms.
+    /// input gradient computed in each of `input_grad`'s three forms.
     #[test]
     fn strided_operands_keep_the_bits() {
-        for (n, i, o) in [(96, 200, 48), (40, 60, 300)] {
+        for (n, i, o) in [(96, 200, 48), (40, 60, 300), (200, 60, 300)] {
             strided_operands(n, i, o);
         }
     }
