@@ -237,6 +237,48 @@ fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_siz
     assert_eq!(hash(&dir), want);
 }
 
+/// ZeRO 3 with recomputed layers gathers a stage one layer at a time (`param_gathering =
+/// "layer"`: before each layer's forward and again before its recomputed backward, released
+/// after); without recomputation the whole stage for the step (`"stage"`), and so with
+/// replicas of unequal micro-batch counts (4 over dp3), whose gathers would not pair up. The
+/// one-worker bits each way, and after a worker killed mid-run; below ZeRO 3 nothing is gathered.
+#[test]
+fn zero3_with_recomputed_layers_gathers_one_layer_at_a_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference");
+    ok(transformer(&reference, "1", &[], &[]));
+    let want = hash(&reference);
+    let gathering = |dir: &Path| summary(dir)["param_gathering"].clone();
+    let per_layer = ["parallel.zero=3", "train.recompute=layers"];
+    for (nproc, how) in [("2", "layer"), ("4", "layer"), ("3", "stage")] {
+        let dir = tmp.path().join(format!("layers-{nproc}"));
+        ok(transformer(&dir, nproc, &per_layer, &[]));
+        assert_eq!(hash(&dir), want, "dp{nproc}");
+        assert_eq!(gathering(&dir), how, "dp{nproc}");
+    }
+    let dir = tmp.path().join("stage");
+    ok(transformer(&dir, "2", &["parallel.zero=3"], &[]));
+    assert_eq!(gathering(&dir), "stage");
+    let dir = tmp.path().join("zero2");
+    ok(transformer(
+        &dir,
+        "2",
+        &["parallel.zero=2", "train.recompute=layers"],
+        &[],
+    ));
+    assert!(gathering(&dir).is_null(), "{}", gathering(&dir));
+
+    let dir = tmp.path().join("killed");
+    ok(transformer(
+        &dir,
+        "2",
+        &per_layer,
+        &["--inject", "kill:rank=1,step=3"],
+    ));
+    assert_eq!(hash(&dir), want);
+    assert_eq!(summary(&dir)["restarts"], 1);
+}
+
 /// A run whose rank was killed while writing its shard of step 4's set: the set was never
 /// published (its staging directory is named), and the run resumed from step 2's.
 fn assert_recovered_from_killed_write(o: &Output) {

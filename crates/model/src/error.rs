@@ -70,4 +70,8 @@ pub enum ModelError {
         what: String,
         message: String,
     },
+    /// A stage that fetches its layers one at a time (ZeRO 3 per layer) could not get one (the
+    /// training crate keeps the communication error itself).
+    #[error("fetching the parameters of the stage's layer {layer}: {message}")]
+    LayerFetch { layer: usize, message: String },
 }

@@ -50,6 +50,15 @@ pub enum StageEval {
     },
 }
 
+/// Where a stage that holds none of its parameters between layers takes each layer's from, just
+/// before the layer runs (ZeRO 3 per layer: an all-gather of the layer's chunks over the
+/// data-parallel group). A failure's message is the stage's error; the caller keeps the cause.
+pub trait LayerSource {
+    /// The whole parameters of the stage's layer `k` (stage-relative), as its slice of the
+    /// stage's flat vector.
+    fn layer(&mut self, k: usize) -> Result<Vec<f32>, String>;
+}
+
 /// The one contract of a transformer stage, whether it computes its layers whole ([`Stage`]) or
 /// as this rank's tensor-parallel pieces of the canonical split ([`crate::TpStage`]): forward and
 /// backward split apart, each forward's graph kept under its micro-batch id until the matching
@@ -132,6 +141,43 @@ pub trait StageContract {
             on_layer(k, &grad[range.clone()]);
         }
         Ok(input_grad)
+    }
+    /// Whether the stage can run [`StageContract::forward_from`] and
+    /// [`StageContract::backward_from`] (a stage that recomputes its layers whole).
+    fn fetches_layers(&self) -> bool {
+        false
+    }
+    /// [`StageContract::forward`] of a recomputing stage whose parameters are released: each
+    /// layer's are taken from `source` just before the layer runs and released after it, so at
+    /// most one layer's parameters are held. The same bits as with the stage's parameters set.
+    fn forward_from(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+        source: &mut dyn LayerSource,
+    ) -> Result<StageOutput, E> {
+        let _ = (id, input, n, targets, scale, source);
+        Err(E::InvalidSpec(
+            "this stage cannot take its layers' parameters one at a time".into(),
+        ))
+    }
+    /// [`StageContract::backward`] of a micro-batch that [`StageContract::forward_from`] ran:
+    /// each layer's parameters taken from `source` again for its recomputed forward and
+    /// backward, and released after.
+    fn backward_from(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad_params: &mut [f32],
+        source: &mut dyn LayerSource,
+    ) -> Result<Option<Vec<f32>>, E> {
+        let _ = (id, grad_output, grad_params, source);
+        Err(E::InvalidSpec(
+            "this stage cannot take its layers' parameters one at a time".into(),
+        ))
     }
     /// Ranges of the stage's canonical flat vector whose concatenation is
     /// [`StageContract::params_flat`]: all of it, unless the stage holds only some pieces.
@@ -675,6 +721,46 @@ impl Stage {
         )
     }
 
+    /// Layer `k`'s parameters written from `source` (the stage's parameters released).
+    fn fetch_layer(
+        &mut self,
+        k: usize,
+        range: Range<usize>,
+        source: &mut dyn LayerSource,
+    ) -> Result<(), E> {
+        let values = source
+            .layer(k)
+            .map_err(|message| E::LayerFetch { layer: k, message })?;
+        check_grad_len("a fetched layer's parameters", range.len(), values.len())?;
+        let layout: Vec<ParamInfo> = self
+            .layout
+            .iter()
+            .filter(|p| range.contains(&p.offset))
+            .cloned()
+            .collect();
+        let net = std::mem::replace(&mut self.net, StageNet::empty());
+        self.net = net.with_layer(k, Some(&values), &layout, &self.device);
+        Ok(())
+    }
+
+    /// Layer `k`'s parameters released again (empty tensors).
+    fn drop_layer(&mut self, k: usize) {
+        let net = std::mem::replace(&mut self.net, StageNet::empty());
+        self.net = net.with_layer(k, None, &[], &self.device);
+    }
+
+    /// [`StageContract::forward_from`]'s and [`StageContract::backward_from`]'s condition.
+    fn check_fetching(&self) -> Result<(), E> {
+        match self.recompute && self.released {
+            true => Ok(()),
+            false => Err(E::InvalidSpec(
+                "a stage takes its layers one at a time only when it recomputes them and holds \
+                 no parameters (released)"
+                    .into(),
+            )),
+        }
+    }
+
     /// A training forward that keeps only each layer's input: the layers run with parameters
     /// that track no gradient, so autodiff records nothing and nothing is kept alive.
     fn forward_recomputed(
@@ -765,19 +851,18 @@ impl StageContract for Stage {
             });
         }
         self.pending.assert_none_for("replaced");
-        let net = if self.released {
-            StageNet::zeros(&self.spec, self.layers.clone(), &self.device)
-        } else {
-            std::mem::replace(&mut self.net, StageNet::empty())
-        };
-        self.net = params::write(net, p, &self.device);
+        let net = std::mem::replace(&mut self.net, StageNet::empty());
+        // Released tensors are empty: their shapes come from the layout.
+        self.net = params::write_shaped(net, p, &self.device, &self.layout);
         self.released = false;
         Ok(())
     }
 
     fn release_params(&mut self) {
         self.pending.assert_none_for("released");
-        self.net = StageNet::empty();
+        let net = std::mem::replace(&mut self.net, StageNet::empty());
+        // Empty tensors in the same structure: layers can be written back one at a time.
+        self.net = params::release(net, &self.device);
         self.released = true;
     }
 
@@ -842,6 +927,90 @@ impl StageContract for Stage {
                 on_layer(k, &grad[r.start - base..r.end - base]);
             }
         })
+    }
+
+    fn fetches_layers(&self) -> bool {
+        self.recompute
+    }
+
+    fn forward_from(
+        &mut self,
+        id: u64,
+        input: StageInput<'_>,
+        n: usize,
+        targets: Option<&[i64]>,
+        scale: f32,
+        source: &mut dyn LayerSource,
+    ) -> Result<StageOutput, E> {
+        self.check_fetching()?;
+        let targets = self.begin_forward(id, targets, n)?;
+        let (ranges, first) = (self.layer_ranges(), self.is_first());
+        let mut later = Vec::with_capacity(ranges.len().saturating_sub(1));
+        let (mut x, mut result): (Option<Tensor<3>>, _) = (None, None);
+        for (k, range) in ranges.iter().enumerate() {
+            self.fetch_layer(k, range.clone(), source)?;
+            // As `forward_recomputed`, one layer at a time.
+            let frozen = self.net.clone().no_grad();
+            let h = match x.take() {
+                None => {
+                    input_tensor(&self.spec, first, input, n, false, &self.device, |t| {
+                        frozen.embed(t)
+                    })?
+                    .1
+                }
+                Some(h) => {
+                    later.push(params::f32_slice(&h.to_data()).to_vec());
+                    h
+                }
+            };
+            let h = self.run_layer(&frozen, k, h);
+            match k + 1 == ranges.len() {
+                true => result = Some(self.end_forward(&frozen, h, targets, scale, n)?.1),
+                false => x = Some(h),
+            }
+            drop(frozen);
+            self.drop_layer(k);
+        }
+        let kept = KeptInputs {
+            first: KeptInput::of(input),
+            later,
+            n,
+            targets: targets.map(<[i64]>::to_vec),
+            scale,
+        };
+        self.pending.keep(id, Pending::Inputs(kept));
+        Ok(result.expect("a stage has at least one layer"))
+    }
+
+    fn backward_from(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad_params: &mut [f32],
+        source: &mut dyn LayerSource,
+    ) -> Result<Option<Vec<f32>>, E> {
+        self.check_fetching()?;
+        check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
+        let kept = match self.pending.take(id)? {
+            Pending::Inputs(kept) => kept,
+            Pending::Graphs(_) => {
+                return Err(E::InvalidSpec(format!(
+                    "micro-batch {id}'s forward kept its graphs: its backward needs the stage's \
+                     parameters"
+                )))
+            }
+        };
+        let mut grad = grad_output.map(<[f32]>::to_vec);
+        for (k, range) in self.layer_ranges().into_iter().enumerate().rev() {
+            self.fetch_layer(k, range.clone(), source)?;
+            let graph = self.recompute_layer(&kept, k)?;
+            let out = &mut grad_params[range];
+            grad = self.backward_graph(graph, grad, &mut |net, layers, grads| {
+                read_graph_grads(net, layers, grads, out)
+            })?;
+            self.drop_layer(k);
+        }
+        Ok(grad)
     }
 
     fn evaluate(
@@ -1270,6 +1439,85 @@ mod tests {
                 );
             }
             assert_eq!(again.held(), 0);
+        }
+    }
+
+    /// A [`LayerSource`] serving layers from a whole stage's parameters, recording which it
+    /// served and what the stage held when asked.
+    struct Served {
+        whole: Vec<f32>,
+        ranges: Vec<Range<usize>>,
+        asked: Vec<usize>,
+    }
+
+    impl LayerSource for Served {
+        fn layer(&mut self, k: usize) -> Result<Vec<f32>, String> {
+            self.asked.push(k);
+            Ok(self.whole[self.ranges[k].clone()].to_vec())
+        }
+    }
+
+    /// Values of the parameters' tensors a stage holds now.
+    fn held_values(st: &Stage) -> usize {
+        burn::module::Module::num_params(&st.net)
+    }
+
+    #[test]
+    fn layers_taken_one_at_a_time_give_the_bits_of_the_whole_stage() {
+        let s = spec();
+        let feed = Feed::new(&s);
+        for layers in stage_shapes(&s) {
+            let mut whole = Stage::new(&s, layers.clone(), 3)
+                .unwrap()
+                .with_recompute(true);
+            let mut fetching = Stage::new(&s, layers.clone(), 3)
+                .unwrap()
+                .with_recompute(true);
+            let mut source = Served {
+                whole: whole.params_flat(),
+                ranges: whole.layer_ranges(),
+                asked: Vec::new(),
+            };
+            let (input, targets) = (feed.input(&whole), feed.targets(&whole));
+            // Refused while the parameters are held: the caller releases them first.
+            assert!(fetching
+                .forward_from(1, input, 2, targets, 0.5, &mut source)
+                .is_err());
+            fetching.release_params();
+            assert_eq!(held_values(&fetching), 0);
+            let count = layers.len();
+            for id in [1, 2] {
+                let a = whole.forward(id, input, 2, targets, 0.5).unwrap();
+                let b = fetching
+                    .forward_from(id, input, 2, targets, 0.5, &mut source)
+                    .unwrap();
+                assert_eq!(a, b, "{layers:?}: forward");
+                assert_eq!(held_values(&fetching), 0, "{layers:?}: released after");
+            }
+            let g_out = feed.grad_output(&whole);
+            for id in [2, 1] {
+                let mut want = vec![0f32; whole.num_params()];
+                let want_input = whole.backward(id, g_out, &mut want).unwrap();
+                let mut got = vec![f32::NAN; want.len()];
+                let got_input = fetching
+                    .backward_from(id, g_out, &mut got, &mut source)
+                    .unwrap();
+                assert_eq!(bits(&got), bits(&want), "{layers:?}: parameter gradients");
+                assert_eq!(
+                    got_input.as_deref().map(bits),
+                    want_input.as_deref().map(bits),
+                    "{layers:?}: input gradient"
+                );
+                assert_eq!(held_values(&fetching), 0, "{layers:?}: released after");
+            }
+            // Each forward asks for the layers in order, each backward in reverse.
+            let up: Vec<usize> = (0..count).collect();
+            let down: Vec<usize> = (0..count).rev().collect();
+            let want: Vec<usize> = [&up[..], &up, &down, &down].concat();
+            assert_eq!(source.asked, want, "{layers:?}");
+            // The parameters set whole again: the plain forward works as before.
+            fetching.set_params_flat(&source.whole).unwrap();
+            assert_eq!(fetching.params_flat(), source.whole);
         }
     }
 

@@ -380,6 +380,43 @@ impl StageNet {
         }
     }
 
+    /// The stage's layer `k` (numbered as in [`StageNet::read_layer_grads`]) with its parameters
+    /// written from `values` (shaped by `layout`, that layer's entries of the stage's layout), or
+    /// released (`None`: empty tensors, ids kept); the other layers untouched.
+    pub(crate) fn with_layer(
+        mut self,
+        k: usize,
+        values: Option<&[f32]>,
+        layout: &[ParamInfo],
+        device: &Device,
+    ) -> StageNet {
+        fn apply<M: Module>(m: M, values: Option<&[f32]>, layout: &[ParamInfo], d: &Device) -> M {
+            match values {
+                Some(v) => params::write_shaped(m, v, d, layout),
+                None => params::release(m, d),
+            }
+        }
+        let k = match self.embed.take() {
+            Some(embed) if k == 0 => {
+                self.embed = Some(apply(embed, values, layout, device));
+                return self;
+            }
+            Some(embed) => {
+                self.embed = Some(embed);
+                k - 1
+            }
+            None => k,
+        };
+        if k < self.blocks.len() {
+            let block = self.blocks.remove(k);
+            self.blocks.insert(k, apply(block, values, layout, device));
+        } else {
+            let head = self.head.take().expect("a layer index within the stage");
+            self.head = Some(apply(head, values, layout, device));
+        }
+        self
+    }
+
     /// Residual stream → logits `[n·t, vocab]` (last stage only).
     pub(crate) fn logits(&self, x: Tensor<3>, products: Products) -> Tensor<2> {
         let h = self

@@ -866,6 +866,7 @@ mod tests {
             pipeline: None,
             compute: Default::default(),
             gradient_sum: None,
+            param_gathering: None,
             plan: None,
             checkpoints: Some(lockstep_run::metrics::CheckpointSummary {
                 background: false,

@@ -523,6 +523,7 @@ pub(crate) mod tests {
             pipeline: None,
             compute: Default::default(),
             gradient_sum: None,
+            param_gathering: None,
             plan: None,
             checkpoints: None,
         }

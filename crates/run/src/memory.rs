@@ -145,6 +145,18 @@ pub fn streams_last_microbatch(
     zero >= 2 && pp == 1 && tp == 1 && layered && !recompute
 }
 
+/// Whether ZeRO 3 gathers a stage one layer at a time — each layer's parameters all-gathered
+/// just before its forward and again before its recomputed backward, released after, so a rank
+/// holds its chunks and one layer — rather than the whole stage for the step. It needs a stage
+/// that takes its layers from a source (`stage_fetches`: the built-in transformer's stage with
+/// `train.recompute = "layers"` and no tensor-parallel pieces), a last micro-batch that does
+/// not stream into the sum (a streamed backward keeps every layer's graph), and as many
+/// micro-batches on every replica (`even`: each micro-batch's gathers are collectives of the
+/// stage's data-parallel group, so every replica must make the same ones in the same order).
+pub fn gathers_layers(zero: u8, stage_fetches: bool, streams_last: bool, even: bool) -> bool {
+    zero >= 3 && stage_fetches && !streams_last && even
+}
+
 /// Whether a streamed last micro-batch ([`streams_last_microbatch`]) also steps the optimizer,
 /// layer by layer, as each layer's chunk of the sum is final (the optimizer is elementwise:
 /// the same bits as one step after the whole sum): not with gradient clipping

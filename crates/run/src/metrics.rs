@@ -257,6 +257,10 @@ pub struct Summary {
     /// written before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gradient_sum: Option<GradientSum>,
+    /// At ZeRO 3, how each stage's parameters were gathered for its compute (absent below ZeRO 3
+    /// and in summaries written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param_gathering: Option<ParamGathering>,
     /// The parallel plan the run followed (absent in summaries written before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<crate::layout::ParallelPlan>,
@@ -333,6 +337,19 @@ pub enum GradientSum {
     /// Each worker read its peers' gradients from their shared-memory windows
     /// (`lockstep_comm::shared_parts`).
     SharedWindows,
+}
+
+/// How ZeRO 3 gathered a stage's parameters for its compute (`summary.json`'s
+/// `param_gathering`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ParamGathering {
+    /// The whole stage, once per step, held for the step's schedule.
+    Stage,
+    /// One layer at a time, before its forward and again before its recomputed backward, and
+    /// released after (`lockstep_run::memory::gathers_layers`): a rank holds its chunks and one
+    /// layer.
+    Layer,
 }
 
 /// The `compute` part of `summary.json`.

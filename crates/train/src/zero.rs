@@ -315,6 +315,22 @@ impl Zero {
         Ok(())
     }
 
+    /// Collective over the group, at level 3: segment `i` of the whole vector (a layer of the
+    /// stage) from every rank's chunk of it, `owned` being this rank's chunks (one all-gather).
+    pub fn gather_segment(
+        &self,
+        i: usize,
+        owned: &[f32],
+        dp: &mut Communicator,
+    ) -> Result<Vec<f32>, CommError> {
+        let (seg, chunk) = (&self.segments[i], &self.chunks[i]);
+        let mut values = vec![0f32; seg.len()];
+        values[chunk.start - seg.start..chunk.end - seg.start]
+            .copy_from_slice(&owned[self.params_range(i)]);
+        dp.all_gather_chunks(&mut values)?;
+        Ok(values)
+    }
+
     /// Where segment `i`'s chunk lies in the parameters this rank keeps ([`Zero::params_len`]):
     /// among its own chunks at level 3, at its place in the whole vector below.
     pub fn params_range(&self, i: usize) -> Range<usize> {

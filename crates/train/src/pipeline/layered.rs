@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use lockstep_model::PieceSum;
+use lockstep_model::{LayerSource, PieceSum};
 
 use crate::error::TrainError;
 use crate::outcome::{EvalSums, ReplicaError};
@@ -222,6 +222,40 @@ pub trait LayerStage {
         on_layer: &(dyn Fn(usize, &[f32]) + Sync),
     ) -> Result<(), ReplicaError> {
         backward_then_hand_out(self, id, layers, on_layer)
+    }
+    /// Whether the stage runs [`LayerStage::forward_from`] and [`LayerStage::backward_from`]:
+    /// ZeRO 3 then gathers one layer at a time instead of the whole stage. Default: no.
+    fn fetches_layers(&self) -> bool {
+        false
+    }
+    /// [`LayerStage::forward`] with the stage's parameters released: each layer's taken from
+    /// `source` just before it runs and released after (a stage that recomputes its layers).
+    fn forward_from(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+        source: &mut dyn LayerSource,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        let _ = (id, samples, input, scale, source);
+        Err(ReplicaError::Other(
+            "this stage cannot take its layers' parameters one at a time".into(),
+        ))
+    }
+    /// [`LayerStage::backward`] of a micro-batch that [`LayerStage::forward_from`] ran, each
+    /// layer's parameters taken from `source` again.
+    fn backward_from(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad: &mut [f32],
+        source: &mut dyn LayerSource,
+    ) -> Result<Option<Vec<f32>>, ReplicaError> {
+        let _ = (id, grad_output, grad, source);
+        Err(ReplicaError::Other(
+            "this stage cannot take its layers' parameters one at a time".into(),
+        ))
     }
     /// The replica of a model trained whole (`flat.rs`), whose micro-batches are computed in one
     /// call each instead of a forward and a backward; `None` for a stage of layers.

@@ -33,9 +33,11 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use lockstep_comm::exact::ExactError;
-use lockstep_comm::Communicator;
+use lockstep_comm::{CommError, Communicator};
 use lockstep_data::{assign, microbatches, Sampler};
-use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer, ParamHasher, TimedLoss};
+use lockstep_model::{
+    gather_map, param_hash, scatter_map, LayerSource, Optimizer, ParamHasher, TimedLoss,
+};
 
 use super::balance::{balance, stage_ranges};
 use super::checkpoint_shards::{check_set, local_ranges, shard_view};
@@ -56,8 +58,8 @@ use crate::grad_parts::GradParts;
 use crate::grad_sync::{GradSync, StreamedCompute, SyncError};
 use crate::memory::ModelState;
 use crate::metrics::{
-    Eval, GradientSum, PhaseSeconds, PipelineStep, PipelineSummary, RankSummary, StepRecord,
-    Summary,
+    Eval, GradientSum, ParamGathering, PhaseSeconds, PipelineStep, PipelineSummary, RankSummary,
+    StepRecord, Summary,
 };
 use crate::outcome::ReplicaError;
 use crate::parallel_dims::ParallelDims;
@@ -111,6 +113,34 @@ struct Work<'a> {
     /// The exact sum's exponent scan, run on each micro-batch's stage gradient as soon as its
     /// backward has written it (while it is in cache); `None` where nothing is scanned ahead.
     scan_ahead: Option<ScanAhead<'a>>,
+    /// ZeRO 3 per layer: where the stage takes each layer's parameters; `None`: the stage holds
+    /// them all for the step.
+    gather: Option<LayerGather<'a>>,
+}
+
+/// ZeRO 3 per layer ([`LayerSource`]): a layer's parameters all-gathered from the replicas'
+/// chunks when the stage asks for them; the first failure kept for the step's error, the time
+/// (communication) summed.
+struct LayerGather<'a> {
+    zero: &'a Zero,
+    dp: &'a mut Communicator,
+    /// This rank's chunks of the stage's parameters.
+    owned: &'a [f32],
+    failure: Option<CommError>,
+    seconds: f64,
+}
+
+impl LayerSource for LayerGather<'_> {
+    fn layer(&mut self, k: usize) -> Result<Vec<f32>, String> {
+        let t0 = Instant::now();
+        let gathered = self.zero.gather_segment(k, self.owned, self.dp);
+        self.seconds += t0.elapsed().as_secs_f64();
+        gathered.map_err(|e| {
+            let message = e.to_string();
+            self.failure.get_or_insert(e);
+            message
+        })
+    }
 }
 
 /// Where [`Work`] scans gradients ahead ([`GradSync::scan_ahead`]), and the time it took.
@@ -122,6 +152,9 @@ struct ScanAhead<'a> {
 impl Work<'_> {
     fn error(&mut self, mb: usize, cause: ReplicaError) -> TrainError {
         if let Some(c) = self.link.take_failure() {
+            return TrainError::Comm(c);
+        }
+        if let Some(c) = self.gather.as_mut().and_then(|g| g.failure.take()) {
             return TrainError::Comm(c);
         }
         let k = self.first_microbatch + mb;
@@ -138,14 +171,15 @@ impl StageWork for Work<'_> {
         let k = self.first_microbatch + mb;
         self.stage
             .begin_microbatch(Draws::new(self.seed, self.step, k));
-        let (out, data_seconds) =
-            match self
-                .stage
-                .forward(mb as u64, self.pieces[mb], input, self.scale)
-            {
-                Ok(r) => r,
-                Err(e) => return Err(self.error(mb, e)),
-            };
+        let (id, samples) = (mb as u64, self.pieces[mb]);
+        let forwarded = match &mut self.gather {
+            Some(g) => self.stage.forward_from(id, samples, input, self.scale, g),
+            None => self.stage.forward(id, samples, input, self.scale),
+        };
+        let (out, data_seconds) = match forwarded {
+            Ok(r) => r,
+            Err(e) => return Err(self.error(mb, e)),
+        };
         self.data_seconds += data_seconds;
         match out {
             Forwarded::Activations(a) => Ok(Some(a)),
@@ -161,10 +195,12 @@ impl StageWork for Work<'_> {
         mb: usize,
         grad_output: Option<&[f32]>,
     ) -> Result<Option<Vec<f32>>, TrainError> {
-        match self
-            .stage
-            .backward(mb as u64, grad_output, self.grads.part_mut(mb))
-        {
+        let grad = self.grads.part_mut(mb);
+        let backward = match &mut self.gather {
+            Some(g) => self.stage.backward_from(mb as u64, grad_output, grad, g),
+            None => self.stage.backward(mb as u64, grad_output, grad),
+        };
+        match backward {
             Ok(g) => {
                 if let Some(scan) = &mut self.scan_ahead {
                     let t0 = Instant::now();
@@ -319,6 +355,10 @@ struct StageRank<'m> {
     /// ... and steps the optimizer on each layer's chunk as soon as it is reduced (not with
     /// clipping): `total_grad` then holds one chunk, not the rank's shard.
     steps_in_backward: bool,
+    /// ZeRO 3 on a stage that recomputes its layers: each layer's parameters are gathered just
+    /// before its forward and again before its recomputed backward, released after
+    /// ([`LayerGather`]), instead of the whole stage for the step.
+    gathers_layers: bool,
     slowdown: f64,
     /// `optimizer.clip_grad_norm` (None: off).
     clip: Option<Clip>,
@@ -422,6 +462,7 @@ impl<'m> StageRank<'m> {
                 .collect(),
             None => layer_ranges,
         };
+        let gathers_layers = gathers_layers(plan, &*stage, streams_last, ledger);
         let mut r = StageRank {
             model,
             cfg,
@@ -455,6 +496,7 @@ impl<'m> StageRank<'m> {
             ),
             streams_last,
             steps_in_backward,
+            gathers_layers,
             my_micro,
             scale: model.loss_scale(cfg.train.global_batch),
             tensors,
@@ -559,8 +601,8 @@ impl<'m> StageRank<'m> {
         let mut sec = PhaseSeconds::default();
         // Device copies are their own phase, taken out of the phase they happened in.
         device::take_copy_seconds();
-        if self.zero.level() >= 3 {
-            // The stage's parameters for this step's compute, gathered layer by layer.
+        if self.zero.level() >= 3 && !self.gathers_layers {
+            // The stage's parameters for this step's compute, one all-gather per layer.
             let t0 = Instant::now();
             let whole = self.zero.gather(&self.params, &mut self.dp_comm)?;
             self.stage
@@ -801,19 +843,34 @@ impl<'m> StageRank<'m> {
                 sync: &mut self.sync,
                 seconds: 0.0,
             }),
+            gather: self.gathers_layers.then_some(LayerGather {
+                zero: &self.zero,
+                dp: &mut self.dp_comm,
+                owned: &self.params,
+                failure: None,
+                seconds: 0.0,
+            }),
         };
         let timing = run_schedule(&self.ops, self.me.stage, &mut work, &mut self.pp_comm)?;
         let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
         let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
+        // Inside the forwards and backwards: moved to communication below, from both in
+        // proportion to their time.
+        let gathered = work.gather.as_ref().map_or(0.0, |g| g.seconds);
         if self.zero.level() >= 3 && !self.streams_last {
             // Freed after use: the last backward of the step is done.
             self.stage.release_params();
         }
         sec.data = data_seconds;
-        sec.forward = (timing.forward - data_seconds).max(0.0);
+        let computed = timing.forward + timing.backward;
+        let share = |t: f64| match computed > 0.0 {
+            true => gathered * t / computed,
+            false => 0.0,
+        };
+        sec.forward = (timing.forward - data_seconds - share(timing.forward)).max(0.0);
         // The scan ahead ran inside backward but is the exact sum's work: counted with it.
-        sec.backward = (timing.backward - scanned_ahead).max(0.0);
-        sec.communication += scanned_ahead;
+        sec.backward = (timing.backward - scanned_ahead - share(timing.backward)).max(0.0);
+        sec.communication += scanned_ahead + gathered;
         straggle(self.slowdown, sec);
         // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
         let counted = self.me.stage + 1 == self.dims.pp && self.me.tp_rank == 0;
@@ -1283,6 +1340,26 @@ fn build_stage<'m>(
         ));
     }
     Ok((stage, tp_link))
+}
+
+/// Whether ZeRO 3 gathers `stage` one layer at a time (`lockstep_run::memory::gathers_layers`),
+/// recorded for the summary at level 3.
+fn gathers_layers(
+    plan: &ParallelPlan,
+    stage: &dyn LayerStage,
+    streams_last: bool,
+    ledger: &mut Ledger<'_>,
+) -> bool {
+    let even = plan.microbatches.is_multiple_of(plan.dp);
+    let by_layer =
+        crate::memory::gathers_layers(plan.zero, stage.fetches_layers(), streams_last, even);
+    if plan.zero >= 3 {
+        ledger.set_param_gathering(match by_layer {
+            true => ParamGathering::Layer,
+            false => ParamGathering::Stage,
+        });
+    }
+    by_layer
 }
 
 /// ZeRO for the stage of `layers` holding `len` local values: the stage's optimizer state (and

@@ -11,8 +11,8 @@ use std::time::Instant;
 use burn::tensor::Device;
 use lockstep_data::text::{CharCorpus, Split};
 use lockstep_model::{
-    LayerKind, LocalPieceSum, PieceSum, Stage, StageContract, StageEval, StageInput, StageOutput,
-    TpSplit, TpStage, TransformerSpec,
+    LayerKind, LayerSource, LocalPieceSum, PieceSum, Stage, StageContract, StageEval, StageInput,
+    StageOutput, TpSplit, TpStage, TransformerSpec,
 };
 
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
@@ -211,6 +211,14 @@ impl Transformer {
     }
 }
 
+/// How [`TransformerStage::forward_kept`] runs: its graph kept whole, cut between layers (for a
+/// streamed backward), or each layer's parameters taken from a source (ZeRO 3 per layer).
+enum Kept<'s> {
+    Whole,
+    Streamed,
+    From(&'s mut dyn LayerSource),
+}
+
 /// Some layers of the transformer (computed whole, or as pieces of the canonical split: one
 /// contract either way) and the corpus they read tokens and targets from.
 struct TransformerStage<'a> {
@@ -229,7 +237,7 @@ impl TransformerStage<'_> {
         samples: &[u32],
         input: Option<&[f32]>,
         scale: f32,
-        streamed: bool,
+        how: Kept<'_>,
     ) -> Result<(Forwarded, f64), ReplicaError> {
         let t0 = Instant::now();
         self.gather(Split::Train, samples);
@@ -240,11 +248,15 @@ impl TransformerStage<'_> {
         };
         let targets = self.stage.is_last().then_some(&self.y[..]);
         let n = samples.len();
-        let kept = if streamed {
-            self.stage
-                .forward_streamed(id, stage_input, n, targets, scale)?
-        } else {
-            self.stage.forward(id, stage_input, n, targets, scale)?
+        let kept = match how {
+            Kept::Whole => self.stage.forward(id, stage_input, n, targets, scale)?,
+            Kept::Streamed => self
+                .stage
+                .forward_streamed(id, stage_input, n, targets, scale)?,
+            Kept::From(source) => {
+                self.stage
+                    .forward_from(id, stage_input, n, targets, scale, source)?
+            }
         };
         let out = match kept {
             StageOutput::Activations(a) => Forwarded::Activations(a),
@@ -315,7 +327,7 @@ impl LayerStage for TransformerStage<'_> {
         input: Option<&[f32]>,
         scale: f32,
     ) -> Result<(Forwarded, f64), ReplicaError> {
-        self.forward_kept(id, samples, input, scale, false)
+        self.forward_kept(id, samples, input, scale, Kept::Whole)
     }
 
     fn forward_streamed(
@@ -325,7 +337,32 @@ impl LayerStage for TransformerStage<'_> {
         input: Option<&[f32]>,
         scale: f32,
     ) -> Result<(Forwarded, f64), ReplicaError> {
-        self.forward_kept(id, samples, input, scale, true)
+        self.forward_kept(id, samples, input, scale, Kept::Streamed)
+    }
+
+    fn fetches_layers(&self) -> bool {
+        self.stage.fetches_layers()
+    }
+
+    fn forward_from(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+        source: &mut dyn LayerSource,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        self.forward_kept(id, samples, input, scale, Kept::From(source))
+    }
+
+    fn backward_from(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad: &mut [f32],
+        source: &mut dyn LayerSource,
+    ) -> Result<Option<Vec<f32>>, ReplicaError> {
+        Ok(self.stage.backward_from(id, grad_output, grad, source)?)
     }
 
     fn backward_streaming(

@@ -15,7 +15,7 @@ use crate::error::TrainError;
 use crate::memory::RankMemory;
 use crate::metrics::{
     imbalance, imbalance_within_stages, rank_summaries, CheckpointSummary, ComputeSummary, Eval,
-    GradientSum, PipelineSummary, RankSummary, StepRecord, Summary,
+    GradientSum, ParamGathering, PipelineSummary, RankSummary, StepRecord, Summary,
 };
 use lockstep_run::ParallelPlan;
 
@@ -90,6 +90,7 @@ pub(crate) struct RunEnd {
     pub evals: Vec<(u64, Eval)>,
     pub param_hash: String,
     pub gradient_sum: Option<GradientSum>,
+    pub param_gathering: Option<ParamGathering>,
     pub plan: ParallelPlan,
     pub job: JobLabel,
 }
@@ -162,6 +163,7 @@ pub(crate) fn build_summary(
             bf16_products: end.plan.bf16_products.then(bf16_products_statement),
         },
         gradient_sum: end.gradient_sum,
+        param_gathering: end.param_gathering,
         plan: Some(end.plan),
         checkpoints: CheckpointSummary::from_records(
             all_records,

@@ -28,7 +28,9 @@ use crate::context::{Event, JobLabel, WorkerContext};
 use crate::error::TrainError;
 use crate::faults::Fault;
 use crate::memory::{current_rss_bytes, ModelState};
-use crate::metrics::{Eval, GradientSum, PipelineSummary, RankSummary, StepRecord, Summary};
+use crate::metrics::{
+    Eval, GradientSum, ParamGathering, PipelineSummary, RankSummary, StepRecord, Summary,
+};
 use lockstep_run::ParallelPlan;
 
 /// The training loss metrics.jsonl in `dir` records for `step` (NaN when it holds none).
@@ -86,6 +88,7 @@ pub(crate) struct Ledger<'a> {
     evals: Vec<(u64, Eval)>,
     last_loss: f64,
     gradient_sum: Option<GradientSum>,
+    param_gathering: Option<ParamGathering>,
     plan: ParallelPlan,
     /// Resumed from a checkpoint taken after the last step (an earlier attempt ended before its
     /// summary): no step runs, the final evaluation is run again for the summary.
@@ -166,6 +169,7 @@ impl<'a> Ledger<'a> {
             evals: Vec::new(),
             last_loss: f64::NAN,
             gradient_sum: None,
+            param_gathering: None,
             plan: plan.clone(),
             resumed_at_end: false,
             job,
@@ -413,6 +417,11 @@ impl<'a> Ledger<'a> {
         self.gradient_sum = Some(how);
     }
 
+    /// Records how ZeRO 3 gathers the stage's parameters (`summary.json`'s `param_gathering`).
+    pub(crate) fn set_param_gathering(&mut self, how: ParamGathering) {
+        self.param_gathering = Some(how);
+    }
+
     /// Collective, at the end: every rank's records, host and memory (what `held` counts, with
     /// the most micro-batches this rank held at once) gathered, the summary built (with
     /// `pipeline`'s figures from all records and ranks, for a pipeline) and, on rank 0, written
@@ -451,6 +460,7 @@ impl<'a> Ledger<'a> {
             evals: self.evals,
             param_hash,
             gradient_sum: self.gradient_sum,
+            param_gathering: self.param_gathering,
             plan: self.plan,
             job: self.job,
         };
