@@ -120,21 +120,24 @@ struct Work<'a> {
 
 /// ZeRO 3 per layer ([`LayerSource`]): a layer's parameters all-gathered from the replicas'
 /// chunks when the stage asks for them; the first failure kept for the step's error, the time
-/// (communication) summed.
+/// (communication, inside the forwards and backwards) summed for each.
 struct LayerGather<'a> {
     zero: &'a Zero,
     dp: &'a mut Communicator,
     /// This rank's chunks of the stage's parameters.
     owned: &'a [f32],
     failure: Option<CommError>,
-    seconds: f64,
+    /// Seconds of gathers during forwards and during backwards.
+    seconds: [f64; 2],
+    /// Which of the two the next gathers count towards (0: forward, 1: backward).
+    pass: usize,
 }
 
 impl LayerSource for LayerGather<'_> {
     fn layer(&mut self, k: usize) -> Result<Vec<f32>, String> {
         let t0 = Instant::now();
         let gathered = self.zero.gather_segment(k, self.owned, self.dp);
-        self.seconds += t0.elapsed().as_secs_f64();
+        self.seconds[self.pass] += t0.elapsed().as_secs_f64();
         gathered.map_err(|e| {
             let message = e.to_string();
             self.failure.get_or_insert(e);
@@ -173,7 +176,10 @@ impl StageWork for Work<'_> {
             .begin_microbatch(Draws::new(self.seed, self.step, k));
         let (id, samples) = (mb as u64, self.pieces[mb]);
         let forwarded = match &mut self.gather {
-            Some(g) => self.stage.forward_from(id, samples, input, self.scale, g),
+            Some(g) => {
+                g.pass = 0;
+                self.stage.forward_from(id, samples, input, self.scale, g)
+            }
             None => self.stage.forward(id, samples, input, self.scale),
         };
         let (out, data_seconds) = match forwarded {
@@ -197,7 +203,10 @@ impl StageWork for Work<'_> {
     ) -> Result<Option<Vec<f32>>, TrainError> {
         let grad = self.grads.part_mut(mb);
         let backward = match &mut self.gather {
-            Some(g) => self.stage.backward_from(mb as u64, grad_output, grad, g),
+            Some(g) => {
+                g.pass = 1;
+                self.stage.backward_from(mb as u64, grad_output, grad, g)
+            }
             None => self.stage.backward(mb as u64, grad_output, grad),
         };
         match backward {
@@ -848,29 +857,24 @@ impl<'m> StageRank<'m> {
                 dp: &mut self.dp_comm,
                 owned: &self.params,
                 failure: None,
-                seconds: 0.0,
+                seconds: [0.0; 2],
+                pass: 0,
             }),
         };
         let timing = run_schedule(&self.ops, self.me.stage, &mut work, &mut self.pp_comm)?;
         let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
         let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
-        // Inside the forwards and backwards: moved to communication below, from both in
-        // proportion to their time.
-        let gathered = work.gather.as_ref().map_or(0.0, |g| g.seconds);
+        // Inside the forwards and backwards: counted as communication below.
+        let [gathered_fwd, gathered_bwd] = work.gather.as_ref().map_or([0.0; 2], |g| g.seconds);
         if self.zero.level() >= 3 && !self.streams_last {
             // Freed after use: the last backward of the step is done.
             self.stage.release_params();
         }
         sec.data = data_seconds;
-        let computed = timing.forward + timing.backward;
-        let share = |t: f64| match computed > 0.0 {
-            true => gathered * t / computed,
-            false => 0.0,
-        };
-        sec.forward = (timing.forward - data_seconds - share(timing.forward)).max(0.0);
+        sec.forward = (timing.forward - data_seconds - gathered_fwd).max(0.0);
         // The scan ahead ran inside backward but is the exact sum's work: counted with it.
-        sec.backward = (timing.backward - scanned_ahead - share(timing.backward)).max(0.0);
-        sec.communication += scanned_ahead + gathered;
+        sec.backward = (timing.backward - scanned_ahead - gathered_bwd).max(0.0);
+        sec.communication += scanned_ahead + gathered_fwd + gathered_bwd;
         straggle(self.slowdown, sec);
         // (A tensor-parallel group's ranks hold the same loss: its tp rank 0 counts it.)
         let counted = self.me.stage + 1 == self.dims.pp && self.me.tp_rank == 0;
