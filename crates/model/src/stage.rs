@@ -652,23 +652,53 @@ impl Stage {
         &mut self,
         id: u64,
         grad_output: Option<&[f32]>,
+        mut source: Option<&mut dyn LayerSource>,
         mut take: impl FnMut(&StageNet, Range<usize>, Gradients),
     ) -> Result<Option<Vec<f32>>, E> {
         let mut grad = grad_output.map(<[f32]>::to_vec);
         match self.pending.take(id)? {
+            Pending::Graphs(_) if source.is_some() => {
+                return Err(E::InvalidSpec(format!(
+                    "micro-batch {id}'s forward kept its graphs: its backward needs the stage's \
+                     parameters"
+                )))
+            }
             Pending::Graphs(graphs) => {
                 for graph in graphs.into_iter().rev() {
                     grad = self.backward_graph(graph, grad, &mut take)?;
                 }
             }
             Pending::Inputs(kept) => {
-                for k in (0..self.layers.len()).rev() {
+                for (k, range) in self.layer_ranges().into_iter().enumerate().rev() {
+                    if let Some(source) = source.as_deref_mut() {
+                        self.fetch_layer(k, range, source)?;
+                    }
                     let graph = self.recompute_layer(&kept, k)?;
                     grad = self.backward_graph(graph, grad, &mut take)?;
+                    if source.is_some() {
+                        self.drop_layer(k);
+                    }
                 }
             }
         }
         Ok(grad)
+    }
+
+    /// [`StageContract::backward`], each layer's parameters taken from `source` when given
+    /// ([`StageContract::backward_from`]).
+    fn backward_into(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad_params: &mut [f32],
+        source: Option<&mut dyn LayerSource>,
+    ) -> Result<Option<Vec<f32>>, E> {
+        check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
+        let ranges = self.layer_ranges();
+        self.backward_graphs(id, grad_output, source, |net, layers, grads| {
+            let part = ranges[layers.start].start..ranges[layers.end - 1].end;
+            read_graph_grads(net, layers, grads, &mut grad_params[part]);
+        })
     }
 
     /// One graph's backward from `grad` (its output's gradient; `None` for the loss).
@@ -762,7 +792,9 @@ impl Stage {
     }
 
     /// A training forward that keeps only each layer's input: the layers run with parameters
-    /// that track no gradient, so autodiff records nothing and nothing is kept alive.
+    /// that track no gradient, so autodiff records nothing and nothing is kept alive. With a
+    /// `source`, each layer's parameters are taken from it just before the layer runs and
+    /// released after ([`StageContract::forward_from`]).
     fn forward_recomputed(
         &mut self,
         id: u64,
@@ -770,21 +802,39 @@ impl Stage {
         n: usize,
         targets: Option<&[i64]>,
         scale: f32,
+        mut source: Option<&mut dyn LayerSource>,
     ) -> Result<StageOutput, E> {
         let targets = self.begin_forward(id, targets, n)?;
-        let frozen = self.net.clone().no_grad();
-        let first = self.is_first();
-        let (_, mut x) = input_tensor(&self.spec, first, input, n, false, &self.device, |t| {
-            frozen.embed(t)
-        })?;
-        let mut later = Vec::with_capacity(self.layers.len().saturating_sub(1));
-        for k in 0..self.layers.len() {
-            if k > 0 {
-                later.push(params::f32_slice(&x.to_data()).to_vec());
+        let (ranges, first) = (self.layer_ranges(), self.is_first());
+        let mut later = Vec::with_capacity(ranges.len().saturating_sub(1));
+        let (mut x, mut result): (Option<Tensor<3>>, _) = (None, None);
+        for (k, range) in ranges.iter().enumerate() {
+            if let Some(source) = source.as_deref_mut() {
+                self.fetch_layer(k, range.clone(), source)?;
             }
-            x = self.run_layer(&frozen, k, x);
+            let frozen = self.net.clone().no_grad();
+            let h = match x.take() {
+                None => {
+                    input_tensor(&self.spec, first, input, n, false, &self.device, |t| {
+                        frozen.embed(t)
+                    })?
+                    .1
+                }
+                Some(h) => {
+                    later.push(params::f32_slice(&h.to_data()).to_vec());
+                    h
+                }
+            };
+            let h = self.run_layer(&frozen, k, h);
+            match k + 1 == ranges.len() {
+                true => result = Some(self.end_forward(&frozen, h, targets, scale, n)?.1),
+                false => x = Some(h),
+            }
+            drop(frozen);
+            if source.is_some() {
+                self.drop_layer(k);
+            }
         }
-        let (_, result) = self.end_forward(&frozen, x, targets, scale, n)?;
         let kept = KeptInputs {
             first: KeptInput::of(input),
             later,
@@ -793,7 +843,7 @@ impl Stage {
             scale,
         };
         self.pending.keep(id, Pending::Inputs(kept));
-        Ok(result)
+        Ok(result.expect("a stage has at least one layer"))
     }
 
     /// Layer `k`'s graph of a recomputed micro-batch, from its kept input: the graph a
@@ -875,7 +925,7 @@ impl StageContract for Stage {
         scale: f32,
     ) -> Result<StageOutput, E> {
         if self.recompute {
-            return self.forward_recomputed(id, input, n, targets, scale);
+            return self.forward_recomputed(id, input, n, targets, scale, None);
         }
         self.forward_graphs(id, input, n, targets, scale, false)
     }
@@ -897,12 +947,7 @@ impl StageContract for Stage {
         grad_output: Option<&[f32]>,
         grad_params: &mut [f32],
     ) -> Result<Option<Vec<f32>>, E> {
-        check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
-        let ranges = self.layer_ranges();
-        self.backward_graphs(id, grad_output, |net, layers, grads| {
-            let part = ranges[layers.start].start..ranges[layers.end - 1].end;
-            read_graph_grads(net, layers, grads, &mut grad_params[part]);
-        })
+        self.backward_into(id, grad_output, grad_params, None)
     }
 
     fn backward_streaming(
@@ -918,7 +963,7 @@ impl StageContract for Stage {
                 "streamed backward: layer ranges {layers:?}, but the stage's are {ranges:?}"
             )));
         }
-        self.backward_graphs(id, grad_output, |net, graph_layers, grads| {
+        self.backward_graphs(id, grad_output, None, |net, graph_layers, grads| {
             let base = ranges[graph_layers.start].start;
             let mut grad = vec![0f32; ranges[graph_layers.end - 1].end - base];
             read_graph_grads(net, graph_layers.clone(), grads, &mut grad);
@@ -943,43 +988,7 @@ impl StageContract for Stage {
         source: &mut dyn LayerSource,
     ) -> Result<StageOutput, E> {
         self.check_fetching()?;
-        let targets = self.begin_forward(id, targets, n)?;
-        let (ranges, first) = (self.layer_ranges(), self.is_first());
-        let mut later = Vec::with_capacity(ranges.len().saturating_sub(1));
-        let (mut x, mut result): (Option<Tensor<3>>, _) = (None, None);
-        for (k, range) in ranges.iter().enumerate() {
-            self.fetch_layer(k, range.clone(), source)?;
-            // As `forward_recomputed`, one layer at a time.
-            let frozen = self.net.clone().no_grad();
-            let h = match x.take() {
-                None => {
-                    input_tensor(&self.spec, first, input, n, false, &self.device, |t| {
-                        frozen.embed(t)
-                    })?
-                    .1
-                }
-                Some(h) => {
-                    later.push(params::f32_slice(&h.to_data()).to_vec());
-                    h
-                }
-            };
-            let h = self.run_layer(&frozen, k, h);
-            match k + 1 == ranges.len() {
-                true => result = Some(self.end_forward(&frozen, h, targets, scale, n)?.1),
-                false => x = Some(h),
-            }
-            drop(frozen);
-            self.drop_layer(k);
-        }
-        let kept = KeptInputs {
-            first: KeptInput::of(input),
-            later,
-            n,
-            targets: targets.map(<[i64]>::to_vec),
-            scale,
-        };
-        self.pending.keep(id, Pending::Inputs(kept));
-        Ok(result.expect("a stage has at least one layer"))
+        self.forward_recomputed(id, input, n, targets, scale, Some(source))
     }
 
     fn backward_from(
@@ -990,27 +999,7 @@ impl StageContract for Stage {
         source: &mut dyn LayerSource,
     ) -> Result<Option<Vec<f32>>, E> {
         self.check_fetching()?;
-        check_grad_len("stage grad_params", self.num_params, grad_params.len())?;
-        let kept = match self.pending.take(id)? {
-            Pending::Inputs(kept) => kept,
-            Pending::Graphs(_) => {
-                return Err(E::InvalidSpec(format!(
-                    "micro-batch {id}'s forward kept its graphs: its backward needs the stage's \
-                     parameters"
-                )))
-            }
-        };
-        let mut grad = grad_output.map(<[f32]>::to_vec);
-        for (k, range) in self.layer_ranges().into_iter().enumerate().rev() {
-            self.fetch_layer(k, range.clone(), source)?;
-            let graph = self.recompute_layer(&kept, k)?;
-            let out = &mut grad_params[range];
-            grad = self.backward_graph(graph, grad, &mut |net, layers, grads| {
-                read_graph_grads(net, layers, grads, out)
-            })?;
-            self.drop_layer(k);
-        }
-        Ok(grad)
+        self.backward_into(id, grad_output, grad_params, Some(source))
     }
 
     fn evaluate(
