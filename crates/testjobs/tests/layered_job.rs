@@ -353,7 +353,8 @@ fn a_layered_jobs_own_update_rule_gives_one_hash_for_every_layout() {
 /// `train.recompute = "layers"`: with dropout, every layout gives the one-worker bits of a run
 /// that keeps its graphs (the recomputed forwards draw the same masks), and the first stage of a
 /// GPipe pipeline — eight micro-batches in flight — keeps only its layers' inputs, which its
-/// activation figure in summary.json shows.
+/// activation figure in summary.json shows. At ZeRO 3 the stages gather their parameters one
+/// layer at a time (`param_gathering = "layer"`), with the same bits.
 #[test]
 fn recomputing_layers_keeps_the_bits_and_holds_only_the_layers_inputs() {
     let tmp = tempfile::tempdir().unwrap();
@@ -365,9 +366,14 @@ fn recomputing_layers_keeps_the_bits_and_holds_only_the_layers_inputs() {
         "--set",
         "parallel.schedule=\"gpipe\"",
     ];
-    let runs: [(&str, &str, &[&str]); 5] = [
+    let runs: [(&str, &str, &[&str]); 6] = [
         ("kept", "1", &[]),
         ("one", "1", &recompute),
+        (
+            "dp2z3",
+            "2",
+            &[&recompute[..], &["--set", "parallel.zero=3"]].concat(),
+        ),
         ("pp2", "2", &[&recompute[..], &gpipe[..]].concat()),
         ("pp2-kept", "2", &gpipe),
         (
@@ -393,11 +399,14 @@ fn recomputing_layers_keeps_the_bits_and_holds_only_the_layers_inputs() {
             "{name} vs kept graphs"
         );
     }
+    let summary = |name: &str| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(dir(name).join("summary.json")).unwrap()).unwrap()
+    };
+    for name in ["dp2z3", "dp2pp2z3"] {
+        assert_eq!(summary(name)["param_gathering"], "layer", "{name}");
+    }
     let activations = |name: &str| -> u64 {
-        let s: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir(name).join("summary.json")).unwrap())
-                .unwrap();
-        s["ranks"][0]["memory"]["activation_peak_bytes"]
+        summary(name)["ranks"][0]["memory"]["activation_peak_bytes"]
             .as_u64()
             .unwrap()
     };

@@ -19,7 +19,8 @@ use burn::module::Module;
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use lockstep_model::flat::{self, ParamInfo};
 use lockstep_model::{
-    in_tp_scope, narrow_to_pieces, tp_params_of, LocalPieceSum, PieceSum, TpParam, UpdateRule,
+    in_tp_scope, narrow_to_pieces, tp_params_of, LayerSource, LocalPieceSum, PieceSum, TpParam,
+    UpdateRule,
 };
 use sha2::{Digest, Sha256};
 
@@ -948,6 +949,43 @@ impl<J: StagedJob> LayerStage for BurnStage<'_, '_, J> {
         self.forward_split(id, samples, scale)
     }
 
+    fn fetches_layers(&self) -> bool {
+        self.owner.recompute && self.tp.is_none()
+    }
+
+    fn forward_from(
+        &mut self,
+        id: u64,
+        samples: &[u32],
+        input: Option<&[f32]>,
+        scale: f32,
+        source: &mut dyn LayerSource,
+    ) -> Result<(Forwarded, f64), ReplicaError> {
+        if !self.fetches_layers() || self.released.is_none() {
+            return Err(ReplicaError::Other(
+                "a stage takes its layers one at a time only when it recomputes them, without \
+                 tensor parallelism, and holds no parameters (released)"
+                    .into(),
+            ));
+        }
+        self.forward_kept(id, samples, input, scale, Some(source))
+    }
+
+    fn backward_from(
+        &mut self,
+        id: u64,
+        grad_output: Option<&[f32]>,
+        grad: &mut [f32],
+        source: &mut dyn LayerSource,
+    ) -> Result<Option<Vec<f32>>, ReplicaError> {
+        let kept = self.kept.remove(&id).ok_or_else(|| {
+            ReplicaError::Other(format!(
+                "backward of micro-batch {id} without its recomputing forward"
+            ))
+        })?;
+        self.backward_kept(kept, grad_output, grad, Some(source))
+    }
+
     fn backward_streaming(
         &mut self,
         id: u64,
@@ -992,7 +1030,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         scale: f32,
     ) -> Result<(Forwarded, f64), ReplicaError> {
         if self.owner.recompute {
-            return self.forward_kept(id, samples, input, scale);
+            return self.forward_kept(id, samples, input, scale, None);
         }
         let device = self.owner.device.clone();
         let n = samples.len();
@@ -1031,7 +1069,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         grad: &mut [f32],
     ) -> Result<Option<Vec<f32>>, ReplicaError> {
         if let Some(kept) = self.kept.remove(&id) {
-            return self.backward_kept(kept, grad_output, grad);
+            return self.backward_kept(kept, grad_output, grad, None);
         }
         let pending = self.pending.remove(&id).ok_or_else(|| {
             ReplicaError::Other(format!("backward of micro-batch {id} without its forward"))

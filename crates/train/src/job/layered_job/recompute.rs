@@ -5,9 +5,14 @@
 //! The values are those of the kept graph, and a graph cut at every layer gives the parameter
 //! gradients of the whole one (as with `dist.overlap`): the same bits, with one layer's graph
 //! alive at a time instead of the stage's for every micro-batch in flight.
+//!
+//! With a [`LayerSource`] (ZeRO 3 one layer at a time), the stage holds no parameters: each
+//! layer's are taken from the source just before the layer runs, forward and recomputed
+//! backward, and released after.
 
 use burn::module::Module;
-use lockstep_model::flat;
+use lockstep_model::flat::{self, ParamInfo};
+use lockstep_model::LayerSource;
 
 use super::{dot, leaf_gradients, tensors_of, BurnStage, StagedJob};
 use crate::draws::{DrawPart, Draws};
@@ -41,16 +46,20 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         samples: &[u32],
         input: Option<&[f32]>,
         scale: f32,
+        mut source: Option<&mut dyn LayerSource>,
     ) -> Result<(Forwarded, f64), ReplicaError> {
         let device = self.owner.device.clone();
         let n = samples.len();
         let (batch, data_seconds) = self.training_batch(samples)?;
         let (_, mut x) = self.input(batch.as_ref(), input, n, &device, false)?;
         let mut inputs = Vec::with_capacity(self.layers.len());
-        // The same layers with parameters that track no gradient: autodiff records nothing (and
-        // keeps nothing alive), while dropout and the like still act as in training.
-        let frozen: Vec<J::Layer> = self.layers.iter().map(|l| l.clone().no_grad()).collect();
-        for (i, layer) in frozen.iter().enumerate() {
+        for i in 0..self.layers.len() {
+            if let Some(source) = source.as_deref_mut() {
+                self.fetch_layer(i, source)?;
+            }
+            // The layer with parameters that track no gradient: autodiff records nothing (and
+            // keeps nothing alive), while dropout and the like still act as in training.
+            let layer = self.layers[i].clone().no_grad();
             // Each layer starts from fresh tensors of its input's values: no graph reaches back.
             let words = Layout::encode(&parts_of(x)).map_err(other)?;
             let layout = &self.owner.boundaries[self.first_layer + i];
@@ -58,7 +67,11 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
             inputs.push(words);
             self.reseed(DrawPart::Layer(self.first_layer + i));
             let fresh = activation_of(parts).map_err(other)?;
-            x = guarded(|| self.owner.job.forward(layer, fresh))?;
+            x = guarded(|| self.owner.job.forward(&layer, fresh))?;
+            drop(layer);
+            if source.is_some() {
+                self.drop_layer(i);
+            }
         }
         let share = J::LOSS_REDUCTION.share(n, scale);
         let result = if self.last {
@@ -88,11 +101,59 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         kept: Kept<J::Batch>,
         grad_output: Option<&[f32]>,
         grad: &mut [f32],
+        source: Option<&mut dyn LayerSource>,
     ) -> Result<Option<Vec<f32>>, ReplicaError> {
         let later = std::mem::replace(&mut self.draws, kept.draws);
-        let result = self.recompute_backward(&kept, grad_output, grad);
+        let result = self.recompute_backward(&kept, grad_output, grad, source);
         self.draws = later;
         result
+    }
+
+    /// Layer `l`'s parameters (of the stage) written from `source`; the stage's are released.
+    fn fetch_layer(&mut self, l: usize, source: &mut dyn LayerSource) -> Result<(), ReplicaError> {
+        let range = self.layer_range(l);
+        let values = source.layer(l).map_err(|message| {
+            other(format!(
+                "fetching the parameters of the stage's layer {l}: {message}"
+            ))
+        })?;
+        if values.len() != range.len() {
+            return Err(ReplicaError::ParamLength {
+                what: "a fetched layer's parameters",
+                expected: range.len(),
+                got: values.len(),
+            });
+        }
+        let layout: Vec<ParamInfo> = match &self.released {
+            Some(all) => all
+                .iter()
+                .filter(|p| range.contains(&p.offset))
+                .cloned()
+                .collect(),
+            None => {
+                return Err(other(
+                    "a layer fetched while the stage holds its parameters",
+                ))
+            }
+        };
+        let layer = self.layers[l].clone();
+        let device = &self.owner.device;
+        self.layers[l] =
+            crate::device::timed_copy(|| flat::write_shaped(layer, &values, device, &layout));
+        Ok(())
+    }
+
+    /// Layer `l`'s parameters released again.
+    fn drop_layer(&mut self, l: usize) {
+        let layer = self.layers[l].clone();
+        self.layers[l] = flat::release(layer, &self.owner.device);
+    }
+
+    /// Layer `l`'s range of the stage's flat vector.
+    fn layer_range(&self, l: usize) -> std::ops::Range<usize> {
+        let offsets = &self.owner.offsets;
+        let start = offsets[self.first_layer];
+        offsets[self.first_layer + l] - start..offsets[self.first_layer + l + 1] - start
     }
 
     fn recompute_backward(
@@ -100,6 +161,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         kept: &Kept<J::Batch>,
         grad_output: Option<&[f32]>,
         grad: &mut [f32],
+        mut source: Option<&mut dyn LayerSource>,
     ) -> Result<Option<Vec<f32>>, ReplicaError> {
         let device = self.owner.device.clone();
         let n = kept.n;
@@ -111,8 +173,10 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
             }
             None => Vec::new(),
         };
-        let stage_start = self.owner.offsets[self.first_layer];
         for l in (0..self.layers.len()).rev() {
+            if let Some(source) = source.as_deref_mut() {
+                self.fetch_layer(l, source)?;
+            }
             let layout = &self.owner.boundaries[self.first_layer + l];
             let wants_input_grad = l > 0 || !self.first;
             let (parts, leaves) = layout
@@ -132,19 +196,24 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
                     dot(float_values(parts_of(out)), tensors_of(gout, &device))
                 }
             };
-            let range = self.owner.offsets[self.first_layer + l] - stage_start
-                ..self.owner.offsets[self.first_layer + l + 1] - stage_start;
-            let Some(seed) = seed else {
-                // No float path from this layer's output to the loss.
-                grad[range].fill(0.0);
-                gout = leaves.iter().map(|t| vec![0f32; t.dims()[0]]).collect();
-                continue;
-            };
-            let grads = guarded(|| seed.backward())?;
-            gout = leaf_gradients(&leaves, &grads)?;
-            crate::device::copy_from(&self.owner.device, || {
-                flat::read_grads(&self.layers[l], grads, &mut grad[range])
-            });
+            let range = self.layer_range(l);
+            match seed {
+                Some(seed) => {
+                    let grads = guarded(|| seed.backward())?;
+                    gout = leaf_gradients(&leaves, &grads)?;
+                    crate::device::copy_from(&self.owner.device, || {
+                        flat::read_grads(&self.layers[l], grads, &mut grad[range])
+                    });
+                }
+                None => {
+                    // No float path from this layer's output to the loss.
+                    grad[range].fill(0.0);
+                    gout = leaves.iter().map(|t| vec![0f32; t.dims()[0]]).collect();
+                }
+            }
+            if source.is_some() {
+                self.drop_layer(l);
+            }
         }
         Ok((!self.first).then(|| self.in_layout.gradient_words(n, &gout)))
     }
