@@ -19,8 +19,11 @@
 //! next, and a stranger that reconnects without pause always arrives before a real client pausing
 //! between retries, so it could keep that client out for as long as it liked. Hence the *lobby*
 //! ([`LobbyLimits`], `lobby.rs`): once a budget has been held for [`LobbyLimits::after`] by the same
-//! pending handshake (a real one takes a round trip, so that one is a stranger's), connections over
-//! it are no longer refused but wait in the lobby, without a thread: they are sent the hello at once
+//! pending handshake (a real one takes a round trip, so that one is a stranger's), or has refused
+//! connections without a pause for a second (a stranger whose connections churn so fast that none
+//! stays pending for long, yet which takes every place that frees up: on a fast machine a loopback
+//! flood reconnects tens of thousands of times a second), connections over it are no longer
+//! refused but wait in the lobby, without a thread: they are sent the hello at once
 //! and their proofs are checked on the accepting thread as they arrive, before any new connection
 //! is accepted. A real client passes in one round trip; the lobby's places are bounded per source
 //! and in total, and a newcomer pushes out the oldest waiter of its source (whose round trip, if
@@ -57,7 +60,8 @@ impl Default for AdmissionLimits {
 #[derive(Debug, Clone, Copy)]
 pub struct LobbyLimits {
     /// How long a budget must have been held by one pending handshake before connections over it
-    /// wait in the lobby instead of being refused at once.
+    /// wait in the lobby instead of being refused at once (a budget that has refused without a
+    /// pause for a second, or for this long if shorter, counts as held too).
     pub after: Duration,
     /// Waiting connections from one source IP; a new one pushes out that source's oldest.
     pub per_ip: usize,
@@ -93,7 +97,16 @@ struct Counts {
     /// Pending handshakes by (admission time, ticket number): the oldest first.
     since: BTreeMap<(Instant, u64), IpAddr>,
     next: u64,
+    /// Per budget (a source, or `None`: the global one), since when it has refused without a
+    /// pause longer than [`REFUSAL_PAUSE`], and when it last refused.
+    refusing: HashMap<Option<IpAddr>, (Instant, Instant)>,
 }
+
+/// A budget that refused nothing for this long is no longer under a flood.
+const REFUSAL_PAUSE: Duration = Duration::from_millis(500);
+/// A budget that has refused without such a pause for this long is under a flood (or at most the
+/// stale age asked about, if that is shorter).
+const REFUSING_FOR: Duration = Duration::from_secs(1);
 
 impl Counts {
     /// Whether the oldest pending handshake (of `ip`, or of anyone) was admitted by `cutoff`.
@@ -102,6 +115,21 @@ impl Counts {
             .iter()
             .take_while(|((t, _), _)| *t <= cutoff)
             .any(|(_, &from)| ip.is_none_or(|ip| ip == from))
+    }
+
+    /// Records a refusal by budget `of` at `now`; returns since when it has been refusing.
+    fn refused(&mut self, of: Option<IpAddr>, now: Instant) -> Instant {
+        // Forget budgets that stopped refusing long ago (a flood from many sources).
+        if self.refusing.len() > 4096 {
+            self.refusing
+                .retain(|_, s| now.saturating_duration_since(s.1) <= REFUSAL_PAUSE);
+        }
+        let streak = self.refusing.entry(of).or_insert((now, now));
+        if now.saturating_duration_since(streak.1) > REFUSAL_PAUSE {
+            streak.0 = now;
+        }
+        streak.1 = now;
+        streak.0
     }
 }
 
@@ -167,18 +195,26 @@ impl Admission {
     ) -> Result<Pending, OverBudget> {
         let mut c = lock(&self.counts);
         let cutoff = now.checked_sub(stale_after);
-        let stale = |c: &Counts, of: Option<IpAddr>| cutoff.is_some_and(|t| c.oldest_before(of, t));
+        let flooded = now.checked_sub(stale_after.min(REFUSING_FOR));
+        // Stale: one pending handshake has held the budget since the cutoff, or the budget has
+        // refused without pause for [`REFUSING_FOR`] (a stranger whose own connections churn so
+        // fast that none stays pending long, but which takes every place that frees up).
+        let stale = |c: &mut Counts, of: Option<IpAddr>| {
+            let refusing_since = c.refused(of, now);
+            flooded.is_some_and(|t| refusing_since <= t)
+                || cutoff.is_some_and(|t| c.oldest_before(of, t))
+        };
         let mine = c.per_ip.get(&ip).copied().unwrap_or(0);
         if mine >= self.limits.max_pending_per_ip {
             return Err(OverBudget {
                 category: format!("handshake budget of {ip} exhausted"),
-                stale: stale(&c, Some(ip)),
+                stale: stale(&mut c, Some(ip)),
             });
         }
         if c.total >= self.limits.max_pending {
             return Err(OverBudget {
                 category: "global handshake budget exhausted".into(),
-                stale: stale(&c, None),
+                stale: stale(&mut c, None),
             });
         }
         c.total += 1;
@@ -351,6 +387,39 @@ mod tests {
         drop(t1);
         assert_eq!(a.pending(), 2);
         let _t4 = a.try_admit(ip1).unwrap();
+    }
+
+    /// A stranger whose connections churn (none stays pending long) but which takes every place
+    /// that frees up: the budget refuses without pause, and after [`REFUSING_FOR`] of that its
+    /// refusals are stale too; a pause of more than [`REFUSAL_PAUSE`] starts the count again.
+    #[test]
+    fn a_budget_refusing_without_pause_is_stale_even_when_its_handshakes_are_young() {
+        let a = Admission::new(AdmissionLimits {
+            handshake_deadline: Duration::from_secs(10),
+            max_pending_per_ip: 1,
+            max_pending: 8,
+        });
+        let ip: IpAddr = "127.0.0.2".parse().unwrap();
+        let (t0, after) = (Instant::now(), Duration::from_secs(2));
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut held = Some(a.try_admit_at(ip, t0, after).unwrap());
+        let mut stale_at = None;
+        for step in 1..=14u64 {
+            // Every 100 ms: the held handshake ends, the stranger takes the place at once and
+            // the next connection is refused.
+            drop(held.take());
+            held = Some(a.try_admit_at(ip, ms(step * 100), after).unwrap());
+            let over = a.try_admit_at(ip, ms(step * 100 + 1), after).unwrap_err();
+            if over.stale && stale_at.is_none() {
+                stale_at = Some(step * 100 + 1);
+            }
+        }
+        // Refusing since 101 ms: stale from 1101 ms on, long before any handshake is 2 s old.
+        assert_eq!(stale_at, Some(1101));
+        // After a pause of 600 ms without refusals, the count starts again.
+        drop(held);
+        let _next = a.try_admit_at(ip, ms(2000), after).unwrap();
+        assert!(!a.try_admit_at(ip, ms(2001), after).unwrap_err().stale);
     }
 
     #[test]
