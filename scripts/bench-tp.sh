@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The cost of tensor parallelism's canonical split, and a tp2 step: configs/shakespeare.toml
+# The cost of tensor parallelism's pieces, and a tp2 step: configs/shakespeare.toml
 # (d_model 128, 4 heads, 4 blocks, d_ff 512, context 64, batch 32 = 4 × 8) on
 #   - 1 worker computing blocks whole (model.tp_pieces = 1),
-#   - 1 worker computing each block as 4 pieces summed exactly (model.tp_pieces = 4),
+#   - 1 worker computing each block as 4 pieces summed exactly (model.tp_pieces = 4: the model as
+#     a LayeredJob of lockstep::tp layers),
 #   - 2 workers, tp2, sharing those 4 pieces (same bits as the 1-worker tp_pieces = 4 run).
 # Interleaved runs in one invocation, REPS each, 1 compute thread per worker; per run the median
 # step time of rank 0 (evaluation steps excluded); reports medians, ranges and steps/s as JSON.

@@ -727,7 +727,7 @@ fn a_zero3_checkpoint_resumes_as_tp2_x_pp2_and_on_one_worker() {
             &["parallel.tp=1", "parallel.pp=1", "parallel.zero=0"][..],
         ),
     ] {
-        // dp2 × pp2 × zero 3 (the canonical 2-piece split computed by each rank) stops at step 5.
+        // dp2 × pp2 × zero 3 (the 2 tensor-parallel pieces computed by each rank) stops at step 5.
         let dir = tmp.path().join(name);
         let sets = [pieces[0], pieces[1], "parallel.pp=2", "parallel.zero=3"];
         let o = transformer(
@@ -749,7 +749,7 @@ fn a_zero3_checkpoint_resumes_as_tp2_x_pp2_and_on_one_worker() {
 
 #[test]
 fn zero_composes_with_tensor_parallelism() {
-    // The canonical split of 4 pieces (model.tp_pieces) on every run, one worker included.
+    // 4 tensor-parallel pieces (model.tp_pieces) on every run, one worker included.
     let tmp = tempfile::tempdir().unwrap();
     let pieces = ["model.tp_pieces=2", "model.heads=2"];
     let reference = tmp.path().join("one");

@@ -18,10 +18,11 @@
 //! backward has produced it (output layer first), through an identity custom op on every
 //! parameter (burn's `extension` feature; see the `streaming` module for how it is scheduled).
 //!
-//! Tensor parallelism: [`TpStage`] computes the transformer's blocks as the fixed pieces of a
-//! canonical split (`tensor_parallel` module), summing pieces through the [`PieceSum`] trait —
-//! locally here ([`LocalPieceSum`]), over a tensor-parallel group in `lockstep-train`; this crate
-//! never sees a rank.
+//! Tensor parallelism: [`ColumnParallelLinear`], [`RowParallelLinear`] and
+//! [`ParallelSelfAttention`] (Megatron-style layers any burn model can use, the built-in
+//! transformer's pieces included) are always computed as their fixed pieces, summing pieces
+//! through the [`PieceSum`] trait — locally here ([`LocalPieceSum`]), over a tensor-parallel
+//! group in `lockstep-train`; this crate never sees a rank.
 //!
 //! Speed: training binaries should call [`tune_allocator_for_training`] once at start-up (or
 //! install a global allocator such as mimalloc); glibc's default `mmap` threshold makes every
@@ -59,7 +60,6 @@ mod streaming;
 mod tensor_parallel;
 mod tp_attention;
 mod tp_layers;
-mod tp_stage;
 mod transformer;
 mod vector_math;
 
@@ -120,13 +120,10 @@ pub use peak::{
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
 pub use stage::{LayerSource, Stage, StageContract, StageEval, StageInput, StageOutput};
-pub use tensor_parallel::{
-    gather_map, scatter_map, split_params, LocalPieceSum, LocalTensor, PieceSum, TpLayout, TpSplit,
-};
+pub use tensor_parallel::{gather_map, scatter_map, LocalPieceSum, PieceSum};
 pub use tp_attention::{ParallelSelfAttention, ParallelSelfAttentionConfig};
 pub use tp_layers::{
     in_tp_scope, narrow_to_pieces, tp_param, tp_params_of, ColumnParallelLinear,
     ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig, TpParam, TpParamKind,
 };
-pub use tp_stage::TpStage;
 pub use transformer::{LayerKind, TransformerSpec};

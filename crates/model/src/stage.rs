@@ -59,9 +59,9 @@ pub trait LayerSource {
     fn layer(&mut self, k: usize) -> Result<Vec<f32>, String>;
 }
 
-/// The one contract of a transformer stage, whether it computes its layers whole ([`Stage`]) or
-/// as this rank's tensor-parallel pieces of the canonical split ([`crate::TpStage`]): forward and
-/// backward split apart, each forward's graph kept under its micro-batch id until the matching
+/// The contract of a transformer stage ([`Stage`]; with tensor-parallel pieces the transformer is
+/// a layered job of `lockstep::tp` layers instead, in `lockstep-train`): forward and backward
+/// split apart, each forward's graph kept under its micro-batch id until the matching
 /// backward, plain `f32` activations and gradients in and out, parameters as one flat vector.
 /// The training crate drives every transformer stage through this trait alone.
 pub trait StageContract {
@@ -308,8 +308,8 @@ pub(crate) fn start_backward(
     }
 }
 
-/// Forward graphs kept until their micro-batch's backward, by micro-batch id: what both stage
-/// kinds ([`Stage`], [`crate::TpStage`]) hold between the two passes.
+/// Forward graphs kept until their micro-batch's backward, by micro-batch id: what a [`Stage`]
+/// holds between the two passes.
 pub(crate) struct KeptGraphs<P>(HashMap<u64, P>);
 
 impl<P> KeptGraphs<P> {
@@ -1108,8 +1108,7 @@ pub(crate) fn check_targets<'t>(
     Ok(t)
 }
 
-/// A chain of stages through one micro-batch, for the tests of [`Stage`] and
-/// [`crate::TpStage`] (the same contract).
+/// A chain of stages through one micro-batch, for the tests of [`Stage`].
 #[cfg(test)]
 pub(crate) mod chain {
     use super::*;

@@ -1,8 +1,11 @@
 //! lockstep's built-in jobs, chosen by the config: the MLP and CNN classifiers on digits /
 //! Fashion-MNIST / MNIST, and the character-level transformer on text (the layered driver).
 //!
-//! The classifiers are a public [`LayeredJob`] like any user's: the one layered path trains
-//! them, with every feature it has (pipelines, ZeRO 3, overlap, recomputation, devices).
+//! The classifiers, and the transformer with tensor-parallel pieces (`tp_transformer.rs`, made of
+//! `lockstep::tp` layers), are a public [`LayeredJob`] like any user's: the one layered path
+//! trains them, with every feature it has (pipelines, ZeRO 3, overlap, recomputation, devices).
+
+mod tp_transformer;
 
 use std::sync::Arc;
 
@@ -21,6 +24,7 @@ use crate::precision::products;
 use crate::ConfigLoad;
 use crate::TrainError;
 use lockstep_run::ModelShape;
+use tp_transformer::TpTransformerJob;
 
 /// The job `lockstep train` runs: whatever `model.kind` and `data.dataset` say.
 #[derive(Debug, Clone, Copy, Default)]
@@ -52,6 +56,18 @@ impl JobSpec for BuiltinJob {
     }
 
     fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError> {
+        if cfg.model.kind == ModelKind::Transformer && cfg.model.tp_pieces > 1 {
+            let (spec, corpus) = crate::pipeline::transformer::spec_and_corpus(cfg)?;
+            let job = TpTransformerJob {
+                eval_windows: crate::pipeline::transformer::eval_windows(&corpus, spec.context),
+                spec,
+                pieces: cfg.model.tp_pieces,
+                corpus: Arc::new(corpus),
+            };
+            return Ok(Trainable::Layered(Box::new(BurnLayered::owning(
+                job, cfg, device,
+            )?)));
+        }
         if cfg.model.kind == ModelKind::Transformer {
             let device = device.seeded(cfg.train.seed);
             let model = crate::pipeline::transformer::Transformer::new(cfg, device)?;

@@ -175,18 +175,15 @@ pub fn exchange_maps(
 
 #[cfg(test)]
 mod tests {
-    //! f and g over 2 and 4 in-process ranks against one rank holding every piece, bit for bit:
-    //! the sums themselves, a block (attention: column-parallel QKV, row-parallel projection;
-    //! MLP: column-parallel then row-parallel linear) and the whole model.
+    //! The group's sums over 2 and 4 in-process ranks against one rank holding every piece, bit
+    //! for bit, and a stage gathered from its tp ranks (the layers' pieces over simulated ranks
+    //! are `lockstep-model`'s `tp_layers` tests; whole runs `crates/cli/tests/tensor_parallel.rs`).
 
     use std::sync::Arc;
     use std::time::Duration;
 
     use lockstep_comm::inproc::in_process_group;
-    use lockstep_model::{
-        gather_map, scatter_map, LocalPieceSum, StageContract, StageInput, StageOutput, TpLayout,
-        TpSplit, TpStage, TransformerSpec,
-    };
+    use lockstep_model::{gather_map, LocalPieceSum};
 
     use super::*;
 
@@ -265,123 +262,25 @@ mod tests {
         );
     }
 
-    /// 4 heads of 6, an MLP of 32: 4 pieces of one head and 8 columns.
-    fn spec() -> TransformerSpec {
-        TransformerSpec {
-            vocab: 11,
-            context: 6,
-            d_model: 24,
-            heads: 4,
-            blocks: 2,
-            d_ff: 32,
-            products: Default::default(),
-        }
-    }
-
-    /// What one rank saw of one micro-batch through `layers`.
-    struct Seen {
-        output: Vec<u32>,
-        input_grad: Option<Vec<u32>>,
-        /// This rank's local parameter gradients.
-        grads: Vec<f32>,
-        map: Vec<Range<usize>>,
-    }
-
-    /// Forward and backward of one micro-batch through `layers` as tp rank `r` of `tp` (`tp = 1`:
-    /// all pieces, summed locally).
-    fn pass(layers: Range<usize>, r: usize, tp: usize, comm: Option<Communicator>) -> Seen {
-        let s = spec();
-        let n = 2;
-        let sum: Box<dyn PieceSum> = match comm {
-            Some(c) => Box::new(GroupPieceSum::new(c, Rc::default())),
-            None => Box::new(LocalPieceSum),
-        };
-        let split = TpSplit::new(&s, PIECES, tp, r).unwrap();
-        let mut st = TpStage::new(&s, layers.clone(), 5, split, sum).unwrap();
-        let tokens: Vec<i64> = (0..n * s.context)
-            .map(|i| ((i * 5 + 3) % s.vocab) as i64)
-            .collect();
-        let targets: Vec<i64> = (0..n * s.context)
-            .map(|i| ((i * 3 + 1) % s.vocab) as i64)
-            .collect();
-        let acts: Vec<f32> = (0..s.activation_len(n))
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
-            .collect();
-        let input = if st.is_first() {
-            StageInput::Tokens(&tokens)
-        } else {
-            StageInput::Activations(&acts)
-        };
-        let last = st.is_last();
-        let out = st
-            .forward(1, input, n, last.then_some(&targets[..]), 0.125)
-            .unwrap();
-        let output = match out {
-            StageOutput::Activations(a) => bits(&a),
-            StageOutput::Loss(l) => vec![l.to_bits()],
-        };
-        let grad_out: Vec<f32> = acts.iter().map(|a| a * 0.01 - 0.002).collect();
-        let mut grads = vec![0f32; st.num_params()];
-        let input_grad = st
-            .backward(1, (!last).then_some(&grad_out[..]), &mut grads)
-            .unwrap()
-            .map(|g| bits(&g));
-        Seen {
-            output,
-            input_grad,
-            grads,
-            map: st.layout().index_map(),
-        }
-    }
-
-    fn check_layers(layers: Range<usize>) {
-        let reference = pass(layers.clone(), 0, 1, None);
-        let stage_len: usize = spec().layout(layers.clone()).iter().map(|p| p.len).sum();
-        let mut whole = vec![0f32; stage_len];
-        scatter_map(&reference.grads, &reference.map, &mut whole);
-        assert!(whole.iter().all(|g| g.is_finite()) && whole.iter().any(|&g| g != 0.0));
-        for tp in [2, 4] {
-            let seen = on_ranks(tp, |r, comm| pass(layers.clone(), r, tp, Some(comm)));
-            for (r, s) in seen.iter().enumerate() {
-                let what = format!("layers {layers:?}, tp rank {r} of {tp}");
-                assert_eq!(s.output, reference.output, "output, {what}");
-                assert_eq!(s.input_grad, reference.input_grad, "input gradient, {what}");
-                // Its pieces' and the replicated tensors' gradients: the one-rank bits.
-                assert_eq!(
-                    bits(&s.grads),
-                    bits(&gather_map(&whole, &s.map)),
-                    "grads, {what}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn a_block_split_over_ranks_gives_the_one_rank_bits() {
-        check_layers(1..2);
-    }
-
-    #[test]
-    fn the_whole_model_split_over_ranks_gives_the_one_rank_bits() {
-        check_layers(0..spec().num_layers());
-    }
-
     #[test]
     fn a_stage_is_gathered_whole_and_diverged_replicated_tensors_are_named() {
-        let s = spec();
-        let layers = 1..3;
-        let stage_len: usize = s.layout(layers.clone()).iter().map(|p| p.len).sum();
+        // A stage of 12 values: [0, 2) and [8, 10) replicated, [2, 8) and [10, 12) split in two
+        // pieces, one per tp rank (each rank's map in its local order).
+        let stage_len = 12;
+        let maps = [vec![0..5, 8..10, 10..11], vec![0..2, 5..8, 8..10, 11..12]];
         let whole: Vec<f32> = (0..stage_len).map(|i| i as f32 * 0.5 - 7.0).collect();
         for corrupt in [false, true] {
             let results = on_ranks(2, |r, mut comm| {
-                let split = TpSplit::new(&s, PIECES, 2, r).unwrap();
-                let my_map = TpLayout::new(&s, layers.clone(), split).index_map();
-                let mut mine = gather_map(&whole, &my_map);
+                let my_map = &maps[r];
+                let mut mine = gather_map(&whole, my_map);
                 if corrupt && r == 1 {
-                    mine[0] += 1.0; // ln1_gain of the first block: replicated
+                    mine[0] += 1.0; // a replicated value
                 }
-                let maps = exchange_maps(&mut comm, &my_map).unwrap();
-                gather_stage(&mut comm, &mine, &maps, stage_len).map_err(|e| e.to_string())
+                let got_maps = exchange_maps(&mut comm, my_map).unwrap();
+                if r == 0 {
+                    assert_eq!(got_maps, maps, "tp rank 0 learns every map");
+                }
+                gather_stage(&mut comm, &mine, &got_maps, stage_len).map_err(|e| e.to_string())
             });
             assert_eq!(results[1], Ok(None), "only tp rank 0 assembles");
             match (&results[0], corrupt) {

@@ -1,8 +1,8 @@
 //! lockstep's built-in character-level transformer as a [`Layered`] model: embedding, blocks,
 //! head over a character corpus (the embedded Shakespeare plays, or `data.dir`), on the worker's
 //! device (`train.device`: lockstep's kernels on the CPU, burn's operations elsewhere). With
-//! `model.tp_pieces > 1` its stages are `lockstep_model::TpStage`s (the canonical split, this
-//! rank's share of the pieces), also on one rank.
+//! `model.tp_pieces > 1` the same model is `builtin/tp_transformer.rs`'s job of `lockstep::tp`
+//! layers instead.
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -11,8 +11,8 @@ use std::time::Instant;
 use burn::tensor::Device;
 use lockstep_data::text::{CharCorpus, Split};
 use lockstep_model::{
-    LayerKind, LayerSource, LocalPieceSum, PieceSum, Stage, StageContract, StageEval, StageInput,
-    StageOutput, TpSplit, TpStage, TransformerSpec,
+    LayerKind, LayerSource, Stage, StageContract, StageEval, StageInput, StageOutput,
+    TransformerSpec,
 };
 
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
@@ -52,33 +52,43 @@ pub fn load_corpus(cfg: &TrainConfig) -> Result<CharCorpus, TrainError> {
 pub struct Transformer {
     spec: TransformerSpec,
     corpus: CharCorpus,
-    /// `model.tp_pieces`.
-    tp_pieces: usize,
-    /// The autodiff device its stages compute on (`train.device`; the tensor-parallel pieces
-    /// run on the CPU only, which the plan ensures).
+    /// The autodiff device its stages compute on (`train.device`).
     device: Device,
-    /// `train.recompute = "layers"` (whole layers only: the plan refuses it with pieces).
+    /// `train.recompute = "layers"`.
     recompute: bool,
+}
+
+/// The spec of a text config and its corpus, checked against each other: the spec is valid for
+/// the corpus's characters and the validation text holds at least one window.
+pub fn spec_and_corpus(cfg: &TrainConfig) -> Result<(TransformerSpec, CharCorpus), TrainError> {
+    let corpus = load_corpus(cfg)?;
+    let spec = transformer_spec(cfg, corpus.vocab_size());
+    spec.validate()?;
+    if corpus.num_windows(Split::Val, spec.context) == 0 {
+        return Err(TrainError::ValidationTooShort {
+            dataset: corpus.name.clone(),
+            chars: corpus.tokens(Split::Val).len(),
+            context: spec.context,
+        });
+    }
+    Ok((spec, corpus))
+}
+
+/// The validation windows a transformer is evaluated on: `EVAL_WINDOWS` (or all there are),
+/// evenly spaced over the validation text.
+pub fn eval_windows(corpus: &CharCorpus, context: usize) -> Vec<u32> {
+    let available = corpus.num_windows(Split::Val, context);
+    let k = EVAL_WINDOWS.min(available);
+    (0..k).map(|i| (i * available / k) as u32).collect()
 }
 
 impl Transformer {
     /// Load the corpus and check that the spec fits it; stages will compute on `device`.
     pub fn new(cfg: &TrainConfig, device: Device) -> Result<Transformer, TrainError> {
-        let corpus = load_corpus(cfg)?;
-        let spec = transformer_spec(cfg, corpus.vocab_size());
-        spec.validate()?;
-        if corpus.num_windows(Split::Val, spec.context) == 0 {
-            return Err(TrainError::ValidationTooShort {
-                dataset: corpus.name.clone(),
-                chars: corpus.tokens(Split::Val).len(),
-                context: spec.context,
-            });
-        }
-        TpSplit::new(&spec, cfg.model.tp_pieces, 1, 0)?;
+        let (spec, corpus) = spec_and_corpus(cfg)?;
         Ok(Transformer {
             spec,
             corpus,
-            tp_pieces: cfg.model.tp_pieces,
             device,
             recompute: cfg.train.recompute == Recompute::Layers,
         })
@@ -107,9 +117,7 @@ impl Layered for Transformer {
     }
 
     fn eval_samples(&self) -> Vec<u32> {
-        let available = self.corpus.num_windows(Split::Val, self.spec.context);
-        let k = EVAL_WINDOWS.min(available);
-        (0..k).map(|i| (i * available / k) as u32).collect()
+        eval_windows(&self.corpus, self.spec.context)
     }
 
     fn eval_units(&self, samples: usize) -> f64 {
@@ -168,33 +176,8 @@ impl Layered for Transformer {
         layers: Range<usize>,
         seed: u64,
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
-        if self.tp_pieces > 1 {
-            // The canonical split on one rank: all pieces, summed locally.
-            return self.tp_stage(layers, seed, 1, 0, Box::new(LocalPieceSum));
-        }
         let stage = Stage::new_on(&self.spec, layers, seed, self.device.clone())?
             .with_recompute(self.recompute);
-        Ok(self.reading(Box::new(stage)))
-    }
-
-    fn tp_pieces(&self) -> usize {
-        self.tp_pieces
-    }
-
-    fn tp_split_params(&self, layer: usize) -> usize {
-        lockstep_model::split_params(&self.spec, layer)
-    }
-
-    fn tp_stage(
-        &self,
-        layers: Range<usize>,
-        seed: u64,
-        tp: usize,
-        tp_rank: usize,
-        sum: Box<dyn PieceSum>,
-    ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
-        let split = TpSplit::new(&self.spec, self.tp_pieces, tp, tp_rank)?;
-        let stage = TpStage::new(&self.spec, layers, seed, split, sum)?;
         Ok(self.reading(Box::new(stage)))
     }
 }
