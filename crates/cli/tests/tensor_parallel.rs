@@ -1,8 +1,8 @@
 //! Tensor parallelism end to end on a small transformer split into `model.tp_pieces = 4` fixed
-//! pieces per block: tp2, tp4, tp2×pp2, dp2×tp2 and dp2×tp2 at ZeRO 3 end with the one-worker run's parameters,
-//! loss and validation curve, bit for bit; bad layouts are refused before any worker starts; a
-//! killed tp rank recovers; a tp2×pp2 checkpoint resumes on one worker, and a one-worker
-//! checkpoint as tp4, with the same bits.
+//! pieces per block: tp2, tp4, tp2×pp2, dp2×tp2, dp2×tp2 at ZeRO 3 and dp2 recomputing its
+//! layers end with the one-worker run's parameters, loss and validation curve, bit for bit; bad
+//! layouts are refused before any worker starts; a killed tp rank recovers; a tp2×pp2 checkpoint
+//! resumes on one worker, and a one-worker checkpoint as tp4, with the same bits.
 
 use std::path::Path;
 use std::process::Output;
@@ -99,6 +99,12 @@ fn every_tensor_parallel_layout_reproduces_the_single_worker_bits() {
             "4",
             &["parallel.tp=2", "parallel.dp=2", "parallel.zero=3"],
             "dp2xtp2-zero3",
+        ),
+        // The pieces' layers recomputed in backward (no tp ranks: their sums would repeat).
+        (
+            "2",
+            &["parallel.dp=2", "train.recompute=\"layers\""],
+            "dp2-recompute",
         ),
     ];
     for (nproc, sets, name) in layouts {

@@ -139,9 +139,8 @@ impl ParallelPlan {
             ModelShape::Layered {
                 recomputes: true, ..
             } => return Ok(()),
-            _ => "recomputes whole layers: a LayeredJob's or StagedJob's (the built-in MLP and \
-                  CNN are one) or the built-in transformer's without tensor-parallel pieces \
-                  (model.tp_pieces = 1), and this model is neither"
+            _ => "recomputes whole layers: a LayeredJob's or StagedJob's (the built-in models are \
+                  one), and this model is not"
                 .to_string(),
         };
         Err(invalid(
@@ -406,8 +405,9 @@ impl TrainConfig {
             } else {
                 format!("model `{}` has no tensor-parallel layers", self.model.kind)
             },
-            // The transformer recomputes whole layers, not tensor-parallel pieces.
-            recomputes: !transformer || self.model.tp_pieces <= 1,
+            // Every built-in model is made of whole layers (the transformer with pieces, too: a
+            // layered job of lockstep::tp layers), recomputed without tensor-parallel ranks.
+            recomputes: true,
             bf16_products: true,
         }
     }
@@ -530,8 +530,8 @@ mod tests {
         }
         let (_, m) = refused(&cfg(&["parallel.zero=3"]), 2, &flat(true));
         assert!(m.contains("implement lockstep::LayeredJob"), "{m}");
-        // The built-in transformer recomputes whole layers, not tensor-parallel pieces; a
-        // layered job's layers (the built-in classifiers' too) recompute.
+        // Every built-in model recomputes its layers, the transformer with tensor-parallel pieces
+        // too — without tensor-parallel ranks, whose sums a recomputed forward would repeat.
         let recompute = cfg(&["train.recompute=\"layers\""]);
         let transformer = cfg(&["train.recompute=\"layers\"", "model.kind=transformer"]);
         assert!(ParallelPlan::new(&transformer, 2, &transformer.builtin_shape(4)).is_ok());
@@ -540,9 +540,16 @@ mod tests {
             "model.kind=transformer",
             "model.tp_pieces=2",
         ]);
-        let (field, m) = refused(&pieces, 2, &pieces.builtin_shape(4));
+        assert!(ParallelPlan::new(&pieces, 2, &pieces.builtin_shape(4)).is_ok());
+        let tp = cfg(&[
+            "train.recompute=\"layers\"",
+            "model.kind=transformer",
+            "model.tp_pieces=2",
+            "parallel.tp=2",
+        ]);
+        let (field, m) = refused(&tp, 2, &tp.builtin_shape(4));
         assert_eq!(field, "train.recompute", "{m}");
-        assert!(m.contains("model.tp_pieces = 1"), "{m}");
+        assert!(m.contains("parallel.tp = 2"), "{m}");
         assert!(ParallelPlan::new(&recompute, 2, &layered(4, 1)).is_ok());
         for kind in ["mlp", "cnn"] {
             let c = cfg(&["train.recompute=\"layers\"", &format!("model.kind={kind}")]);
