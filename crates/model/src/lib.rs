@@ -119,7 +119,7 @@ pub use peak::{
 };
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
-pub use stage::{LayerSource, Stage, StageContract, StageEval, StageInput, StageOutput};
+pub use stage::{LayerSource, Stage, StageEval, StageInput, StageOutput};
 pub use tensor_parallel::{gather_map, scatter_map, LocalPieceSum, PieceSum};
 pub use tp_attention::{ParallelSelfAttention, ParallelSelfAttentionConfig};
 pub use tp_layers::{

@@ -59,139 +59,6 @@ pub trait LayerSource {
     fn layer(&mut self, k: usize) -> Result<Vec<f32>, String>;
 }
 
-/// The contract of a transformer stage ([`Stage`]; with tensor-parallel pieces the transformer is
-/// a layered job of `lockstep::tp` layers instead, in `lockstep-train`): forward and backward
-/// split apart, each forward's graph kept under its micro-batch id until the matching
-/// backward, plain `f32` activations and gradients in and out, parameters as one flat vector.
-/// The training crate drives every transformer stage through this trait alone.
-pub trait StageContract {
-    fn spec(&self) -> &TransformerSpec;
-    /// The layers of the whole model this stage computes.
-    fn layers(&self) -> Range<usize>;
-    fn is_first(&self) -> bool {
-        self.layers().start == 0
-    }
-    fn is_last(&self) -> bool {
-        self.layers().end == self.spec().num_layers()
-    }
-    /// Values of [`StageContract::params_flat`].
-    fn num_params(&self) -> usize;
-    /// Micro-batches whose forward graphs are held, waiting for their backward.
-    fn held(&self) -> usize;
-    /// The parameters this stage holds, flat. Panics after [`StageContract::release_params`].
-    fn params_flat(&self) -> Vec<f32>;
-    fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E>;
-    /// Drop the parameters' tensors until the next [`StageContract::set_params_flat`] (ZeRO 3
-    /// keeps only its chunk of them between steps). Refused while graphs are pending.
-    fn release_params(&mut self);
-    /// Forward of micro-batch `id` (`n` sequences), keeping its graph for
-    /// [`StageContract::backward`]. The last stage needs `targets` (`n · context` ids) and
-    /// returns the loss `scale · Σ cross-entropy`; other stages return their output activations.
-    fn forward(
-        &mut self,
-        id: u64,
-        input: StageInput<'_>,
-        n: usize,
-        targets: Option<&[i64]>,
-        scale: f32,
-    ) -> Result<StageOutput, E>;
-    /// Backward of micro-batch `id`: writes d(loss)/d(this stage's parameters) into
-    /// `grad_params` and returns d(loss)/d(input activations) for the previous stage (`None` on
-    /// the first stage). `grad_output` is the next stage's input gradient (`None` on the last).
-    fn backward(
-        &mut self,
-        id: u64,
-        grad_output: Option<&[f32]>,
-        grad_params: &mut [f32],
-    ) -> Result<Option<Vec<f32>>, E>;
-    /// Forward without keeping anything, for evaluation. The last stage needs `targets`.
-    fn evaluate(
-        &mut self,
-        input: StageInput<'_>,
-        n: usize,
-        targets: Option<&[i64]>,
-    ) -> Result<StageEval, E>;
-    /// [`StageContract::forward`] of a micro-batch whose backward will stream layer by layer
-    /// ([`StageContract::backward_streaming`]): a stage that can keeps each layer's graph apart
-    /// (cut like pipeline stages, so the bits are the uncut ones). Default: the plain forward.
-    fn forward_streamed(
-        &mut self,
-        id: u64,
-        input: StageInput<'_>,
-        n: usize,
-        targets: Option<&[i64]>,
-        scale: f32,
-    ) -> Result<StageOutput, E> {
-        self.forward(id, input, n, targets, scale)
-    }
-    /// [`StageContract::backward`] of micro-batch `id` handing each layer's parameter gradient
-    /// (`layers[k]`, the stage's flat range of its layer `k`) to `on_layer(k, values)` as soon as
-    /// it exists, the last layer first: bitwise what `backward` writes. Default: one backward,
-    /// then every layer handed out.
-    fn backward_streaming(
-        &mut self,
-        id: u64,
-        grad_output: Option<&[f32]>,
-        layers: &[Range<usize>],
-        on_layer: &mut dyn FnMut(usize, &[f32]),
-    ) -> Result<Option<Vec<f32>>, E> {
-        let mut grad = vec![0f32; self.num_params()];
-        let input_grad = self.backward(id, grad_output, &mut grad)?;
-        for (k, range) in layers.iter().enumerate().rev() {
-            on_layer(k, &grad[range.clone()]);
-        }
-        Ok(input_grad)
-    }
-    /// Whether the stage can run [`StageContract::forward_from`] and
-    /// [`StageContract::backward_from`] (a stage that recomputes its layers whole).
-    fn fetches_layers(&self) -> bool {
-        false
-    }
-    /// [`StageContract::forward`] of a recomputing stage whose parameters are released: each
-    /// layer's are taken from `source` just before the layer runs and released after it, so at
-    /// most one layer's parameters are held. The same bits as with the stage's parameters set.
-    fn forward_from(
-        &mut self,
-        id: u64,
-        input: StageInput<'_>,
-        n: usize,
-        targets: Option<&[i64]>,
-        scale: f32,
-        source: &mut dyn LayerSource,
-    ) -> Result<StageOutput, E> {
-        let _ = (id, input, n, targets, scale, source);
-        Err(E::InvalidSpec(
-            "this stage cannot take its layers' parameters one at a time".into(),
-        ))
-    }
-    /// [`StageContract::backward`] of a micro-batch that [`StageContract::forward_from`] ran:
-    /// each layer's parameters taken from `source` again for its recomputed forward and
-    /// backward, and released after.
-    fn backward_from(
-        &mut self,
-        id: u64,
-        grad_output: Option<&[f32]>,
-        grad_params: &mut [f32],
-        source: &mut dyn LayerSource,
-    ) -> Result<Option<Vec<f32>>, E> {
-        let _ = (id, grad_output, grad_params, source);
-        Err(E::InvalidSpec(
-            "this stage cannot take its layers' parameters one at a time".into(),
-        ))
-    }
-    /// Ranges of the stage's canonical flat vector whose concatenation is
-    /// [`StageContract::params_flat`]: all of it, unless the stage holds only some pieces.
-    fn index_map(&self) -> Vec<Range<usize>> {
-        std::iter::once(0..self.num_params()).collect()
-    }
-    /// Buckets of the flat gradient for the exact data-parallel sum when the stage needs its
-    /// own (pieces never straddled); `None`: the caller's layer buckets.
-    fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
-        let _ = bucket_elems;
-        None
-    }
-}
-
 /// `layers` must be a non-empty range of `spec`'s layers (every stage's constructor).
 pub(crate) fn check_stage_layers(spec: &TransformerSpec, layers: &Range<usize>) -> Result<(), E> {
     if layers.is_empty() || layers.end > spec.num_layers() {
@@ -435,8 +302,8 @@ pub struct Stage {
     layout: Vec<ParamInfo>,
     num_params: usize,
     pending: KeptGraphs<Pending>,
-    /// The parameters' tensors were dropped ([`StageContract::release_params`]); the next
-    /// [`StageContract::set_params_flat`] builds them again.
+    /// The parameters' tensors were dropped ([`Stage::release_params`]); the next
+    /// [`Stage::set_params_flat`] builds them again.
     released: bool,
     /// `train.recompute = "layers"`: a training forward keeps only each layer's input.
     recompute: bool,
@@ -684,8 +551,8 @@ impl Stage {
         Ok(grad)
     }
 
-    /// [`StageContract::backward`], each layer's parameters taken from `source` when given
-    /// ([`StageContract::backward_from`]).
+    /// [`Stage::backward`], each layer's parameters taken from `source` when given
+    /// ([`Stage::backward_from`]).
     fn backward_into(
         &mut self,
         id: u64,
@@ -779,7 +646,7 @@ impl Stage {
         self.net = net.with_layer(k, None, &[], &self.device);
     }
 
-    /// [`StageContract::forward_from`]'s and [`StageContract::backward_from`]'s condition.
+    /// [`Stage::forward_from`]'s and [`Stage::backward_from`]'s condition.
     fn check_fetching(&self) -> Result<(), E> {
         match self.recompute && self.released {
             true => Ok(()),
@@ -794,7 +661,7 @@ impl Stage {
     /// A training forward that keeps only each layer's input: the layers run with parameters
     /// that track no gradient, so autodiff records nothing and nothing is kept alive. With a
     /// `source`, each layer's parameters are taken from it just before the layer runs and
-    /// released after ([`StageContract::forward_from`]).
+    /// released after ([`Stage::forward_from`]).
     fn forward_recomputed(
         &mut self,
         id: u64,
@@ -873,26 +740,39 @@ impl Stage {
     }
 }
 
-impl StageContract for Stage {
-    fn spec(&self) -> &TransformerSpec {
+/// The stage's contract with the training crate: forward and backward split apart, each
+/// forward's graph kept under its micro-batch id until the matching backward, plain `f32`
+/// activations and gradients in and out, parameters as one flat vector.
+impl Stage {
+    pub fn is_first(&self) -> bool {
+        self.layers.start == 0
+    }
+    pub fn is_last(&self) -> bool {
+        self.layers.end == self.spec.num_layers()
+    }
+    pub fn spec(&self) -> &TransformerSpec {
         &self.spec
     }
-    fn layers(&self) -> Range<usize> {
+    /// The layers of the whole model this stage computes.
+    pub fn layers(&self) -> Range<usize> {
         self.layers.clone()
     }
-    fn num_params(&self) -> usize {
+    /// Values of [`Stage::params_flat`].
+    pub fn num_params(&self) -> usize {
         self.num_params
     }
-    fn held(&self) -> usize {
+    /// Micro-batches whose forward graphs are held, waiting for their backward.
+    pub fn held(&self) -> usize {
         self.pending.len()
     }
 
-    fn params_flat(&self) -> Vec<f32> {
+    /// The parameters this stage holds, flat. Panics after [`Stage::release_params`].
+    pub fn params_flat(&self) -> Vec<f32> {
         assert!(!self.released, "the stage's parameters were released");
         params::read(&self.net, self.num_params)
     }
 
-    fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E> {
+    pub fn set_params_flat(&mut self, p: &[f32]) -> Result<(), E> {
         if p.len() != self.num_params {
             return Err(E::ParamLength {
                 what: "stage set_params_flat",
@@ -908,7 +788,9 @@ impl StageContract for Stage {
         Ok(())
     }
 
-    fn release_params(&mut self) {
+    /// Drop the parameters' tensors until the next [`Stage::set_params_flat`] (ZeRO 3
+    /// keeps only its chunk of them between steps). Refused while graphs are pending.
+    pub fn release_params(&mut self) {
         self.pending.assert_none_for("released");
         let net = std::mem::replace(&mut self.net, StageNet::empty());
         // Empty tensors in the same structure: layers can be written back one at a time.
@@ -916,7 +798,10 @@ impl StageContract for Stage {
         self.released = true;
     }
 
-    fn forward(
+    /// Forward of micro-batch `id` (`n` sequences), keeping its graph for
+    /// [`Stage::backward`]. The last stage needs `targets` (`n · context` ids) and
+    /// returns the loss `scale · Σ cross-entropy`; other stages return their output activations.
+    pub fn forward(
         &mut self,
         id: u64,
         input: StageInput<'_>,
@@ -930,7 +815,10 @@ impl StageContract for Stage {
         self.forward_graphs(id, input, n, targets, scale, false)
     }
 
-    fn forward_streamed(
+    /// [`Stage::forward`] of a micro-batch whose backward will stream layer by layer
+    /// ([`Stage::backward_streaming`]): a stage that can keeps each layer's graph apart
+    /// (cut like pipeline stages, so the bits are the uncut ones). Default: the plain forward.
+    pub fn forward_streamed(
         &mut self,
         id: u64,
         input: StageInput<'_>,
@@ -941,7 +829,10 @@ impl StageContract for Stage {
         self.forward_graphs(id, input, n, targets, scale, true)
     }
 
-    fn backward(
+    /// Backward of micro-batch `id`: writes d(loss)/d(this stage's parameters) into
+    /// `grad_params` and returns d(loss)/d(input activations) for the previous stage (`None` on
+    /// the first stage). `grad_output` is the next stage's input gradient (`None` on the last).
+    pub fn backward(
         &mut self,
         id: u64,
         grad_output: Option<&[f32]>,
@@ -950,7 +841,11 @@ impl StageContract for Stage {
         self.backward_into(id, grad_output, grad_params, None)
     }
 
-    fn backward_streaming(
+    /// [`Stage::backward`] of micro-batch `id` handing each layer's parameter gradient
+    /// (`layers[k]`, the stage's flat range of its layer `k`) to `on_layer(k, values)` as soon as
+    /// it exists, the last layer first: bitwise what `backward` writes. Default: one backward,
+    /// then every layer handed out.
+    pub fn backward_streaming(
         &mut self,
         id: u64,
         grad_output: Option<&[f32]>,
@@ -974,11 +869,16 @@ impl StageContract for Stage {
         })
     }
 
-    fn fetches_layers(&self) -> bool {
+    /// Whether the stage can run [`Stage::forward_from`] and
+    /// [`Stage::backward_from`] (a stage that recomputes its layers whole).
+    pub fn fetches_layers(&self) -> bool {
         self.recompute
     }
 
-    fn forward_from(
+    /// [`Stage::forward`] of a recomputing stage whose parameters are released: each
+    /// layer's are taken from `source` just before the layer runs and released after it, so at
+    /// most one layer's parameters are held. The same bits as with the stage's parameters set.
+    pub fn forward_from(
         &mut self,
         id: u64,
         input: StageInput<'_>,
@@ -991,7 +891,10 @@ impl StageContract for Stage {
         self.forward_recomputed(id, input, n, targets, scale, Some(source))
     }
 
-    fn backward_from(
+    /// [`Stage::backward`] of a micro-batch that [`Stage::forward_from`] ran:
+    /// each layer's parameters taken from `source` again for its recomputed forward and
+    /// backward, and released after.
+    pub fn backward_from(
         &mut self,
         id: u64,
         grad_output: Option<&[f32]>,
@@ -1002,7 +905,8 @@ impl StageContract for Stage {
         self.backward_into(id, grad_output, grad_params, Some(source))
     }
 
-    fn evaluate(
+    /// Forward without keeping anything, for evaluation. The last stage needs `targets`.
+    pub fn evaluate(
         &mut self,
         input: StageInput<'_>,
         n: usize,
@@ -1114,17 +1018,12 @@ pub(crate) mod chain {
     use super::*;
 
     /// Forward of one micro-batch (id 9, scale 0.25) through `stage`.
-    fn fwd<S: StageContract>(
-        stage: &mut S,
-        input: StageInput<'_>,
-        n: usize,
-        y: Option<&[i64]>,
-    ) -> StageOutput {
+    fn fwd(stage: &mut Stage, input: StageInput<'_>, n: usize, y: Option<&[i64]>) -> StageOutput {
         stage.forward(9, input, n, y, 0.25).unwrap()
     }
 
     /// Its backward: the input gradient and the parameter gradients.
-    fn bwd<S: StageContract>(stage: &mut S, g: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>) {
+    fn bwd(stage: &mut Stage, g: Option<&[f32]>) -> (Option<Vec<f32>>, Vec<f32>) {
         let mut gp = vec![0f32; stage.num_params()];
         (stage.backward(9, g, &mut gp).unwrap(), gp)
     }
@@ -1144,12 +1043,7 @@ pub(crate) mod chain {
 
     /// The contract's misuse, refused: a second forward of a pending id, a backward of an id
     /// with no forward (`stage` holds every layer; `x`, `y` a batch of `n`).
-    pub(crate) fn assert_misuse_refused<S: StageContract>(
-        stage: &mut S,
-        x: &[i64],
-        y: &[i64],
-        n: usize,
-    ) {
+    pub(crate) fn assert_misuse_refused(stage: &mut Stage, x: &[i64], y: &[i64], n: usize) {
         stage
             .forward(0, StageInput::Tokens(x), n, Some(y), 1.0)
             .unwrap();
@@ -1175,16 +1069,16 @@ pub(crate) mod chain {
 
     /// The stages `make` builds for the layers between `cuts`, through one micro-batch of 2
     /// sequences: the loss, each stage's parameter gradients, the stages.
-    pub(crate) fn run<S: StageContract>(
+    pub(crate) fn run(
         cuts: &[usize],
         s: &TransformerSpec,
-        make: impl Fn(Range<usize>) -> S,
-    ) -> (f32, Vec<Vec<f32>>, Vec<S>) {
+        make: impl Fn(Range<usize>) -> Stage,
+    ) -> (f32, Vec<Vec<f32>>, Vec<Stage>) {
         let bounds: Vec<usize> = std::iter::once(0)
             .chain(cuts.iter().copied())
             .chain(std::iter::once(s.num_layers()))
             .collect();
-        let mut stages: Vec<S> = bounds.windows(2).map(|w| make(w[0]..w[1])).collect();
+        let mut stages: Vec<Stage> = bounds.windows(2).map(|w| make(w[0]..w[1])).collect();
         let n = 2;
         let (x, y) = batch(n, s);
         let mut act = Vec::new();

@@ -11,8 +11,7 @@ use std::time::Instant;
 use burn::tensor::Device;
 use lockstep_data::text::{CharCorpus, Split};
 use lockstep_model::{
-    LayerKind, LayerSource, Stage, StageContract, StageEval, StageInput, StageOutput,
-    TransformerSpec,
+    LayerKind, LayerSource, Stage, StageEval, StageInput, StageOutput, TransformerSpec,
 };
 
 use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
@@ -178,13 +177,13 @@ impl Layered for Transformer {
     ) -> Result<Box<dyn LayerStage + '_>, TrainError> {
         let stage = Stage::new_on(&self.spec, layers, seed, self.device.clone())?
             .with_recompute(self.recompute);
-        Ok(self.reading(Box::new(stage)))
+        Ok(self.reading(stage))
     }
 }
 
 impl Transformer {
     /// `stage` with this transformer's corpus to read its tokens and targets from.
-    fn reading(&self, stage: Box<dyn StageContract>) -> Box<dyn LayerStage + '_> {
+    fn reading(&self, stage: Stage) -> Box<dyn LayerStage + '_> {
         Box::new(TransformerStage {
             stage,
             corpus: &self.corpus,
@@ -202,10 +201,9 @@ enum Kept<'s> {
     From(&'s mut dyn LayerSource),
 }
 
-/// Some layers of the transformer (computed whole, or as pieces of the canonical split: one
-/// contract either way) and the corpus they read tokens and targets from.
+/// Some layers of the transformer and the corpus they read tokens and targets from.
 struct TransformerStage<'a> {
-    stage: Box<dyn StageContract>,
+    stage: Stage,
     corpus: &'a CharCorpus,
     x: Vec<i64>,
     y: Vec<i64>,
@@ -388,13 +386,5 @@ impl LayerStage for TransformerStage<'_> {
                 }),
             },
         )
-    }
-
-    fn index_map(&self) -> Vec<Range<usize>> {
-        self.stage.index_map()
-    }
-
-    fn grad_buckets(&self, bucket_elems: usize) -> Option<Vec<Range<usize>>> {
-        self.stage.grad_buckets(bucket_elems)
     }
 }
