@@ -9,7 +9,9 @@
 # step time of rank 0 (evaluation steps excluded); reports medians, ranges and steps/s as JSON.
 #
 # usage: scripts/bench-tp.sh OUT.json [REPS] [STEPS]   (build first: cargo build --release;
-#        BIN_DIR=target/debug uses the dev build, whose dependencies are optimised too)
+#        BIN_DIR=target/debug uses the dev build, whose dependencies are optimised too;
+#        BASELINE_BIN_DIR=DIR also runs every layout with DIR/lockstep, interleaved, as NAME-baseline:
+#        an earlier build against this one)
 set -euo pipefail
 out=${1:?usage: $0 OUT.json [REPS] [STEPS]}
 reps=${2:-3}
@@ -25,16 +27,22 @@ declare -A layout=(
     [pieces4]="--nproc 1 --set model.tp_pieces=4"
     [tp2]="--nproc 2 --set model.tp_pieces=4 --set parallel.tp=2"
 )
+baseline=${BASELINE_BIN_DIR:-}
 for i in $(seq 1 "$reps"); do
     for name in whole pieces4 tp2; do
         # shellcheck disable=SC2086
         "$bin/lockstep" train "${common[@]}" ${layout[$name]} --out "$work/$name-$i" >/dev/null 2>&1
+        if [[ -n "$baseline" ]]; then
+            # shellcheck disable=SC2086
+            "$baseline/lockstep" train "${common[@]}" ${layout[$name]} \
+                --out "$work/$name-baseline-$i" >/dev/null 2>&1
+        fi
     done
     echo "rep $i done" >&2
 done
-python3 - "$work" "$reps" "$out" <<'PY'
+python3 - "$work" "$reps" "$out" "$baseline" <<'PY'
 import json, statistics, sys
-work, reps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+work, reps, out, baseline = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 def step_seconds(name):
     vals, hashes = [], set()
     for i in range(1, reps + 1):
@@ -44,15 +52,30 @@ def step_seconds(name):
                                       if r.get("rank") == 0 and not r.get("eval")))
         hashes.add(json.load(open(f"{d}/summary.json"))["param_hash"])
     return vals, hashes
+def cpu():
+    info = {}
+    for line in open("/proc/cpuinfo"):
+        k, _, v = line.partition(":")
+        info.setdefault(k.strip(), v.strip())
+    return f'{info.get("model name")} (family {info.get("cpu family")}, model {info.get("model")})'
 res = {"what": "configs/shakespeare.toml, 1 thread per worker: blocks whole vs 4 exact-summed "
-               "pieces on 1 worker vs the 4 pieces over tp2", "reps": reps, "layouts": {}}
-for name in ["whole", "pieces4", "tp2"]:
+               "pieces on 1 worker vs the 4 pieces over tp2", "reps": reps, "cpu": cpu(),
+       "layouts": {}}
+names = ["whole", "pieces4", "tp2"]
+if baseline:
+    res["baseline"] = baseline
+    names += [n + "-baseline" for n in names]
+for name in names:
     v, h = step_seconds(name)
     res["layouts"][name] = {"median_step_seconds": statistics.median(v), "min": min(v), "max": max(v),
                             "steps_per_sec": 1 / statistics.median(v), "param_hashes": sorted(h)}
 L = res["layouts"]
 res["pieces4_over_whole_step_time"] = L["pieces4"]["median_step_seconds"] / L["whole"]["median_step_seconds"]
 res["tp2_same_bits_as_pieces4"] = L["tp2"]["param_hashes"] == L["pieces4"]["param_hashes"]
+if baseline:
+    res["over_baseline_step_time"] = {
+        n: L[n]["median_step_seconds"] / L[n + "-baseline"]["median_step_seconds"]
+        for n in ["whole", "pieces4", "tp2"]}
 json.dump(res, open(out, "w"), indent=2)
 print(json.dumps(res, indent=2))
 PY
