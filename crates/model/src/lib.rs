@@ -47,7 +47,8 @@ mod softmax;
 /// Flat parameter/gradient access for any burn module (also for users' own models).
 pub mod flat {
     pub use crate::params::{
-        f32_slice, hash_layout, layout, read, read_grads, release, write, write_shaped, ParamInfo,
+        f32_slice, hash_layout, layout, layout_within, read, read_grads, release, write,
+        write_shaped, ParamInfo,
     };
 }
 mod params;

@@ -111,6 +111,16 @@ impl ModuleVisitor for ReadVisitor {
     }
 }
 
+/// The entries of `layout` whose values start within `range` of the flat vector (one layer's, for
+/// [`write_shaped`] into that layer alone), offsets unchanged.
+pub fn layout_within(layout: &[ParamInfo], range: &std::ops::Range<usize>) -> Vec<ParamInfo> {
+    layout
+        .iter()
+        .filter(|p| range.contains(&p.offset))
+        .cloned()
+        .collect()
+}
+
 /// All parameter values, concatenated in canonical order.
 pub fn read<M: Module>(net: &M, num_params: usize) -> Vec<f32> {
     let mut v = ReadVisitor {

@@ -629,12 +629,7 @@ impl Stage {
             .layer(k)
             .map_err(|message| E::LayerFetch { layer: k, message })?;
         check_grad_len("a fetched layer's parameters", range.len(), values.len())?;
-        let layout: Vec<ParamInfo> = self
-            .layout
-            .iter()
-            .filter(|p| range.contains(&p.offset))
-            .cloned()
-            .collect();
+        let layout = params::layout_within(&self.layout, &range);
         let net = std::mem::replace(&mut self.net, StageNet::empty());
         self.net = net.with_layer(k, Some(&values), &layout, &self.device);
         Ok(())

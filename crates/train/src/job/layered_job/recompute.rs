@@ -125,11 +125,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
             });
         }
         let layout: Vec<ParamInfo> = match &self.released {
-            Some(all) => all
-                .iter()
-                .filter(|p| range.contains(&p.offset))
-                .cloned()
-                .collect(),
+            Some(all) => flat::layout_within(all, &range),
             None => {
                 return Err(other(
                     "a layer fetched while the stage holds its parameters",
