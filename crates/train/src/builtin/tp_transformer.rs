@@ -226,12 +226,16 @@ impl LayeredJob for TpTransformerJob {
     type Layer = TpLayer;
     type Item = Window;
     type Batch = TextBatch;
-    // The cross-entropy summed over a sample's characters and divided by the context: the
-    // per-character mean, scaled by lockstep to the global batch.
+    // The cross-entropy summed over every predicted character, scaled by lockstep by
+    // 1 / (global batch · context): the per-character mean, as the unsplit transformer's.
     const LOSS_REDUCTION: LossReduction = LossReduction::Sum;
 
     fn name(&self) -> &str {
         "lockstep"
+    }
+
+    fn loss_terms_per_sample(&self) -> usize {
+        self.spec.context
     }
 
     fn layers(&self, cfg: &TrainConfig, device: &Device) -> Vec<TpLayer> {
@@ -309,14 +313,13 @@ impl LayeredJob for TpTransformerJob {
         let (t, _, v) = self.dims();
         let n = output.dims()[0];
         let logits = output.reshape([n * t, v]);
-        cross_entropy_sum(logits, batch.targets.clone()).div_scalar(t as f32)
+        cross_entropy_sum(logits, batch.targets.clone())
     }
 
     fn metrics(&self, output: Tensor<2>, batch: &TextBatch) -> Vec<(&'static str, f64)> {
-        let (t, _, v) = self.dims();
+        let v = self.spec.vocab;
         let logits = output.into_data();
         let (_, correct) = sum_ce_and_correct(flat::f32_slice(&logits), &batch.labels, v);
-        // Per sample: the fraction of its characters predicted right.
-        vec![("accuracy", correct as f64 / t as f64)]
+        vec![("accuracy", correct as f64)]
     }
 }

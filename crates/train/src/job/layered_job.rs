@@ -97,7 +97,15 @@ pub trait LayeredJob: Send + Sync + 'static {
     fn loss(&self, output: Tensor<2>, batch: &Self::Batch) -> Tensor<1>;
     /// What [`LayeredJob::loss`] returns, as [`crate::job::Job::LOSS_REDUCTION`].
     const LOSS_REDUCTION: LossReduction = LossReduction::Mean;
-    /// Evaluation metrics from the last layer's output, as sums over the batch's samples.
+    /// How many terms one sample's loss sums — the predicted tokens of a sequence for a language
+    /// model (default 1). lockstep scales the loss by `1 / (global batch × terms)` and reports
+    /// losses and metrics per term: with [`LossReduction::Sum`] and a loss summed over every
+    /// token, the per-token mean with one rounding.
+    fn loss_terms_per_sample(&self) -> usize {
+        1
+    }
+    /// Evaluation metrics from the last layer's output, as sums over the batch's samples (or
+    /// their terms, [`LayeredJob::loss_terms_per_sample`]).
     fn metrics(&self, _output: Tensor<2>, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
         Vec::new()
     }
@@ -477,11 +485,11 @@ impl<J: StagedJob> Layered for BurnLayered<'_, J> {
     }
 
     fn eval_units(&self, samples: usize) -> f64 {
-        samples as f64
+        (samples * self.job.loss_terms_per_sample()) as f64
     }
 
     fn loss_scale(&self, global_batch: usize) -> f32 {
-        1.0 / global_batch as f32
+        1.0 / (global_batch * self.job.loss_terms_per_sample()) as f32
     }
 
     fn profile_layers(&self, n: usize, reps: usize) -> Result<Vec<f64>, TrainError> {

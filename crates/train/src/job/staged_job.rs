@@ -122,6 +122,10 @@ pub trait StagedJob: Send + Sync + 'static {
     fn loss(&self, output: Self::Activation, batch: &Self::Batch) -> Tensor<1>;
     /// What [`StagedJob::loss`] returns, as [`crate::job::Job::LOSS_REDUCTION`].
     const LOSS_REDUCTION: LossReduction = LossReduction::Mean;
+    /// How many terms one sample's loss sums, as [`LayeredJob::loss_terms_per_sample`].
+    fn loss_terms_per_sample(&self) -> usize {
+        1
+    }
     /// Evaluation metrics from the last layer's output, as sums over the batch's samples.
     fn metrics(&self, _output: Self::Activation, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
         Vec::new()
@@ -172,6 +176,9 @@ impl<J: LayeredJob> StagedJob for J {
     }
     fn validate(&self, cfg: &TrainConfig) -> Result<(), String> {
         LayeredJob::validate(self, cfg)
+    }
+    fn loss_terms_per_sample(&self) -> usize {
+        LayeredJob::loss_terms_per_sample(self)
     }
     fn layers(&self, cfg: &TrainConfig, device: &Device) -> Vec<J::Layer> {
         LayeredJob::layers(self, cfg, device)
