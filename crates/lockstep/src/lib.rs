@@ -81,7 +81,9 @@ pub use lockstep_train::job::{
     StagedJob, Trainable,
 };
 pub use lockstep_train::metrics::Eval;
-pub use lockstep_train::pipeline::layered::{Evaluated, Forwarded, LayerStage, Layered};
+pub use lockstep_train::pipeline::layered::{
+    Evaluated, Forwarded, LayerSource, LayerStage, Layered,
+};
 /// How the config has your layers take each product's operands (`train.precision`):
 /// `lockstep::products(cfg).operand(x)` is `x` for `"f32"` and `x` rounded to bf16 (its gradient
 /// too) for `"bf16"`; a job that does this for every product declares

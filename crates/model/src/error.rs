@@ -62,16 +62,4 @@ pub enum ModelError {
         /// Batch size.
         n: usize,
     },
-    /// An exact sum of tensor-parallel pieces failed (a non-finite value, or the group's
-    /// communication; the training crate keeps the communication error itself).
-    #[error("exact sum of {what}: {message}")]
-    PieceSum {
-        /// Which tensor was summed.
-        what: String,
-        message: String,
-    },
-    /// A stage that fetches its layers one at a time (ZeRO 3 per layer) could not get one (the
-    /// training crate keeps the communication error itself).
-    #[error("fetching the parameters of the stage's layer {layer}: {message}")]
-    LayerFetch { layer: usize, message: String },
 }

@@ -56,7 +56,6 @@ mod peak;
 mod rng;
 mod schedule;
 mod spec;
-mod stage;
 mod streaming;
 mod tensor_parallel;
 mod tp_attention;
@@ -120,7 +119,6 @@ pub use peak::{
 };
 pub use schedule::LrSchedule;
 pub use spec::ModelSpec;
-pub use stage::{LayerSource, Stage, StageEval, StageInput, StageOutput};
 pub use tensor_parallel::{gather_map, scatter_map, LocalPieceSum, PieceSum};
 pub use tp_attention::{ParallelSelfAttention, ParallelSelfAttentionConfig};
 pub use tp_layers::{

@@ -10,24 +10,21 @@
 //! Everything about the layout is a pure function of the [`TransformerSpec`], so any contiguous
 //! range of layers (a stage) knows its parameters' global names, their initial values (our own
 //! seeded generator, per global tensor index) and its place in the whole model's flat vector:
-//! the concatenation of the stages' flat vectors in stage order *is* the whole model's.
-//! Single-device code: nothing here knows about ranks.
+//! the concatenation of the stages' flat vectors in stage order *is* the whole model's. The burn
+//! layers themselves are `lockstep-train`'s built-in transformer job (`builtin/transformer.rs`),
+//! a `LayeredJob`; this module holds the spec and the attention both its forms use
+//! ([`attend`]). Single-device code: nothing here knows about ranks.
 
 use std::ops::Range;
 
 use crate::attention::{causal_attention, MASKED};
-use crate::dense::dense_linear;
-use crate::gelu::gelu;
-use crate::layer_norm::layer_norm;
 use crate::softmax::softmax_last;
-use burn::module::{Module, Param};
-use burn::tensor::module::embedding;
-use burn::tensor::{DType, Device, Gradients, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use sha2::{Digest, Sha256};
 
 use crate::bf16::Products;
 use crate::error::ModelError;
-use crate::params::{self, ParamInfo};
+use crate::params::ParamInfo;
 use crate::rng::SplitMix64;
 
 /// Shape of the transformer.
@@ -238,225 +235,6 @@ impl TransformerSpec {
     }
 }
 
-// ----- burn modules (declaration order = canonical order above) -----
-
-#[derive(Module, Debug)]
-pub(crate) struct Embed {
-    tok: Param<Tensor<2>>,
-    pos: Param<Tensor<2>>,
-}
-
-#[derive(Module, Debug)]
-pub(crate) struct Block {
-    ln1_gain: Param<Tensor<1>>,
-    ln1_bias: Param<Tensor<1>>,
-    qkv_w: Param<Tensor<2>>,
-    qkv_b: Param<Tensor<1>>,
-    proj_w: Param<Tensor<2>>,
-    proj_b: Param<Tensor<1>>,
-    ln2_gain: Param<Tensor<1>>,
-    ln2_bias: Param<Tensor<1>>,
-    fc1_w: Param<Tensor<2>>,
-    fc1_b: Param<Tensor<1>>,
-    fc2_w: Param<Tensor<2>>,
-    fc2_b: Param<Tensor<1>>,
-}
-
-#[derive(Module, Debug)]
-pub(crate) struct Head {
-    ln_gain: Param<Tensor<1>>,
-    ln_bias: Param<Tensor<1>>,
-    out_w: Param<Tensor<2>>,
-    out_b: Param<Tensor<1>>,
-}
-
-/// The layers of one stage.
-#[derive(Module, Debug)]
-pub(crate) struct StageNet {
-    embed: Option<Embed>,
-    blocks: Vec<Block>,
-    head: Option<Head>,
-}
-
-fn p1(n: usize, device: &Device) -> Param<Tensor<1>> {
-    Param::from_tensor(Tensor::zeros([n], device))
-}
-fn p2(a: usize, b: usize, device: &Device) -> Param<Tensor<2>> {
-    Param::from_tensor(Tensor::zeros([a, b], device))
-}
-
-impl StageNet {
-    /// Zero-filled layers `layers` of `spec` (real values are written through the flat mapper).
-    pub(crate) fn zeros(spec: &TransformerSpec, layers: Range<usize>, device: &Device) -> StageNet {
-        let (d, ff, v) = (spec.d_model, spec.d_ff, spec.vocab);
-        let mut net = StageNet {
-            embed: None,
-            blocks: Vec::new(),
-            head: None,
-        };
-        for l in layers {
-            match spec.layer_kind(l) {
-                LayerKind::Embedding => {
-                    net.embed = Some(Embed {
-                        tok: p2(v, d, device),
-                        pos: p2(spec.context, d, device),
-                    })
-                }
-                LayerKind::Block(_) => net.blocks.push(Block {
-                    ln1_gain: p1(d, device),
-                    ln1_bias: p1(d, device),
-                    qkv_w: p2(d, 3 * d, device),
-                    qkv_b: p1(3 * d, device),
-                    proj_w: p2(d, d, device),
-                    proj_b: p1(d, device),
-                    ln2_gain: p1(d, device),
-                    ln2_bias: p1(d, device),
-                    fc1_w: p2(d, ff, device),
-                    fc1_b: p1(ff, device),
-                    fc2_w: p2(ff, d, device),
-                    fc2_b: p1(d, device),
-                }),
-                LayerKind::Head => {
-                    net.head = Some(Head {
-                        ln_gain: p1(d, device),
-                        ln_bias: p1(d, device),
-                        out_w: p2(d, v, device),
-                        out_b: p1(v, device),
-                    })
-                }
-            }
-        }
-        net
-    }
-
-    pub(crate) fn empty() -> StageNet {
-        StageNet {
-            embed: None,
-            blocks: Vec::new(),
-            head: None,
-        }
-    }
-
-    /// Token ids `[n, t]` → residual stream `[n, t, d]` (first stage only).
-    pub(crate) fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let e = self
-            .embed
-            .as_ref()
-            .expect("embed() on a stage without the embedding");
-        embed_tokens(e.tok.val(), e.pos.val(), tokens)
-    }
-
-    /// The stage's blocks on the residual stream.
-    pub(crate) fn blocks(&self, mut x: Tensor<3>, spec: &TransformerSpec) -> Tensor<3> {
-        if self.blocks.is_empty() {
-            return x;
-        }
-        for b in &self.blocks {
-            x = block_forward(b, x, spec);
-        }
-        x
-    }
-
-    /// Block `i` of the stage (its `i`-th, not the model's) on the residual stream.
-    pub(crate) fn block(&self, i: usize, x: Tensor<3>, spec: &TransformerSpec) -> Tensor<3> {
-        block_forward(&self.blocks[i], x, spec)
-    }
-
-    /// Move the parameter gradients of the stage's layer `k` (its layers in order: the
-    /// embedding when it has it, its blocks, the head when it has it) out of `grads` into `out`,
-    /// that layer's slice of the stage's flat vector.
-    pub(crate) fn read_layer_grads(&self, k: usize, grads: Gradients, out: &mut [f32]) {
-        let k = match &self.embed {
-            Some(embed) if k == 0 => return params::read_grads(embed, grads, out),
-            Some(_) => k - 1,
-            None => k,
-        };
-        match self.blocks.get(k) {
-            Some(block) => params::read_grads(block, grads, out),
-            None => {
-                let head = self.head.as_ref().expect("a layer index within the stage");
-                params::read_grads(head, grads, out)
-            }
-        }
-    }
-
-    /// The stage's layer `k` (numbered as in [`StageNet::read_layer_grads`]) with its parameters
-    /// written from `values` (shaped by `layout`, that layer's entries of the stage's layout), or
-    /// released (`None`: empty tensors, ids kept); the other layers untouched.
-    pub(crate) fn with_layer(
-        mut self,
-        k: usize,
-        values: Option<&[f32]>,
-        layout: &[ParamInfo],
-        device: &Device,
-    ) -> StageNet {
-        fn apply<M: Module>(m: M, values: Option<&[f32]>, layout: &[ParamInfo], d: &Device) -> M {
-            match values {
-                Some(v) => params::write_shaped(m, v, d, layout),
-                None => params::release(m, d),
-            }
-        }
-        let k = match self.embed.take() {
-            Some(embed) if k == 0 => {
-                self.embed = Some(apply(embed, values, layout, device));
-                return self;
-            }
-            Some(embed) => {
-                self.embed = Some(embed);
-                k - 1
-            }
-            None => k,
-        };
-        if k < self.blocks.len() {
-            let block = self.blocks.remove(k);
-            self.blocks.insert(k, apply(block, values, layout, device));
-        } else {
-            let head = self.head.take().expect("a layer index within the stage");
-            self.head = Some(apply(head, values, layout, device));
-        }
-        self
-    }
-
-    /// Residual stream → logits `[n·t, vocab]` (last stage only).
-    pub(crate) fn logits(&self, x: Tensor<3>, products: Products) -> Tensor<2> {
-        let h = self
-            .head
-            .as_ref()
-            .expect("logits() on a stage without the head");
-        head_logits(
-            x,
-            h.ln_gain.val(),
-            h.ln_bias.val(),
-            h.out_w.val(),
-            h.out_b.val(),
-            products,
-        )
-    }
-}
-
-/// Token ids `[n, t]` → token plus position embeddings `[n, t, d]`.
-pub(crate) fn embed_tokens(tok: Tensor<2>, pos: Tensor<2>, tokens: Tensor<2, Int>) -> Tensor<3> {
-    let [_, t] = tokens.dims();
-    let x = embedding(tok, tokens);
-    let pos: Tensor<3> = pos.narrow(0, 0, t).unsqueeze();
-    x + pos
-}
-
-/// The head: final layer norm and output projection, `[n, t, d]` → logits `[n·t, vocab]`.
-pub(crate) fn head_logits(
-    x: Tensor<3>,
-    gain: Tensor<1>,
-    bias: Tensor<1>,
-    out_w: Tensor<2>,
-    out_b: Tensor<1>,
-    products: Products,
-) -> Tensor<2> {
-    let x = layer_norm(x, gain, bias);
-    let [n, t, d] = x.dims();
-    let x = products.operand(x.reshape([n * t, d]));
-    x.matmul(products.operand(out_w)) + out_b.unsqueeze()
-}
-
 /// Additive mask `[1, 1, t, t]`: 0 where a position may attend (itself and earlier), −1e9 after.
 pub(crate) fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
     let mut m = vec![0f32; t * t];
@@ -466,14 +244,6 @@ pub(crate) fn causal_mask(t: usize, device: &Device) -> Tensor<4> {
         }
     }
     Tensor::from_data(TensorData::new(m, [1, 1, t, t]), device)
-}
-
-/// `x W + b` over the last dimension of `[n, t, d_in]`, the operands taken as `products` says.
-pub(crate) fn linear3(x: Tensor<3>, w: Tensor<2>, b: Tensor<1>, products: Products) -> Tensor<3> {
-    let [n, t, d] = x.dims();
-    let out = w.dims()[1];
-    let (x, w) = (products.operand(x.reshape([n * t, d])), products.operand(w));
-    dense_linear(x, w, b).reshape([n, t, out])
 }
 
 /// Causal self-attention of `heads` heads over `qkv = [Q | K | V]` (`[n, t, 3·w]`, each of the
@@ -510,22 +280,6 @@ pub(crate) fn attend_composed(qkv: Tensor<3>, heads: usize, mask: &Tensor<4>) ->
         .reshape([n, t, w])
 }
 
-fn block_forward(b: &Block, x: Tensor<3>, spec: &TransformerSpec) -> Tensor<3> {
-    let p = spec.products;
-    let h = layer_norm(x.clone(), b.ln1_gain.val(), b.ln1_bias.val());
-    let qkv = p.operand(linear3(h, b.qkv_w.val(), b.qkv_b.val(), p));
-    let attended = attend(qkv, spec.heads);
-    let x = x + linear3(attended, b.proj_w.val(), b.proj_b.val(), p);
-    let h = layer_norm(x.clone(), b.ln2_gain.val(), b.ln2_bias.val());
-    let m = linear3(
-        gelu(linear3(h, b.fc1_w.val(), b.fc1_b.val(), p)),
-        b.fc2_w.val(),
-        b.fc2_b.val(),
-        p,
-    );
-    x + m
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -552,20 +306,6 @@ mod tests {
             let a = s.initial_params(0..cut, 7);
             let b = s.initial_params(cut..s.num_layers(), 7);
             assert_eq!([a, b].concat(), whole, "cut at layer {cut}");
-        }
-        // The burn module's own layout agrees with the spec's, name order and shapes.
-        let net = StageNet::zeros(&s, 1..3, &Device::flex());
-        let burn_layout = crate::params::layout(&net);
-        let ours = s.layout(1..3);
-        assert_eq!(burn_layout.len(), ours.len());
-        for (b, o) in burn_layout.iter().zip(&ours) {
-            assert_eq!((b.shape.clone(), b.offset), (o.shape.clone(), o.offset));
-            assert!(
-                o.name.ends_with(b.name.rsplit('.').next().unwrap()),
-                "{} vs {}",
-                b.name,
-                o.name
-            );
         }
     }
 

@@ -1,11 +1,12 @@
 //! lockstep's built-in jobs, chosen by the config: the MLP and CNN classifiers on digits /
 //! Fashion-MNIST / MNIST, and the character-level transformer on text (the layered driver).
 //!
-//! The classifiers, and the transformer with tensor-parallel pieces (`tp_transformer.rs`, made of
-//! `lockstep::tp` layers), are a public [`LayeredJob`] like any user's: the one layered path
-//! trains them, with every feature it has (pipelines, ZeRO 3, overlap, recomputation, devices).
+//! Both are a public [`LayeredJob`] like any user's — the classifiers here, the transformer in
+//! `transformer.rs` (its blocks of `lockstep::tp` layers with `model.tp_pieces > 1`): the one
+//! layered path trains them, with every feature it has (pipelines, tensor parallelism, ZeRO 3,
+//! overlap, recomputation, devices).
 
-mod tp_transformer;
+mod transformer;
 
 use std::sync::Arc;
 
@@ -24,7 +25,7 @@ use crate::precision::products;
 use crate::ConfigLoad;
 use crate::TrainError;
 use lockstep_run::ModelShape;
-use tp_transformer::TpTransformerJob;
+use transformer::TransformerJob;
 
 /// The job `lockstep train` runs: whatever `model.kind` and `data.dataset` say.
 #[derive(Debug, Clone, Copy, Default)]
@@ -56,22 +57,11 @@ impl JobSpec for BuiltinJob {
     }
 
     fn build(&self, cfg: &TrainConfig, device: &Placement) -> Result<Trainable<'_>, TrainError> {
-        if cfg.model.kind == ModelKind::Transformer && cfg.model.tp_pieces > 1 {
-            let (spec, corpus) = crate::pipeline::transformer::spec_and_corpus(cfg)?;
-            let job = TpTransformerJob {
-                eval_windows: crate::pipeline::transformer::eval_windows(&corpus, spec.context),
-                spec,
-                pieces: cfg.model.tp_pieces,
-                corpus: Arc::new(corpus),
-            };
+        if cfg.model.kind == ModelKind::Transformer {
+            let job = TransformerJob::new(cfg)?;
             return Ok(Trainable::Layered(Box::new(BurnLayered::owning(
                 job, cfg, device,
             )?)));
-        }
-        if cfg.model.kind == ModelKind::Transformer {
-            let device = device.seeded(cfg.train.seed);
-            let model = crate::pipeline::transformer::Transformer::new(cfg, device)?;
-            return Ok(Trainable::Layered(Box::new(model)));
         }
         let (train, test) = crate::datasets::load(&cfg.data, cfg.train.seed)?;
         let job = ClassifierJob {

@@ -19,8 +19,7 @@ use burn::module::Module;
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use lockstep_model::flat::{self, ParamInfo};
 use lockstep_model::{
-    in_tp_scope, narrow_to_pieces, tp_params_of, LayerSource, LocalPieceSum, PieceSum, TpParam,
-    UpdateRule,
+    in_tp_scope, narrow_to_pieces, tp_params_of, LocalPieceSum, PieceSum, TpParam, UpdateRule,
 };
 use sha2::{Digest, Sha256};
 
@@ -31,7 +30,9 @@ use super::{catch_job_panic, EvalSums, JobSpec, ReplicaError, Trainable};
 use crate::config::{ConfigError, JobSettings, TrainConfig};
 use crate::device::Placement;
 use crate::draws::{DrawPart, Draws};
-use crate::pipeline::layered::{backward_then_hand_out, Evaluated, Forwarded, LayerStage, Layered};
+use crate::pipeline::layered::{
+    backward_then_hand_out, Evaluated, Forwarded, LayerSource, LayerStage, Layered,
+};
 use crate::TrainError;
 use lockstep_run::{ModelShape, ParallelPlan};
 
@@ -103,6 +104,16 @@ pub trait LayeredJob: Send + Sync + 'static {
     /// token, the per-token mean with one rounding.
     fn loss_terms_per_sample(&self) -> usize {
         1
+    }
+    /// A short name of layer `layer` for messages and `lockstep plan` (default: "layer N").
+    fn layer_name(&self, layer: usize) -> String {
+        format!("layer {layer}")
+    }
+    /// Values per sample that layer `layer`'s training graph keeps for its backward, if you know
+    /// them (an estimate, for `summary.json`'s activation memory and `lockstep plan`; default:
+    /// none, and lockstep counts the layer's output, a lower bound).
+    fn graph_floats_per_sample(&self, _layer: usize) -> Option<usize> {
+        None
     }
     /// Evaluation metrics from the last layer's output, as sums over the batch's samples (or
     /// their terms, [`LayeredJob::loss_terms_per_sample`]).
@@ -532,18 +543,18 @@ impl<J: StagedJob> Layered for BurnLayered<'_, J> {
     }
 
     fn held_activation_floats(&self, layers: Range<usize>) -> usize {
-        // Recomputed: each layer's input (its words); else at least each layer's output (a
-        // lower bound: burn's graph keeps more).
+        // Recomputed: each layer's input (its words); else the job's estimate of each layer's
+        // graph, or at least its output (a lower bound: burn's graph keeps more).
         let outputs = self.activation_floats();
         let kept = |l: usize| match self.recompute {
             true => self.boundaries[l].words_per_sample(),
-            false => outputs[l],
+            false => self.job.graph_floats_per_sample(l).unwrap_or(outputs[l]),
         };
         layers.map(kept).sum()
     }
 
     fn layer_name(&self, layer: usize) -> String {
-        format!("layer {layer}")
+        self.job.layer_name(layer)
     }
 
     fn stage(

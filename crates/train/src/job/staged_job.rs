@@ -126,6 +126,15 @@ pub trait StagedJob: Send + Sync + 'static {
     fn loss_terms_per_sample(&self) -> usize {
         1
     }
+    /// A short name of a layer, as [`LayeredJob::layer_name`].
+    fn layer_name(&self, layer: usize) -> String {
+        format!("layer {layer}")
+    }
+    /// Values per sample a layer's training graph keeps, as
+    /// [`LayeredJob::graph_floats_per_sample`].
+    fn graph_floats_per_sample(&self, _layer: usize) -> Option<usize> {
+        None
+    }
     /// Evaluation metrics from the last layer's output, as sums over the batch's samples.
     fn metrics(&self, _output: Self::Activation, _batch: &Self::Batch) -> Vec<(&'static str, f64)> {
         Vec::new()
@@ -179,6 +188,12 @@ impl<J: LayeredJob> StagedJob for J {
     }
     fn loss_terms_per_sample(&self) -> usize {
         LayeredJob::loss_terms_per_sample(self)
+    }
+    fn layer_name(&self, layer: usize) -> String {
+        LayeredJob::layer_name(self, layer)
+    }
+    fn graph_floats_per_sample(&self, layer: usize) -> Option<usize> {
+        LayeredJob::graph_floats_per_sample(self, layer)
     }
     fn layers(&self, cfg: &TrainConfig, device: &Device) -> Vec<J::Layer> {
         LayeredJob::layers(self, cfg, device)

@@ -3,7 +3,7 @@
 //! A pipeline runs at the pace of its slowest stage, so the cuts minimise the largest stage cost
 //! (the classic linear-partition problem; dynamic programming over prefix sums, O(p·L²) for L
 //! layers, trivial at transformer depths). Costs are measured per layer
-//! (`lockstep_model::Stage::profile_layers`) or the cuts come from the config.
+//! (`Layered::profile_layers`) or the cuts come from the config.
 
 use std::ops::Range;
 

@@ -9,11 +9,19 @@
 
 use std::ops::Range;
 
-use lockstep_model::{LayerSource, PieceSum};
+use lockstep_model::PieceSum;
 
 use crate::error::TrainError;
 use crate::outcome::{EvalSums, ReplicaError};
 
+/// Where a stage that holds none of its parameters between layers takes each layer's from, just
+/// before the layer runs (ZeRO 3 per layer: an all-gather of the layer's chunks over the
+/// data-parallel group). A failure's message is the stage's error; the caller keeps the cause.
+pub trait LayerSource {
+    /// The whole parameters of the stage's layer `k` (stage-relative), as its slice of the
+    /// stage's flat vector.
+    fn layer(&mut self, k: usize) -> Result<Vec<f32>, String>;
+}
 /// A layer-sequence model with its data, as the pipeline driver sees it (object safe).
 pub trait Layered {
     /// Named in errors and messages (the job, or the built-in dataset).

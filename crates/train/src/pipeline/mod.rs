@@ -8,8 +8,8 @@
 //! - `balance`: stage cuts from measured per-layer costs;
 //! - `executor`: runs one stage's list for one step over the pipeline communicator, timed;
 //! - `layered`: what the loop trains — a [`layered::Layered`] model cut into
-//!   [`layered::LayerStage`]s (the built-in transformer in `transformer`, a user's
-//!   `LayeredJob` in `job/layered_job.rs`);
+//!   [`layered::LayerStage`]s (every `LayeredJob`, the built-in ones included, through
+//!   `job/layered_job.rs`);
 //! - `tensor_parallel`: the exact piece sum over a stage's tensor-parallel group and the gather
 //!   of a stage's canonical parameters from its tp ranks;
 //! - `flat`: a model trained whole (a `Replica`) as a one-layer model, and `whole`: its step
@@ -24,5 +24,4 @@ pub mod layered;
 pub mod schedule;
 pub mod tensor_parallel;
 pub mod train;
-pub mod transformer;
 mod whole;

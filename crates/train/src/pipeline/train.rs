@@ -35,14 +35,12 @@ use std::time::Instant;
 use lockstep_comm::exact::ExactError;
 use lockstep_comm::{CommError, Communicator};
 use lockstep_data::{assign, microbatches, Sampler};
-use lockstep_model::{
-    gather_map, param_hash, scatter_map, LayerSource, Optimizer, ParamHasher, TimedLoss,
-};
+use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer, ParamHasher, TimedLoss};
 
 use super::balance::{balance, stage_ranges};
 use super::checkpoint_shards::{check_set, local_ranges, shard_view};
 use super::executor::{run_schedule, StageWork};
-use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
+use super::layered::{Evaluated, Forwarded, LayerSource, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, Op, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use super::whole::{self, WholeStep};

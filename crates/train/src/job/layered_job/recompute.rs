@@ -10,9 +10,9 @@
 //! layer's are taken from the source just before the layer runs, forward and recomputed
 //! backward, and released after.
 
+use crate::pipeline::layered::LayerSource;
 use burn::module::Module;
 use lockstep_model::flat::{self, ParamInfo};
-use lockstep_model::LayerSource;
 
 use super::{dot, leaf_gradients, tensors_of, BurnStage, StagedJob};
 use crate::draws::{DrawPart, Draws};
