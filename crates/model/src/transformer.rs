@@ -20,11 +20,9 @@ use std::ops::Range;
 use crate::attention::{causal_attention, MASKED};
 use crate::softmax::softmax_last;
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use sha2::{Digest, Sha256};
 
 use crate::bf16::Products;
 use crate::error::ModelError;
-use crate::params::ParamInfo;
 use crate::rng::SplitMix64;
 
 /// Shape of the transformer.
@@ -40,9 +38,8 @@ pub struct TransformerSpec {
     /// Hidden width of each block's MLP.
     pub d_ff: usize,
     /// How the products take their operands (`train.precision`): every linear layer's input and
-    /// weight, the attention's `[Q | K | V]` and the head's product. Not part of
-    /// [`TransformerSpec::structure_hash`] (the parameters are the same); part of a run's
-    /// identity through the config.
+    /// weight, the attention's `[Q | K | V]` and the head's product. Part of a run's identity
+    /// through the config, not of the parameters' shapes.
     pub products: Products,
 }
 
@@ -133,65 +130,6 @@ impl TransformerSpec {
                     .sum()
             })
             .collect()
-    }
-
-    /// Offsets of each layer in the whole model's flat vector, plus the total at the end.
-    pub fn layer_offsets(&self) -> Vec<usize> {
-        let mut offsets = vec![0];
-        for c in self.layer_param_counts() {
-            offsets.push(offsets.last().unwrap() + c);
-        }
-        offsets
-    }
-
-    /// Layout of the layers in `layers`, offsets relative to the first of them.
-    pub fn layout(&self, layers: Range<usize>) -> Vec<ParamInfo> {
-        let mut offset = 0;
-        let mut out = Vec::new();
-        for l in layers {
-            for (name, shape) in self.layer_params(l) {
-                let len = shape.iter().product();
-                out.push(ParamInfo {
-                    name,
-                    shape,
-                    offset,
-                    len,
-                });
-                offset += len;
-            }
-        }
-        out
-    }
-
-    /// Values exchanged at a stage boundary for `n` sequences (activations forward, their
-    /// gradients backward): `n · context · d_model`.
-    pub fn activation_len(&self, n: usize) -> usize {
-        n * self.context * self.d_model
-    }
-
-    /// SHA-256 over the architecture and every parameter's global name and shape: the same for
-    /// every stage of one model, so ranks can compare it whatever their stage.
-    pub fn structure_hash(&self) -> [u8; 32] {
-        let mut h = Sha256::new();
-        h.update(b"lockstep-model transformer v1\0");
-        for v in [
-            self.vocab,
-            self.context,
-            self.d_model,
-            self.heads,
-            self.blocks,
-            self.d_ff,
-        ] {
-            h.update((v as u64).to_le_bytes());
-        }
-        for p in self.layout(0..self.num_layers()) {
-            h.update((p.name.len() as u64).to_le_bytes());
-            h.update(p.name.as_bytes());
-            for &d in &p.shape {
-                h.update((d as u64).to_le_bytes());
-            }
-        }
-        h.finalize().into()
     }
 
     /// Initial values of the layers in `layers`, reproducible from `seed`: each tensor draws from
@@ -297,11 +235,10 @@ mod tests {
     }
 
     #[test]
-    fn stage_layouts_and_initial_values_are_slices_of_the_whole() {
+    fn stage_initial_values_are_slices_of_the_whole() {
         let s = spec();
-        let offsets = s.layer_offsets();
         let whole = s.initial_params(0..s.num_layers(), 7);
-        assert_eq!(whole.len(), *offsets.last().unwrap());
+        assert_eq!(whole.len(), s.layer_param_counts().iter().sum::<usize>());
         for cut in 1..s.num_layers() {
             let a = s.initial_params(0..cut, 7);
             let b = s.initial_params(cut..s.num_layers(), 7);

@@ -83,7 +83,8 @@ impl ModelState {
 }
 
 /// Values per sequence that a training forward of the transformer's `layers` keeps for its
-/// backward (an estimate counted from `lockstep_model::transformer`'s forward, per token):
+/// backward (an estimate counted from the built-in transformer's forward, per token, in
+/// `builtin/transformer.rs`):
 /// the embedding 2·d (lookup, position sum); a block 16·d + 4·d_ff + 4·heads·context (two
 /// layer norms' intermediates, q/k/v and their head-split copies, scores, mask sum, softmax,
 /// attention output, projections, residual sums, the MLP's hidden pre- and post-GELU values);

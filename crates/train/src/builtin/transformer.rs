@@ -107,7 +107,7 @@ pub(super) struct TransformerJob {
 }
 
 /// The transformer a config describes, for a corpus with `vocab` characters.
-pub fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
+fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
     let m = &cfg.model;
     TransformerSpec {
         vocab,
@@ -122,7 +122,7 @@ pub fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
 
 /// The corpus of a validated text config: the embedded Shakespeare plays, or, when `data.dir` is
 /// set, that folder's `train.txt` and `val.txt` (plain or gzipped as `.txt.gz`).
-pub fn load_corpus(cfg: &TrainConfig) -> Result<CharCorpus, TrainError> {
+fn load_corpus(cfg: &TrainConfig) -> Result<CharCorpus, TrainError> {
     if cfg.data.dir.is_empty() {
         return Ok(lockstep_data::text::load_shakespeare_embedded()?);
     }

@@ -22,6 +22,7 @@ pub trait LayerSource {
     /// stage's flat vector.
     fn layer(&mut self, k: usize) -> Result<Vec<f32>, String>;
 }
+
 /// A layer-sequence model with its data, as the pipeline driver sees it (object safe).
 pub trait Layered {
     /// Named in errors and messages (the job, or the built-in dataset).
