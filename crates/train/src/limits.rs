@@ -12,10 +12,11 @@
 //! upper bound of the right order, not an exact figure: it refuses what cannot fit, not what is
 //! merely large.
 
-use lockstep_model::{LayerKind, TransformerSpec};
+use lockstep_model::LayerKind;
 
 use crate::config::{ConfigError, DatasetKind, ModelKind, TrainConfig};
 use crate::memory::{self, StateShape};
+use crate::model_spec::transformer_spec;
 
 /// Longest wait a collective may be given: a week. `Duration`/`Instant` arithmetic and the
 /// store's longest wait stay finite.
@@ -306,25 +307,14 @@ const ACTIVATION_MARGIN: u128 = 2;
 /// the autodiff graph's references to the parameters.
 const BURN_COPIES: u128 = memory::BURN_COPIES as u128 + 1;
 
-/// The transformer `cfg` describes, with the largest vocabulary a character corpus can have.
-fn transformer_spec(cfg: &TrainConfig) -> TransformerSpec {
-    let m = &cfg.model;
-    TransformerSpec {
-        vocab: 256,
-        context: m.context,
-        d_model: m.d_model,
-        heads: m.heads,
-        blocks: m.blocks,
-        d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
-        products: Default::default(),
-    }
-}
+/// The largest vocabulary a character corpus can have (the limits hold before any is read).
+const MAX_VOCAB: usize = 256;
 
 /// Activation values one sample's forward keeps for its backward (`crate::memory`'s estimate).
 pub fn activation_values_per_sample(cfg: &TrainConfig) -> u128 {
     match cfg.model.kind {
         ModelKind::Transformer => {
-            let spec = transformer_spec(cfg);
+            let spec = transformer_spec(cfg, MAX_VOCAB);
             let kinds = std::iter::once(LayerKind::Embedding)
                 .chain((0..cfg.model.blocks).map(LayerKind::Block))
                 .chain(std::iter::once(LayerKind::Head));

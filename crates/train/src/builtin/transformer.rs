@@ -34,6 +34,7 @@ use lockstep_model::{
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::job::{BoxError, LayeredJob, LossReduction};
+use crate::model_spec::transformer_spec;
 
 /// Validation windows evaluated (evenly spaced over the validation text; 512 × context characters).
 const EVAL_WINDOWS: usize = 512;
@@ -104,20 +105,6 @@ pub(super) struct TransformerJob {
     corpus: Arc<CharCorpus>,
     /// Validation windows, evenly spaced over the validation text.
     eval_windows: Vec<u32>,
-}
-
-/// The transformer a config describes, for a corpus with `vocab` characters.
-fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
-    let m = &cfg.model;
-    TransformerSpec {
-        vocab,
-        context: m.context,
-        d_model: m.d_model,
-        heads: m.heads,
-        blocks: m.blocks,
-        d_ff: if m.d_ff == 0 { 4 * m.d_model } else { m.d_ff },
-        products: crate::precision::products(cfg),
-    }
 }
 
 /// The corpus of a validated text config: the embedded Shakespeare plays, or, when `data.dir` is
