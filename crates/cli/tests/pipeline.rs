@@ -288,7 +288,7 @@ fn data_parallel_transformer_stages_sum_through_shared_windows_with_the_one_work
 
 /// `train.recompute = "layers"` on the transformer: each stage keeps only its layers' inputs and
 /// runs their forwards again in backward — the bits of the kept graphs on one worker, as a
-/// pipeline and at dp2 × pp2 × ZeRO 3, with far fewer activation bytes; not with
+/// pipeline and at dp2 × pp2 × ZeRO 3, with far fewer activation bytes; and with
 /// tensor-parallel ranks.
 #[test]
 fn the_transformer_recomputes_its_layers_with_the_bits_of_kept_graphs() {
@@ -322,23 +322,11 @@ fn the_transformer_recomputes_its_layers_with_the_bits_of_kept_graphs() {
         activations("one"),
         activations("plain")
     );
-    // Tensor-parallel ranks would repeat their sums in a recomputed forward: refused (the
-    // pieces on one rank recompute, `tensor_parallel.rs`).
-    let o = train(
-        &dir("tp2"),
-        "2",
-        &[
-            "parallel.pp=1",
-            "model.tp_pieces=2",
-            "parallel.tp=2",
-            recompute,
-        ],
-        &[],
-    );
-    assert_eq!(o.status.code(), Some(3));
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        err.contains("train.recompute") && err.contains("parallel.tp = 2"),
-        "{err}"
-    );
+    // Tensor-parallel ranks recompute too, summing their pieces over the group again: the bits
+    // of the same pieces on one worker keeping its graphs.
+    let pieces = ["parallel.pp=1", "model.tp_pieces=2"];
+    ok(train(&dir("pieces"), "1", &pieces, &[]));
+    let tp2 = [&pieces[..], &["parallel.tp=2", recompute]].concat();
+    ok(train(&dir("tp2"), "2", &tp2, &[]));
+    assert_eq!(hash(&dir("tp2")), hash(&dir("pieces")), "tp2 recomputing");
 }

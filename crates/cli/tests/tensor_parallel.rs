@@ -100,11 +100,29 @@ fn every_tensor_parallel_layout_reproduces_the_single_worker_bits() {
             &["parallel.tp=2", "parallel.dp=2", "parallel.zero=3"],
             "dp2xtp2-zero3",
         ),
-        // The pieces' layers recomputed in backward (no tp ranks: their sums would repeat).
+        // The pieces' layers recomputed in backward, on one tp rank each and on two (whose
+        // recomputed forwards sum their pieces over the group again).
         (
             "2",
             &["parallel.dp=2", "train.recompute=\"layers\""],
             "dp2-recompute",
+        ),
+        (
+            "2",
+            &["parallel.tp=2", "train.recompute=\"layers\""],
+            "tp2-recompute",
+        ),
+        // ... and at ZeRO 3, each tp rank's pieces of a layer gathered over its data-parallel
+        // group one layer at a time, the next while the current one computes.
+        (
+            "4",
+            &[
+                "parallel.tp=2",
+                "parallel.dp=2",
+                "parallel.zero=3",
+                "train.recompute=\"layers\"",
+            ],
+            "dp2xtp2-zero3-recompute",
         ),
     ];
     for (nproc, sets, name) in layouts {
@@ -133,6 +151,14 @@ fn every_tensor_parallel_layout_reproduces_the_single_worker_bits() {
         assert_eq!(losses(&one).len(), 6, "one loss per step");
         assert_eq!(losses(&dir), losses(&one), "{name}: loss curve differs");
     }
+    assert_eq!(
+        summary(&tmp.path().join("dp2xtp2-zero3-recompute"))["param_gathering"],
+        "layer"
+    );
+    assert_eq!(
+        summary(&tmp.path().join("dp2xtp2-zero3"))["param_gathering"],
+        "stage"
+    );
     // ZeRO 3 keeps half of each tp rank's parameters and optimizer state between steps.
     let memory = |name: &str, k: &str| {
         summary(&tmp.path().join(name))["ranks"][3]["memory"][k]

@@ -38,8 +38,7 @@ pub enum ModelShape {
         /// tensor-parallel layers").
         pieces_from: String,
         /// Its layers can run their forward again in backward (`train.recompute = "layers"`):
-        /// a `LayeredJob` or `StagedJob` (the built-in classifiers included) and the built-in
-        /// transformer without tensor-parallel pieces.
+        /// a `LayeredJob` or `StagedJob` (the built-in models included).
         recomputes: bool,
         /// Its products honour `train.precision = "bf16"` (see [`ModelShape::bf16_products`]).
         bf16_products: bool,
@@ -115,20 +114,15 @@ impl ParallelPlan {
         })
     }
 
-    /// `train.recompute = "layers"`: a layered job (burn layers whose forward can run again), one
-    /// stage's layers whole (not split into tensor-parallel pieces), not streamed.
+    /// `train.recompute = "layers"`: a layered job (burn layers whose forward can run again), not
+    /// with `dist.overlap`. With tensor parallelism a recomputed forward sums its pieces over the
+    /// group again (as Megatron's recomputation repeats its all-reduces): more communication,
+    /// the same bits.
     fn check_recompute(cfg: &TrainConfig, shape: &ModelShape) -> Result<(), ConfigError> {
         if cfg.train.recompute == crate::config::Recompute::None {
             return Ok(());
         }
         let why = match shape {
-            ModelShape::Layered {
-                recomputes: true, ..
-            } if cfg.parallel.tp > 1 => format!(
-                "is not available with tensor parallelism (parallel.tp = {}): a recomputed forward would sum \
-                 its pieces over the group again",
-                cfg.parallel.tp
-            ),
             ModelShape::Layered {
                 recomputes: true, ..
             } if cfg.dist.overlap => {
@@ -406,7 +400,7 @@ impl TrainConfig {
                 format!("model `{}` has no tensor-parallel layers", self.model.kind)
             },
             // Every built-in model is made of whole layers (the transformer with pieces, too: a
-            // layered job of lockstep::tp layers), recomputed without tensor-parallel ranks.
+            // layered job of lockstep::tp layers), so each can recompute its layers.
             recomputes: true,
             bf16_products: true,
         }
@@ -514,11 +508,6 @@ mod tests {
                 "train.precision",
             ),
             (
-                vec!["train.recompute=\"layers\"", "parallel.tp=2"],
-                layered(4, 2),
-                "train.recompute",
-            ),
-            (
                 vec!["train.recompute=\"layers\"", "dist.overlap=true"],
                 layered(4, 1),
                 "train.recompute",
@@ -531,7 +520,7 @@ mod tests {
         let (_, m) = refused(&cfg(&["parallel.zero=3"]), 2, &flat(true));
         assert!(m.contains("implement lockstep::LayeredJob"), "{m}");
         // Every built-in model recomputes its layers, the transformer with tensor-parallel pieces
-        // too — without tensor-parallel ranks, whose sums a recomputed forward would repeat.
+        // too, on one tp rank or several (whose recomputed forwards sum their pieces again).
         let recompute = cfg(&["train.recompute=\"layers\""]);
         let transformer = cfg(&["train.recompute=\"layers\"", "model.kind=transformer"]);
         assert!(ParallelPlan::new(&transformer, 2, &transformer.builtin_shape(4)).is_ok());
@@ -547,9 +536,7 @@ mod tests {
             "model.tp_pieces=2",
             "parallel.tp=2",
         ]);
-        let (field, m) = refused(&tp, 2, &tp.builtin_shape(4));
-        assert_eq!(field, "train.recompute", "{m}");
-        assert!(m.contains("parallel.tp = 2"), "{m}");
+        assert!(ParallelPlan::new(&tp, 2, &tp.builtin_shape(4)).is_ok());
         assert!(ParallelPlan::new(&recompute, 2, &layered(4, 1)).is_ok());
         for kind in ["mlp", "cnn"] {
             let c = cfg(&["train.recompute=\"layers\"", &format!("model.kind={kind}")]);

@@ -149,7 +149,8 @@ pub fn streams_last_microbatch(
 /// just before its forward and again before its recomputed backward, released after, so a rank
 /// holds its chunks and one layer — rather than the whole stage for the step. It needs a stage
 /// that takes its layers from a source (`stage_fetches`: a stage that recomputes its layers,
-/// `train.recompute = "layers"`, without tensor parallelism), a last micro-batch that does
+/// `train.recompute = "layers"`; with tensor parallelism, each tp rank its pieces of the
+/// layer), a last micro-batch that does
 /// not stream into the sum (a streamed backward keeps every layer's graph), and as many
 /// micro-batches on every replica (`even`: each micro-batch's gathers are collectives of the
 /// stage's data-parallel group, so every replica must make the same ones in the same order).

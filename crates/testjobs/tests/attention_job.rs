@@ -1,6 +1,7 @@
 //! A user's transformer built from `lockstep::tp` layers (`ParallelSelfAttention` and a column →
 //! row MLP): its heads split across 2 or 4 tensor-parallel ranks, alone, with data parallelism
-//! at ZeRO 3, and with a 2-stage pipeline, end with the one-worker parameters bit for bit; a
+//! at ZeRO 3, and with a 2-stage pipeline, with recomputed layers too, end with the one-worker
+//! parameters bit for bit; a
 //! `parallel.tp` that does not divide the pieces is refused before any worker starts.
 
 use std::path::Path;
@@ -24,7 +25,7 @@ fn summary(dir: &Path) -> serde_json::Value {
 fn a_users_tensor_parallel_attention_has_the_one_worker_bits_in_every_layout() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = |n: &str| tmp.path().join(n);
-    let runs: [(&str, &str, &[&str]); 5] = [
+    let runs: [(&str, &str, &[&str]); 7] = [
         ("one", "1", &[]),
         ("tp2", "2", &["--set", "parallel.tp=2"]),
         ("tp4", "4", &["--set", "parallel.tp=4"]),
@@ -37,6 +38,32 @@ fn a_users_tensor_parallel_attention_has_the_one_worker_bits_in_every_layout() {
             "tp2pp2",
             "4",
             &["--set", "parallel.tp=2", "--set", "parallel.pp=2"],
+        ),
+        // Recomputed layers: their forwards sum the pieces over the tp group again; at ZeRO 3
+        // each tp rank gathers its pieces of one layer at a time.
+        (
+            "tp2pp2-recompute",
+            "4",
+            &[
+                "--set",
+                "parallel.tp=2",
+                "--set",
+                "parallel.pp=2",
+                "--set",
+                "train.recompute=\"layers\"",
+            ],
+        ),
+        (
+            "dp2tp2zero3-recompute",
+            "4",
+            &[
+                "--set",
+                "parallel.tp=2",
+                "--set",
+                "parallel.zero=3",
+                "--set",
+                "train.recompute=\"layers\"",
+            ],
         ),
     ];
     for (name, nproc, extra) in runs {
@@ -58,6 +85,10 @@ fn a_users_tensor_parallel_attention_has_the_one_worker_bits_in_every_layout() {
         assert_eq!(s["param_hash"], one["param_hash"], "{name}");
     }
     assert_eq!(summary(&dir("tp4"))["plan"]["tp"], 4);
+    assert_eq!(
+        summary(&dir("dp2tp2zero3-recompute"))["param_gathering"],
+        "layer"
+    );
 }
 
 #[test]

@@ -969,7 +969,7 @@ impl<J: StagedJob> LayerStage for BurnStage<'_, '_, J> {
     }
 
     fn fetches_layers(&self) -> bool {
-        self.owner.recompute && self.tp.is_none()
+        self.owner.recompute
     }
 
     fn forward_from(
@@ -982,12 +982,12 @@ impl<J: StagedJob> LayerStage for BurnStage<'_, '_, J> {
     ) -> Result<(Forwarded, f64), ReplicaError> {
         if !self.fetches_layers() || self.released.is_none() {
             return Err(ReplicaError::Other(
-                "a stage takes its layers one at a time only when it recomputes them, without \
-                 tensor parallelism, and holds no parameters (released)"
+                "a stage takes its layers one at a time only when it recomputes them and holds \
+                 no parameters (released)"
                     .into(),
             ));
         }
-        self.forward_kept(id, samples, input, scale, Some(source))
+        self.scoped(|s| s.forward_kept(id, samples, input, scale, Some(source)))
     }
 
     fn backward_from(
@@ -1002,7 +1002,7 @@ impl<J: StagedJob> LayerStage for BurnStage<'_, '_, J> {
                 "backward of micro-batch {id} without its recomputing forward"
             ))
         })?;
-        self.backward_kept(kept, grad_output, grad, Some(source))
+        self.scoped(|s| s.backward_kept(kept, grad_output, grad, Some(source)))
     }
 
     fn backward_streaming(

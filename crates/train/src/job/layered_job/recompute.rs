@@ -9,8 +9,12 @@
 //! With a [`LayerSource`] (ZeRO 3 one layer at a time), the stage holds no parameters: each
 //! layer's are taken from the source just before the layer runs, forward and recomputed
 //! backward, and released after.
+//!
+//! On a tensor-parallel stage everything runs inside the stage's tp scope: a recomputed
+//! forward sums its pieces over the group again (every tp rank recomputes the same layers in
+//! the same order, so the sums meet), and a layer's parameters are this rank's pieces.
 
-use crate::pipeline::layered::LayerSource;
+use crate::pipeline::layered::{LayerSource, Layered};
 use burn::module::Module;
 use lockstep_model::flat::{self, ParamInfo};
 
@@ -145,11 +149,22 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         self.layers[l] = flat::release(layer, &self.owner.device);
     }
 
-    /// Layer `l`'s range of the stage's flat vector.
+    /// Layer `l`'s range of the stage's flat vector: of this tp rank's local one on a
+    /// tensor-parallel stage (each split parameter `1/tp` of its rows).
     fn layer_range(&self, l: usize) -> std::ops::Range<usize> {
-        let offsets = &self.owner.offsets;
-        let start = offsets[self.first_layer];
-        offsets[self.first_layer + l] - start..offsets[self.first_layer + l + 1] - start
+        let local_len = |layer: usize| {
+            let whole = self.owner.offsets[layer + 1] - self.owner.offsets[layer];
+            match &self.tp {
+                Some(t) => {
+                    let split = self.owner.tp_split_params(layer);
+                    whole - split + split / t.tp
+                }
+                None => whole,
+            }
+        };
+        let first = self.first_layer;
+        let start: usize = (first..first + l).map(local_len).sum();
+        start..start + local_len(first + l)
     }
 
     fn recompute_backward(
