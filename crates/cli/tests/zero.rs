@@ -241,7 +241,8 @@ fn a_sharded_run_recovers_and_its_checkpoints_move_to_other_levels_and_world_siz
 /// "layer"`: before each layer's forward and again before its recomputed backward, released
 /// after); without recomputation the whole stage for the step (`"stage"`), and so with
 /// replicas of unequal micro-batch counts (4 over dp3), whose gathers would not pair up. The
-/// one-worker bits each way, and after a worker killed mid-run; below ZeRO 3 nothing is gathered.
+/// one-worker bits each way, with 0, 1 or 2 layers gathered ahead, and after a worker killed
+/// mid-run (its peer's gathering thread then fails); below ZeRO 3 nothing is gathered.
 #[test]
 fn zero3_with_recomputed_layers_gathers_one_layer_at_a_time() {
     let tmp = tempfile::tempdir().unwrap();
@@ -256,9 +257,24 @@ fn zero3_with_recomputed_layers_gathers_one_layer_at_a_time() {
         assert_eq!(hash(&dir), want, "dp{nproc}");
         assert_eq!(gathering(&dir), how, "dp{nproc}");
     }
+    // The next layer gathered while the current one computes (the default), two ahead, or
+    // each when it is needed: the same gathers, the same bits.
+    for ahead in [0, 1, 2] {
+        let dir = tmp.path().join(format!("ahead-{ahead}"));
+        let set = format!("parallel.prefetch_layers={ahead}");
+        ok(transformer(
+            &dir,
+            "2",
+            &[&per_layer[..], &[&set]].concat(),
+            &[],
+        ));
+        assert_eq!(hash(&dir), want, "{ahead} ahead");
+        assert_eq!(summary(&dir)["layers_prefetched"], ahead, "{ahead} ahead");
+    }
     let dir = tmp.path().join("stage");
     ok(transformer(&dir, "2", &["parallel.zero=3"], &[]));
     assert_eq!(gathering(&dir), "stage");
+    assert!(summary(&dir)["layers_prefetched"].is_null());
     let dir = tmp.path().join("zero2");
     ok(transformer(
         &dir,
@@ -549,6 +565,10 @@ fn invalid_zero_requests_are_refused_before_any_worker_starts() {
         (
             &["parallel.zero=4"],
             &["parallel.zero", "4 is not a ZeRO stage"],
+        ),
+        (
+            &["parallel.zero=3", "parallel.prefetch_layers=5"],
+            &["parallel.prefetch_layers", "5 is more than 4"],
         ),
         (
             &["parallel.tp=2"],

@@ -867,6 +867,7 @@ mod tests {
             compute: Default::default(),
             gradient_sum: None,
             param_gathering: None,
+            layers_prefetched: None,
             plan: None,
             checkpoints: Some(lockstep_run::metrics::CheckpointSummary {
                 background: false,

@@ -524,6 +524,7 @@ pub(crate) mod tests {
             compute: Default::default(),
             gradient_sum: None,
             param_gathering: None,
+            layers_prefetched: None,
             plan: None,
             checkpoints: None,
         }

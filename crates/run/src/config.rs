@@ -258,7 +258,15 @@ pub struct ParallelConfig {
     /// are all-gathered); 2 = also the reduced gradient (the exact sum is reduce-scattered);
     /// 3 = also the parameters (gathered layer by layer; layered models only).
     pub zero: u8,
+    /// ZeRO 3 one layer at a time: layers gathered ahead of the one computing (0 = each when
+    /// it is needed, on the stage's thread; 1 = the next one while the current one computes).
+    /// At most [`MAX_PREFETCH_LAYERS`]; never changes the bits.
+    pub prefetch_layers: usize,
 }
+
+/// The most layers `parallel.prefetch_layers` gathers ahead: each holds a whole layer's
+/// parameters, and on a stage that computes one layer at a time a deeper queue hides no more.
+pub const MAX_PREFETCH_LAYERS: usize = 4;
 
 impl Default for ParallelConfig {
     fn default() -> Self {
@@ -271,6 +279,7 @@ impl Default for ParallelConfig {
             stage_cuts: Vec::new(),
             profile_reps: 3,
             zero: 0,
+            prefetch_layers: 1,
         }
     }
 }
@@ -985,6 +994,16 @@ impl TrainConfig {
         }
         if p.profile_reps == 0 {
             return Err(invalid("parallel.profile_reps", "must be ≥ 1"));
+        }
+        if p.prefetch_layers > MAX_PREFETCH_LAYERS {
+            return Err(invalid(
+                "parallel.prefetch_layers",
+                format!(
+                    "{} is more than {MAX_PREFETCH_LAYERS}: each layer gathered ahead holds a \
+                     whole layer's parameters, and a stage computes one layer at a time",
+                    p.prefetch_layers
+                ),
+            ));
         }
         if p.zero > 3 {
             return Err(invalid(

@@ -261,6 +261,11 @@ pub struct Summary {
     /// and in summaries written before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub param_gathering: Option<ParamGathering>,
+    /// With `param_gathering = "layer"`: how many layers were gathered ahead of the one
+    /// computing (`parallel.prefetch_layers`; 0: each when it was needed). Absent otherwise and
+    /// in summaries written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers_prefetched: Option<usize>,
     /// The parallel plan the run followed (absent in summaries written before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<crate::layout::ParallelPlan>,

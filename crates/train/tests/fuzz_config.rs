@@ -46,6 +46,7 @@ const KEYS: &[&str] = &[
     "parallel.microbatches",
     "parallel.stage_cuts",
     "parallel.profile_reps",
+    "parallel.prefetch_layers",
     "checkpoint.every",
     "checkpoint.keep",
 ];

@@ -20,6 +20,7 @@ pub mod balance;
 mod checkpoint_shards;
 pub mod executor;
 pub mod flat;
+mod layer_gather;
 pub mod layered;
 pub mod schedule;
 pub mod tensor_parallel;

@@ -33,14 +33,15 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use lockstep_comm::exact::ExactError;
-use lockstep_comm::{CommError, Communicator};
+use lockstep_comm::Communicator;
 use lockstep_data::{assign, microbatches, Sampler};
 use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer, ParamHasher, TimedLoss};
 
 use super::balance::{balance, stage_ranges};
 use super::checkpoint_shards::{check_set, local_ranges, shard_view};
-use super::executor::{run_schedule, StageWork};
-use super::layered::{Evaluated, Forwarded, LayerSource, LayerStage, Layered};
+use super::executor::{run_schedule, ScheduleTiming, StageWork};
+use super::layer_gather::{gather_order, with_layer_gather, Chunks, LayerGather};
+use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, Op, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use super::whole::{self, WholeStep};
@@ -116,38 +117,20 @@ struct Work<'a> {
     gather: Option<LayerGather<'a>>,
 }
 
-/// ZeRO 3 per layer ([`LayerSource`]): a layer's parameters all-gathered from the replicas'
-/// chunks when the stage asks for them; the first failure kept for the step's error, the time
-/// (communication, inside the forwards and backwards) summed for each.
-struct LayerGather<'a> {
-    zero: &'a Zero,
-    dp: &'a mut Communicator,
-    /// This rank's chunks of the stage's parameters.
-    owned: &'a [f32],
-    failure: Option<CommError>,
-    /// Seconds of gathers during forwards and during backwards.
-    seconds: [f64; 2],
-    /// Which of the two the next gathers count towards (0: forward, 1: backward).
-    pass: usize,
-}
-
-impl LayerSource for LayerGather<'_> {
-    fn layer(&mut self, k: usize) -> Result<Vec<f32>, String> {
-        let t0 = Instant::now();
-        let gathered = self.zero.gather_segment(k, self.owned, self.dp);
-        self.seconds[self.pass] += t0.elapsed().as_secs_f64();
-        gathered.map_err(|e| {
-            let message = e.to_string();
-            self.failure.get_or_insert(e);
-            message
-        })
-    }
-}
-
 /// Where [`Work`] scans gradients ahead ([`GradSync::scan_ahead`]), and the time it took.
 struct ScanAhead<'a> {
     sync: &'a mut GradSync,
     seconds: f64,
+}
+
+/// What a stage's schedule for one step gave back.
+struct Scheduled {
+    timing: ScheduleTiming,
+    losses: Vec<f32>,
+    data_seconds: f64,
+    scanned_ahead: f64,
+    /// Seconds the stage waited for ZeRO 3's layer gathers (forwards, backwards).
+    gathered: [f64; 2],
 }
 
 impl Work<'_> {
@@ -469,7 +452,8 @@ impl<'m> StageRank<'m> {
                 .collect(),
             None => layer_ranges,
         };
-        let gathers_layers = gathers_layers(plan, &*stage, streams_last, ledger);
+        let ahead = cfg.parallel.prefetch_layers;
+        let gathers_layers = gathers_layers(plan, ahead, &*stage, streams_last, ledger);
         let mut r = StageRank {
             model,
             cfg,
@@ -831,39 +815,60 @@ impl<'m> StageRank<'m> {
             && !self.plan.overlap
             && self.dp_comm.size() > 1
             && self.zero.reduces_in_one_call();
-        let mut work = Work {
-            stage: &mut *self.stage,
-            pieces: mine,
-            first_microbatch: self.my_micro.start,
-            microbatch: self.cfg.train.microbatch,
-            job: &self.job,
-            step,
-            seed: self.cfg.train.seed,
-            scale: self.scale,
-            grads: &mut self.grads,
-            losses: vec![0.0; self.my_micro.len()],
-            data_seconds: 0.0,
-            link: &self.tp_link,
-            // Only where one reduction takes every part (not ZeRO 3's layer by layer), and not
-            // on one data-parallel replica, whose fused pass scans each bucket as it sums it.
-            scan_ahead: scan_ahead.then_some(ScanAhead {
-                sync: &mut self.sync,
-                seconds: 0.0,
-            }),
-            gather: self.gathers_layers.then_some(LayerGather {
-                zero: &self.zero,
-                dp: &mut self.dp_comm,
-                owned: &self.params,
-                failure: None,
-                seconds: [0.0; 2],
-                pass: 0,
-            }),
+        let (ops, stage, pp_comm) = (&self.ops, self.me.stage, &mut self.pp_comm);
+        let (job, tp_link, cfg) = (&self.job, &*self.tp_link, self.cfg);
+        let (first_microbatch, scale) = (self.my_micro.start, self.scale);
+        let (layer_stage, grads, sync) = (&mut *self.stage, &mut self.grads, &mut self.sync);
+        let mut scheduled = |gather: Option<LayerGather<'_>>| {
+            let mut work = Work {
+                stage: layer_stage,
+                pieces: mine,
+                first_microbatch,
+                microbatch: cfg.train.microbatch,
+                job,
+                step,
+                seed: cfg.train.seed,
+                scale,
+                grads,
+                losses: vec![0.0; mine.len()],
+                data_seconds: 0.0,
+                link: tp_link,
+                // Only where one reduction takes every part (not ZeRO 3's layer by layer), and
+                // not on one data-parallel replica, whose fused pass scans each bucket as it
+                // sums it.
+                scan_ahead: scan_ahead.then_some(ScanAhead { sync, seconds: 0.0 }),
+                gather,
+            };
+            let timing = run_schedule(ops, stage, &mut work, pp_comm)?;
+            let gathered = work.gather.as_ref().map(|g| g.waited);
+            Ok::<_, TrainError>(Scheduled {
+                timing,
+                losses: std::mem::take(&mut work.losses),
+                data_seconds: work.data_seconds,
+                scanned_ahead: work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds),
+                gathered: gathered.unwrap_or_default(),
+            })
         };
-        let timing = run_schedule(&self.ops, self.me.stage, &mut work, &mut self.pp_comm)?;
-        let (losses, data_seconds) = (std::mem::take(&mut work.losses), work.data_seconds);
-        let scanned_ahead = work.scan_ahead.as_ref().map_or(0.0, |s| s.seconds);
-        // Inside the forwards and backwards: counted as communication below.
-        let [gathered_fwd, gathered_bwd] = work.gather.as_ref().map_or([0.0; 2], |g| g.seconds);
+        let done = match self.gathers_layers {
+            true => {
+                let chunks = Chunks {
+                    zero: &self.zero,
+                    dp: &mut self.dp_comm,
+                    owned: &self.params,
+                };
+                let order = gather_order(ops, self.zero.segments().len());
+                let ahead = cfg.parallel.prefetch_layers;
+                with_layer_gather(chunks, order, ahead, |g| scheduled(Some(g)))?
+            }
+            false => scheduled(None)?,
+        };
+        let Scheduled {
+            timing,
+            losses,
+            data_seconds,
+            scanned_ahead,
+            gathered: [gathered_fwd, gathered_bwd],
+        } = done;
         if self.zero.level() >= 3 && !self.streams_last {
             // Freed after use: the last backward of the step is done.
             self.stage.release_params();
@@ -1348,6 +1353,7 @@ fn build_stage<'m>(
 /// recorded for the summary at level 3.
 fn gathers_layers(
     plan: &ParallelPlan,
+    ahead: usize,
     stage: &dyn LayerStage,
     streams_last: bool,
     ledger: &mut Ledger<'_>,
@@ -1357,8 +1363,8 @@ fn gathers_layers(
         crate::memory::gathers_layers(plan.zero, stage.fetches_layers(), streams_last, even);
     if plan.zero >= 3 {
         ledger.set_param_gathering(match by_layer {
-            true => ParamGathering::Layer,
-            false => ParamGathering::Stage,
+            true => (ParamGathering::Layer, Some(ahead)),
+            false => (ParamGathering::Stage, None),
         });
     }
     by_layer

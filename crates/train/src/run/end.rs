@@ -91,6 +91,7 @@ pub(crate) struct RunEnd {
     pub param_hash: String,
     pub gradient_sum: Option<GradientSum>,
     pub param_gathering: Option<ParamGathering>,
+    pub layers_prefetched: Option<usize>,
     pub plan: ParallelPlan,
     pub job: JobLabel,
 }
@@ -164,6 +165,7 @@ pub(crate) fn build_summary(
         },
         gradient_sum: end.gradient_sum,
         param_gathering: end.param_gathering,
+        layers_prefetched: end.layers_prefetched,
         plan: Some(end.plan),
         checkpoints: CheckpointSummary::from_records(
             all_records,

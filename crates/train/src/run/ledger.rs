@@ -89,6 +89,7 @@ pub(crate) struct Ledger<'a> {
     last_loss: f64,
     gradient_sum: Option<GradientSum>,
     param_gathering: Option<ParamGathering>,
+    layers_prefetched: Option<usize>,
     plan: ParallelPlan,
     /// Resumed from a checkpoint taken after the last step (an earlier attempt ended before its
     /// summary): no step runs, the final evaluation is run again for the summary.
@@ -170,6 +171,7 @@ impl<'a> Ledger<'a> {
             last_loss: f64::NAN,
             gradient_sum: None,
             param_gathering: None,
+            layers_prefetched: None,
             plan: plan.clone(),
             resumed_at_end: false,
             job,
@@ -417,9 +419,14 @@ impl<'a> Ledger<'a> {
         self.gradient_sum = Some(how);
     }
 
-    /// Records how ZeRO 3 gathers the stage's parameters (`summary.json`'s `param_gathering`).
-    pub(crate) fn set_param_gathering(&mut self, how: ParamGathering) {
+    /// Records how ZeRO 3 gathers the stage's parameters (`summary.json`'s `param_gathering`)
+    /// and, one layer at a time, how many layers ahead (`layers_prefetched`).
+    pub(crate) fn set_param_gathering(
+        &mut self,
+        (how, prefetched): (ParamGathering, Option<usize>),
+    ) {
         self.param_gathering = Some(how);
+        self.layers_prefetched = prefetched;
     }
 
     /// Collective, at the end: every rank's records, host and memory (what `held` counts, with
@@ -461,6 +468,7 @@ impl<'a> Ledger<'a> {
             param_hash,
             gradient_sum: self.gradient_sum,
             param_gathering: self.param_gathering,
+            layers_prefetched: self.layers_prefetched,
             plan: self.plan,
             job: self.job,
         };
