@@ -256,6 +256,13 @@ fn zero3_with_recomputed_layers_gathers_one_layer_at_a_time() {
         ok(transformer(&dir, nproc, &per_layer, &[]));
         assert_eq!(hash(&dir), want, "dp{nproc}");
         assert_eq!(gathering(&dir), how, "dp{nproc}");
+        // Evaluations take the layers one at a time too, a group of chunks per gather: the
+        // sums of the chunks evaluated one by one.
+        assert_eq!(
+            summary(&dir)["evals"],
+            summary(&reference)["evals"],
+            "dp{nproc}"
+        );
     }
     // The next layer gathered while the current one computes (the default), two ahead, or
     // each when it is needed: the same gathers, the same bits.

@@ -1005,6 +1005,22 @@ impl<J: StagedJob> LayerStage for BurnStage<'_, '_, J> {
         self.scoped(|s| s.backward_kept(kept, grad_output, grad, Some(source)))
     }
 
+    fn evaluate_from(
+        &mut self,
+        chunks: &[&[u32]],
+        inputs: &[Option<Vec<f32>>],
+        source: &mut dyn LayerSource,
+    ) -> Result<Vec<Evaluated>, ReplicaError> {
+        if !self.fetches_layers() || self.released.is_none() || chunks.len() != inputs.len() {
+            return Err(ReplicaError::Other(
+                "an evaluation takes the layers one at a time only on a stage that recomputes \
+                 them and holds no parameters (released), with one input per chunk"
+                    .into(),
+            ));
+        }
+        self.scoped(|s| s.evaluate_by_layer(chunks, inputs, source))
+    }
+
     fn backward_streaming(
         &mut self,
         id: u64,
@@ -1228,8 +1244,20 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         samples: &[u32],
         input: Option<&[f32]>,
     ) -> Result<Evaluated, ReplicaError> {
+        let (batch, x) = self.eval_input(samples, input)?;
+        let layers: Vec<J::Layer> = self.layers.iter().map(|l| l.valid()).collect();
+        let x = self.run_layers(&layers, x, false)?;
+        self.evaluated(x, batch.as_ref(), samples.len())
+    }
+
+    /// An evaluation's batch of `samples` (where this stage reads one) and the stage's input:
+    /// the batch's, or the previous stage's activations `input` (no gradient).
+    fn eval_input(
+        &self,
+        samples: &[u32],
+        input: Option<&[f32]>,
+    ) -> Result<(Option<J::Batch>, J::Activation), ReplicaError> {
         let device = self.owner.device.clone().inner();
-        let n = samples.len();
         let batch = if self.first || self.last {
             Some(batch_of(
                 &*self.owner.job,
@@ -1241,13 +1269,22 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         } else {
             None
         };
-        let (_, x) = self.input(batch.as_ref(), input, n, &device, false)?;
-        let layers: Vec<J::Layer> = self.layers.iter().map(|l| l.valid()).collect();
-        let x = self.run_layers(&layers, x, false)?;
+        let (_, x) = self.input(batch.as_ref(), input, samples.len(), &device, false)?;
+        Ok((batch, x))
+    }
+
+    /// What the stage hands on after evaluating `n` samples to `x`: the next stage's
+    /// activations, or (last stage) the loss and metric sums of `batch`.
+    fn evaluated(
+        &self,
+        x: J::Activation,
+        batch: Option<&J::Batch>,
+        n: usize,
+    ) -> Result<Evaluated, ReplicaError> {
         if !self.last {
             return Ok(Evaluated::Activations(self.outgoing(x, n)?.0));
         }
-        let batch = batch.as_ref().expect("the last stage reads its batch");
+        let batch = batch.expect("the last stage reads its batch");
         let loss = scalar(&guarded(|| self.owner.job.loss(x.clone(), batch))?)?;
         let metrics = guarded(|| self.owner.job.metrics(x, batch))?;
         Ok(Evaluated::Sums(EvalSums {

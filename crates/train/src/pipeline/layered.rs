@@ -266,6 +266,22 @@ pub trait LayerStage {
             "this stage cannot take its layers' parameters one at a time".into(),
         ))
     }
+    /// [`LayerStage::evaluate`] of several chunks (`inputs[i]` the previous stage's activations
+    /// for `chunks[i]`) with the stage's parameters released: each layer's taken from `source`
+    /// once for them all, every chunk run through it, then released. One result per chunk,
+    /// each what `evaluate` gives it alone. With no chunk the layers are still taken (the
+    /// source's gathers are collectives that every replica makes).
+    fn evaluate_from(
+        &mut self,
+        chunks: &[&[u32]],
+        inputs: &[Option<Vec<f32>>],
+        source: &mut dyn LayerSource,
+    ) -> Result<Vec<Evaluated>, ReplicaError> {
+        let _ = (chunks, inputs, source);
+        Err(ReplicaError::Other(
+            "this stage cannot take its layers' parameters one at a time".into(),
+        ))
+    }
     /// The replica of a model trained whole (`flat.rs`), whose micro-batches are computed in one
     /// call each instead of a forward and a backward; `None` for a stage of layers.
     fn whole(&mut self) -> Option<&mut dyn crate::replica::Replica> {

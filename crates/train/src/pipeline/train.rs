@@ -41,7 +41,7 @@ use super::balance::{balance, stage_ranges};
 use super::checkpoint_shards::{check_set, local_ranges, shard_view};
 use super::executor::{run_schedule, ScheduleTiming, StageWork};
 use super::layer_gather::{gather_order, with_layer_gather, Chunks, LayerGather};
-use super::layered::{Evaluated, Forwarded, LayerStage, Layered};
+use super::layered::{Evaluated, Forwarded, LayerSource, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, Op, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use super::whole::{self, WholeStep};
@@ -1066,11 +1066,42 @@ impl<'m> StageRank<'m> {
     }
 
     /// The evaluation after `step`, through each replica's pipeline (ZeRO 3: the stage
-    /// gathered for it).
+    /// gathered for it, or, where it gathers one layer at a time, each layer once per group of
+    /// a step's worth of chunks).
     fn evaluate(&mut self, comm: &mut Communicator, step: u64) -> Result<Eval, TrainError> {
         let (model, dims, me) = (self.model, self.dims, self.me);
         let chunk = model.eval_chunk(self.cfg.train.microbatch);
-        let (pp_comm, link) = (&mut self.pp_comm, &self.tp_link);
+        let (pp_comm, link) = (&mut self.pp_comm, &*self.tp_link);
+        let mut run = EvalRun {
+            comm,
+            pp: pp_comm,
+            model,
+            dims,
+            me,
+            link,
+            chunk,
+            group: 1,
+            step,
+        };
+        if self.gathers_layers {
+            run.group = self.my_micro.len().max(1);
+            let layers = self.zero.segments().len();
+            let order = (0..run.groups()).flat_map(|_| 0..layers).collect();
+            let chunks = Chunks {
+                zero: &self.zero,
+                dp: &mut self.dp_comm,
+                owned: &self.params,
+            };
+            let ahead = self.cfg.parallel.prefetch_layers;
+            let stage = &mut *self.stage;
+            return with_layer_gather(chunks, order, ahead, |mut gather| {
+                let evaluated = run.evaluate(stage, Some(&mut gather));
+                match gather.failure.take() {
+                    Some(c) => Err(TrainError::Comm(c)),
+                    None => evaluated,
+                }
+            });
+        }
         let job = self.job.clone();
         let setup = |e: ReplicaError| TrainError::JobSetup {
             job: job.clone(),
@@ -1082,7 +1113,7 @@ impl<'m> StageRank<'m> {
             &mut self.dp_comm,
             &mut *self.stage,
             setup,
-            |stage| evaluate(comm, pp_comm, stage, model, dims, me, link, chunk, step),
+            |stage| run.evaluate(stage, None),
         )
     }
 
@@ -1588,56 +1619,98 @@ fn with_whole_stage<T>(
     out
 }
 
-/// Evaluate the model's evaluation samples through each replica's pipeline: fixed chunks of
-/// `chunk` samples whatever the layout (so each chunk's sums have the same bits everywhere),
-/// the replicas taking contiguous shares, the last stages' sums combined exactly.
-#[allow(clippy::too_many_arguments)]
-fn evaluate(
-    comm: &mut Communicator,
-    pp: &mut Communicator,
-    stage: &mut dyn LayerStage,
-    model: &dyn Layered,
+/// An evaluation through each replica's pipeline: fixed chunks of `chunk` samples whatever the
+/// layout (so each chunk's sums have the same bits everywhere), the replicas taking contiguous
+/// shares, the last stages' sums combined exactly. A stage evaluates `group` chunks at a time.
+struct EvalRun<'a> {
+    comm: &'a mut Communicator,
+    pp: &'a mut Communicator,
+    model: &'a dyn Layered,
     dims: ParallelDims,
     me: crate::Coords,
-    link: &TpLink,
+    link: &'a TpLink,
     chunk: usize,
+    group: usize,
     step: u64,
-) -> Result<Eval, TrainError> {
-    let job = model.name();
-    let replica = me.replica;
-    let eval_error = |cause| match link.take_failure() {
-        Some(c) => TrainError::Comm(c),
-        None => TrainError::JobEval {
-            job: job.clone(),
-            step: step + 1,
-            cause,
-        },
-    };
-    let all = model.eval_samples();
-    let chunks: Vec<&[u32]> = all.chunks(chunk.max(1)).collect();
-    let share = &chunks[assign(chunks.len(), dims.dp, replica)];
-    let s = pp.rank();
-    let mut mine = EvalTotals::default();
-    for &piece in share {
-        lockstep_comm::activity::touch();
-        let mut acts = Vec::new();
-        if !stage.is_first() {
-            acts = vec![0f32; stage.input_len(piece.len())];
-            pp.recv(s - 1, &mut acts)?;
-        }
-        let input = (!stage.is_first()).then_some(&acts[..]);
-        let evaluated = match stage.evaluate(piece, input) {
-            Ok(e) => e,
-            Err(cause) => return Err(eval_error(cause)),
-        };
-        match evaluated {
-            Evaluated::Activations(out) => pp.send(s + 1, &out)?,
-            // A tensor-parallel group's ranks hold the same sums: its tp rank 0 counts them.
-            Evaluated::Sums(sums) if me.tp_rank == 0 => mine.add(sums).map_err(eval_error)?,
-            Evaluated::Sums(_) => {}
-        }
+}
+
+impl EvalRun<'_> {
+    fn chunks(&self, all: &[u32]) -> usize {
+        all.len().div_ceil(self.chunk.max(1))
     }
-    combine(comm, mine, model.eval_units(all.len()), &job, step)
+
+    /// Groups every replica evaluates: as many as the largest share needs (a stage taking its
+    /// layers one at a time makes the same gathers, collectives, on every replica).
+    fn groups(&self) -> usize {
+        let chunks = self.chunks(&self.model.eval_samples());
+        chunks.div_ceil(self.dims.dp).div_ceil(self.group)
+    }
+
+    /// Evaluate the model's evaluation samples; `source`: the stage takes its layers one at a
+    /// time from it ([`LayerStage::evaluate_from`]), else each chunk goes through the held stage.
+    fn evaluate(
+        &mut self,
+        stage: &mut dyn LayerStage,
+        mut source: Option<&mut dyn LayerSource>,
+    ) -> Result<Eval, TrainError> {
+        let job = self.model.name();
+        let link = self.link;
+        let step = self.step;
+        let eval_error = |cause| match link.take_failure() {
+            Some(c) => TrainError::Comm(c),
+            None => TrainError::JobEval {
+                job: job.clone(),
+                step: step + 1,
+                cause,
+            },
+        };
+        let all = self.model.eval_samples();
+        let chunks: Vec<&[u32]> = all.chunks(self.chunk.max(1)).collect();
+        let share = &chunks[assign(chunks.len(), self.dims.dp, self.me.replica)];
+        let s = self.pp.rank();
+        let mut mine = EvalTotals::default();
+        for g in 0..self.groups() {
+            lockstep_comm::activity::touch();
+            let group = share.iter().skip(g * self.group).take(self.group);
+            let group: Vec<&[u32]> = group.copied().collect();
+            let mut inputs = Vec::with_capacity(group.len());
+            for piece in &group {
+                inputs.push(match stage.is_first() {
+                    true => None,
+                    false => {
+                        let mut acts = vec![0f32; stage.input_len(piece.len())];
+                        self.pp.recv(s - 1, &mut acts)?;
+                        Some(acts)
+                    }
+                });
+            }
+            let evaluated = match source.as_deref_mut() {
+                Some(source) => stage.evaluate_from(&group, &inputs, source),
+                None => group
+                    .iter()
+                    .zip(&inputs)
+                    .map(|(piece, input)| stage.evaluate(piece, input.as_deref()))
+                    .collect(),
+            };
+            for evaluated in evaluated.map_err(eval_error)? {
+                match evaluated {
+                    Evaluated::Activations(out) => self.pp.send(s + 1, &out)?,
+                    // A tensor-parallel group's ranks hold the same sums: its tp rank 0 counts them.
+                    Evaluated::Sums(sums) if self.me.tp_rank == 0 => {
+                        mine.add(sums).map_err(eval_error)?
+                    }
+                    Evaluated::Sums(_) => {}
+                }
+            }
+        }
+        combine(
+            self.comm,
+            mine,
+            self.model.eval_units(all.len()),
+            &job,
+            step,
+        )
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -8,7 +8,7 @@
 //!
 //! With a [`LayerSource`] (ZeRO 3 one layer at a time), the stage holds no parameters: each
 //! layer's are taken from the source just before the layer runs, forward and recomputed
-//! backward, and released after.
+//! backward, and released after; an evaluation takes each layer once for a group of chunks.
 //!
 //! On a tensor-parallel stage everything runs inside the stage's tp scope: a recomputed
 //! forward sums its pieces over the group again (every tp rank recomputes the same layers in
@@ -23,7 +23,7 @@ use crate::draws::{DrawPart, Draws};
 use crate::job::activation::{activation_of, float_values, parts_of, Layout};
 use crate::job::burn_job::guarded;
 use crate::outcome::ReplicaError;
-use crate::pipeline::layered::Forwarded;
+use crate::pipeline::layered::{Evaluated, Forwarded};
 
 /// What a recomputed micro-batch keeps from its forward until its backward.
 pub(super) struct Kept<B> {
@@ -111,6 +111,39 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         let result = self.recompute_backward(&kept, grad_output, grad, source);
         self.draws = later;
         result
+    }
+
+    /// [`LayerStage::evaluate_from`](crate::pipeline::layered::LayerStage::evaluate_from):
+    /// every chunk's input first, then each layer taken from `source`, every chunk run through
+    /// it (as `evaluate` runs it: no draws, no graph), and released.
+    pub(super) fn evaluate_by_layer(
+        &mut self,
+        chunks: &[&[u32]],
+        inputs: &[Option<Vec<f32>>],
+        source: &mut dyn LayerSource,
+    ) -> Result<Vec<Evaluated>, ReplicaError> {
+        let mut batches = Vec::with_capacity(chunks.len());
+        let mut xs = Vec::with_capacity(chunks.len());
+        for (samples, input) in chunks.iter().zip(inputs) {
+            let (batch, x) = self.eval_input(samples, input.as_deref())?;
+            batches.push(batch);
+            xs.push(x);
+        }
+        for l in 0..self.layers.len() {
+            self.fetch_layer(l, source)?;
+            let layer = self.layers[l].valid();
+            xs = xs
+                .into_iter()
+                .map(|x| guarded(|| self.owner.job.forward(&layer, x)))
+                .collect::<Result<_, _>>()?;
+            drop(layer);
+            self.drop_layer(l);
+        }
+        xs.into_iter()
+            .zip(&batches)
+            .zip(chunks)
+            .map(|((x, batch), samples)| self.evaluated(x, batch.as_ref(), samples.len()))
+            .collect()
     }
 
     /// Layer `l`'s parameters (of the stage) written from `source`; the stage's are released.
