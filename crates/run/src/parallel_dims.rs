@@ -29,6 +29,13 @@ pub struct Coords {
     pub tp_rank: usize,
 }
 
+/// Parameters one rank of a tensor-parallel group of `tp` holds of a layer with `params`, of
+/// which `split` are cut into `tp` equal runs of rows (each rank keeps one) and the rest
+/// replicated: the rule of every tp layout (ZeRO's segments, a stage's local vector, the plan).
+pub fn params_per_tp_rank(params: usize, split: usize, tp: usize) -> usize {
+    params - split + split / tp.max(1)
+}
+
 /// `Communicator::split` colours of the three groups a rank belongs to (distinct per group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupColors {

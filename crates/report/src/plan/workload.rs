@@ -29,7 +29,7 @@ pub struct Layer {
 impl Layer {
     /// Parameters one rank of a tensor-parallel group of `tp` holds.
     pub fn params_per_tp_rank(&self, tp: usize) -> usize {
-        self.params - self.tp_split_params + self.tp_split_params / tp.max(1)
+        lockstep_run::parallel_dims::params_per_tp_rank(self.params, self.tp_split_params, tp)
     }
 }
 

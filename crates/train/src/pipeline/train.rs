@@ -61,7 +61,7 @@ use crate::metrics::{
     StepRecord, Summary,
 };
 use crate::outcome::ReplicaError;
-use crate::parallel_dims::ParallelDims;
+use crate::parallel_dims::{params_per_tp_rank, ParallelDims};
 use crate::run::checkpointing::{broadcast_whole, Found};
 use crate::run::collect::{check_same_kernels, check_same_structure, gather_strings};
 use crate::run::evaluation::{combine, EvalTotals};
@@ -1432,7 +1432,7 @@ fn zero_for(
             } else {
                 0
             };
-            let n = offsets[l + 1] - offsets[l] - split + split / dims.tp;
+            let n = params_per_tp_rank(offsets[l + 1] - offsets[l], split, dims.tp);
             start += n;
             start - n..start
         })

@@ -23,6 +23,7 @@ use crate::draws::{DrawPart, Draws};
 use crate::job::activation::{activation_of, float_values, parts_of, Layout};
 use crate::job::burn_job::guarded;
 use crate::outcome::ReplicaError;
+use crate::parallel_dims::params_per_tp_rank;
 use crate::pipeline::layered::{Evaluated, Forwarded};
 
 /// What a recomputed micro-batch keeps from its forward until its backward.
@@ -188,10 +189,7 @@ impl<J: StagedJob> BurnStage<'_, '_, J> {
         let local_len = |layer: usize| {
             let whole = self.owner.offsets[layer + 1] - self.owner.offsets[layer];
             match &self.tp {
-                Some(t) => {
-                    let split = self.owner.tp_split_params(layer);
-                    whole - split + split / t.tp
-                }
+                Some(t) => params_per_tp_rank(whole, self.owner.tp_split_params(layer), t.tp),
                 None => whole,
             }
         };
