@@ -1076,6 +1076,7 @@ impl<'m> StageRank<'m> {
             comm,
             pp: pp_comm,
             model,
+            samples: model.eval_samples(),
             dims,
             me,
             link,
@@ -1626,6 +1627,8 @@ struct EvalRun<'a> {
     comm: &'a mut Communicator,
     pp: &'a mut Communicator,
     model: &'a dyn Layered,
+    /// The model's evaluation samples (`Layered::eval_samples`), read once per evaluation.
+    samples: Vec<u32>,
     dims: ParallelDims,
     me: crate::Coords,
     link: &'a TpLink,
@@ -1635,14 +1638,10 @@ struct EvalRun<'a> {
 }
 
 impl EvalRun<'_> {
-    fn chunks(&self, all: &[u32]) -> usize {
-        all.len().div_ceil(self.chunk.max(1))
-    }
-
     /// Groups every replica evaluates: as many as the largest share needs (a stage taking its
     /// layers one at a time makes the same gathers, collectives, on every replica).
     fn groups(&self) -> usize {
-        let chunks = self.chunks(&self.model.eval_samples());
+        let chunks = self.samples.len().div_ceil(self.chunk.max(1));
         chunks.div_ceil(self.dims.dp).div_ceil(self.group)
     }
 
@@ -1664,12 +1663,13 @@ impl EvalRun<'_> {
                 cause,
             },
         };
-        let all = self.model.eval_samples();
+        let groups = self.groups();
+        let all = &self.samples;
         let chunks: Vec<&[u32]> = all.chunks(self.chunk.max(1)).collect();
         let share = &chunks[assign(chunks.len(), self.dims.dp, self.me.replica)];
         let s = self.pp.rank();
         let mut mine = EvalTotals::default();
-        for g in 0..self.groups() {
+        for g in 0..groups {
             lockstep_comm::activity::touch();
             let group = share.iter().skip(g * self.group).take(self.group);
             let group: Vec<&[u32]> = group.copied().collect();
