@@ -104,8 +104,7 @@ def two_hosts(ahead, out, port):
 
 
 def main():
-    settings = {"one_host_shm": one_host, f"two_hosts_tcp_{RATE}": None}
-    results = {s: {0: [], 1: []} for s in settings}
+    results = {s: {0: [], 1: []} for s in ("one_host_shm", f"two_hosts_tcp_{RATE}")}
     make_hosts()
     try:
         with tempfile.TemporaryDirectory() as work:

@@ -25,7 +25,7 @@ pub mod grad_sync;
 pub mod job;
 pub mod limits;
 pub mod memory;
-pub mod model_spec;
+mod model_spec;
 pub mod outcome;
 pub mod pipeline;
 pub mod precision;

@@ -8,7 +8,7 @@ use crate::config::TrainConfig;
 
 /// The transformer `cfg` describes, for a corpus with `vocab` characters (`model.d_ff = 0`:
 /// four times `model.d_model`), its products as `train.precision` asks.
-pub fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
+pub(crate) fn transformer_spec(cfg: &TrainConfig, vocab: usize) -> TransformerSpec {
     let m = &cfg.model;
     TransformerSpec {
         vocab,
