@@ -18,16 +18,19 @@
 //! stranger on the same IP: when a budget place frees up, it goes to whichever connection arrives
 //! next, and a stranger that reconnects without pause always arrives before a real client pausing
 //! between retries, so it could keep that client out for as long as it liked. Hence the *lobby*
-//! ([`LobbyLimits`], `lobby.rs`): once a budget has been held for [`LobbyLimits::after`] by the same
-//! pending handshake (a real one takes a round trip, so that one is a stranger's), or has refused
-//! connections without a pause for a second (a stranger whose connections churn so fast that none
-//! stays pending for long, yet which takes every place that frees up: on a fast machine a loopback
-//! flood reconnects tens of thousands of times a second), connections over it are no longer
-//! refused but wait in the lobby, without a thread: they are sent the hello at once
-//! and their proofs are checked on the accepting thread as they arrive, before any new connection
-//! is accepted. A real client passes in one round trip; the lobby's places are bounded per source
-//! and in total, and a newcomer pushes out the oldest waiter of its source (whose round trip, if
-//! it were real, would long be over).
+//! ([`LobbyLimits`], `lobby.rs`): a connection over a budget is not refused but waits in the lobby,
+//! without a thread: it is sent the hello at once and its proof is checked on the accepting thread
+//! as it arrives, before any new connection is accepted. A real client passes in one round trip;
+//! the lobby's places are bounded per source and in total, a newcomer pushes out the oldest waiter
+//! of its source once that one has had [`LobbyLimits::min_wait`] to answer, and until then
+//! nothing more is accepted, which paces a flood to its lobby share per `min_wait`.
+//!
+//! [`LobbyLimits::after`] can keep the lobby closed until a budget looks flooded: held for that
+//! long by the same pending handshake (a real one takes a round trip), or refusing without a
+//! pause for a second (a stranger whose connections churn so fast that none stays pending long).
+//! Its default is zero, the lobby always open: with a trigger, a flood that stalled in the kernel's
+//! SYN retransmissions paused its refusals often enough to restart the count, and a real client on
+//! its address was refused for 2–6 s on the AMD EPYC.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{ErrorKind, Read, Write};
@@ -61,24 +64,30 @@ impl Default for AdmissionLimits {
 pub struct LobbyLimits {
     /// How long a budget must have been held by one pending handshake before connections over it
     /// wait in the lobby instead of being refused at once (a budget that has refused without a
-    /// pause for a second, or for this long if shorter, counts as held too).
+    /// pause for a second, or for this long if shorter, counts as held too). Zero by default: the
+    /// lobby is always open (why: the module documentation).
     pub after: Duration,
-    /// Waiting connections from one source IP; a new one pushes out that source's oldest. So a
-    /// real client on a flooding stranger's address must answer before that many of the
-    /// stranger's newcomers: 1024 by default, 50–100 ms of a loopback flood on 2 cores, where 256
-    /// (a few ms when the client's thread waits for a core) kept it out for up to 12.8 s.
+    /// Waiting connections from one source IP; a new one pushes out that source's oldest once
+    /// that one has waited [`LobbyLimits::min_wait`]: 1024 by default.
     pub per_ip: usize,
     /// Waiting connections in total (at most a quarter of the process's descriptor limit); a new
     /// one pushes out the oldest. 0 turns the lobby off.
     pub total: usize,
+    /// How long a waiter keeps its place before a newcomer may push it out. Until then the
+    /// newcomer is held and nothing more is accepted, so a flood from one source enters the lobby
+    /// at most `per_ip` times per `min_wait`, and a real client parked among it has this long to
+    /// answer however fast the flood reconnects: 50 ms by default (a loopback flood otherwise
+    /// pushed 8 waiters out within 0.2 ms, faster than a client's thread is scheduled).
+    pub min_wait: Duration,
 }
 
 impl Default for LobbyLimits {
     fn default() -> Self {
         Self {
-            after: Duration::from_millis(2500),
+            after: Duration::ZERO,
             per_ip: 1024,
             total: 4096,
+            min_wait: Duration::from_millis(50),
         }
     }
 }

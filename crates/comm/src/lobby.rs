@@ -3,6 +3,12 @@
 //! the hello at once, then in every round polls the listener and the waiting connections together,
 //! checks the proofs that arrived before it accepts anything new, and drops connections that gave
 //! a wrong answer, hung up, or outstayed their deadline. Everything here is non-blocking.
+//!
+//! A newcomer pushes a waiter out only once that waiter has had [`LobbyLimits::min_wait`] to
+//! answer; until then the newcomer is *held* (no hello yet) and the accepting thread accepts
+//! nothing more ([`Lobby::accepting`]), leaving new connections in the kernel's queue. The place a
+//! real client gets is therefore a span of time, not a count of the flood's newcomers, which a
+//! fast flood used up before the client's thread ran.
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
@@ -32,6 +38,15 @@ struct Waiting {
     nonce_a: [u8; NONCE_LEN],
     proof: [u8; PROOF_LEN],
     got: usize,
+    /// When it was parked (it may be pushed out from `since + min_wait` on).
+    since: Instant,
+    until: Instant,
+}
+
+/// A newcomer waiting for a place (no hello sent yet).
+struct Held {
+    stream: TcpStream,
+    peer: SocketAddr,
     until: Instant,
 }
 
@@ -42,6 +57,7 @@ pub(crate) struct Lobby {
     context: Vec<u8>,
     service: Service,
     waiting: VecDeque<Waiting>,
+    held: Option<Held>,
 }
 
 impl Lobby {
@@ -58,6 +74,7 @@ impl Lobby {
             context: context.to_vec(),
             service,
             waiting: VecDeque::new(),
+            held: None,
         }
     }
 
@@ -70,9 +87,35 @@ impl Lobby {
         self.waiting.len()
     }
 
+    /// Whether the accepting thread may accept: not while a newcomer is held.
+    pub fn accepting(&self) -> bool {
+        self.held.is_none()
+    }
+
     /// Lets `stream` wait until `until` for its proof: sends the hello, pushing out the oldest
-    /// waiter of its source (or of all) where the lobby is full. Returns those dropped.
+    /// waiter of its source (or of all) where the lobby is full. Returns those dropped. If that
+    /// waiter has not had `min_wait` yet, `stream` is held instead (see [`Lobby::accepting`]).
     pub fn park(&mut self, stream: TcpStream, peer: SocketAddr, until: Instant) -> Vec<Outcome> {
+        if self.held.is_some() {
+            // The caller stopped accepting; a second newcomer cannot wait too.
+            return vec![refused(
+                peer,
+                "lobby full",
+                "a newcomer already waits for a place".into(),
+            )];
+        }
+        let now = Instant::now();
+        if self
+            .victim(peer.ip())
+            .is_some_and(|(i, _)| now < self.protected_until(i))
+        {
+            self.held = Some(Held {
+                stream,
+                peer,
+                until,
+            });
+            return Vec::new();
+        }
         let mut dropped = self.make_room(peer.ip());
         let nonce_a = random_nonce();
         let hello = wire::hello_message(self.service, &nonce_a);
@@ -88,6 +131,7 @@ impl Lobby {
                 nonce_a,
                 proof: [0; PROOF_LEN],
                 got: 0,
+                since: now,
                 until,
             }),
             Ok(_) => dropped.push(refused(
@@ -100,27 +144,67 @@ impl Lobby {
         dropped
     }
 
-    /// The oldest waiter of `ip` if it has its share, else the oldest of all if the lobby is full.
-    fn make_room(&mut self, ip: IpAddr) -> Vec<Outcome> {
-        let mine = self.waiting.iter().filter(|w| w.peer.ip() == ip).count();
-        let (index, category) = if mine >= self.limits.per_ip {
-            let i = self.waiting.iter().position(|w| w.peer.ip() == ip);
-            (i, format!("lobby of {ip} full"))
-        } else if self.waiting.len() >= self.limits.total {
-            (Some(0), "lobby full".to_string())
-        } else {
-            (None, String::new())
+    /// When the waiter at `index` may be pushed out.
+    fn protected_until(&self, index: usize) -> Instant {
+        self.waiting[index].since + self.limits.min_wait
+    }
+
+    /// Parks the held newcomer if its place is free now (or drops it past its deadline).
+    fn place_held(&mut self, now: Instant) -> Vec<Outcome> {
+        let Some(h) = self.held.take() else {
+            return Vec::new();
         };
-        let Some(w) = index.and_then(|i| self.waiting.remove(i)) else {
+        if now >= h.until {
+            let detail = "timed out waiting for a place in the lobby".into();
+            return vec![refused(h.peer, "handshake deadline passed", detail)];
+        }
+        self.park(h.stream, h.peer, h.until)
+    }
+
+    /// How long the held newcomer still waits for its place (`None`: none is held).
+    fn held_wait(&self, now: Instant) -> Option<Duration> {
+        let h = self.held.as_ref()?;
+        let ready = match self.victim(h.peer.ip()) {
+            Some((i, _)) => self.protected_until(i).min(h.until),
+            None => now,
+        };
+        Some(ready.saturating_duration_since(now))
+    }
+
+    /// The waiter a newcomer from `ip` would push out, and the log category: the oldest of `ip`
+    /// if it has its share, else the oldest of all if the lobby is full; `None` if there is room.
+    fn victim(&self, ip: IpAddr) -> Option<(usize, String)> {
+        let mine = self.waiting.iter().filter(|w| w.peer.ip() == ip).count();
+        if mine >= self.limits.per_ip {
+            let i = self.waiting.iter().position(|w| w.peer.ip() == ip)?;
+            Some((i, format!("lobby of {ip} full")))
+        } else if !self.waiting.is_empty() && self.waiting.len() >= self.limits.total {
+            Some((0, "lobby full".to_string()))
+        } else {
+            None
+        }
+    }
+
+    /// Pushes out the waiter [`Lobby::victim`] names, if any.
+    fn make_room(&mut self, ip: IpAddr) -> Vec<Outcome> {
+        let Some((index, category)) = self.victim(ip) else {
+            return Vec::new();
+        };
+        let Some(w) = self.waiting.remove(index) else {
             return Vec::new();
         };
         let detail = "pushed out of the lobby by a newer connection before it proved anything";
         vec![refused(w.peer, &category, detail.into())]
     }
 
-    /// Polls `listener` and the waiters for up to `timeout`, then checks every proof that arrived
-    /// and drops waiters past their deadline. The listener is left to the caller to accept from.
+    /// Polls `listener` (not while a newcomer is held) and the waiters for up to `timeout`, then
+    /// checks every proof that arrived, drops waiters past their deadline and gives the held
+    /// newcomer its place if it is free now. The listener is left to the caller to accept from.
     pub fn wait(&mut self, listener: RawFd, timeout: Duration) -> Vec<Outcome> {
+        let now = Instant::now();
+        let held_wait = self.held_wait(now);
+        // poll(2) skips negative descriptors.
+        let listener = if held_wait.is_some() { -1 } else { listener };
         let mut fds: Vec<libc::pollfd> = std::iter::once(listener)
             .chain(self.waiting.iter().map(|w| w.stream.as_raw_fd()))
             .map(|fd| libc::pollfd {
@@ -129,15 +213,19 @@ impl Lobby {
                 revents: 0,
             })
             .collect();
-        let now = Instant::now();
         let next_expiry = self.waiting.iter().map(|w| w.until).min();
-        let timeout =
-            next_expiry.map_or(timeout, |t| timeout.min(t.saturating_duration_since(now)));
-        let ms = timeout.as_millis().clamp(0, 1000) as libc::c_int;
+        let timeout = next_expiry
+            .map_or(timeout, |t| timeout.min(t.saturating_duration_since(now)))
+            .min(held_wait.unwrap_or(Duration::MAX));
+        // Rounded up, so a wait of less than a millisecond does not spin.
+        let ms = timeout.as_micros().div_ceil(1000).clamp(0, 1000) as libc::c_int;
         // SAFETY: `fds` is a valid array of pollfds that outlives the call.
         unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
         let ready: Vec<bool> = fds[1..].iter().map(|p| p.revents != 0).collect();
-        self.serve(&ready, Instant::now())
+        let now = Instant::now();
+        let mut outcomes = self.serve(&ready, now);
+        outcomes.extend(self.place_held(now));
+        outcomes
     }
 
     /// Reads from the waiters marked `ready` (in lobby order); settles those done or expired.
@@ -288,10 +376,15 @@ mod tests {
     }
 
     fn lobby(per_ip: usize, total: usize) -> Lobby {
+        paced_lobby(per_ip, total, Duration::ZERO)
+    }
+
+    fn paced_lobby(per_ip: usize, total: usize, min_wait: Duration) -> Lobby {
         let limits = LobbyLimits {
             after: Duration::ZERO,
             per_ip,
             total,
+            min_wait,
         };
         Lobby::new(limits, &secret(), b"store|job", Service::Store)
     }
@@ -380,5 +473,48 @@ mod tests {
             ["handshake deadline passed"]
         );
         assert_eq!(l.len(), 0);
+    }
+
+    /// A waiter younger than `min_wait` is not pushed out: the newcomer is held, accepting stops,
+    /// and the newcomer gets its place (pushing out the oldest) only once that one has waited
+    /// `min_wait`; a held newcomer past its deadline is dropped.
+    #[test]
+    fn a_newcomer_is_held_until_the_oldest_waiter_has_had_its_minimum_wait() {
+        let (listener, connect) = pair();
+        let fd = listener.as_raw_fd();
+        let min_wait = Duration::from_millis(300);
+        let mut l = paced_lobby(2, 8, min_wait);
+        let far = Instant::now() + Duration::from_secs(60);
+        let (_c1, s1, p1) = connect();
+        let (_c2, s2, _) = connect();
+        let (_c3, s3, _) = connect();
+        let parked = Instant::now();
+        assert!(l.park(s1, p1, far).is_empty());
+        assert!(l.park(s2, p1, far).is_empty());
+        assert!(l.park(s3, p1, far).is_empty(), "held, nobody pushed out");
+        assert!(!l.accepting());
+        assert_eq!(l.len(), 2);
+        let got = settle(&mut l, fd, 1);
+        assert!(
+            parked.elapsed() >= min_wait,
+            "pushed out after {:?}",
+            parked.elapsed()
+        );
+        assert_eq!(categories(&got), ["lobby of 127.0.0.1 full"]);
+        assert!(l.accepting());
+        assert_eq!(l.len(), 2);
+
+        let mut l = paced_lobby(1, 8, Duration::from_secs(60));
+        let (_c4, s4, p4) = connect();
+        let (_c5, s5, _) = connect();
+        assert!(l.park(s4, p4, far).is_empty());
+        assert!(l
+            .park(s5, p4, Instant::now() + Duration::from_millis(50))
+            .is_empty());
+        assert!(!l.accepting());
+        let got = settle(&mut l, fd, 1);
+        assert_eq!(categories(&got), ["handshake deadline passed"]);
+        assert!(l.accepting());
+        assert_eq!(l.len(), 1, "the waiter keeps its place");
     }
 }

@@ -11,12 +11,12 @@
 //!
 //! Limits (see `docs/src/security.md`): a connection that has not authenticated is *pending*; pending
 //! connections are limited per source IP and in total ([`AdmissionLimits`]), and one over budget
-//! is closed on the accept thread without starting a thread or reading a byte — unless that budget
-//! has been held by the same handshake for a while, when it waits in the lobby instead
-//! ([`LobbyLimits`]; why: `admission.rs`). An admitted one has
-//! one deadline for its whole handshake, so trickling bytes does not keep it alive. Authenticated
-//! connections have their own cap ([`StoreOptions::max_authenticated`]). Clients retry refused or
-//! broken attempts with capped exponential backoff until their own deadline (`wire::dial`).
+//! waits in the lobby without a thread ([`LobbyLimits`]; why: `admission.rs`), or, with the lobby
+//! off or its trigger not reached, is closed on the accept thread without reading a byte. An
+//! admitted one has one deadline for its whole handshake, so trickling bytes does not keep it
+//! alive. Authenticated connections have their own cap ([`StoreOptions::max_authenticated`]).
+//! Clients retry refused or broken attempts with capped exponential backoff until their own
+//! deadline (`wire::dial`).
 //!
 //! Requests after the handshake (integers little-endian):
 //! `MAGIC` · version u16 · op u8 · key_len u32 · value_len u32 · key · value
@@ -54,7 +54,7 @@ pub struct StoreOptions {
     pub max_authenticated: usize,
     /// At most one refusal log line per this interval.
     pub refusal_log_interval: Duration,
-    /// Where connections over a stale pending budget wait without a thread.
+    /// Where connections over a pending budget wait without a thread.
     pub lobby: LobbyLimits,
 }
 
@@ -274,7 +274,11 @@ fn accept_loop(listener: TcpListener, mut lobby: Lobby, shared: Arc<Shared>) {
         }
         let line = lock(&shared.log).tick(Instant::now());
         shared.emit(line);
+        // A newcomer held for a lobby place stops accepting (the flood's pace, see `lobby.rs`).
         for _ in 0..ACCEPT_BATCH {
+            if !lobby.accepting() {
+                break;
+            }
             match listener.accept() {
                 Ok((stream, peer)) => admit(stream, peer, &mut lobby, &shared),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
@@ -292,7 +296,7 @@ fn accept_loop(listener: TcpListener, mut lobby: Lobby, shared: Arc<Shared>) {
 }
 
 /// A new connection: a place in the budgets and a thread for its handshake; over budget, the
-/// lobby if that budget is stale, else closed here, on the accept thread, with nothing read.
+/// lobby if that budget is stale (always, by default), else closed here, on the accept thread, with nothing read.
 fn admit(stream: TcpStream, peer: SocketAddr, lobby: &mut Lobby, shared: &Arc<Shared>) {
     let limits = lobby.limits();
     let now = Instant::now();

@@ -381,6 +381,12 @@ pub fn connect_handshake<S: Read + Write>(
 pub const BACKOFF_START: Duration = Duration::from_millis(10);
 /// Longest pause between connection attempts.
 pub const BACKOFF_CAP: Duration = Duration::from_secs(1);
+/// How long the first attempt waits for the TCP connection itself; doubled after each attempt
+/// that ran out of it. Why not the whole deadline: a SYN that a listener's full queue dropped is
+/// retransmitted by the kernel only after 1 s, then 3 s and 7 s in all, while a fresh attempt
+/// sends a fresh SYN at once; a far server whose round trip is longer gets its longer wait after
+/// a few attempts.
+pub const CONNECT_ATTEMPT_START: Duration = Duration::from_millis(250);
 
 /// Connect to `addr` and pass the handshake, retrying refused, reset, closed or stalled attempts
 /// with capped exponential backoff (jittered, so clients refused together do not return together)
@@ -397,13 +403,14 @@ pub fn dial(
 ) -> Result<TcpStream, CommError> {
     let started = Instant::now();
     let mut backoff = BACKOFF_START;
+    let mut connect_wait = CONNECT_ATTEMPT_START;
     let mut attempts = 0u32;
     let last = loop {
         attempts += 1;
         let left = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
-        let reason = match TcpStream::connect_timeout(&addr, left) {
+        let reason = match TcpStream::connect_timeout(&addr, left.min(connect_wait)) {
             Ok(s) => {
                 let _ = s.set_nodelay(true);
                 let mut d = Deadlined {
@@ -419,6 +426,10 @@ pub fn dial(
                     Err(ConnectFailure::Final(e)) => return Err(e),
                     Err(ConnectFailure::Transient(e)) => e.to_string(),
                 }
+            }
+            Err(e) if e.kind() == ErrorKind::TimedOut => {
+                connect_wait *= 2;
+                e.to_string()
             }
             Err(e) if retryable_connect(&e) => e.to_string(),
             Err(e) => break e.to_string(),

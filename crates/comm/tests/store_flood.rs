@@ -243,8 +243,8 @@ fn store_serves_a_real_rank_during_a_slow_flood_beyond_its_source_limits() {
     );
 }
 
-/// A flood from the rank's own address fills the per-source budget, so the rank is refused at
-/// first; it keeps retrying with backoff and gets in once the flood's handshakes reach their
+/// With the lobby turned off, a flood from the rank's own address fills the per-source budget,
+/// so the rank is refused at first; it keeps retrying with backoff and gets in once the flood's handshakes reach their
 /// whole-handshake deadline (they trickle a byte every 100 ms, so a per-read deadline would never
 /// fire).
 #[test]
@@ -256,6 +256,11 @@ fn a_refused_rank_retries_until_the_flood_hits_its_handshake_deadline() {
             handshake_deadline: Duration::from_secs(2),
             max_pending_per_ip: 16,
             max_pending: 64,
+        },
+        // Without the lobby, which would let the rank in at once: the budget alone is tested.
+        lobby: LobbyLimits {
+            total: 0,
+            ..LobbyLimits::default()
         },
         ..StoreOptions::default()
     };
@@ -299,7 +304,7 @@ fn a_refused_rank_retries_until_the_flood_hits_its_handshake_deadline() {
     );
 }
 
-/// When the budget never frees up, connecting fails at the caller's deadline and says where,
+/// When the budget never frees up (and the lobby is off), connecting fails at the caller's deadline and says where,
 /// how long, how many attempts and the last reason.
 #[test]
 fn a_rank_that_never_gets_in_names_the_store_the_time_and_the_last_reason() {
@@ -309,6 +314,11 @@ fn a_rank_that_never_gets_in_names_the_store_the_time_and_the_last_reason() {
             handshake_deadline: Duration::from_secs(60),
             max_pending_per_ip: 1,
             max_pending: 64,
+        },
+        // Without the lobby, which would let the rank in at once: nothing frees the budget.
+        lobby: LobbyLimits {
+            total: 0,
+            ..LobbyLimits::default()
         },
         ..StoreOptions::default()
     };

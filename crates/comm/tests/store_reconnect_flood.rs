@@ -126,8 +126,8 @@ fn wrong_proof(s: &mut TcpStream) {
 enum Start {
     /// Once the flood has run for a while.
     Warm,
-    /// As soon as the flood holds a pending handshake: its connections are all young, the worst
-    /// case for the lobby, which waits for a stale budget.
+    /// As soon as the flood holds a pending handshake: its connections are all young (the worst
+    /// case when the lobby waited for a stale budget; it no longer does by default).
     Cold,
     /// Once the flood has filled the lobby (and keeps pushing its own waiters out).
     LobbyFull,
@@ -246,8 +246,7 @@ fn a_rank_gets_its_link_while_a_stranger_floods_the_data_listener() {
             .parse()
             .unwrap();
         let flood = Flood::start(data, Attack::Silent { held: 4_000 });
-        // Past the time after which a held budget counts as stale, so the worst case is covered
-        // by the test above and this one sees the steady state.
+        // After 3 s of flood: the steady state (the flood's first moments are tested above).
         std::thread::sleep(Duration::from_secs(3));
         let started = Instant::now();
         let rank1 = TcpTransport::establish(&mut c, 1, 2, &secret, "job-m", &opts).unwrap();

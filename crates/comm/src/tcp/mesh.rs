@@ -3,10 +3,9 @@
 //! Rank `r` dials ranks `0..r` on one thread while its caller's thread accepts ranks `r+1..n`;
 //! each accepted connection is authenticated on a thread of its own, so a silent stranger never
 //! delays the real peers. Strangers are bounded as at the store ([`crate::admission`]): pending
-//! handshakes are limited per source IP and in total (over budget: closed on the accepting thread,
-//! no thread started; over a budget held by a stale handshake: waiting in the lobby, checked on
-//! the accepting thread, so that a stranger reconnecting from a peer's own address cannot keep
-//! the peer out), each has one deadline for its whole handshake and identity message, and
+//! handshakes are limited per source IP and in total (over budget: waiting in the lobby, checked
+//! on the accepting thread without a thread of its own, so that a stranger reconnecting from a
+//! peer's own address cannot keep the peer out; with the lobby full, closed there), each has one deadline for its whole handshake and identity message, and
 //! refusals are logged in aggregate. Dialers retry refused or broken attempts with capped
 //! exponential backoff until the establishment deadline ([`wire::dial`]).
 //!
@@ -176,7 +175,11 @@ impl Mesh<'_> {
         lobby: &mut Lobby,
         tx: &mpsc::Sender<Event>,
     ) {
+        // A newcomer held for a lobby place stops accepting (the flood's pace, see `lobby.rs`).
         for _ in 0..ACCEPT_BATCH {
+            if !lobby.accepting() {
+                break;
+            }
             match listener.accept() {
                 Ok((s, from)) => match self.admit_new(s, from, admission, lobby, tx) {
                     // Over budget: closed there, nothing read, no thread.
@@ -380,7 +383,7 @@ impl Mesh<'_> {
     }
 
     /// A new connection: a place in the budgets and a thread for its handshake; over budget, the
-    /// lobby if that budget is stale (giving what the lobby dropped to make room), else closed
+    /// lobby if that budget is stale (always, by default; giving what the lobby dropped to make room), else closed
     /// here with nothing read (giving the refusal's category).
     fn admit_new(
         &self,
