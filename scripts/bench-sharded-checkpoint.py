@@ -11,7 +11,9 @@ default bench/checkpoint-sharded.json).
 The first step (warm-up) and the last (final evaluation, final hash) are left out of the step
 times; the peaks cover the whole run, the final hash's gather included, in every mode alike.
 
-Usage: scripts/bench-sharded-checkpoint.py [path/to/lockstep] [out.json]
+Usage: scripts/bench-sharded-checkpoint.py [path/to/lockstep] [out.json] [key=value ...]
+(the extra settings go to every run, e.g. train.recompute=layers, which gathers ZeRO 3's
+parameters one layer at a time, so a checkpoint that gathered a whole stage would show.)
 """
 import datetime
 import json
@@ -28,9 +30,10 @@ OUT = sys.argv[2] if len(sys.argv) > 2 else "bench/checkpoint-sharded.json"
 REPS = 3
 EVERY = 4
 STEPS = 17
+EXTRA = [a for kv in sys.argv[3:] for a in ("--set", kv)]
 ARGS = [
     "--config", "configs/shakespeare-large.toml", "--nproc", "2",
-    "--set", "parallel.zero=3", "--set", f"train.steps={STEPS}",
+    "--set", "parallel.zero=3", "--set", f"train.steps={STEPS}", *EXTRA,
 ]
 MODES = {
     "none": ["--set", "checkpoint.every=0"],
