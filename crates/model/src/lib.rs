@@ -109,7 +109,7 @@ pub(crate) fn on_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) 
         .install(f)
 }
 pub use kernels::{first_mismatch as first_kernel_mismatch, Kernels};
-pub use loss::{cross_entropy_sum, sum_ce_and_correct};
+pub use loss::{count_correct, cross_entropy_sum, sum_ce_and_correct};
 pub use model::{param_hash, Model, ParamHasher, TimedLoss};
 pub use net::{classifier_layers, ClassifierLayer, ConvBlock};
 pub use optim::{check_elementwise, Optimizer, OptimizerSpec, UpdateRule};

@@ -42,22 +42,39 @@ pub fn sum_ce_and_correct(logits: &[f32], y: &[u8], classes: usize) -> (f64, usi
     let mut loss = 0.0f64;
     let mut correct = 0;
     for (row, &label) in logits.chunks_exact(classes).zip(y) {
-        // First index of the maximum; NaN never compares greater, so a NaN row predicts 0
-        // unless a later finite value beats it.
-        let mut best = 0;
-        for (i, &v) in row.iter().enumerate() {
-            if v > row[best] {
-                best = i;
-            }
-        }
-        if best == label as usize && !row[best].is_nan() {
-            correct += 1;
-        }
+        let best = arg_max(row);
+        correct += usize::from(predicts(row, best, label));
         let max = row[best] as f64;
         let sum_exp: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
         loss += max + sum_exp.ln() - row[label as usize] as f64;
     }
     (loss, correct)
+}
+
+/// The number of correct arg-max predictions alone (as [`sum_ce_and_correct`] counts them), for
+/// metrics whose loss comes from elsewhere: no exponentials.
+pub fn count_correct(logits: &[f32], y: &[u8], classes: usize) -> usize {
+    logits
+        .chunks_exact(classes)
+        .zip(y)
+        .filter(|(row, &label)| predicts(row, arg_max(row), label))
+        .count()
+}
+
+/// First index of the row's maximum. A NaN never compares greater, so it is never chosen after
+/// index 0, and a NaN at index 0 is never beaten (a prediction [`predicts`] counts as wrong).
+fn arg_max(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn predicts(row: &[f32], best: usize, label: u8) -> bool {
+    best == label as usize && !row[best].is_nan()
 }
 
 #[cfg(test)]
@@ -74,5 +91,16 @@ mod tests {
         let (loss, correct) = sum_ce_and_correct(&[0.0, 3f32.ln()], &[1], 2);
         assert!((loss - (4.0f64 / 3.0).ln()).abs() < 1e-7);
         assert_eq!(correct, 1);
+    }
+
+    #[test]
+    fn count_correct_counts_as_the_loss_does() {
+        // Rows: a tie (predicts 0), NaN first (nothing compares greater than it: predicts 0,
+        // never correct), NaN later (never the maximum), a clear winner.
+        let logits = [1.0, 1.0, f32::NAN, 2.0, 2.0, f32::NAN, -1.0, 0.5];
+        let labels = [0, 1, 0, 1];
+        assert_eq!(count_correct(&logits, &labels, 2), 3);
+        assert_eq!(sum_ce_and_correct(&logits, &labels, 2).1, 3);
+        assert_eq!(count_correct(&logits, &[1, 0, 1, 0], 2), 0);
     }
 }

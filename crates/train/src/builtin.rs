@@ -14,8 +14,7 @@ use burn::data::dataset::{Dataset as DatasetOf, DatasetError};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use lockstep_data::Dataset;
 use lockstep_model::{
-    classifier_layers, cross_entropy_sum, flat, sum_ce_and_correct, ClassifierLayer, ModelSpec,
-    Products,
+    classifier_layers, count_correct, cross_entropy_sum, flat, ClassifierLayer, ModelSpec, Products,
 };
 
 use crate::config::{ConfigError, ConfigSections, ModelKind, TrainConfig};
@@ -184,8 +183,7 @@ impl LayeredJob for ClassifierJob {
 
     fn metrics(&self, output: Tensor<2>, batch: &ClassBatch) -> Vec<(&'static str, f64)> {
         let logits = output.into_data();
-        let (_, correct) =
-            sum_ce_and_correct(flat::f32_slice(&logits), &batch.labels, self.spec.classes());
+        let correct = count_correct(flat::f32_slice(&logits), &batch.labels, self.spec.classes());
         vec![("accuracy", correct as f64)]
     }
 }

@@ -26,7 +26,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use lockstep_data::text::{CharCorpus, Split};
 use lockstep_model::ops::{causal_self_attention, dense_linear, gelu, layer_norm};
 use lockstep_model::{
-    cross_entropy_sum, flat, sum_ce_and_correct, ColumnParallelLinear, ColumnParallelLinearConfig,
+    count_correct, cross_entropy_sum, flat, ColumnParallelLinear, ColumnParallelLinearConfig,
     LayerKind, ParallelSelfAttention, ParallelSelfAttentionConfig, Products, RowParallelLinear,
     RowParallelLinearConfig, TransformerSpec,
 };
@@ -426,7 +426,7 @@ impl LayeredJob for TransformerJob {
     fn metrics(&self, output: Tensor<2>, batch: &TextBatch) -> Vec<(&'static str, f64)> {
         let v = self.spec.vocab;
         let logits = output.into_data();
-        let (_, correct) = sum_ce_and_correct(flat::f32_slice(&logits), &batch.labels, v);
+        let correct = count_correct(flat::f32_slice(&logits), &batch.labels, v);
         vec![("accuracy", correct as f64)]
     }
 }
