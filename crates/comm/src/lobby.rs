@@ -105,9 +105,10 @@ impl Lobby {
             )];
         }
         let now = Instant::now();
-        if self
-            .victim(peer.ip())
-            .is_some_and(|(i, _)| now < self.protected_until(i))
+        let victim = self.victim(peer.ip());
+        if victim
+            .as_ref()
+            .is_some_and(|(i, _)| now < self.protected_until(*i))
         {
             self.held = Some(Held {
                 stream,
@@ -116,7 +117,10 @@ impl Lobby {
             });
             return Vec::new();
         }
-        let mut dropped = self.make_room(peer.ip());
+        let mut dropped: Vec<Outcome> = victim
+            .and_then(|(i, category)| self.push_out(i, &category))
+            .into_iter()
+            .collect();
         let nonce_a = random_nonce();
         let hello = wire::hello_message(self.service, &nonce_a);
         // A fresh socket's send buffer takes the whole hello at once; if not, it is not worth more.
@@ -185,16 +189,11 @@ impl Lobby {
         }
     }
 
-    /// Pushes out the waiter [`Lobby::victim`] names, if any.
-    fn make_room(&mut self, ip: IpAddr) -> Vec<Outcome> {
-        let Some((index, category)) = self.victim(ip) else {
-            return Vec::new();
-        };
-        let Some(w) = self.waiting.remove(index) else {
-            return Vec::new();
-        };
+    /// Pushes out the waiter at `index` ([`Lobby::victim`]'s), counted under `category`.
+    fn push_out(&mut self, index: usize, category: &str) -> Option<Outcome> {
+        let w = self.waiting.remove(index)?;
         let detail = "pushed out of the lobby by a newer connection before it proved anything";
-        vec![refused(w.peer, &category, detail.into())]
+        Some(refused(w.peer, category, detail.into()))
     }
 
     /// Polls `listener` (not while a newcomer is held) and the waiters for up to `timeout`, then

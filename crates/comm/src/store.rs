@@ -296,7 +296,8 @@ fn accept_loop(listener: TcpListener, mut lobby: Lobby, shared: Arc<Shared>) {
 }
 
 /// A new connection: a place in the budgets and a thread for its handshake; over budget, the
-/// lobby if that budget is stale (always, by default), else closed here, on the accept thread, with nothing read.
+/// lobby if that budget is stale (always, by default), else closed here, on the accept thread,
+/// with nothing read.
 fn admit(stream: TcpStream, peer: SocketAddr, lobby: &mut Lobby, shared: &Arc<Shared>) {
     let limits = lobby.limits();
     let now = Instant::now();
