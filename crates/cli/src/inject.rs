@@ -7,13 +7,18 @@
 //! - `slow:rank=R,factor=F` — rank R's computation takes F times as long (a straggler);
 //! - `corrupt-checkpoint:step=S` — the checkpoint written at step S is damaged after writing;
 //! - `kill-while-checkpointing:step=S` — rank 0 kills itself (SIGKILL) part-way through writing
-//!   the checkpoint of step S (with `checkpoint.async`, while training goes on).
+//!   the checkpoint of step S (with `checkpoint.async`, while training goes on);
+//! - `slow-checkpoint-write:step=S,seconds=X` — rank 0's write of the checkpoint of step S pauses
+//!   X seconds part-way through (a slow disk; with `checkpoint.async` training goes on meanwhile).
 //!
 //! Kill, lose, hang and the checkpoint faults fire on the first attempt only, so the restarted group runs
 //! clean. Several faults are separated by `;`.
 
 use anyhow::{bail, Context, Result};
 use lockstep_train::faults::Fault;
+
+/// Longest `slow-checkpoint-write` pause, in seconds.
+pub const MAX_WRITE_PAUSE: f64 = 600.0;
 
 /// Largest `slow` factor: a straggler, not a worker that never finishes a step (and a sleep that
 /// a `Duration` can hold).
@@ -31,6 +36,7 @@ fn parse_one(spec: &str) -> Result<Fault> {
     let mut rank = None;
     let mut step = None;
     let mut factor = None;
+    let mut seconds = None;
     for kv in args.split(',').filter(|s| !s.is_empty()) {
         let (k, v) = kv
             .split_once('=')
@@ -60,7 +66,20 @@ fn parse_one(spec: &str) -> Result<Fault> {
                 }
                 factor = Some(f);
             }
-            other => bail!("--inject {spec}: unknown key `{other}` (rank, step, factor)"),
+            "seconds" => {
+                let s: f64 = v
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("--inject {spec}: seconds `{v}`"))?;
+                if !(s.is_finite() && s > 0.0 && s <= MAX_WRITE_PAUSE) {
+                    bail!(
+                        "--inject {spec}: seconds must be a number above 0 and at most \
+                         {MAX_WRITE_PAUSE}"
+                    );
+                }
+                seconds = Some(s);
+            }
+            other => bail!("--inject {spec}: unknown key `{other}` (rank, step, factor, seconds)"),
         }
     }
     let need =
@@ -88,9 +107,13 @@ fn parse_one(spec: &str) -> Result<Fault> {
         "kill-while-checkpointing" => Fault::KillWhileCheckpointing {
             step: need("step", step)?,
         },
+        "slow-checkpoint-write" => Fault::SlowCheckpointWrite {
+            step: need("step", step)?,
+            seconds: seconds.context("--inject slow-checkpoint-write needs seconds=")?,
+        },
         other => bail!(
             "--inject: unknown fault `{other}` (kill, lose, hang, slow, corrupt-checkpoint, \
-             kill-while-checkpointing)"
+             kill-while-checkpointing, slow-checkpoint-write)"
         ),
     })
 }
@@ -106,7 +129,9 @@ pub fn validate(faults: &[Fault], world: usize, steps: u64, checkpoint_every: u6
             | Fault::Lose { rank, step }
             | Fault::Hang { rank, step } => (Some(rank), Some(step)),
             Fault::Slow { rank, .. } => (Some(rank), None),
-            Fault::CorruptCheckpoint { step } | Fault::KillWhileCheckpointing { step } => {
+            Fault::CorruptCheckpoint { step }
+            | Fault::KillWhileCheckpointing { step }
+            | Fault::SlowCheckpointWrite { step, .. } => {
                 if checkpoint_every == 0 || step == 0 || step % checkpoint_every != 0 {
                     bail!(
                         "--inject {f}: no checkpoint is written at step {step} \
@@ -152,11 +177,15 @@ mod tests {
             "slow:rank=1,factor=0.5",
             "kill:rank=x,step=1",
             "kill:rank=1,step=2,color=red",
+            "slow-checkpoint-write:step=20",
+            "slow-checkpoint-write:step=20,seconds=0",
+            "slow-checkpoint-write:step=20,seconds=601",
+            "slow-checkpoint-write:step=20,seconds=NaN",
         ] {
             assert!(parse(bad).is_err(), "{bad} should be refused");
         }
         // Each fault prints as the spec it was parsed from (errors quote it so).
-        let spec = "kill:rank=1,step=30;slow:rank=2,factor=3;corrupt-checkpoint:step=20;hang:rank=0,step=5;lose:rank=3,step=4;kill-while-checkpointing:step=40";
+        let spec = "kill:rank=1,step=30;slow:rank=2,factor=3;corrupt-checkpoint:step=20;hang:rank=0,step=5;lose:rank=3,step=4;kill-while-checkpointing:step=40;slow-checkpoint-write:step=20,seconds=1.5";
         let printed: Vec<String> = parse(spec).unwrap().iter().map(|f| f.to_string()).collect();
         assert_eq!(printed.join(";"), spec);
     }
@@ -202,6 +231,13 @@ mod tests {
                 100,
                 10,
                 "kill-while-checkpointing:step=25: no checkpoint is written at step 25",
+            ),
+            (
+                "slow-checkpoint-write:step=25,seconds=1",
+                2,
+                100,
+                10,
+                "slow-checkpoint-write:step=25,seconds=1: no checkpoint is written at step 25",
             ),
         ] {
             let e = validate(&parse(spec).unwrap(), world, steps, every)

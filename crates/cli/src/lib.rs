@@ -111,8 +111,8 @@ struct TrainArgs {
     #[arg(long, default_value_t = 60.0)]
     stall_timeout: f64,
     /// Deliberate faults, e.g. "kill:rank=1,step=30", "hang:rank=0,step=5", "slow:rank=1,factor=3",
-    /// "corrupt-checkpoint:step=20", "kill-while-checkpointing:step=20", "lose:rank=3,step=40"
-    /// (separate several with `;`).
+    /// "corrupt-checkpoint:step=20", "kill-while-checkpointing:step=20", "lose:rank=3,step=40",
+    /// "slow-checkpoint-write:step=20,seconds=2" (separate several with `;`).
     #[arg(long, value_name = "SPEC")]
     inject: Option<String>,
     /// Threads each worker may use, passed on as RAYON_NUM_THREADS (default: this host's cores /

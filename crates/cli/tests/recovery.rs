@@ -264,29 +264,49 @@ fn a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used() {
 
 /// Checkpoints written in the background hold the bytes of those written in the step, and the
 /// run ends with the same parameters; its summary says which way they were written and what
-/// they cost.
+/// they cost. The writer holds the training vectors themselves (no copy): a write slow enough
+/// that the next steps' updates happen while it still reads them (the updates then copy first)
+/// still holds the values of its own step.
 #[test]
 fn background_checkpoints_have_the_bytes_of_checkpoints_written_in_the_step() {
     let tmp = tempfile::tempdir().unwrap();
     let (in_step, background) = (tmp.path().join("in-step"), tmp.path().join("background"));
+    let slow = tmp.path().join("slow");
     ok(&train(&in_step, "2", &[]));
     ok(&train(
         &background,
         "2",
         &["--set", "checkpoint.async=true"],
     ));
-    assert_eq!(
-        summary(&background)["param_hash"],
-        summary(&in_step)["param_hash"]
+    let o = ok(&train(
+        &slow,
+        "2",
+        &[
+            "--set",
+            "checkpoint.async=true",
+            "--inject",
+            "slow-checkpoint-write:step=20,seconds=2",
+        ],
+    ))
+    .clone();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("writes the checkpoint of step 20 2 s slower"),
+        "{err}"
     );
+    for dir in [&background, &slow] {
+        assert_eq!(summary(dir)["param_hash"], summary(&in_step)["param_hash"]);
+    }
     for step in [20, 30, 40] {
         let name = format!("checkpoints/step-{step:09}.ckpt");
-        let (a, b) = (in_step.join(&name), background.join(&name));
-        assert_eq!(
-            std::fs::read(&a).unwrap(),
-            std::fs::read(&b).unwrap(),
-            "{name}"
-        );
+        for dir in [&background, &slow] {
+            let (a, b) = (in_step.join(&name), dir.join(&name));
+            assert_eq!(
+                std::fs::read(&a).unwrap(),
+                std::fs::read(&b).unwrap(),
+                "{name} of {dir:?}"
+            );
+        }
     }
     for (dir, background) in [(&in_step, false), (&background, true)] {
         let c = &summary(dir)["checkpoints"];

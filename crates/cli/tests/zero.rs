@@ -337,29 +337,10 @@ fn names(dir: &Path) -> Vec<String> {
     v
 }
 
-/// `checkpoint.async` with sharded sets: every rank's shard is written by a thread of its own
-/// while training goes on, and the set is published at the next step — byte for byte the sets
-/// written in the step, the same hash; a kill during a background write leaves the previous set
-/// usable.
-#[test]
-fn sharded_checkpoints_in_the_background_are_the_sets_written_in_the_step() {
-    let tmp = tempfile::tempdir().unwrap();
-    let sets = [
-        "parallel.pp=2",
-        "parallel.zero=3",
-        "checkpoint.sharded=true",
-    ];
-    let in_step = tmp.path().join("in-step");
-    ok(transformer(&in_step, "4", &sets, &[]));
-    let background = tmp.path().join("background");
-    ok(transformer(
-        &background,
-        "4",
-        &[&sets[..], &["checkpoint.async=true"]].concat(),
-        &[],
-    ));
-    assert_eq!(hash(&background), hash(&in_step));
-    let (a, b) = (in_step.join("checkpoints"), background.join("checkpoints"));
+/// The runs `a` and `b` wrote the same checkpoint sets, byte for byte, and end with one hash.
+fn assert_same_sets(a: &Path, b: &Path) {
+    assert_eq!(hash(a), hash(b));
+    let (a, b) = (a.join("checkpoints"), b.join("checkpoints"));
     assert_eq!(names(&a), names(&b));
     assert!(!names(&a).is_empty());
     for set in names(&a) {
@@ -379,6 +360,40 @@ fn sharded_checkpoints_in_the_background_are_the_sets_written_in_the_step() {
             );
         }
     }
+}
+
+/// `checkpoint.async` with sharded sets: every rank's shard is written by a thread of its own
+/// while training goes on, and the set is published at the next step — byte for byte the sets
+/// written in the step, the same hash, also when a write outlasts the next step's update; a kill
+/// during a background write leaves the previous set usable.
+#[test]
+fn sharded_checkpoints_in_the_background_are_the_sets_written_in_the_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sets = [
+        "parallel.pp=2",
+        "parallel.zero=3",
+        "checkpoint.sharded=true",
+    ];
+    let in_step = tmp.path().join("in-step");
+    ok(transformer(&in_step, "4", &sets, &[]));
+    let background = tmp.path().join("background");
+    ok(transformer(
+        &background,
+        "4",
+        &[&sets[..], &["checkpoint.async=true"]].concat(),
+        &[],
+    ));
+    assert_same_sets(&in_step, &background);
+    // Rank 0's shard writer holds its vectors (no copy) while the next step updates them: the
+    // update copies first, and the set holds the values of its own step.
+    let slow = tmp.path().join("slow");
+    ok(transformer(
+        &slow,
+        "4",
+        &[&sets[..], &["checkpoint.async=true"]].concat(),
+        &["--inject", "slow-checkpoint-write:step=2,seconds=2"],
+    ));
+    assert_same_sets(&in_step, &slow);
     assert_eq!(summary(&background)["checkpoints"]["sharded"], true);
 
     // Rank 0 killed half-way through its background shard of step 4: recovered from step 2.

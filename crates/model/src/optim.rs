@@ -195,8 +195,9 @@ pub struct Optimizer {
     spec: OptimizerSpec,
     num_params: usize,
     /// SGD with momentum: `[momentum]`; Adam(W): `[exp_avg, exp_avg_sq]`; SGD without: `[]`;
-    /// a custom rule: its own.
-    state: Vec<Vec<f32>>,
+    /// a custom rule: its own. Shared with snapshots ([`Optimizer::shared_state`]) until the
+    /// next update, which copies a vector only if a snapshot still holds it.
+    state: Vec<Arc<Vec<f32>>>,
     steps: u64,
     /// The rule of [`OptimizerSpec::Custom`].
     rule: Option<Rule>,
@@ -217,7 +218,7 @@ impl Optimizer {
         Optimizer {
             spec: spec.clone(),
             num_params,
-            state: vec![vec![0.0; num_params]; vectors],
+            state: zeroed(vectors, num_params),
             steps: 0,
             rule: None,
         }
@@ -230,7 +231,7 @@ impl Optimizer {
                 name: rule.name().to_string(),
             },
             num_params,
-            state: vec![vec![0.0; num_params]; rule.state_names().len()],
+            state: zeroed(rule.state_names().len(), num_params),
             steps: 0,
             rule: Some(Rule(rule)),
         }
@@ -269,7 +270,15 @@ impl Optimizer {
 
     /// Mutable state vectors (to restore a checkpoint).
     pub fn state_mut(&mut self) -> Vec<&mut [f32]> {
-        self.state.iter_mut().map(|v| v.as_mut_slice()).collect()
+        writable(&mut self.state)
+    }
+
+    /// The state vectors as they are now, without a copy (a checkpoint written in the background
+    /// reads them while training goes on): the next update writes in place when every snapshot
+    /// has been dropped by then, and otherwise first copies the vectors still held (copy on
+    /// write), so a snapshot never changes.
+    pub fn shared_state(&self) -> Vec<Arc<Vec<f32>>> {
+        self.state.clone()
     }
 
     /// Completed steps (AdamW's bias correction uses it).
@@ -321,7 +330,7 @@ impl Optimizer {
                 lr,
                 params,
                 grad,
-                &mut self.state,
+                writable(&mut self.state),
                 offset..end,
             );
             return;
@@ -339,7 +348,11 @@ impl Optimizer {
                     sgd(p, g, b, lr, momentum, weight_decay, nesterov)
                 };
                 let threaded = crate::split_between_threads(params.len(), CHUNK);
-                match self.state.first_mut().map(|b| &mut b[offset..end]) {
+                let buf = self
+                    .state
+                    .first_mut()
+                    .map(|b| &mut Arc::make_mut(b)[offset..end]);
+                match buf {
                     Some(buf) if threaded => params
                         .par_chunks_mut(CHUNK)
                         .zip(grad.par_chunks(CHUNK))
@@ -383,7 +396,8 @@ impl Optimizer {
                     bc1,
                     bc2,
                 };
-                let (m, v) = (&mut m[0][offset..end], &mut v[0][offset..end]);
+                let m = &mut Arc::make_mut(&mut m[0])[offset..end];
+                let v = &mut Arc::make_mut(&mut v[0])[offset..end];
                 if crate::split_between_threads(params.len(), CHUNK) {
                     params
                         .par_chunks_mut(CHUNK)
@@ -404,6 +418,19 @@ impl Optimizer {
     }
 }
 
+/// `vectors` fresh zero vectors of `len` values, none shared.
+fn zeroed(vectors: usize, len: usize) -> Vec<Arc<Vec<f32>>> {
+    (0..vectors).map(|_| Arc::new(vec![0.0; len])).collect()
+}
+
+/// The state vectors to update: each copied first if a snapshot still holds it.
+fn writable(state: &mut [Arc<Vec<f32>>]) -> Vec<&mut [f32]> {
+    state
+        .iter_mut()
+        .map(|v| Arc::make_mut(v).as_mut_slice())
+        .collect()
+}
+
 /// A custom rule's update of `range` of the parameters (`params`, `grad`) and of each state
 /// vector, in [`CHUNK`]s on several threads when large: elementwise, so the same bits.
 fn rule_range(
@@ -412,7 +439,7 @@ fn rule_range(
     lr: f32,
     params: &mut [f32],
     grad: &[f32],
-    state: &mut [Vec<f32>],
+    state: Vec<&mut [f32]>,
     range: std::ops::Range<usize>,
 ) {
     let chunks = params.len().div_ceil(CHUNK).max(1);
@@ -422,7 +449,7 @@ fn rule_range(
         params.len().max(1)
     };
     let mut per_chunk: Vec<Vec<&mut [f32]>> = (0..chunks).map(|_| Vec::new()).collect();
-    for v in state.iter_mut() {
+    for v in state {
         for (c, piece) in v[range.clone()].chunks_mut(size).enumerate() {
             per_chunk[c].push(piece);
         }
@@ -673,6 +700,46 @@ mod tests {
             e.contains("panicked") && e.contains("a run of one value"),
             "{e}"
         );
+    }
+
+    /// A snapshot of the state (a checkpoint written in the background) keeps the values it
+    /// was taken with while later updates go on, and those updates give the bits of an optimizer
+    /// nobody held a snapshot of; a snapshot dropped before the update costs no copy.
+    #[test]
+    fn a_state_snapshot_never_changes_and_changes_no_update() {
+        let len = 1000;
+        let spec = OptimizerSpec::AdamW {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        };
+        let grad: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (mut plain, mut snapped) = (Optimizer::new(&spec, len), Optimizer::new(&spec, len));
+        let (mut a, mut b) = (vec![0.5f32; len], vec![0.5f32; len]);
+        plain.step(&mut a, &grad, 0.01);
+        snapped.step(&mut b, &grad, 0.01);
+        let snapshot = snapped.shared_state();
+        let taken: Vec<Vec<f32>> = snapshot.iter().map(|v| v.to_vec()).collect();
+        plain.step(&mut a, &grad, 0.01);
+        snapped.step(&mut b, &grad, 0.01);
+        assert_eq!(snapped.state(), plain.state());
+        assert_ne!(
+            snapped.state()[0],
+            &taken[0][..],
+            "the update must change the moments"
+        );
+        for (held, was) in snapshot.iter().zip(&taken) {
+            assert_eq!(&held[..], &was[..], "a snapshot changed under an update");
+        }
+        // Dropped before the next update: the update writes in place.
+        let at = snapped.state()[0].as_ptr();
+        drop(snapshot);
+        snapped.step(&mut b, &grad, 0.01);
+        assert_eq!(snapped.state()[0].as_ptr(), at);
+        // Built with vectors of their own: one vector's update copies no other.
+        let fresh = Optimizer::new(&spec, len);
+        assert_ne!(fresh.state()[0].as_ptr(), fresh.state()[1].as_ptr());
     }
 
     /// A custom rule's optimizer: its state is the rule's, it survives `fresh`, and shards on

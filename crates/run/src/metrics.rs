@@ -26,9 +26,11 @@ pub struct PhaseSeconds {
     /// memory copies on the CPU), taken out of the phase it happened in. Absent in older runs.
     #[serde(default)]
     pub device_copy: f64,
-    /// Training stalled for a checkpoint of this step: gathering the model to rank 0, then
+    /// Training stalled for a checkpoint in this step: gathering the model to rank 0, then
     /// writing and syncing the file (`checkpoint.async = false`) or waiting for the previous
-    /// background write (`true`). Absent in older runs and zero on other steps.
+    /// background write (`true`); with sharded sets in the background, also the step after one
+    /// waiting for its write (before its update, and to settle it). Absent in older runs and
+    /// zero on other steps.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub checkpoint: f64,
 }

@@ -20,6 +20,7 @@ pub mod sharded;
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -131,6 +132,22 @@ impl CheckpointView<'_> {
             optimizer_steps: self.optimizer_steps,
             identity: self.identity.clone(),
         }
+    }
+}
+
+/// The vectors a training loop keeps, held by a checkpoint write without a copy: its parameters
+/// and its optimizer's state ([`lockstep_model::Optimizer::shared_state`]), shared. The loop's
+/// next update writes in place once the write has dropped them, and copies a vector first while
+/// the write still holds it, so the values written are always those of the checkpoint's step.
+pub(crate) struct SharedVectors {
+    pub(crate) params: Arc<Vec<f32>>,
+    pub(crate) state: Vec<Arc<Vec<f32>>>,
+}
+
+impl SharedVectors {
+    /// The optimizer's state vectors, borrowed.
+    pub(crate) fn state(&self) -> Vec<&[f32]> {
+        self.state.iter().map(|v| v.as_slice()).collect()
     }
 }
 

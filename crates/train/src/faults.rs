@@ -19,6 +19,10 @@ pub enum Fault {
     /// parameters are written, before the file is complete or published (with
     /// `checkpoint.async`, from the background writer while training goes on).
     KillWhileCheckpointing { step: u64 },
+    /// Rank 0's write of the checkpoint of `step` pauses for `seconds` after the parameters, as
+    /// a slow disk would (with `checkpoint.async` training goes on meanwhile, so its updates
+    /// must leave the values being written alone).
+    SlowCheckpointWrite { step: u64, seconds: f64 },
 }
 
 /// The fault as `--inject` spells it (`kill:rank=1,step=30`).
@@ -32,6 +36,9 @@ impl std::fmt::Display for Fault {
             Fault::CorruptCheckpoint { step } => write!(f, "corrupt-checkpoint:step={step}"),
             Fault::KillWhileCheckpointing { step } => {
                 write!(f, "kill-while-checkpointing:step={step}")
+            }
+            Fault::SlowCheckpointWrite { step, seconds } => {
+                write!(f, "slow-checkpoint-write:step={step},seconds={seconds}")
             }
         }
     }
@@ -75,9 +82,20 @@ fn say(line: &str) {
     let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
 }
 
-/// SIGKILL this process now if a `kill-while-checkpointing` fault names `step` (called by the
-/// checkpoint writer, part-way through the file).
+/// SIGKILL this process now if a `kill-while-checkpointing` fault names `step`, or pause for a
+/// `slow-checkpoint-write` one (called by the checkpoint writer, part-way through the file).
 pub fn while_checkpointing(faults: &[Fault], step: u64) {
+    for f in faults {
+        if let Fault::SlowCheckpointWrite { step: s, seconds } = *f {
+            if s == step {
+                say(&format!(
+                    "injected fault: rank 0 writes the checkpoint of step {step} {seconds} s \
+                     slower\n"
+                ));
+                std::thread::sleep(std::time::Duration::from_secs_f64(seconds));
+            }
+        }
+    }
     if faults.contains(&Fault::KillWhileCheckpointing { step }) {
         say(&format!(
             "injected fault: rank 0 kills itself while writing the checkpoint of step {step}\n"

@@ -32,7 +32,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::checkpoint::{io_err, remove, write_container, CheckpointError, Identity};
+use crate::checkpoint::{
+    io_err, remove, write_container, CheckpointError, Identity, SharedVectors,
+};
 
 const MAGIC: &[u8; 8] = b"LKSTSHRD";
 pub(crate) const VERSION: u32 = 1;
@@ -114,6 +116,52 @@ pub struct ShardView<'a> {
     pub ranges: Vec<Range<usize>>,
     /// `vectors[v]`: pieces whose lengths add up to the ranges' total.
     pub vectors: Vec<Vec<&'a [f32]>>,
+}
+
+/// Where a rank's shard comes from: which values of the vectors it keeps, at which canonical
+/// ranges (built by the training loop, which knows its ZeRO chunks).
+#[derive(Debug, Clone)]
+pub(crate) struct ShardLayout {
+    /// Canonical ranges, in the shard's order.
+    pub(crate) ranges: Vec<Range<usize>>,
+    /// The same values' ranges in the whole local vector,
+    pub(crate) whole: Vec<Range<usize>>,
+    /// and in the rank's chunks only (what ZeRO keeps of a sharded vector).
+    pub(crate) chunks: Vec<Range<usize>>,
+    /// Whether the parameters are the whole local vector (below ZeRO 3) or the rank's chunks,
+    pub(crate) params_whole: bool,
+    /// and the optimizer's state (ZeRO 0).
+    pub(crate) state_whole: bool,
+}
+
+impl ShardLayout {
+    /// The shard of `params` (the whole local vector below ZeRO 3, the rank's chunks at 3) and
+    /// `state` (the optimizer's vectors, whole at level 0 and chunks from 1).
+    pub(crate) fn view<'a>(&self, params: &'a [f32], state: &[&'a [f32]]) -> ShardView<'a> {
+        let pick = |v: &'a [f32], whole: bool| -> Vec<&'a [f32]> {
+            let ranges = if whole { &self.whole } else { &self.chunks };
+            ranges.iter().map(|r| &v[r.clone()]).collect()
+        };
+        let mut vectors = vec![pick(params, self.params_whole)];
+        vectors.extend(state.iter().map(|s| pick(s, self.state_whole)));
+        ShardView {
+            ranges: self.ranges.clone(),
+            vectors,
+        }
+    }
+}
+
+/// A rank's shard held without a copy: its layout and the very vectors the training loop keeps.
+pub(crate) struct SharedShard {
+    pub(crate) layout: ShardLayout,
+    pub(crate) vectors: SharedVectors,
+}
+
+impl SharedShard {
+    pub(crate) fn view(&self) -> ShardView<'_> {
+        self.layout
+            .view(&self.vectors.params, &self.vectors.state())
+    }
 }
 
 /// The canonical ranges of a local vector's values `local` (a range of the local vector), where

@@ -4,53 +4,38 @@
 
 use std::ops::Range;
 
-use crate::checkpoint::sharded::{canonical_pieces, Manifest, ShardView};
+use crate::checkpoint::sharded::{canonical_pieces, Manifest, ShardLayout};
 use crate::checkpoint::CheckpointError;
 use crate::zero::Zero;
 
 /// What a rank writes: the ZeRO chunks of its local vector (`zero.chunks()`, at every level, so
-/// the replicas of a stage split the writing even at level 0), at their canonical ranges.
-/// `params` is the whole local vector below level 3 and the rank's chunks at 3; `state` the
-/// optimizer's vectors, whole at level 0 and chunks from 1. `map`: the local vector's ranges of
-/// the stage's canonical vector; `offset`: the stage's first value in the whole model.
-pub(crate) fn shard_view<'a>(
-    zero: &Zero,
-    map: &[Range<usize>],
-    offset: usize,
-    params: &'a [f32],
-    state: Vec<&'a [f32]>,
-) -> ShardView<'a> {
-    // (canonical range, local range, the same values' offset in the chunks' concatenation).
-    let mut pieces = Vec::new();
+/// the replicas of a stage split the writing even at level 0), at their canonical ranges — as
+/// ranges of the vectors it keeps, so that a write in the background can hold the vectors
+/// themselves rather than a copy. `map`: the local vector's ranges of the stage's canonical
+/// vector; `offset`: the stage's first value in the whole model.
+pub(crate) fn shard_layout(zero: &Zero, map: &[Range<usize>], offset: usize) -> ShardLayout {
+    let mut layout = ShardLayout {
+        ranges: Vec::new(),
+        whole: Vec::new(),
+        chunks: Vec::new(),
+        params_whole: zero.level() < 3,
+        state_whole: zero.level() == 0,
+    };
     let mut owned_at = 0;
     for c in zero.chunks() {
         for (canonical, local) in canonical_pieces(map, offset, c.clone()) {
+            // The same values' offset in the concatenation of the rank's chunks.
             let at = owned_at + (local.start - c.start);
-            pieces.push((canonical, local, at));
+            layout.chunks.push(at..at + local.len());
+            layout.whole.push(local);
+            layout.ranges.push(canonical);
         }
         owned_at += c.len();
     }
-    let pick = |v: &'a [f32], whole: bool| -> Vec<&'a [f32]> {
-        pieces
-            .iter()
-            .map(|(_, local, at)| {
-                if whole {
-                    &v[local.clone()]
-                } else {
-                    &v[*at..*at + local.len()]
-                }
-            })
-            .collect()
-    };
-    let mut vectors = vec![pick(params, zero.level() < 3)];
-    vectors.extend(state.into_iter().map(|s| pick(s, zero.level() == 0)));
-    ShardView {
-        ranges: pieces.iter().map(|(c, _, _)| c.clone()).collect(),
-        vectors,
-    }
+    layout
 }
 
-/// The canonical ranges of a whole local vector of `len` values (see [`shard_view`]).
+/// The canonical ranges of a whole local vector of `len` values (see [`shard_layout`]).
 pub(crate) fn local_ranges(map: &[Range<usize>], offset: usize, len: usize) -> Vec<Range<usize>> {
     canonical_pieces(map, offset, 0..len)
         .into_iter()

@@ -30,6 +30,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use lockstep_comm::exact::ExactError;
@@ -38,14 +39,15 @@ use lockstep_data::{assign, microbatches, Sampler};
 use lockstep_model::{gather_map, param_hash, scatter_map, Optimizer, ParamHasher, TimedLoss};
 
 use super::balance::{balance, stage_ranges};
-use super::checkpoint_shards::{check_set, local_ranges, shard_view};
+use super::checkpoint_shards::{check_set, local_ranges, shard_layout};
 use super::executor::{run_schedule, ScheduleTiming, StageWork};
 use super::layer_gather::{gather_order, with_layer_gather, Chunks, LayerGather};
 use super::layered::{Evaluated, Forwarded, LayerSource, LayerStage, Layered};
 use super::schedule::{ideal_bubble_fraction, schedule, Op, ScheduleKind};
 use super::tensor_parallel::{exchange_maps, gather_stage, GroupPieceSum, TpLink};
 use super::whole::{self, WholeStep};
-use crate::checkpoint::sharded::read_local;
+use crate::checkpoint::sharded::{read_local, SharedShard};
+use crate::checkpoint::SharedVectors;
 use crate::clip::{even_share, Clip};
 use crate::config::{OptimizerKind, TrainConfig};
 use crate::context::{JobLabel, WorkerContext};
@@ -67,6 +69,7 @@ use crate::run::collect::{check_same_kernels, check_same_structure, gather_strin
 use crate::run::evaluation::{combine, EvalTotals};
 use crate::run::schedule::total_steps;
 use crate::run::Ledger;
+use crate::run::WriteFence;
 use crate::zero::Zero;
 use lockstep_run::ParallelPlan;
 
@@ -325,9 +328,14 @@ struct StageRank<'m> {
     /// Each tp rank's index map into the stage's canonical vector (tp rank 0 knows them all).
     maps: Vec<Vec<Range<usize>>>,
     stage_lens: Vec<usize>,
-    /// The stage's local parameters (ZeRO 3: this rank's chunks between steps).
-    params: Vec<f32>,
+    /// The stage's local parameters (ZeRO 3: this rank's chunks between steps), shared with a
+    /// checkpoint written in the background (`checkpoint.async`) while it is written; updated
+    /// through [`Arc::make_mut`], which copies them only while a write still holds them.
+    params: Arc<Vec<f32>>,
     optimizer: Optimizer,
+    /// A sharded set's write in the background that holds `params` and the optimizer's state:
+    /// the next update waits for it ([`StageRank::await_shard_write`]) rather than copying them.
+    shard_write: Option<WriteFence>,
     zero: Zero,
     grads: GradParts,
     total_grad: Vec<f32>,
@@ -470,7 +478,8 @@ impl<'m> StageRank<'m> {
             my_layers,
             maps,
             stage_lens,
-            params,
+            params: Arc::new(params),
+            shard_write: None,
             optimizer,
             zero,
             grads,
@@ -499,7 +508,7 @@ impl<'m> StageRank<'m> {
         r.resume(comm, ledger, offsets[r.my_layers.start])?;
         if r.zero.level() >= 3 {
             // ZeRO 3: between steps this rank keeps only its chunks of the stage's parameters.
-            r.params = r.zero.take_owned(&r.params);
+            r.params = Arc::new(r.zero.take_owned(&r.params));
             r.stage.release_params();
         }
         Ok(r)
@@ -556,7 +565,7 @@ impl<'m> StageRank<'m> {
             Ok(())
         })?;
         if resumed > 0 {
-            self.params = params;
+            self.params = Arc::new(params);
             self.optimizer = self.zero.shard_of(&local, 0);
             let params = std::mem::take(&mut self.params);
             let set = self.stage.set_params_flat(&params);
@@ -628,7 +637,7 @@ impl<'m> StageRank<'m> {
                 true => self.checkpoint(comm, ledger, step)?,
                 false => ledger.settle_set(comm)?,
             }
-            sec.checkpoint = t0.elapsed().as_secs_f64();
+            sec.checkpoint += t0.elapsed().as_secs_f64();
         }
         let step_seconds = step_start.elapsed().as_secs_f64();
         let t = &self.cfg.train;
@@ -662,6 +671,7 @@ impl<'m> StageRank<'m> {
         lr: f32,
         sec: &mut PhaseSeconds,
     ) -> Result<Option<f64>, TrainError> {
+        self.await_shard_write(sec);
         let t0 = Instant::now();
         let grad = self.grads.sum().unwrap_or(&self.total_grad);
         let (grad, grad_norm) = match self.clip.as_mut() {
@@ -678,7 +688,7 @@ impl<'m> StageRank<'m> {
         };
         let gather_seconds = self.zero.step(
             &mut self.optimizer,
-            &mut self.params,
+            Arc::make_mut(&mut self.params).as_mut_slice(),
             grad,
             lr,
             &mut self.dp_comm,
@@ -691,6 +701,16 @@ impl<'m> StageRank<'m> {
         sec.communication += gather_seconds;
         move_copies(sec, |s| &mut s.optimizer);
         Ok(grad_norm)
+    }
+
+    /// Before the optimizer updates the parameters and its state: wait for a sharded set's
+    /// background write that still holds them (a stall of the checkpoint, counted so).
+    fn await_shard_write(&mut self, sec: &mut PhaseSeconds) {
+        if let Some(fence) = self.shard_write.take() {
+            let t0 = Instant::now();
+            fence.wait();
+            sec.checkpoint += t0.elapsed().as_secs_f64();
+        }
     }
 
     /// The job's training metrics of this step: the rows of the micro-batches whose loss this
@@ -989,6 +1009,9 @@ impl<'m> StageRank<'m> {
         let (mut losses, pipeline) = self.run_schedule(&mine[..last], step, sec)?;
         losses.push(self.forward_last_streamed(mine, step, sec)?);
         let m_total = self.cfg.microbatches_per_step();
+        if self.steps_in_backward {
+            self.await_shard_write(sec);
+        }
         let t0 = Instant::now();
         let earlier = self.grads.parts();
         let sum = std::sync::Mutex::new(SegmentSum {
@@ -997,7 +1020,7 @@ impl<'m> StageRank<'m> {
             out: &mut self.total_grad,
             update: self.steps_in_backward.then_some(LayerUpdate {
                 optimizer: &mut self.optimizer,
-                params: &mut self.params,
+                params: Arc::make_mut(&mut self.params).as_mut_slice(),
                 lr,
                 seconds: 0.0,
             }),
@@ -1057,8 +1080,10 @@ impl<'m> StageRank<'m> {
             return Ok(0.0);
         }
         let t0 = Instant::now();
-        self.zero
-            .gather_in_place(&mut self.params, &mut self.dp_comm)?;
+        self.zero.gather_in_place(
+            Arc::make_mut(&mut self.params).as_mut_slice(),
+            &mut self.dp_comm,
+        )?;
         let gathered = t0.elapsed().as_secs_f64();
         let set = self.stage.set_params_flat(&self.params);
         set.map_err(|e| self.setup_error(e))?;
@@ -1118,6 +1143,14 @@ impl<'m> StageRank<'m> {
         )
     }
 
+    /// This rank's parameters and optimizer state for a checkpoint write, shared (not copied).
+    fn shared_vectors(&self) -> SharedVectors {
+        SharedVectors {
+            params: Arc::clone(&self.params),
+            state: self.optimizer.shared_state(),
+        }
+    }
+
     /// Collective: the stage (ZeRO 3: gathered) and its optimizer state sent to rank 0, which
     /// takes the checkpoint after `step` (written under a temporary name, or kept for the
     /// background writer; published after the step's record); with `checkpoint.sharded`, every
@@ -1132,16 +1165,15 @@ impl<'m> StageRank<'m> {
             // Every rank writes its own chunks: nothing is gathered.
             let offset = self.model.layer_offsets()[self.my_layers.start];
             let map = self.stage.index_map();
-            let view = shard_view(
-                &self.zero,
-                &map,
-                offset,
-                &self.params,
-                self.optimizer.state(),
-            );
+            let shard = SharedShard {
+                layout: shard_layout(&self.zero, &map, offset),
+                vectors: self.shared_vectors(),
+            };
             let full_len = *self.model.layer_offsets().last().expect("offsets");
             let steps = self.optimizer.steps_taken();
-            return ledger.take_sharded_checkpoint(comm, step, &view, steps, full_len);
+            self.shard_write =
+                ledger.take_sharded_checkpoint(comm, step, shard, steps, full_len)?;
+            return Ok(());
         }
         // One stage, no tensor parallelism, nothing sharded: rank 0 holds the whole model and
         // its optimizer state already, and writes them where they lie (no other rank takes part).
@@ -1153,13 +1185,7 @@ impl<'m> StageRank<'m> {
         if self.dims.pp == 1 && self.tp_comm.is_none() && self.zero.level() == 0 && in_place() {
             if self.rank == 0 {
                 let steps = self.optimizer.steps_taken();
-                let state = self
-                    .optimizer
-                    .state()
-                    .into_iter()
-                    .map(Cow::Borrowed)
-                    .collect();
-                ledger.take_checkpoint(step, Cow::Borrowed(&self.params), state, steps)?;
+                ledger.take_shared_checkpoint(step, self.shared_vectors(), steps)?;
             }
             return Ok(());
         }
@@ -1197,6 +1223,11 @@ impl<'m> StageRank<'m> {
     /// Collective, at the end: replicas of a stage must agree; then rank 0 hashes the whole
     /// model and tells everyone. Returns the hash and what this rank held.
     fn final_hash(&mut self, comm: &mut Communicator) -> Result<(String, ModelState), TrainError> {
+        // The last set's write lets go of the parameters before they are gathered: the chunks it
+        // holds are then freed, not kept beside the whole stage.
+        if let Some(fence) = self.shard_write.take() {
+            fence.wait();
+        }
         let t = &self.cfg.train;
         let held = ModelState::new(&self.params, &self.optimizer)
             .grads(self.grads.held().into_iter().chain([&self.total_grad[..]]))
@@ -1211,7 +1242,7 @@ impl<'m> StageRank<'m> {
                     as u64,
             );
         if self.zero.level() >= 3 {
-            self.params = self.zero.gather(&self.params, &mut self.dp_comm)?;
+            self.params = Arc::new(self.zero.gather(&self.params, &mut self.dp_comm)?);
         }
         let stage_hash = param_hash(&self.params);
         let hashes = gather_strings(&mut self.dp_comm, &stage_hash)?;

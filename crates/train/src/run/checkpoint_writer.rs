@@ -6,30 +6,35 @@
 //!   temporary name before the step's record is flushed, so the write counts in the step's
 //!   `checkpoint` phase; [`CheckpointWriter::release`] renames it after the flush;
 //! - **in the background**: `take` keeps the step's gathered state in memory (after waiting for
-//!   the previous write: one at a time) and `release` hands it to a writer thread that writes,
-//!   syncs and publishes it while training goes on. Training stalls only for the gather and for
-//!   a previous write that has not ended. The thread's outcome (the `Checkpointed` event, a
+//!   the previous write: one at a time) — or [`CheckpointWriter::take_held`] the training loop's
+//!   own vectors, shared rather than copied, where they are the whole model — and `release`
+//!   hands it to a writer thread that writes, syncs and publishes it while training goes on.
+//!   Training stalls only for the gather and for a previous write that has not ended. The thread's outcome (the `Checkpointed` event, a
 //!   damaged-checkpoint notice, or an error such as a full disk) is reported on the training
 //!   thread at the next [`CheckpointWriter::poll`] or at [`CheckpointWriter::wait`].
 //!
 //! Sharded sets (`checkpoint.sharded`) are collective: [`write_set`] in the step, or with
-//! `checkpoint.async` [`start_set`] (each rank's shard copied and written by a thread of its own)
-//! and, at the next step, [`settle_set`] (every rank's outcome learnt, the set published by rank
-//! 0), so training stalls only for the copy and for a write slower than a step.
+//! `checkpoint.async` [`start_set`] (each rank's shard written by a thread of its own, from the
+//! training loop's own vectors, shared rather than copied; the loop's next update waits for the
+//! write on its [`WriteFence`], so a set costs no memory) and, at the next step, [`settle_set`]
+//! (every rank's outcome learnt, the set published by rank 0), so training stalls only for a
+//! write slower than a step's forward and backward.
 //!
 //! A process killed in the middle leaves the previous checkpoints as they were and at most a
 //! temporary file under a hidden name; the files a resume reads are only ever complete ones.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use lockstep_comm::Communicator;
 use serde::{Deserialize, Serialize};
 
 use super::collect::gather_strings;
-use crate::checkpoint::sharded::{self, Manifest, ShardInfo, ShardView, StagedSet};
+use crate::checkpoint::sharded::{self, Manifest, ShardInfo, ShardView, SharedShard, StagedSet};
 use crate::checkpoint::{
-    self, Checkpoint, CheckpointError, CheckpointView, Identity, StagedCheckpoint,
+    self, Checkpoint, CheckpointError, CheckpointView, Identity, SharedVectors, StagedCheckpoint,
 };
 use crate::context::Event;
 use crate::error::TrainError;
@@ -50,10 +55,43 @@ enum State {
     /// In the step, sharded: every rank's shard and the manifest in the staging directory,
     /// waiting for the record's flush.
     StagedSet(StagedSet),
-    /// In the background: the gathered state, waiting for the record's flush.
-    Snapshot(Checkpoint),
+    /// In the background: the state, waiting for the record's flush.
+    Snapshot(Held),
     /// In the background: the thread writing it.
     Writing(JoinHandle<Result<Written, TrainError>>),
+}
+
+/// A checkpoint's state held for a write.
+pub(crate) enum Held {
+    /// Gathered for it, or copied from buffers that do not outlive the step.
+    Owned(Checkpoint),
+    /// The training loop's own vectors (see [`SharedVectors`]).
+    Shared {
+        step: u64,
+        vectors: SharedVectors,
+        optimizer_steps: u64,
+        identity: Identity,
+    },
+}
+
+impl Held {
+    fn view(&self) -> CheckpointView<'_> {
+        match self {
+            Held::Owned(c) => c.view(),
+            Held::Shared {
+                step,
+                vectors,
+                optimizer_steps,
+                identity,
+            } => CheckpointView {
+                step: *step,
+                params: Cow::Borrowed(&vectors.params[..]),
+                optimizer_state: vectors.state().into_iter().map(Cow::Borrowed).collect(),
+                optimizer_steps: *optimizer_steps,
+                identity,
+            },
+        }
+    }
 }
 
 pub(crate) struct CheckpointWriter {
@@ -85,10 +123,25 @@ impl CheckpointWriter {
     ) -> Result<(), TrainError> {
         self.wait(on_event)?;
         self.state = if self.background {
-            State::Snapshot(c.into_owned())
+            State::Snapshot(Held::Owned(c.into_owned()))
         } else {
             State::Staged(stage(&self.dir, &c, &self.faults)?)
         };
+        Ok(())
+    }
+
+    /// [`CheckpointWriter::take`] of a state that may be kept as it is for the background
+    /// writer (no copy).
+    pub(crate) fn take_held(
+        &mut self,
+        held: Held,
+        on_event: &mut dyn FnMut(Event),
+    ) -> Result<(), TrainError> {
+        if !self.background {
+            return self.take(held.view(), on_event);
+        }
+        self.wait(on_event)?;
+        self.state = State::Snapshot(held);
         Ok(())
     }
 
@@ -291,45 +344,84 @@ pub(crate) fn write_set(
     settle(comm, dir, step, identity, outcome, counts)
 }
 
+/// Opened by a background shard write once it no longer holds the training loop's vectors (it
+/// ended, failed or panicked): the loop waits on it before it updates them, so that the update
+/// writes in place rather than copying vectors the write still reads.
+#[derive(Clone)]
+pub(crate) struct WriteFence(Arc<(Mutex<bool>, Condvar)>);
+
+impl WriteFence {
+    fn new() -> Self {
+        WriteFence(Arc::new((Mutex::new(false), Condvar::new())))
+    }
+
+    fn open(&self) {
+        let (done, opened) = &*self.0;
+        *done.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        opened.notify_all();
+    }
+
+    /// Wait for the write to let go of the vectors. No deadline: it is this process's own write
+    /// to its own disk, which the next step's settle waits for anyway.
+    pub(crate) fn wait(&self) {
+        let (done, opened) = &*self.0;
+        let mut done = done.lock().unwrap_or_else(|e| e.into_inner());
+        while !*done {
+            done = opened.wait(done).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Opens its fence when dropped: after the vectors it is declared before, also on unwinding.
+struct OpenOnDrop(WriteFence);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
 /// This rank's shard of a sharded set written on a thread of its own (`checkpoint.async`),
-/// from a copy of its values, while training goes on; [`settle_set`] ends it, on every rank at
+/// from the training loop's vectors (shared, not copied), while training goes on; [`settle_set`] ends it, on every rank at
 /// the same step.
 pub(crate) struct PendingSet {
     step: u64,
     counts: SetCounts,
     writer: Option<JoinHandle<ShardOutcome>>,
+    /// Opened when the writer no longer holds the vectors.
+    fence: WriteFence,
     /// Rank 0's: where the staging directory is, to remove it when the run stops before the set
     /// is settled (`None` on other ranks).
     staging: Option<(PathBuf, Identity)>,
 }
 
 /// [`write_set`]'s first half in the background: the staging directory prepared (collective),
-/// this rank's values copied, its shard written by a low-priority thread.
+/// this rank's shard written by a low-priority thread that holds `shard`'s vectors until it
+/// ends.
 pub(crate) fn start_set(
     comm: &mut Communicator,
     dir: &Path,
     step: u64,
     identity: &Identity,
-    view: &ShardView,
+    shard: SharedShard,
     counts: SetCounts,
     faults: &[Fault],
 ) -> Result<PendingSet, TrainError> {
     prepare_set(comm, dir, step, identity)?;
-    let ranges = view.ranges.clone();
-    let values: Vec<Vec<f32>> = view.vectors.iter().map(|pieces| pieces.concat()).collect();
     let rank = comm.rank();
     let staging = (rank == 0).then(|| (dir.to_path_buf(), identity.clone()));
     let (identity, faults) = (identity.clone(), faults.to_vec());
     let at = dir.to_path_buf();
+    let fence = WriteFence::new();
+    let release = OpenOnDrop(fence.clone());
     let writer = std::thread::Builder::new()
         .name("lockstep-shard".into())
         .spawn(move || {
+            // Dropped in reverse order: the vectors, then the fence opens.
+            let _release = release;
+            let shard = shard;
             lower_priority();
-            let view = ShardView {
-                ranges,
-                vectors: values.iter().map(|v| vec![v.as_slice()]).collect(),
-            };
-            shard_outcome(&at, step, &identity, rank, &view, &faults)
+            shard_outcome(&at, step, &identity, rank, &shard.view(), &faults)
         })
         .map_err(|e| TrainError::Io {
             path: dir.display().to_string(),
@@ -339,8 +431,16 @@ pub(crate) fn start_set(
         step,
         counts,
         writer: Some(writer),
+        fence,
         staging,
     })
+}
+
+impl PendingSet {
+    /// What the training loop waits on before it updates the vectors the write holds.
+    pub(crate) fn fence(&self) -> WriteFence {
+        self.fence.clone()
+    }
 }
 
 /// [`write_set`]'s second half for a [`PendingSet`]: this rank's write waited for, every

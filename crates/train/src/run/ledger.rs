@@ -15,14 +15,14 @@ use lockstep_model::{LrSchedule, Optimizer, UpdateRule};
 use sha2::{Digest, Sha256};
 
 use super::checkpoint_writer::{
-    settle_set, start_set, write_set, CheckpointWriter, PendingSet, SetCounts,
+    settle_set, start_set, write_set, CheckpointWriter, Held, PendingSet, SetCounts, WriteFence,
 };
 use super::checkpointing::{checkpoint_dir, checkpoint_due, find_checkpoint, Found};
 use super::end::{build_summary, emit_progress, gather_run, RunEnd, StepPoint};
 use super::outputs::{write_outputs, MetricsLog};
 use super::schedule::{optimizer_spec, RECORDS_RESERVED};
-use crate::checkpoint::sharded::ShardView;
-use crate::checkpoint::{CheckpointView, Identity};
+use crate::checkpoint::sharded::SharedShard;
+use crate::checkpoint::{CheckpointView, Identity, SharedVectors};
 use crate::config::TrainConfig;
 use crate::context::{Event, JobLabel, WorkerContext};
 use crate::error::TrainError;
@@ -301,37 +301,60 @@ impl<'a> Ledger<'a> {
         self.writer.take(c, &mut *self.on_event)
     }
 
+    /// Rank 0, before the step's record: take the checkpoint after `step` from the training
+    /// loop's own vectors, where they are the whole model (one stage, no tensor parallelism, ZeRO
+    /// 0) — written from them now, or held (not copied) for the background writer; as
+    /// [`Ledger::take_checkpoint`] otherwise.
+    pub(crate) fn take_shared_checkpoint(
+        &mut self,
+        step: u64,
+        vectors: SharedVectors,
+        optimizer_steps: u64,
+    ) -> Result<(), TrainError> {
+        let held = Held::Shared {
+            step: step + 1,
+            vectors,
+            optimizer_steps,
+            identity: self.identity.clone(),
+        };
+        self.writer.take_held(held, &mut *self.on_event)
+    }
+
     /// Collective over the world, with `checkpoint.sharded`: every rank writes its shard of the
-    /// checkpoint after `step` (`view`), staged until [`Ledger::release_checkpoint`] publishes
+    /// checkpoint after `step` (`shard`), staged until [`Ledger::release_checkpoint`] publishes
     /// the set on rank 0, as [`Ledger::take_checkpoint`] does with a whole-model file. With
-    /// `checkpoint.async` each rank's shard is copied and written by a thread of its own (after
-    /// the previous set is settled), and [`Ledger::settle_set`] publishes it at a later step.
+    /// `checkpoint.async` each rank's shard is written by a thread of its own that holds the
+    /// shard's vectors (after the previous set is settled), and [`Ledger::settle_set`]
+    /// publishes it at a later step; the fence returned then opens when the write lets go of
+    /// the vectors, which the training loop waits for before it updates them.
     pub(crate) fn take_sharded_checkpoint(
         &mut self,
         comm: &mut Communicator,
         step: u64,
-        view: &ShardView,
+        shard: SharedShard,
         optimizer_steps: u64,
         num_params: usize,
-    ) -> Result<(), TrainError> {
+    ) -> Result<Option<WriteFence>, TrainError> {
         let counts = SetCounts {
             optimizer_steps,
             num_params,
-            vectors: view.vectors.len(),
+            vectors: 1 + shard.vectors.state.len(),
         };
         if self.cfg.checkpoint.background {
             // One set in the background at a time: the previous one is settled first.
             self.settle_set(comm)?;
             let (dir, id, faults) = (&self.ckpt_dir, &self.identity, self.faults);
-            self.pending_set = Some(start_set(comm, dir, step + 1, id, view, counts, faults)?);
-            return Ok(());
+            let pending = start_set(comm, dir, step + 1, id, shard, counts, faults)?;
+            let fence = pending.fence();
+            self.pending_set = Some(pending);
+            return Ok(Some(fence));
         }
         let (dir, id, faults) = (&self.ckpt_dir, &self.identity, self.faults);
-        let staged = write_set(comm, dir, step + 1, id, view, counts, faults)?;
+        let staged = write_set(comm, dir, step + 1, id, &shard.view(), counts, faults)?;
         if let Some(staged) = staged {
             self.writer.take_set(staged);
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Whether a sharded set is being written in the background.

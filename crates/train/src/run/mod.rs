@@ -12,4 +12,5 @@ pub(crate) mod ledger;
 pub(crate) mod outputs;
 pub(crate) mod schedule;
 
+pub(crate) use checkpoint_writer::WriteFence;
 pub(crate) use ledger::Ledger;
