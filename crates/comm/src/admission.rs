@@ -212,6 +212,11 @@ impl Admission {
         // refused without pause for [`REFUSING_FOR`] (a stranger whose own connections churn so
         // fast that none stays pending long, but which takes every place that frees up).
         let stale = |c: &mut Counts, of: Option<IpAddr>| {
+            // With no age asked for (the lobby always open, the default), every refusal is stale:
+            // no streak needs keeping.
+            if stale_after.is_zero() {
+                return true;
+            }
             let refusing_since = c.refused(of, now);
             flooded.is_some_and(|t| refusing_since <= t)
                 || cutoff.is_some_and(|t| c.oldest_before(of, t))
@@ -399,6 +404,25 @@ mod tests {
         drop(t1);
         assert_eq!(a.pending(), 2);
         let _t4 = a.try_admit(ip1).unwrap();
+    }
+
+    /// With no age asked for (the default lobby, always open) every refusal is stale at once, and
+    /// no refusal streak is kept for it.
+    #[test]
+    fn with_no_age_asked_every_refusal_is_stale_and_no_streak_is_kept() {
+        let a = Admission::new(AdmissionLimits {
+            handshake_deadline: Duration::from_secs(10),
+            max_pending_per_ip: 1,
+            max_pending: 8,
+        });
+        let ip: IpAddr = "127.0.0.2".parse().unwrap();
+        let t0 = Instant::now();
+        let _held = a.try_admit_at(ip, t0, Duration::ZERO).unwrap();
+        for ms in [0, 1, 700] {
+            let at = t0 + Duration::from_millis(ms);
+            assert!(a.try_admit_at(ip, at, Duration::ZERO).unwrap_err().stale);
+        }
+        assert!(lock(&a.counts).refusing.is_empty());
     }
 
     /// A stranger whose connections churn (none stays pending long) but which takes every place
