@@ -293,8 +293,9 @@ pub struct CheckpointConfig {
     pub keep: usize,
     /// Directory; empty = `<run dir>/checkpoints`.
     pub dir: String,
-    /// Write checkpoints in the background while training goes on (rank 0 keeps the step's
-    /// state in memory until written). Not written when false, so older configs keep their text.
+    /// Write checkpoints in the background while training goes on (the writer holds the step's
+    /// state until written: the training buffers themselves where they hold it, else what was
+    /// gathered for it). Not written when false, so older configs keep their text.
     #[serde(rename = "async", skip_serializing_if = "std::ops::Not::not")]
     pub background: bool,
     /// Every rank writes its own shard of the model state (a `step-<N>.shards` set with a
