@@ -671,7 +671,7 @@ impl<'m> StageRank<'m> {
         lr: f32,
         sec: &mut PhaseSeconds,
     ) -> Result<Option<f64>, TrainError> {
-        self.await_shard_write(sec);
+        sec.checkpoint += self.await_shard_write();
         let t0 = Instant::now();
         let grad = self.grads.sum().unwrap_or(&self.total_grad);
         let (grad, grad_norm) = match self.clip.as_mut() {
@@ -703,14 +703,16 @@ impl<'m> StageRank<'m> {
         Ok(grad_norm)
     }
 
-    /// Before the optimizer updates the parameters and its state: wait for a sharded set's
-    /// background write that still holds them (a stall of the checkpoint, counted so).
-    fn await_shard_write(&mut self, sec: &mut PhaseSeconds) {
-        if let Some(fence) = self.shard_write.take() {
-            let t0 = Instant::now();
-            fence.wait();
-            sec.checkpoint += t0.elapsed().as_secs_f64();
-        }
+    /// Before the parameters or the optimizer's state change: wait for a sharded set's
+    /// background write that still holds them. Returns the seconds waited (a stall of the
+    /// checkpoint, counted so during a step).
+    fn await_shard_write(&mut self) -> f64 {
+        let Some(fence) = self.shard_write.take() else {
+            return 0.0;
+        };
+        let t0 = Instant::now();
+        fence.wait();
+        t0.elapsed().as_secs_f64()
     }
 
     /// The job's training metrics of this step: the rows of the micro-batches whose loss this
@@ -1010,7 +1012,7 @@ impl<'m> StageRank<'m> {
         losses.push(self.forward_last_streamed(mine, step, sec)?);
         let m_total = self.cfg.microbatches_per_step();
         if self.steps_in_backward {
-            self.await_shard_write(sec);
+            sec.checkpoint += self.await_shard_write();
         }
         let t0 = Instant::now();
         let earlier = self.grads.parts();
@@ -1225,9 +1227,7 @@ impl<'m> StageRank<'m> {
     fn final_hash(&mut self, comm: &mut Communicator) -> Result<(String, ModelState), TrainError> {
         // The last set's write lets go of the parameters before they are gathered: the chunks it
         // holds are then freed, not kept beside the whole stage.
-        if let Some(fence) = self.shard_write.take() {
-            fence.wait();
-        }
+        self.await_shard_write();
         let t = &self.cfg.train;
         let held = ModelState::new(&self.params, &self.optimizer)
             .grads(self.grads.held().into_iter().chain([&self.total_grad[..]]))

@@ -9,9 +9,10 @@
 //!   the previous write: one at a time) — or [`CheckpointWriter::take_held`] the training loop's
 //!   own vectors, shared rather than copied, where they are the whole model — and `release`
 //!   hands it to a writer thread that writes, syncs and publishes it while training goes on.
-//!   Training stalls only for the gather and for a previous write that has not ended. The thread's outcome (the `Checkpointed` event, a
-//!   damaged-checkpoint notice, or an error such as a full disk) is reported on the training
-//!   thread at the next [`CheckpointWriter::poll`] or at [`CheckpointWriter::wait`].
+//!   Training stalls only for the gather and for a previous write that has not ended. The
+//!   thread's outcome (the `Checkpointed` event, a damaged-checkpoint notice, or an error such as
+//!   a full disk) is reported on the training thread at the next [`CheckpointWriter::poll`] or
+//!   at [`CheckpointWriter::wait`].
 //!
 //! Sharded sets (`checkpoint.sharded`) are collective: [`write_set`] in the step, or with
 //! `checkpoint.async` [`start_set`] (each rank's shard written by a thread of its own, from the
@@ -382,8 +383,8 @@ impl Drop for OpenOnDrop {
 }
 
 /// This rank's shard of a sharded set written on a thread of its own (`checkpoint.async`),
-/// from the training loop's vectors (shared, not copied), while training goes on; [`settle_set`] ends it, on every rank at
-/// the same step.
+/// from the training loop's vectors (shared, not copied), while training goes on;
+/// [`settle_set`] ends it, on every rank at the same step.
 pub(crate) struct PendingSet {
     step: u64,
     counts: SetCounts,
